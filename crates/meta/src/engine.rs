@@ -1,0 +1,377 @@
+//! The engine: the tables a server hosts and the single code path that changes them.
+//!
+//! Every operation (see `ops.rs`) first checks everything it needs, then emits redo
+//! mutations, then applies them with [`Engine::apply`]; replay applies the same mutations
+//! through the same function. An operation either emits all its mutations or none, so a
+//! failed check never leaves half an operation behind.
+
+use crate::dir::Dentry;
+use crate::idpolicy::{CATCHALL_FIRST, IdPolicy, IdPolicyConfig, Region};
+use crate::inode::Inode;
+use crate::mutation::Mutation;
+use crate::table::Table;
+use kochab_proto::{Credentials, FileKind, FsError, InodeId, Op, Reply, TimeNs, fs_err, mode};
+use serde::{Deserialize, Serialize};
+use siphasher::sip::SipHasher13;
+use std::hash::Hasher;
+
+/// Engine settings that must stay the same for the life of a cluster (they shape ids and
+/// entry order), so they are stored with the data.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    pub id_policy: IdPolicyConfig,
+    /// Tables the primary region is cut into at creation (a power of two, at most the
+    /// number of top-level slot values).
+    pub primary_tables: u32,
+    /// Key of the name hash that orders directory entries (random per cluster, so that
+    /// nobody can craft colliding names).
+    pub name_hash_key: [u64; 2],
+}
+
+impl EngineConfig {
+    /// Default widths with the given hash key.
+    pub fn with_key(name_hash_key: [u64; 2]) -> Self {
+        EngineConfig { id_policy: IdPolicyConfig::default(), primary_tables: 16, name_hash_key }
+    }
+}
+
+/// Why an operation did not complete.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fail {
+    /// A file-system error for the caller.
+    Fs(FsError),
+    /// A table the operation needs is not served here.
+    NotHosted(InodeId),
+}
+
+impl From<FsError> for Fail {
+    fn from(e: FsError) -> Fail {
+        Fail::Fs(e)
+    }
+}
+
+/// Result of engine internals.
+pub type OpResult<T> = Result<T, Fail>;
+
+/// Next values of the region allocators. Not journaled: derived from the highest id in each
+/// region when tables are loaded (allocation checks that an id is free, so a counter that
+/// restarts lower only costs locality, never correctness).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RegionCounters {
+    pub deep_next: u64,
+    pub wide_next: u64,
+    pub catchall_next: u64,
+}
+
+/// The metadata of the tables one server hosts.
+#[derive(Debug)]
+pub struct Engine {
+    pub(crate) policy: IdPolicy,
+    pub(crate) config: EngineConfig,
+    /// Sorted by `lo`, never overlapping.
+    pub(crate) tables: Vec<Table>,
+    pub(crate) counters: RegionCounters,
+    /// Epoch of the delegation map this server serves under (reported in WRONG_SERVER).
+    pub epoch: u64,
+}
+
+/// The id ranges of a new cluster's tables: the catch-all, too-deep and too-wide regions
+/// whole, and the primary region cut into `primary_tables` ranges of top-level slots.
+pub fn initial_table_ranges(policy: &IdPolicy, primary_tables: u32) -> Result<Vec<(InodeId, InodeId)>, String> {
+    let slots = policy.primary.slot_max(0) + 1;
+    let n = primary_tables as u64;
+    if n == 0 || !n.is_power_of_two() || n > slots {
+        return Err(format!("primary_tables must be a power of two between 1 and {slots}"));
+    }
+    let root = policy.root();
+    let step_slots = slots / n;
+    let slot_span = policy.primary.child_dir(root, 1).ok_or("primary layout has no top-level slot")? - root;
+    let mut ranges = vec![(Region::CatchAll.base(), Region::CatchAll.end())];
+    for i in 0..n {
+        let lo = root + i * step_slots * slot_span;
+        let hi = if i + 1 == n { Region::Primary.end() } else { root + (i + 1) * step_slots * slot_span };
+        ranges.push((lo, hi));
+    }
+    ranges.push((Region::TooDeep.base(), Region::TooDeep.end()));
+    ranges.push((Region::TooWide.base(), Region::TooWide.end()));
+    Ok(ranges)
+}
+
+impl Engine {
+    /// An engine hosting the given (empty) tables.
+    pub fn new(config: EngineConfig, ranges: &[(InodeId, InodeId)]) -> Result<Engine, String> {
+        let policy = IdPolicy::new(config.id_policy.clone())?;
+        let mut tables: Vec<Table> = ranges.iter().map(|&(lo, hi)| Table::new(lo, hi)).collect();
+        tables.sort_by_key(|t| t.lo);
+        for w in tables.windows(2) {
+            if w[0].hi > w[1].lo {
+                return Err(format!("tables {:#x}.. and {:#x}.. overlap", w[0].lo, w[1].lo));
+            }
+        }
+        Ok(Engine {
+            policy,
+            config,
+            tables,
+            counters: RegionCounters { deep_next: 1, wide_next: 1, catchall_next: CATCHALL_FIRST },
+            epoch: 1,
+        })
+    }
+
+    /// An engine hosting every table of a new cluster.
+    pub fn new_cluster(config: EngineConfig) -> Result<Engine, String> {
+        let policy = IdPolicy::new(config.id_policy.clone())?;
+        let ranges = initial_table_ranges(&policy, config.primary_tables)?;
+        Engine::new(config, &ranges)
+    }
+
+    /// The mutations that create the root directory (mode 0755, owned by root).
+    pub fn bootstrap(&self, now: TimeNs) -> Vec<Mutation> {
+        let root = self.root();
+        let mut inode = Inode::new(mode::S_IFDIR | 0o755, 0, 0, now);
+        inode.nlink = 2;
+        inode.dir_mut().parent = root;
+        vec![Mutation::PutInode { id: root, inode }]
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub fn policy(&self) -> &IdPolicy {
+        &self.policy
+    }
+
+    /// The root directory's id.
+    pub fn root(&self) -> InodeId {
+        self.policy.root()
+    }
+
+    /// True once the root exists (a bootstrapped or recovered cluster).
+    pub fn has_root(&self) -> bool {
+        self.inode(self.root()).is_some()
+    }
+
+    pub fn tables(&self) -> &[Table] {
+        &self.tables
+    }
+
+    pub fn tables_mut(&mut self) -> &mut [Table] {
+        &mut self.tables
+    }
+
+    /// Index of the table holding `id`.
+    pub fn table_index(&self, id: InodeId) -> Option<usize> {
+        let i = self.tables.partition_point(|t| t.lo <= id);
+        (i > 0 && self.tables[i - 1].contains(id)).then(|| i - 1)
+    }
+
+    pub(crate) fn table(&self, id: InodeId) -> OpResult<&Table> {
+        self.table_index(id).map(|i| &self.tables[i]).ok_or(Fail::NotHosted(id))
+    }
+
+    /// The inode `id`, if it exists in a hosted table.
+    pub fn inode(&self, id: InodeId) -> Option<&Inode> {
+        self.table_index(id).and_then(|i| self.tables[i].inode(id))
+    }
+
+    pub(crate) fn get(&self, id: InodeId) -> OpResult<&Inode> {
+        self.table(id)?.inode(id).ok_or_else(|| Fail::Fs(fs_err!(ENOENT, "no inode {id:#x}")))
+    }
+
+    pub(crate) fn get_dir(&self, id: InodeId) -> OpResult<&Inode> {
+        let inode = self.get(id)?;
+        if !inode.is_dir() {
+            return Err(Fail::Fs(fs_err!(ENOTDIR, "inode {id:#x} is not a directory")));
+        }
+        Ok(inode)
+    }
+
+    /// The keyed hash that orders a directory's entries.
+    pub fn name_hash(&self, name: &[u8]) -> u64 {
+        let [k0, k1] = self.config.name_hash_key;
+        let mut h = SipHasher13::new_with_keys(k0, k1);
+        h.write(name);
+        h.finish()
+    }
+
+    /// The entry `dir/name`, if any.
+    pub(crate) fn entry(&self, dir: InodeId, name: &[u8]) -> OpResult<Option<&Dentry>> {
+        let hash = self.name_hash(name);
+        Ok(self.table(dir)?.entries(dir).and_then(|e| e.get(hash, name)))
+    }
+
+    /// Number of entries in `dir`.
+    pub(crate) fn entry_count(&self, dir: InodeId) -> OpResult<u64> {
+        Ok(self.table(dir)?.entries(dir).map_or(0, |e| e.len()))
+    }
+
+    /// True if `id` may be handed to a new inode: hosted here and unused.
+    pub(crate) fn is_free(&self, id: InodeId) -> bool {
+        id >= CATCHALL_FIRST && self.table_index(id).is_some_and(|i| self.tables[i].inode(id).is_none())
+    }
+
+    /// Applies mutations made by a live operation (already checked, so they cannot fail).
+    pub(crate) fn apply_live(&mut self, muts: &[Mutation]) {
+        for m in muts {
+            if let Err(e) = self.apply(m) {
+                // Operations check everything before emitting mutations; reaching this is a bug.
+                panic!("live mutation failed after its checks passed: {e}");
+            }
+        }
+    }
+
+    /// Applies one mutation to the table that holds its key.
+    pub fn apply(&mut self, m: &Mutation) -> Result<(), String> {
+        let key = m.table_key();
+        let i = self.table_index(key).ok_or_else(|| format!("mutation for {key:#x}, whose table is not hosted"))?;
+        match m {
+            Mutation::PutInode { id, inode } => self.tables[i].put_inode(*id, inode.clone()),
+            Mutation::DropInode { id } => self.tables[i].drop_inode(*id),
+            Mutation::PutDentry { parent, name, child, kind } => {
+                let hash = self.name_hash(name.as_bytes());
+                let d = Dentry { name: name.clone(), child: *child, kind: *kind };
+                if !self.tables[i].put_dentry(*parent, hash, d) {
+                    return Err(format!("hash bucket of {name:?} in {parent:#x} is full"));
+                }
+            }
+            Mutation::DropDentry { parent, name } => {
+                let hash = self.name_hash(name.as_bytes());
+                self.tables[i].drop_dentry(*parent, hash, name.as_bytes());
+            }
+            Mutation::SetXattr { id, name, value } => self.tables[i].set_xattr(*id, name, value),
+            Mutation::DropXattr { id, name } => self.tables[i].drop_xattr(*id, name),
+        }
+        Ok(())
+    }
+
+    /// Replays the mutations of the journal record with sequence number `lsn`, skipping
+    /// tables whose checkpoint already covers it and tables not hosted here.
+    pub fn replay(&mut self, lsn: u64, muts: &[Mutation]) -> Result<(), String> {
+        for m in muts {
+            match self.table_index(m.table_key()) {
+                Some(i) if self.tables[i].replay_from < lsn => self.apply(m)?,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Recomputes the region allocators from the highest ids present (after loading).
+    pub fn recompute_counters(&mut self) {
+        let max_in = |r: Region| -> Option<InodeId> {
+            self.tables
+                .iter()
+                .filter(|t| t.lo < r.end() && t.hi > r.base())
+                .filter_map(|t| t.max_id_below(r.end().min(t.hi)))
+                .filter(|&id| Region::of(id) == r)
+                .max()
+        };
+        let deep = max_in(Region::TooDeep).map_or(1, |id| self.policy.deep_number(id) + 1);
+        let wide = max_in(Region::TooWide).map_or(1, |id| self.policy.wide_number(id) + 1);
+        let catchall = max_in(Region::CatchAll).map_or(CATCHALL_FIRST, |id| (id + 1).max(CATCHALL_FIRST));
+        self.counters = RegionCounters { deep_next: deep, wide_next: wide, catchall_next: catchall };
+    }
+
+    /// Runs one operation: checks it, emits its mutations into `out` (which the caller
+    /// journals) and applies them. Read-only operations emit nothing.
+    pub fn execute(&mut self, cred: &Credentials, op: &Op, now: TimeNs, out: &mut Vec<Mutation>) -> Reply {
+        let start = out.len();
+        let result = self.dispatch(cred, op, now, out);
+        match result {
+            Ok(reply) => reply,
+            Err(fail) => {
+                debug_assert_eq!(out.len(), start, "a failed operation emitted mutations");
+                out.truncate(start);
+                match fail {
+                    Fail::Fs(e) => Reply::Error(e),
+                    Fail::NotHosted(_) => Reply::WrongServer { epoch: self.epoch },
+                }
+            }
+        }
+    }
+
+    /// Total inodes and entries over all tables.
+    pub fn counts(&self) -> (u64, u64) {
+        self.tables.iter().fold((0, 0), |(i, d), t| (i + t.inode_count(), d + t.dentry_count()))
+    }
+
+    /// Checks the namespace invariants of DESIGN.md over every hosted table: every entry
+    /// names a live inode of the right type, nlink equals the number of names (directories:
+    /// 2 + subdirectories, as ext4 counts), every directory but the root has exactly one
+    /// name, in the directory its parent link names, and parent links lead to the root.
+    /// Returns the problems found (empty when consistent). Linear in the namespace size.
+    pub fn check_invariants(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        let mut names: rustc_hash::FxHashMap<InodeId, u32> = Default::default();
+        let mut subdirs: rustc_hash::FxHashMap<InodeId, u32> = Default::default();
+        let mut dir_name_in: rustc_hash::FxHashMap<InodeId, InodeId> = Default::default();
+        for t in &self.tables {
+            for (dir, entries) in t.iter_dirs() {
+                match t.inode(dir) {
+                    Some(d) if d.is_dir() => {}
+                    _ => problems.push(format!("entries under {dir:#x}, which is not a live directory")),
+                }
+                for (_, e) in entries.iter() {
+                    let Some(child) = self.inode(e.child) else {
+                        problems.push(format!("{dir:#x}/{:?} names missing inode {:#x}", e.name, e.child));
+                        continue;
+                    };
+                    if child.kind() != e.kind {
+                        problems.push(format!("{dir:#x}/{:?} has kind {:?}, inode is {:?}", e.name, e.kind, child.kind()));
+                    }
+                    *names.entry(e.child).or_default() += 1;
+                    if e.kind == FileKind::Dir {
+                        *subdirs.entry(dir).or_default() += 1;
+                        if let Some(prev) = dir_name_in.insert(e.child, dir) {
+                            problems.push(format!("directory {:#x} has names in {prev:#x} and {dir:#x}", e.child));
+                        }
+                    }
+                }
+            }
+        }
+        let root = self.root();
+        for t in &self.tables {
+            for (id, inode) in t.iter_inodes() {
+                let n = names.get(&id).copied().unwrap_or(0);
+                if inode.is_dir() {
+                    let expect = 2 + subdirs.get(&id).copied().unwrap_or(0);
+                    let saturated = inode.nlink == 1 && expect >= kochab_proto::LINK_MAX;
+                    if inode.nlink != expect && !saturated {
+                        problems.push(format!("directory {id:#x} has nlink {} but {} subdirectories", inode.nlink, expect - 2));
+                    }
+                    let parent = inode.dir().map_or(0, |d| d.parent);
+                    if id == root {
+                        if n != 0 || parent != root {
+                            problems.push("root has a name or a foreign parent".to_string());
+                        }
+                    } else if dir_name_in.get(&id) != Some(&parent) {
+                        problems.push(format!("directory {id:#x}: parent link {parent:#x} but named in {:?}", dir_name_in.get(&id)));
+                    }
+                } else if inode.nlink != n {
+                    problems.push(format!("inode {id:#x} has nlink {} but {n} names", inode.nlink));
+                }
+            }
+        }
+        // Parent links lead to the root without a cycle.
+        for t in &self.tables {
+            for (id, inode) in t.iter_inodes() {
+                if !inode.is_dir() {
+                    continue;
+                }
+                let mut cur = id;
+                let mut steps = 0;
+                while cur != root {
+                    steps += 1;
+                    match self.inode(cur).and_then(|i| i.dir()) {
+                        Some(d) if steps < 100_000 => cur = d.parent,
+                        _ => {
+                            problems.push(format!("directory {id:#x} does not lead to the root"));
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        problems
+    }
+}

@@ -1,0 +1,48 @@
+//! Redo mutations: what an operation changed, as post-images. They are what the journal
+//! records, and the engine applies them through the same code both live and on replay, so
+//! memory and journal cannot disagree. Post-images make replay idempotent, which fuzzy
+//! (while-running) checkpoints need: replaying a record whose effect a checkpoint already
+//! holds changes nothing.
+
+use crate::inode::Inode;
+use crate::name::Name;
+use kochab_proto::{FileKind, InodeId};
+use serde::{Deserialize, Serialize};
+
+/// One change to one key of one table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Mutation {
+    /// The inode's full new state (extended attributes excepted).
+    PutInode { id: InodeId, inode: Inode },
+    /// The inode is gone, with its extended attributes.
+    DropInode { id: InodeId },
+    /// `parent/name` now names `child`.
+    PutDentry { parent: InodeId, name: Name, child: InodeId, kind: FileKind },
+    /// `parent/name` names nothing.
+    DropDentry { parent: InodeId, name: Name },
+    SetXattr {
+        id: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: Vec<u8>,
+        #[serde(with = "serde_bytes")]
+        value: Vec<u8>,
+    },
+    DropXattr {
+        id: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: Vec<u8>,
+    },
+}
+
+impl Mutation {
+    /// The id whose table this mutation changes (dentries live with their parent).
+    pub fn table_key(&self) -> InodeId {
+        match self {
+            Mutation::PutInode { id, .. }
+            | Mutation::DropInode { id }
+            | Mutation::SetXattr { id, .. }
+            | Mutation::DropXattr { id, .. } => *id,
+            Mutation::PutDentry { parent, .. } | Mutation::DropDentry { parent, .. } => *parent,
+        }
+    }
+}

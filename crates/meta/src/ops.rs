@@ -1,0 +1,814 @@
+//! The namespace operations with their POSIX rules: checks in the order the Linux VFS makes
+//! them (so the errno a program sees matches ext4), then mutations. Timestamps and link
+//! counts change exactly as ext4 changes them.
+
+use crate::dir::{COOKIE_DOT, COOKIE_DOTDOT};
+use crate::engine::{Engine, Fail, OpResult};
+use crate::inode::Inode;
+use crate::mutation::Mutation;
+use crate::name::{Name, is_dot_or_dotdot, validate_name};
+use crate::perm::{check_access, check_may_link, check_sticky, is_owner};
+use kochab_proto::access::{R_OK, W_OK, X_OK};
+use kochab_proto::mode::*;
+use kochab_proto::rename_flags::*;
+use kochab_proto::xattr_flags::*;
+use kochab_proto::*;
+use std::collections::BTreeMap;
+
+/// Most entries one readdir reply carries; bounds the reply frame.
+pub const READDIR_MAX_ENTRIES: u32 = 4096;
+/// Total bytes of names and values of one inode's extended attributes.
+pub const XATTR_TOTAL_MAX: usize = 1 << 20;
+
+fn fs<T>(e: FsError) -> OpResult<T> {
+    Err(Fail::Fs(e))
+}
+
+/// ext4_inc_count: a directory's link count saturates at 1 past LINK_MAX subdirectories.
+fn inc_dir_nlink(dir: &mut Inode) {
+    dir.nlink += 1;
+    if dir.nlink >= LINK_MAX || dir.nlink == 2 {
+        dir.nlink = 1;
+    }
+}
+
+/// ext4_dec_count.
+fn dec_dir_nlink(dir: &mut Inode) {
+    if dir.nlink > 2 {
+        dir.nlink -= 1;
+    }
+}
+
+/// mode_strip_sgid: a new non-directory in a setgid directory loses S_ISGID (when it is
+/// group-executable) unless the creator is in the directory's group.
+fn strip_sgid(m: u32, parent: &Inode, cred: &Credentials) -> u32 {
+    let both = S_ISGID | S_IXGRP;
+    if m & both != both || m & S_IFMT == S_IFDIR || parent.mode & S_ISGID == 0 {
+        return m;
+    }
+    if cred.is_root() || cred.in_group(parent.gid) {
+        return m;
+    }
+    m & !S_ISGID
+}
+
+/// The group of a new inode: the directory's if it is setgid, else the creator's.
+fn new_gid(parent: &Inode, cred: &Credentials) -> u32 {
+    if parent.mode & S_ISGID != 0 { parent.gid } else { cred.gid }
+}
+
+/// Inodes an operation changes, by id; aliasing (the same directory as both parents) is
+/// handled by keeping one copy per id.
+#[derive(Default)]
+struct Changes {
+    inodes: BTreeMap<InodeId, Inode>,
+}
+
+impl Changes {
+    fn load<'a>(&'a mut self, engine: &Engine, id: InodeId) -> OpResult<&'a mut Inode> {
+        if !self.inodes.contains_key(&id) {
+            let inode = engine.get(id)?.clone();
+            self.inodes.insert(id, inode);
+        }
+        Ok(self.inodes.get_mut(&id).expect("just inserted"))
+    }
+
+    fn put(&mut self, id: InodeId, inode: Inode) {
+        self.inodes.insert(id, inode);
+    }
+
+    fn emit(self, out: &mut Vec<Mutation>) {
+        for (id, inode) in self.inodes {
+            out.push(Mutation::PutInode { id, inode });
+        }
+    }
+}
+
+impl Engine {
+    pub(crate) fn dispatch(&mut self, cred: &Credentials, op: &Op, now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+        if cred.groups.len() > MAX_GROUPS {
+            return fs(fs_err!(EINVAL, "{} supplementary groups exceed {MAX_GROUPS}", cred.groups.len()));
+        }
+        match op {
+            Op::Lookup { parent, name } => self.lookup(cred, *parent, name),
+            Op::GetAttr { id } => Ok(Reply::Attr(self.get(*id)?.attr(*id))),
+            Op::SetAttr { id, set } => self.setattr(cred, *id, set, now, out),
+            Op::Mknod { parent, name, mode, rdev, exclusive } => {
+                self.mknod(cred, *parent, name, *mode, *rdev, *exclusive, now, out)
+            }
+            Op::Mkdir { parent, name, mode } => self.mkdir(cred, *parent, name, *mode, now, out),
+            Op::Symlink { parent, name, target } => self.symlink(cred, *parent, name, target, now, out),
+            Op::Link { id, new_parent, new_name } => self.link(cred, *id, *new_parent, new_name, now, out),
+            Op::Unlink { parent, name } => self.unlink(cred, *parent, name, now, out),
+            Op::Rmdir { parent, name } => self.rmdir(cred, *parent, name, now, out),
+            Op::Rename { parent, name, new_parent, new_name, flags } => {
+                self.rename(cred, *parent, name, *new_parent, new_name, *flags, now, out)
+            }
+            Op::Readlink { id } => {
+                let inode = self.get(*id)?;
+                match inode.symlink() {
+                    Some(t) => Ok(Reply::Bytes(t.to_vec())),
+                    None => fs(fs_err!(EINVAL, "inode {id:#x} is not a symlink")),
+                }
+            }
+            Op::Readdir { id, cookie, max_entries, plus } => self.readdir(cred, *id, *cookie, *max_entries, *plus),
+            Op::SetXattr { id, name, value, flags } => self.setxattr(cred, *id, name, value, *flags, now, out),
+            Op::GetXattr { id, name } => self.getxattr(cred, *id, name),
+            Op::ListXattr { id } => self.listxattr(cred, *id),
+            Op::RemoveXattr { id, name } => self.removexattr(cred, *id, name, now, out),
+            Op::Access { id, mask } => {
+                let inode = self.get(*id)?;
+                if *mask & !7 != 0 {
+                    return fs(fs_err!(EINVAL, "access mask {mask:#o} has unknown bits"));
+                }
+                check_access(inode, cred, *mask)?;
+                Ok(Reply::Empty)
+            }
+            Op::StatFs => Ok(Reply::StatFs(self.statfs())),
+            Op::Status => fs(fs_err!(ENOSYS, "status is answered by the server, not the engine")),
+        }
+    }
+
+    fn statfs(&self) -> StatFs {
+        let (inodes, _) = self.counts();
+        let files = 1u64 << 48;
+        StatFs { blocks: 0, bfree: 0, bavail: 0, files, ffree: files - inodes, bsize: 4096, namelen: NAME_MAX as u32, frsize: 4096 }
+    }
+
+    fn lookup(&self, cred: &Credentials, parent: InodeId, name: &[u8]) -> OpResult<Reply> {
+        validate_name(name)?;
+        let p = self.get_dir(parent)?;
+        check_access(p, cred, X_OK)?;
+        let id = match name {
+            b"." => parent,
+            b".." => p.dir().map_or(parent, |d| d.parent),
+            _ => match self.entry(parent, name)? {
+                Some(e) => e.child,
+                None => return fs(fs_err!(ENOENT, "no entry {:?} in {parent:#x}", String::from_utf8_lossy(name))),
+            },
+        };
+        Ok(Reply::Entry(self.get(id)?.attr(id)))
+    }
+
+    /// Common checks of every create: a valid, free name in a writable directory with room
+    /// in the entry's hash bucket.
+    fn check_create(&self, cred: &Credentials, parent: InodeId, name: &[u8]) -> OpResult<()> {
+        validate_name(name)?;
+        let p = self.get_dir(parent)?;
+        check_access(p, cred, X_OK)?;
+        if is_dot_or_dotdot(name) || self.entry(parent, name)?.is_some() {
+            return fs(fs_err!(EEXIST, "{:?} exists", String::from_utf8_lossy(name)));
+        }
+        check_access(p, cred, W_OK | X_OK)?;
+        if p.nlink == 0 {
+            return fs(fs_err!(ENOENT, "directory {parent:#x} has been removed"));
+        }
+        self.check_bucket_room(parent, name)
+    }
+
+    fn check_bucket_room(&self, parent: InodeId, name: &[u8]) -> OpResult<()> {
+        let hash = self.name_hash(name);
+        let full = self.table(parent)?.entries(parent).is_some_and(|e| {
+            e.get(hash, name).is_none()
+                && e.iter_after(0).filter(|(c, _)| c & !0xF == crate::dir::bucket_of(hash)).count() >= crate::dir::BUCKET_SLOTS
+        });
+        if full {
+            return fs(fs_err!(ENOSPC, "too many names with the same hash in {parent:#x}"));
+        }
+        Ok(())
+    }
+
+    /// Emits the mutations of a new inode `child` named `parent/name`, applies them and
+    /// replies with its attributes.
+    fn finish_create(
+        &mut self,
+        parent: InodeId,
+        mut p: Inode,
+        name: &[u8],
+        id: InodeId,
+        child: Inode,
+        claim: crate::alloc::Claim,
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
+        let start = out.len();
+        p.mtime = now;
+        p.ctime = now;
+        let kind = child.kind();
+        let attr = child.attr(id);
+        out.push(Mutation::PutInode { id, inode: child });
+        out.push(Mutation::PutInode { id: parent, inode: p });
+        if let Some((cid, c)) = claim {
+            out.push(Mutation::PutInode { id: cid, inode: c });
+        }
+        out.push(Mutation::PutDentry { parent, name: Name::new(name), child: id, kind });
+        self.apply_live(&out[start..]);
+        Ok(Reply::Entry(attr))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn mknod(
+        &mut self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        mode_in: u32,
+        rdev: u32,
+        exclusive: bool,
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
+        let type_bits = if mode_in & S_IFMT == 0 { S_IFREG } else { mode_in & S_IFMT };
+        let is_device = match FileKind::from_mode(type_bits) {
+            Some(FileKind::File | FileKind::Fifo | FileKind::Socket) => false,
+            Some(FileKind::CharDev | FileKind::BlockDev) => true,
+            _ => return fs(fs_err!(EINVAL, "mknod cannot create mode {mode_in:#o}")),
+        };
+        validate_name(name)?;
+        if !exclusive && type_bits == S_IFREG {
+            // open(O_CREAT) without O_EXCL: an existing regular file is opened, not an error.
+            let p = self.get_dir(parent)?;
+            check_access(p, cred, X_OK)?;
+            if let Some(e) = self.entry(parent, name)? {
+                let child = e.child;
+                let inode = self.get(child)?;
+                if inode.is_dir() {
+                    return fs(fs_err!(EISDIR, "{:?} is a directory", String::from_utf8_lossy(name)));
+                }
+                return Ok(Reply::Entry(inode.attr(child)));
+            }
+        }
+        self.check_create(cred, parent, name)?;
+        if is_device && !cred.is_root() {
+            return fs(fs_err!(EPERM, "only root may create device nodes"));
+        }
+        let mut p = self.get(parent)?.clone();
+        let (id, claim) = self.alloc_file(parent, p.dir_mut())?;
+        let gid = new_gid(&p, cred);
+        let m = strip_sgid(type_bits | (mode_in & PERM_MASK), &p, cred);
+        let mut child = Inode::new(m, cred.uid, gid, now);
+        child.rdev = if is_device { rdev } else { 0 };
+        self.finish_create(parent, p, name, id, child, claim, now, out)
+    }
+
+    fn mkdir(&mut self, cred: &Credentials, parent: InodeId, name: &[u8], mode_in: u32, now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+        self.check_create(cred, parent, name)?;
+        let mut p = self.get(parent)?.clone();
+        let id = self.alloc_dir(parent, p.dir_mut())?;
+        let mut m = S_IFDIR | (mode_in & (0o777 | S_ISVTX));
+        if p.mode & S_ISGID != 0 {
+            m |= S_ISGID;
+        }
+        let mut child = Inode::new(m, cred.uid, new_gid(&p, cred), now);
+        child.nlink = 2;
+        child.dir_mut().parent = parent;
+        inc_dir_nlink(&mut p);
+        self.finish_create(parent, p, name, id, child, None, now, out)
+    }
+
+    fn symlink(&mut self, cred: &Credentials, parent: InodeId, name: &[u8], target: &[u8], now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+        if target.is_empty() {
+            return fs(fs_err!(ENOENT, "empty symlink target"));
+        }
+        if target.len() > SYMLINK_MAX {
+            return fs(fs_err!(ENAMETOOLONG, "symlink target of {} bytes exceeds {SYMLINK_MAX}", target.len()));
+        }
+        if target.contains(&0) {
+            return fs(fs_err!(EINVAL, "symlink target contains NUL"));
+        }
+        self.check_create(cred, parent, name)?;
+        let mut p = self.get(parent)?.clone();
+        let (id, claim) = self.alloc_file(parent, p.dir_mut())?;
+        let mut child = Inode::new(S_IFLNK | 0o777, cred.uid, new_gid(&p, cred), now);
+        child.size = target.len() as u64;
+        child.extra.get_or_insert_with(Default::default).symlink = Some(target.to_vec());
+        self.finish_create(parent, p, name, id, child, claim, now, out)
+    }
+
+    fn link(&mut self, cred: &Credentials, id: InodeId, new_parent: InodeId, new_name: &[u8], now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+        validate_name(new_name)?;
+        let inode = self.get(id)?;
+        let np = self.get_dir(new_parent)?;
+        check_access(np, cred, X_OK)?;
+        if is_dot_or_dotdot(new_name) || self.entry(new_parent, new_name)?.is_some() {
+            return fs(fs_err!(EEXIST, "{:?} exists", String::from_utf8_lossy(new_name)));
+        }
+        check_may_link(inode, cred)?;
+        check_access(np, cred, W_OK | X_OK)?;
+        if inode.is_dir() {
+            return fs(fs_err!(EPERM, "hard links to directories are not allowed"));
+        }
+        if inode.nlink == 0 {
+            return fs(fs_err!(ENOENT, "inode {id:#x} has been unlinked"));
+        }
+        if inode.nlink >= LINK_MAX {
+            return fs(fs_err!(EMLINK, "inode {id:#x} already has {} links", inode.nlink));
+        }
+        self.check_bucket_room(new_parent, new_name)?;
+        let mut ch = Changes::default();
+        let i = ch.load(self, id)?;
+        i.nlink += 1;
+        i.ctime = now;
+        let kind = i.kind();
+        let p = ch.load(self, new_parent)?;
+        p.mtime = now;
+        p.ctime = now;
+        let attr = ch.inodes[&id].attr(id);
+        let start = out.len();
+        ch.emit(out);
+        out.push(Mutation::PutDentry { parent: new_parent, name: Name::new(new_name), child: id, kind });
+        self.apply_live(&out[start..]);
+        Ok(Reply::Entry(attr))
+    }
+
+    /// Lookup for a removal: parent, its entry and the victim, with the checks of the VFS's
+    /// may_delete in its order.
+    fn may_delete(&self, cred: &Credentials, parent: InodeId, name: &[u8]) -> OpResult<(InodeId, FileKind)> {
+        validate_name(name)?;
+        let p = self.get_dir(parent)?;
+        check_access(p, cred, X_OK)?;
+        let Some(e) = self.entry(parent, name)? else {
+            return fs(fs_err!(ENOENT, "no entry {:?} in {parent:#x}", String::from_utf8_lossy(name)));
+        };
+        let (child, kind) = (e.child, e.kind);
+        check_access(p, cred, W_OK | X_OK)?;
+        check_sticky(p, self.get(child)?, cred)?;
+        Ok((child, kind))
+    }
+
+    /// Emits the removal of one name of `child` (already dropped from its directory by the
+    /// caller): the inode loses a link and goes away with its last one.
+    fn unlink_inode(ch: &mut Changes, engine: &Engine, child: InodeId, now: TimeNs, drops: &mut Vec<Mutation>) -> OpResult<()> {
+        let c = ch.load(engine, child)?;
+        c.nlink = c.nlink.saturating_sub(1);
+        c.ctime = now;
+        if c.nlink == 0 {
+            ch.inodes.remove(&child);
+            drops.push(Mutation::DropInode { id: child });
+        }
+        Ok(())
+    }
+
+    /// After the last entry of `dir` goes, its file allocator restarts at the beginning of
+    /// its own range, so ids of deleted files are reused.
+    fn maybe_rewind_allocator(&self, dir_id: InodeId, dir: &mut Inode, entries_left: u64) {
+        if entries_left == 0 {
+            if let Some((lo, hi)) = self.policy.own_file_range(dir_id) {
+                let d = dir.dir_mut();
+                d.file_next = lo;
+                d.file_end = hi;
+            }
+        }
+    }
+
+    fn unlink(&mut self, cred: &Credentials, parent: InodeId, name: &[u8], now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+        if is_dot_or_dotdot(name) {
+            return fs(fs_err!(EISDIR, "cannot unlink {:?}", String::from_utf8_lossy(name)));
+        }
+        let (child, kind) = self.may_delete(cred, parent, name)?;
+        if kind == FileKind::Dir {
+            return fs(fs_err!(EISDIR, "{:?} is a directory", String::from_utf8_lossy(name)));
+        }
+        let mut ch = Changes::default();
+        let mut drops = Vec::new();
+        Self::unlink_inode(&mut ch, self, child, now, &mut drops)?;
+        let left = self.entry_count(parent)? - 1;
+        let p = ch.load(self, parent)?;
+        p.mtime = now;
+        p.ctime = now;
+        let mut pc = p.clone();
+        self.maybe_rewind_allocator(parent, &mut pc, left);
+        ch.put(parent, pc);
+        let start = out.len();
+        out.push(Mutation::DropDentry { parent, name: Name::new(name) });
+        out.append(&mut drops);
+        ch.emit(out);
+        self.apply_live(&out[start..]);
+        Ok(Reply::Empty)
+    }
+
+    fn rmdir(&mut self, cred: &Credentials, parent: InodeId, name: &[u8], now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+        match name {
+            b"." => return fs(fs_err!(EINVAL, "cannot remove \".\"")),
+            b".." => return fs(fs_err!(ENOTEMPTY, "cannot remove \"..\"")),
+            _ => {}
+        }
+        let (child, kind) = self.may_delete(cred, parent, name)?;
+        if kind != FileKind::Dir {
+            return fs(fs_err!(ENOTDIR, "{:?} is not a directory", String::from_utf8_lossy(name)));
+        }
+        if child == self.root() {
+            return fs(fs_err!(EBUSY, "cannot remove the root"));
+        }
+        if self.entry_count(child)? > 0 {
+            return fs(fs_err!(ENOTEMPTY, "directory {:?} is not empty", String::from_utf8_lossy(name)));
+        }
+        let left = self.entry_count(parent)? - 1;
+        let mut p = self.get(parent)?.clone();
+        dec_dir_nlink(&mut p);
+        p.mtime = now;
+        p.ctime = now;
+        self.maybe_rewind_allocator(parent, &mut p, left);
+        let start = out.len();
+        out.push(Mutation::DropDentry { parent, name: Name::new(name) });
+        out.push(Mutation::DropInode { id: child });
+        out.push(Mutation::PutInode { id: parent, inode: p });
+        self.apply_live(&out[start..]);
+        Ok(Reply::Empty)
+    }
+
+    /// True if `ancestor` is `dir` or lies on the parent chain from `dir` to the root.
+    fn is_ancestor(&self, ancestor: InodeId, dir: InodeId) -> OpResult<bool> {
+        let root = self.root();
+        let mut cur = dir;
+        // Bounded walk: a longer chain than this means a corrupted parent link.
+        for _ in 0..1_000_000 {
+            if cur == ancestor {
+                return Ok(true);
+            }
+            if cur == root {
+                return Ok(false);
+            }
+            cur = self.get(cur)?.dir().map_or(root, |d| d.parent);
+        }
+        fs(fs_err!(ELOOP, "parent chain of {dir:#x} does not reach the root"))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rename(
+        &mut self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        new_parent: InodeId,
+        new_name: &[u8],
+        flags: u32,
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
+        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT) != 0
+            || flags & (RENAME_NOREPLACE | RENAME_EXCHANGE) == (RENAME_NOREPLACE | RENAME_EXCHANGE)
+        {
+            return fs(fs_err!(EINVAL, "invalid rename flags {flags:#x}"));
+        }
+        if flags & RENAME_WHITEOUT != 0 {
+            return fs(fs_err!(EINVAL, "RENAME_WHITEOUT is not supported"));
+        }
+        let exchange = flags & RENAME_EXCHANGE != 0;
+        validate_name(name)?;
+        validate_name(new_name)?;
+        if is_dot_or_dotdot(name) || is_dot_or_dotdot(new_name) {
+            return fs(fs_err!(EBUSY, "cannot rename \".\" or \"..\""));
+        }
+        // The checks of do_renameat2 and vfs_rename, in their order.
+        check_access(self.get_dir(parent)?, cred, X_OK)?;
+        check_access(self.get_dir(new_parent)?, cred, X_OK)?;
+        let Some((src, src_kind)) = self.entry(parent, name)?.map(|e| (e.child, e.kind)) else {
+            return fs(fs_err!(ENOENT, "no entry {:?} in {parent:#x}", String::from_utf8_lossy(name)));
+        };
+        let dst = self.entry(new_parent, new_name)?.map(|e| (e.child, e.kind));
+        if flags & RENAME_NOREPLACE != 0 && dst.is_some() {
+            return fs(fs_err!(EEXIST, "{:?} exists", String::from_utf8_lossy(new_name)));
+        }
+        if exchange && dst.is_none() {
+            return fs(fs_err!(ENOENT, "RENAME_EXCHANGE target {:?} does not exist", String::from_utf8_lossy(new_name)));
+        }
+        let src_is_dir = src_kind == FileKind::Dir;
+        let dst_is_dir = dst.is_some_and(|(_, k)| k == FileKind::Dir);
+        if parent != new_parent {
+            if src_is_dir && self.is_ancestor(src, new_parent)? {
+                return fs(fs_err!(EINVAL, "cannot move a directory into its own subtree"));
+            }
+            if let Some((d, _)) = dst.filter(|_| dst_is_dir) {
+                if self.is_ancestor(d, parent)? {
+                    return fs(fs_err!(ENOTEMPTY, "target directory contains the source"));
+                }
+            }
+        }
+        if dst.is_some_and(|(d, _)| d == src) {
+            // Two names of one inode (or the same name): POSIX says do nothing.
+            return Ok(Reply::Empty);
+        }
+        let p = self.get(parent)?;
+        check_access(p, cred, W_OK | X_OK)?;
+        check_sticky(p, self.get(src)?, cred)?;
+        let np = self.get(new_parent)?;
+        check_access(np, cred, W_OK | X_OK)?;
+        if let Some((d, _)) = dst {
+            check_sticky(np, self.get(d)?, cred)?;
+            if !exchange {
+                if src_is_dir && !dst_is_dir {
+                    return fs(fs_err!(ENOTDIR, "cannot replace non-directory {:?} with a directory", String::from_utf8_lossy(new_name)));
+                }
+                if !src_is_dir && dst_is_dir {
+                    return fs(fs_err!(EISDIR, "cannot replace directory {:?} with a non-directory", String::from_utf8_lossy(new_name)));
+                }
+            }
+        }
+        if src == self.root() || dst.is_some_and(|(d, _)| d == self.root()) {
+            return fs(fs_err!(EBUSY, "cannot rename the root"));
+        }
+        // A directory moving to a new parent rewrites its "..": it must be writable.
+        let moves = |is_dir: bool, from: InodeId, to: InodeId| is_dir && from != to;
+        if moves(src_is_dir, parent, new_parent) {
+            check_access(self.get(src)?, cred, W_OK)?;
+        }
+        if exchange && moves(dst_is_dir, new_parent, parent) {
+            check_access(self.get(dst.expect("exchange has a target").0)?, cred, W_OK)?;
+        }
+        if !exchange {
+            if let Some((d, _)) = dst.filter(|_| dst_is_dir) {
+                if self.entry_count(d)? > 0 {
+                    return fs(fs_err!(ENOTEMPTY, "directory {:?} is not empty", String::from_utf8_lossy(new_name)));
+                }
+            }
+            if dst.is_none() {
+                self.check_bucket_room(new_parent, new_name)?;
+            }
+        }
+
+        let mut ch = Changes::default();
+        let mut drops = Vec::new();
+        let mut dentries = vec![Mutation::DropDentry { parent, name: Name::new(name) }];
+        for p in [parent, new_parent] {
+            let p = ch.load(self, p)?;
+            p.mtime = now;
+            p.ctime = now;
+        }
+        ch.load(self, src)?.ctime = now;
+        if exchange {
+            let (d, dk) = dst.expect("exchange has a target");
+            ch.load(self, d)?.ctime = now;
+            dentries = vec![
+                Mutation::PutDentry { parent, name: Name::new(name), child: d, kind: dk },
+                Mutation::PutDentry { parent: new_parent, name: Name::new(new_name), child: src, kind: src_kind },
+            ];
+            if moves(dst_is_dir, new_parent, parent) {
+                ch.load(self, d)?.dir_mut().parent = parent;
+                dec_dir_nlink(ch.load(self, new_parent)?);
+                inc_dir_nlink(ch.load(self, parent)?);
+            }
+        } else {
+            if let Some((d, _)) = dst {
+                if dst_is_dir {
+                    ch.inodes.remove(&d);
+                    drops.push(Mutation::DropInode { id: d });
+                    dec_dir_nlink(ch.load(self, new_parent)?);
+                } else {
+                    Self::unlink_inode(&mut ch, self, d, now, &mut drops)?;
+                }
+            }
+            dentries.push(Mutation::PutDentry { parent: new_parent, name: Name::new(new_name), child: src, kind: src_kind });
+        }
+        if moves(src_is_dir, parent, new_parent) {
+            ch.load(self, src)?.dir_mut().parent = new_parent;
+            dec_dir_nlink(ch.load(self, parent)?);
+            inc_dir_nlink(ch.load(self, new_parent)?);
+        }
+        if !exchange && parent != new_parent {
+            let left = self.entry_count(parent)? - 1;
+            let mut p = ch.load(self, parent)?.clone();
+            self.maybe_rewind_allocator(parent, &mut p, left);
+            ch.put(parent, p);
+        }
+        let start = out.len();
+        out.append(&mut dentries);
+        out.append(&mut drops);
+        ch.emit(out);
+        self.apply_live(&out[start..]);
+        Ok(Reply::Empty)
+    }
+
+    fn setattr(&mut self, cred: &Credentials, id: InodeId, set: &SetAttrs, now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+        let old = self.get(id)?;
+        let owner = is_owner(old, cred);
+        if let Some(size) = set.size {
+            if old.is_dir() {
+                return fs(fs_err!(EISDIR, "cannot truncate a directory"));
+            }
+            if !old.is_regular() {
+                return fs(fs_err!(EINVAL, "cannot truncate a non-regular file"));
+            }
+            if size > i64::MAX as u64 {
+                return fs(fs_err!(EFBIG, "size {size} is too large"));
+            }
+            check_access(old, cred, W_OK)?;
+        }
+        if let Some(uid) = set.uid {
+            if !cred.is_root() && !(cred.uid == old.uid && uid == old.uid) {
+                return fs(fs_err!(EPERM, "only root may change the owner"));
+            }
+        }
+        if let Some(gid) = set.gid {
+            if !cred.is_root() && !(cred.uid == old.uid && (cred.in_group(gid) || gid == old.gid)) {
+                return fs(fs_err!(EPERM, "only the owner may change the group, to one of their groups"));
+            }
+        }
+        if set.mode.is_some() && !owner {
+            return fs(fs_err!(EPERM, "only the owner may change the mode"));
+        }
+        let explicit_time = matches!(set.atime, Some(TimeSet::At(_))) || matches!(set.mtime, Some(TimeSet::At(_)));
+        if explicit_time && !owner {
+            return fs(fs_err!(EPERM, "only the owner may set explicit times"));
+        }
+        let touch_now = matches!(set.atime, Some(TimeSet::Now)) || matches!(set.mtime, Some(TimeSet::Now));
+        if touch_now && !owner {
+            check_access(old, cred, W_OK)?;
+        }
+        if set.ctime.is_some() && !owner {
+            return fs(fs_err!(EPERM, "only the owner may set the change time"));
+        }
+
+        let mut i = old.clone();
+        if let Some(uid) = set.uid {
+            i.uid = uid;
+        }
+        if let Some(gid) = set.gid {
+            i.gid = gid;
+        }
+        if let Some(m) = set.mode {
+            let mut m = m & PERM_MASK;
+            if !cred.is_root() && !cred.in_group(i.gid) {
+                m &= !S_ISGID;
+            }
+            i.mode = (i.mode & S_IFMT) | m;
+        } else if (set.uid.is_some() || set.gid.is_some()) && !i.is_dir() {
+            // chown kills setuid, and setgid when group-executable (ATTR_KILL_SUID/SGID).
+            i.mode &= !S_ISUID;
+            if i.mode & S_IXGRP != 0 {
+                i.mode &= !S_ISGID;
+            }
+        }
+        if let Some(size) = set.size {
+            // truncate(2) sets mtime even when the size does not change.
+            i.mtime = now;
+            i.size = size;
+            if !cred.is_root() && set.mode.is_none() {
+                i.mode &= !S_ISUID;
+                if i.mode & S_IXGRP != 0 {
+                    i.mode &= !S_ISGID;
+                }
+            }
+        }
+        let resolve = |t: TimeSet| match t {
+            TimeSet::Now => now,
+            TimeSet::At(t) => t,
+        };
+        if let Some(t) = set.atime {
+            i.atime = resolve(t);
+        }
+        if let Some(t) = set.mtime {
+            i.mtime = resolve(t);
+        }
+        i.ctime = set.ctime.unwrap_or(now);
+        let attr = i.attr(id);
+        let start = out.len();
+        out.push(Mutation::PutInode { id, inode: i });
+        self.apply_live(&out[start..]);
+        Ok(Reply::Attr(attr))
+    }
+
+    fn readdir(&self, cred: &Credentials, id: InodeId, cookie: u64, max_entries: u32, plus: bool) -> OpResult<Reply> {
+        let dir = self.get_dir(id)?;
+        check_access(dir, cred, R_OK)?;
+        let max = max_entries.clamp(1, READDIR_MAX_ENTRIES) as usize;
+        let mut entries = Vec::new();
+        let attr_of = |child: InodeId| if plus { self.inode(child).map(|i| i.attr(child)) } else { None };
+        if cookie == 0 {
+            entries.push(DirEntry { cookie: COOKIE_DOT, name: b".".to_vec(), id, kind: FileKind::Dir, attr: attr_of(id) });
+        }
+        if cookie <= COOKIE_DOT {
+            let parent = dir.dir().map_or(id, |d| d.parent);
+            entries.push(DirEntry { cookie: COOKIE_DOTDOT, name: b"..".to_vec(), id: parent, kind: FileKind::Dir, attr: attr_of(parent) });
+        }
+        let mut eof = true;
+        if let Some(list) = self.table(id)?.entries(id) {
+            for (c, e) in list.iter_after(cookie.max(COOKIE_DOTDOT)) {
+                if entries.len() >= max {
+                    eof = false;
+                    break;
+                }
+                entries.push(DirEntry { cookie: c, name: e.name.as_bytes().to_vec(), id: e.child, kind: e.kind, attr: attr_of(e.child) });
+            }
+        }
+        if entries.len() > max {
+            // "." and ".." alone can exceed a max of 1.
+            entries.truncate(max);
+            eof = false;
+        }
+        Ok(Reply::Dir { entries, eof })
+    }
+
+    /// The namespace rules of an extended-attribute name (xattr_permission), then the
+    /// permission bits for reading or writing it.
+    fn xattr_check(&self, cred: &Credentials, id: InodeId, name: &[u8], write: bool) -> OpResult<()> {
+        if name.is_empty() || name.len() > XATTR_NAME_MAX {
+            return fs(fs_err!(ERANGE, "xattr name of {} bytes (1..={XATTR_NAME_MAX} allowed)", name.len()));
+        }
+        if name.contains(&0) {
+            return fs(fs_err!(EINVAL, "xattr name contains NUL"));
+        }
+        let inode = self.get(id)?;
+        if name.starts_with(b"user.") {
+            if !inode.is_regular() && !inode.is_dir() {
+                return if write {
+                    fs(fs_err!(EPERM, "user xattrs only on regular files and directories"))
+                } else {
+                    fs(fs_err!(ENODATA, "no such attribute"))
+                };
+            }
+            if write && inode.is_dir() && inode.mode & S_ISVTX != 0 && !is_owner(inode, cred) {
+                return fs(fs_err!(EPERM, "user xattrs of a sticky directory belong to its owner"));
+            }
+            check_access(inode, cred, if write { W_OK } else { R_OK })?;
+        } else if name.starts_with(b"trusted.") {
+            if !cred.is_root() {
+                return if write {
+                    fs(fs_err!(EPERM, "trusted xattrs need root"))
+                } else {
+                    fs(fs_err!(ENODATA, "no such attribute"))
+                };
+            }
+        } else if name.starts_with(b"security.") {
+            if write && !cred.is_root() {
+                return fs(fs_err!(EPERM, "security xattrs need root"));
+            }
+        } else if name.starts_with(b"system.") {
+            return fs(fs_err!(EOPNOTSUPP, "system xattrs (POSIX ACLs) are not supported"));
+        } else {
+            return fs(fs_err!(EOPNOTSUPP, "unknown xattr namespace"));
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn setxattr(&mut self, cred: &Credentials, id: InodeId, name: &[u8], value: &[u8], flags: u32, now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+        if flags & !(XATTR_CREATE | XATTR_REPLACE) != 0 {
+            return fs(fs_err!(EINVAL, "invalid setxattr flags {flags:#x}"));
+        }
+        self.xattr_check(cred, id, name, true)?;
+        if value.len() > XATTR_SIZE_MAX {
+            return fs(fs_err!(E2BIG, "xattr value of {} bytes exceeds {XATTR_SIZE_MAX}", value.len()));
+        }
+        let existing = self.table(id)?.xattrs(id);
+        let exists = existing.is_some_and(|x| x.contains_key(name));
+        if flags & XATTR_CREATE != 0 && exists {
+            return fs(fs_err!(EEXIST, "xattr exists"));
+        }
+        if flags & XATTR_REPLACE != 0 && !exists {
+            return fs(fs_err!(ENODATA, "no such attribute"));
+        }
+        let (mut total, mut list) = existing.map_or((0, 0), |x| {
+            x.iter().filter(|(k, _)| k.as_slice() != name).fold((0, 0), |(t, l), (k, v)| (t + k.len() + v.len(), l + k.len() + 1))
+        });
+        total += name.len() + value.len();
+        list += name.len() + 1;
+        if total > XATTR_TOTAL_MAX || list > XATTR_LIST_MAX {
+            return fs(fs_err!(ENOSPC, "no room for more extended attributes on {id:#x}"));
+        }
+        let mut i = self.get(id)?.clone();
+        i.ctime = now;
+        let start = out.len();
+        out.push(Mutation::SetXattr { id, name: name.to_vec(), value: value.to_vec() });
+        out.push(Mutation::PutInode { id, inode: i });
+        self.apply_live(&out[start..]);
+        Ok(Reply::Empty)
+    }
+
+    fn getxattr(&self, cred: &Credentials, id: InodeId, name: &[u8]) -> OpResult<Reply> {
+        self.xattr_check(cred, id, name, false)?;
+        match self.table(id)?.xattrs(id).and_then(|x| x.get(name)) {
+            Some(v) => Ok(Reply::Bytes(v.clone())),
+            None => fs(fs_err!(ENODATA, "no such attribute")),
+        }
+    }
+
+    fn listxattr(&self, cred: &Credentials, id: InodeId) -> OpResult<Reply> {
+        self.get(id)?;
+        let mut list = Vec::new();
+        if let Some(x) = self.table(id)?.xattrs(id) {
+            for k in x.keys() {
+                if k.starts_with(b"trusted.") && !cred.is_root() {
+                    continue;
+                }
+                list.extend_from_slice(k);
+                list.push(0);
+            }
+        }
+        Ok(Reply::Bytes(list))
+    }
+
+    fn removexattr(&mut self, cred: &Credentials, id: InodeId, name: &[u8], now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+        self.xattr_check(cred, id, name, true)?;
+        if !self.table(id)?.xattrs(id).is_some_and(|x| x.contains_key(name)) {
+            return fs(fs_err!(ENODATA, "no such attribute"));
+        }
+        let mut i = self.get(id)?.clone();
+        i.ctime = now;
+        let start = out.len();
+        out.push(Mutation::DropXattr { id, name: name.to_vec() });
+        out.push(Mutation::PutInode { id, inode: i });
+        self.apply_live(&out[start..]);
+        Ok(Reply::Empty)
+    }
+}

@@ -1,0 +1,444 @@
+//! A table: every inode whose id lies in `[lo, hi)`, the entries of those that are
+//! directories, and their extended attributes. Inodes are grouped in boxes of 64
+//! consecutive ids (the child-closest policy makes a directory's files consecutive, so boxes
+//! fill up) and the boxes changed since the last checkpoint are tracked, so checkpoints are
+//! incremental (the "dirty boxes" of Xing et al.).
+
+use crate::dir::{Dentry, DirEntries};
+use crate::inode::Inode;
+use crate::name::Name;
+use kochab_proto::{FileKind, InodeId};
+use rustc_hash::{FxHashMap, FxHashSet};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// log2 of the inodes per box.
+pub const BOX_SHIFT: u32 = 6;
+const BOX_MASK: u64 = (1 << BOX_SHIFT) - 1;
+
+/// Extended attributes of one inode, by name.
+pub type Xattrs = BTreeMap<Vec<u8>, Vec<u8>>;
+
+/// Up to 64 inodes with consecutive ids, stored densely.
+#[derive(Clone, Debug, Default)]
+struct InodeBox {
+    present: u64,
+    inodes: Vec<Inode>,
+}
+
+impl InodeBox {
+    fn rank(&self, slot: u32) -> usize {
+        (self.present & ((1u64 << slot) - 1)).count_ones() as usize
+    }
+
+    fn has(&self, slot: u32) -> bool {
+        self.present & (1u64 << slot) != 0
+    }
+
+    fn get(&self, slot: u32) -> Option<&Inode> {
+        self.has(slot).then(|| &self.inodes[self.rank(slot)])
+    }
+
+    /// Stores an inode; true if the slot was empty.
+    fn put(&mut self, slot: u32, inode: Inode) -> bool {
+        let r = self.rank(slot);
+        if self.has(slot) {
+            self.inodes[r] = inode;
+            false
+        } else {
+            self.inodes.insert(r, inode);
+            self.present |= 1u64 << slot;
+            true
+        }
+    }
+
+    fn remove(&mut self, slot: u32) -> Option<Inode> {
+        if !self.has(slot) {
+            return None;
+        }
+        let r = self.rank(slot);
+        self.present &= !(1u64 << slot);
+        Some(self.inodes.remove(r))
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (u32, &Inode)> + '_ {
+        (0..64u32).filter(|&s| self.has(s)).zip(self.inodes.iter())
+    }
+}
+
+/// One inode in a checkpoint image.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InodeImage {
+    pub slot: u8,
+    pub inode: Inode,
+    pub xattrs: Vec<(serde_bytes::ByteBuf, serde_bytes::ByteBuf)>,
+}
+
+/// One directory entry in a checkpoint image.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DentryImage {
+    pub cookie: u64,
+    pub name: Name,
+    pub child: InodeId,
+    pub kind: FileKind,
+}
+
+/// The full contents of one box at one moment: loading it replaces the box.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BoxImage {
+    Inodes { boxno: u64, inodes: Vec<InodeImage> },
+    Dentries { dir: InodeId, boxno: u16, entries: Vec<DentryImage> },
+}
+
+/// Boxes to write in a checkpoint.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BoxSet {
+    pub inode_boxes: Vec<u64>,
+    pub dentry_boxes: Vec<(InodeId, u16)>,
+}
+
+impl BoxSet {
+    pub fn len(&self) -> usize {
+        self.inode_boxes.len() + self.dentry_boxes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The contents of one id range.
+#[derive(Debug)]
+pub struct Table {
+    pub lo: InodeId,
+    pub hi: InodeId,
+    boxes: BTreeMap<u64, InodeBox>,
+    dirs: FxHashMap<InodeId, DirEntries>,
+    xattrs: FxHashMap<InodeId, Xattrs>,
+    dirty_boxes: FxHashSet<u64>,
+    dirty_dentries: FxHashSet<(InodeId, u16)>,
+    inodes: u64,
+    dentries: u64,
+    /// Journal records with a higher LSN are not yet in this table's checkpoint and are
+    /// replayed on top of it.
+    pub replay_from: u64,
+}
+
+impl Table {
+    /// An empty table for `[lo, hi)`.
+    pub fn new(lo: InodeId, hi: InodeId) -> Table {
+        assert!(lo < hi, "empty table range");
+        Table {
+            lo,
+            hi,
+            boxes: BTreeMap::new(),
+            dirs: FxHashMap::default(),
+            xattrs: FxHashMap::default(),
+            dirty_boxes: FxHashSet::default(),
+            dirty_dentries: FxHashSet::default(),
+            inodes: 0,
+            dentries: 0,
+            replay_from: 0,
+        }
+    }
+
+    pub fn contains(&self, id: InodeId) -> bool {
+        self.lo <= id && id < self.hi
+    }
+
+    pub fn inode_count(&self) -> u64 {
+        self.inodes
+    }
+
+    pub fn dentry_count(&self) -> u64 {
+        self.dentries
+    }
+
+    pub fn inode(&self, id: InodeId) -> Option<&Inode> {
+        self.boxes.get(&(id >> BOX_SHIFT))?.get((id & BOX_MASK) as u32)
+    }
+
+    /// The highest inode id present, if any.
+    pub fn max_id(&self) -> Option<InodeId> {
+        let (&boxno, b) = self.boxes.iter().next_back()?;
+        let top = 63 - b.present.leading_zeros() as u64;
+        Some((boxno << BOX_SHIFT) | top)
+    }
+
+    /// The highest inode id present below `end`, if any.
+    pub fn max_id_below(&self, end: InodeId) -> Option<InodeId> {
+        let last_box = end.checked_sub(1)? >> BOX_SHIFT;
+        for (&boxno, b) in self.boxes.range(..=last_box).rev() {
+            let mut present = b.present;
+            if boxno == last_box {
+                let keep = ((end - 1) & BOX_MASK) + 1;
+                if keep < 64 {
+                    present &= (1u64 << keep) - 1;
+                }
+            }
+            if present != 0 {
+                return Some((boxno << BOX_SHIFT) | (63 - present.leading_zeros() as u64));
+            }
+        }
+        None
+    }
+
+    pub fn put_inode(&mut self, id: InodeId, inode: Inode) {
+        debug_assert!(self.contains(id));
+        let boxno = id >> BOX_SHIFT;
+        if self.boxes.entry(boxno).or_default().put((id & BOX_MASK) as u32, inode) {
+            self.inodes += 1;
+        }
+        self.dirty_boxes.insert(boxno);
+    }
+
+    /// Removes an inode with its extended attributes and (empty) entry map.
+    pub fn drop_inode(&mut self, id: InodeId) {
+        let boxno = id >> BOX_SHIFT;
+        if let Some(b) = self.boxes.get_mut(&boxno) {
+            if b.remove((id & BOX_MASK) as u32).is_some() {
+                self.inodes -= 1;
+            }
+            if b.present == 0 {
+                self.boxes.remove(&boxno);
+            }
+        }
+        self.xattrs.remove(&id);
+        if let Some(e) = self.dirs.remove(&id) {
+            self.dentries -= e.len();
+        }
+        self.dirty_boxes.insert(boxno);
+    }
+
+    /// The entries of directory `dir` (which must live in this table), if it has any.
+    pub fn entries(&self, dir: InodeId) -> Option<&DirEntries> {
+        self.dirs.get(&dir)
+    }
+
+    /// Inserts or replaces an entry; false if its hash bucket is full.
+    pub fn put_dentry(&mut self, dir: InodeId, hash: u64, d: Dentry) -> bool {
+        let entries = self.dirs.entry(dir).or_default();
+        match entries.insert(hash, d) {
+            Ok(new) => {
+                if new {
+                    self.dentries += 1;
+                }
+                self.dirty_dentries.insert((dir, crate::dir::box_of(hash)));
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    pub fn drop_dentry(&mut self, dir: InodeId, hash: u64, name: &[u8]) {
+        let Some(entries) = self.dirs.get_mut(&dir) else { return };
+        if entries.remove(hash, name).is_some() {
+            self.dentries -= 1;
+            self.dirty_dentries.insert((dir, crate::dir::box_of(hash)));
+        }
+        if entries.is_empty() {
+            self.dirs.remove(&dir);
+        }
+    }
+
+    pub fn xattrs(&self, id: InodeId) -> Option<&Xattrs> {
+        self.xattrs.get(&id)
+    }
+
+    pub fn set_xattr(&mut self, id: InodeId, name: &[u8], value: &[u8]) {
+        self.xattrs.entry(id).or_default().insert(name.to_vec(), value.to_vec());
+        self.dirty_boxes.insert(id >> BOX_SHIFT);
+    }
+
+    pub fn drop_xattr(&mut self, id: InodeId, name: &[u8]) {
+        if let Some(x) = self.xattrs.get_mut(&id) {
+            x.remove(name);
+            if x.is_empty() {
+                self.xattrs.remove(&id);
+            }
+        }
+        self.dirty_boxes.insert(id >> BOX_SHIFT);
+    }
+
+    /// Boxes changed since the last call; the table starts tracking afresh.
+    pub fn take_dirty(&mut self) -> BoxSet {
+        let mut set = BoxSet {
+            inode_boxes: self.dirty_boxes.drain().collect(),
+            dentry_boxes: self.dirty_dentries.drain().collect(),
+        };
+        set.inode_boxes.sort_unstable();
+        set.dentry_boxes.sort_unstable();
+        set
+    }
+
+    /// Number of boxes changed since the last checkpoint.
+    pub fn dirty_len(&self) -> usize {
+        self.dirty_boxes.len() + self.dirty_dentries.len()
+    }
+
+    /// Every box that holds something: the contents of a full checkpoint.
+    pub fn all_boxes(&self) -> BoxSet {
+        let mut dentry_boxes: Vec<(InodeId, u16)> = Vec::new();
+        for (&dir, e) in &self.dirs {
+            dentry_boxes.extend(e.boxes().into_iter().map(|b| (dir, b)));
+        }
+        dentry_boxes.sort_unstable();
+        BoxSet { inode_boxes: self.boxes.keys().copied().collect(), dentry_boxes }
+    }
+
+    /// The current contents of inode box `boxno` (empty if nothing is there any more).
+    pub fn image_inode_box(&self, boxno: u64) -> BoxImage {
+        let mut inodes = Vec::new();
+        if let Some(b) = self.boxes.get(&boxno) {
+            for (slot, inode) in b.iter() {
+                let id = (boxno << BOX_SHIFT) | slot as u64;
+                let xattrs = self
+                    .xattrs
+                    .get(&id)
+                    .map(|x| {
+                        x.iter()
+                            .map(|(k, v)| (serde_bytes::ByteBuf::from(k.clone()), serde_bytes::ByteBuf::from(v.clone())))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                inodes.push(InodeImage { slot: slot as u8, inode: inode.clone(), xattrs });
+            }
+        }
+        BoxImage::Inodes { boxno, inodes }
+    }
+
+    /// The current contents of dentry box `boxno` of directory `dir`.
+    pub fn image_dentry_box(&self, dir: InodeId, boxno: u16) -> BoxImage {
+        let entries = self
+            .dirs
+            .get(&dir)
+            .map(|e| {
+                e.iter_box(boxno)
+                    .map(|(cookie, d)| DentryImage { cookie, name: d.name.clone(), child: d.child, kind: d.kind })
+                    .collect()
+            })
+            .unwrap_or_default();
+        BoxImage::Dentries { dir, boxno, entries }
+    }
+
+    /// Replaces a box with its image (checkpoint load). Images of later checkpoints
+    /// override earlier ones box by box. Rejects images that do not belong here.
+    pub fn load_image(&mut self, img: BoxImage) -> Result<(), String> {
+        match img {
+            BoxImage::Inodes { boxno, inodes } => {
+                let lo = boxno.checked_shl(BOX_SHIFT).ok_or("inode box number out of range")?;
+                if !self.contains(lo) {
+                    return Err(format!("inode box {boxno:#x} outside table {:#x}..{:#x}", self.lo, self.hi));
+                }
+                if let Some(old) = self.boxes.remove(&boxno) {
+                    self.inodes -= old.inodes.len() as u64;
+                }
+                for slot in 0..64u64 {
+                    self.xattrs.remove(&(lo | slot));
+                }
+                let mut b = InodeBox::default();
+                for img in inodes {
+                    if img.slot >= 64 {
+                        return Err(format!("inode slot {} out of range", img.slot));
+                    }
+                    let id = lo | img.slot as u64;
+                    if !img.xattrs.is_empty() {
+                        let x = self.xattrs.entry(id).or_default();
+                        for (k, v) in img.xattrs {
+                            x.insert(k.into_vec(), v.into_vec());
+                        }
+                    }
+                    if b.put(img.slot as u32, img.inode) {
+                        self.inodes += 1;
+                    }
+                }
+                if b.present != 0 {
+                    self.boxes.insert(boxno, b);
+                }
+            }
+            BoxImage::Dentries { dir, boxno, entries } => {
+                if !self.contains(dir) {
+                    return Err(format!("entries of {dir:#x} outside table {:#x}..{:#x}", self.lo, self.hi));
+                }
+                let e = self.dirs.entry(dir).or_default();
+                let before = e.len();
+                e.clear_box(boxno);
+                for img in entries {
+                    if (img.cookie >> crate::dir::DENTRY_BOX_SHIFT) as u16 != boxno {
+                        return Err(format!("entry cookie {:#x} outside box {boxno}", img.cookie));
+                    }
+                    e.insert_at(img.cookie, Dentry { name: img.name, child: img.child, kind: img.kind });
+                }
+                let after = e.len();
+                self.dentries = self.dentries + after - before;
+                if after == 0 {
+                    self.dirs.remove(&dir);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every inode, in id order (for invariant checks and tests).
+    pub fn iter_inodes(&self) -> impl Iterator<Item = (InodeId, &Inode)> + '_ {
+        self.boxes
+            .iter()
+            .flat_map(|(&boxno, b)| b.iter().map(move |(s, i)| ((boxno << BOX_SHIFT) | s as u64, i)))
+    }
+
+    /// Every directory with entries, and its entries.
+    pub fn iter_dirs(&self) -> impl Iterator<Item = (InodeId, &DirEntries)> + '_ {
+        self.dirs.iter().map(|(&d, e)| (d, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boxes_store_sparse_slots() {
+        let mut t = Table::new(0, 1 << 20);
+        for id in [5u64, 3, 64, 63, 130] {
+            t.put_inode(id, Inode::new(0o100644, 0, 0, id as i64));
+        }
+        assert_eq!(t.inode_count(), 5);
+        assert_eq!(t.inode(63).unwrap().btime, 63);
+        assert!(t.inode(4).is_none());
+        assert_eq!(t.max_id(), Some(130));
+        assert_eq!(t.max_id_below(130), Some(64));
+        assert_eq!(t.max_id_below(64), Some(63));
+        t.drop_inode(130);
+        assert_eq!(t.max_id(), Some(64));
+        let ids: Vec<u64> = t.iter_inodes().map(|(i, _)| i).collect();
+        assert_eq!(ids, vec![3, 5, 63, 64]);
+    }
+
+    #[test]
+    fn images_round_trip_and_replace() {
+        let mut t = Table::new(0, 1 << 20);
+        t.put_inode(7, Inode::new(0o100644, 1, 1, 7));
+        t.set_xattr(7, b"user.a", b"1");
+        t.put_dentry(2, 0xabcd_0000, Dentry { name: Name::new(b"x"), child: 7, kind: FileKind::File });
+        let set = t.take_dirty();
+        assert_eq!(set.inode_boxes, vec![0]);
+        let imgs: Vec<BoxImage> = set
+            .inode_boxes
+            .iter()
+            .map(|&b| t.image_inode_box(b))
+            .chain(set.dentry_boxes.iter().map(|&(d, b)| t.image_dentry_box(d, b)))
+            .collect();
+        let mut u = Table::new(0, 1 << 20);
+        u.put_inode(9, Inode::new(0o100644, 1, 1, 9)); // replaced by the image of box 0
+        for img in imgs {
+            let bytes = postcard::to_allocvec(&img).unwrap();
+            u.load_image(postcard::from_bytes(&bytes).unwrap()).unwrap();
+        }
+        assert!(u.inode(9).is_none());
+        assert_eq!(u.inode(7), t.inode(7));
+        assert_eq!(u.xattrs(7), t.xattrs(7));
+        assert_eq!(u.dentry_count(), 1);
+        assert_eq!(u.inode_count(), 1);
+        assert!(u.load_image(BoxImage::Inodes { boxno: 1 << 40, inodes: vec![] }).is_err());
+    }
+}

@@ -1,0 +1,250 @@
+//! Messages: the handshake, requests (one `Op` each) and replies.
+
+use crate::errno::FsError;
+use crate::types::*;
+use serde::{Deserialize, Serialize};
+
+/// Version of the message set below. A server refuses a client with another version.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// First frame on every connection, server to client: a fresh nonce to prove the key against.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Challenge {
+    pub version: u16,
+    pub nonce: [u8; 32],
+}
+
+/// Client to server: who the client is and proof that it holds the cluster key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Auth {
+    pub version: u16,
+    /// Identifies the client across its connections; keys the server's reply cache.
+    pub client_id: u64,
+    /// HMAC-SHA256(cluster key, nonce || client_id little-endian).
+    pub mac: [u8; 32],
+}
+
+/// Server to client: the connection is authenticated and may send requests.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    pub server_id: u64,
+    /// The root directory's inode id.
+    pub root: InodeId,
+    /// Largest frame the server accepts.
+    pub max_frame_bytes: u32,
+}
+
+/// One request. `seq` is non-zero for operations that must not run twice: a retry carries
+/// the same `seq` and is answered from the server's reply cache.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub cred: Credentials,
+    pub seq: u64,
+    pub op: Op,
+}
+
+/// Bytes of a name, serialized compactly.
+pub type NameBuf = Vec<u8>;
+
+/// Every file-system operation a metadata server performs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Op {
+    Lookup {
+        parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+    },
+    GetAttr {
+        id: InodeId,
+    },
+    SetAttr {
+        id: InodeId,
+        set: SetAttrs,
+    },
+    /// Creates a regular file, fifo, socket or device; `mode` carries the type bits.
+    /// With `exclusive` false an existing regular file is returned instead of EEXIST.
+    Mknod {
+        parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+        mode: u32,
+        rdev: u32,
+        exclusive: bool,
+    },
+    Mkdir {
+        parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+        mode: u32,
+    },
+    Symlink {
+        parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+        #[serde(with = "serde_bytes")]
+        target: Vec<u8>,
+    },
+    Link {
+        id: InodeId,
+        new_parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        new_name: NameBuf,
+    },
+    Unlink {
+        parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+    },
+    Rmdir {
+        parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+    },
+    Rename {
+        parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+        new_parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        new_name: NameBuf,
+        flags: u32,
+    },
+    Readlink {
+        id: InodeId,
+    },
+    /// Entries after `cookie` (0 = from the start), at most `max_entries`.
+    Readdir {
+        id: InodeId,
+        cookie: u64,
+        max_entries: u32,
+        plus: bool,
+    },
+    SetXattr {
+        id: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+        #[serde(with = "serde_bytes")]
+        value: Vec<u8>,
+        flags: u32,
+    },
+    GetXattr {
+        id: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+    },
+    ListXattr {
+        id: InodeId,
+    },
+    RemoveXattr {
+        id: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+    },
+    Access {
+        id: InodeId,
+        mask: u32,
+    },
+    StatFs,
+    /// Server state for `kochab status`.
+    Status,
+}
+
+impl Op {
+    /// A short, stable name for metrics and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Lookup { .. } => "lookup",
+            Op::GetAttr { .. } => "getattr",
+            Op::SetAttr { .. } => "setattr",
+            Op::Mknod { .. } => "mknod",
+            Op::Mkdir { .. } => "mkdir",
+            Op::Symlink { .. } => "symlink",
+            Op::Link { .. } => "link",
+            Op::Unlink { .. } => "unlink",
+            Op::Rmdir { .. } => "rmdir",
+            Op::Rename { .. } => "rename",
+            Op::Readlink { .. } => "readlink",
+            Op::Readdir { .. } => "readdir",
+            Op::SetXattr { .. } => "setxattr",
+            Op::GetXattr { .. } => "getxattr",
+            Op::ListXattr { .. } => "listxattr",
+            Op::RemoveXattr { .. } => "removexattr",
+            Op::Access { .. } => "access",
+            Op::StatFs => "statfs",
+            Op::Status => "status",
+        }
+    }
+
+    /// True if the operation changes the namespace and so must not run twice on a retry.
+    pub fn needs_reply_cache(&self) -> bool {
+        matches!(
+            self,
+            Op::Mknod { .. }
+                | Op::Mkdir { .. }
+                | Op::Symlink { .. }
+                | Op::Link { .. }
+                | Op::Unlink { .. }
+                | Op::Rmdir { .. }
+                | Op::Rename { .. }
+        )
+    }
+}
+
+/// The answer to one request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    /// Lookup, create, mkdir, mknod, symlink, link: the (new) inode.
+    Entry(Attr),
+    Attr(Attr),
+    Empty,
+    #[serde(with = "serde_bytes")]
+    Bytes(Vec<u8>),
+    Dir {
+        entries: Vec<DirEntry>,
+        /// True when no entry follows the last one returned.
+        eof: bool,
+    },
+    StatFs(StatFs),
+    Status(StatusReport),
+    Error(FsError),
+    /// The server does not serve a table this operation needs; refresh the map and retry.
+    WrongServer {
+        epoch: u64,
+    },
+}
+
+impl Reply {
+    /// Builds an error reply.
+    pub fn err(e: FsError) -> Reply {
+        Reply::Error(e)
+    }
+}
+
+/// One table (inode-id range) as a server reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TableStatus {
+    pub lo: InodeId,
+    pub hi: InodeId,
+    pub region: String,
+    pub inodes: u64,
+    pub dentries: u64,
+    /// Log sequence number from which this table's journal replay starts.
+    pub checkpoint_lsn: u64,
+}
+
+/// What `kochab status` shows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub server_id: u64,
+    pub uptime_ms: u64,
+    pub tables: Vec<TableStatus>,
+    pub inodes: u64,
+    pub dentries: u64,
+    pub journal_bytes: u64,
+    pub journal_segments: u64,
+    pub applied_lsn: u64,
+    pub durable_lsn: u64,
+    pub rss_bytes: u64,
+    pub connections: u64,
+    pub durable_mode: bool,
+}
