@@ -1,1 +1,624 @@
+//! The Kochab client library: a pool of multiplexed connections, safe retries, path
+//! resolution and one method per file-system operation.
+//!
+//! Retries are safe because every non-idempotent request carries a sequence number that the
+//! server's reply cache remembers: a create whose reply was lost is answered from the cache
+//! on retry instead of failing with EEXIST.
 
+pub mod conn;
+
+use conn::{Conn, ConnError};
+use kochab_proto::auth::ClusterKey;
+use kochab_proto::*;
+use parking_lot::Mutex;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+pub use kochab_proto as proto;
+
+/// Most symlinks followed while resolving one path (Linux's limit).
+pub const SYMLINK_FOLLOW_MAX: u32 = 40;
+
+/// How a client behaves.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    pub addr: SocketAddr,
+    pub key: ClusterKey,
+    /// Connections in the pool; requests are spread over them.
+    pub connections: usize,
+    /// Time one attempt may take before it is retried.
+    pub request_timeout: Duration,
+    /// Attempts per request (the first included).
+    pub attempts: u32,
+    /// Time to connect and authenticate.
+    pub connect_timeout: Duration,
+}
+
+impl ClientConfig {
+    pub fn new(addr: SocketAddr, key: ClusterKey) -> ClientConfig {
+        ClientConfig {
+            addr,
+            key,
+            connections: 2,
+            request_timeout: Duration::from_secs(15),
+            attempts: 4,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Resolves "host:port" to one address.
+pub fn resolve_addr(s: &str) -> FsResult<SocketAddr> {
+    s.to_socket_addrs()
+        .map_err(|e| fs_err!(EINVAL, "cannot resolve {s:?}: {e}"))?
+        .next()
+        .ok_or_else(|| fs_err!(EINVAL, "{s:?} resolves to no address"))
+}
+
+struct Inner {
+    config: ClientConfig,
+    pool: Vec<tokio::sync::Mutex<Option<Arc<Conn>>>>,
+    next: AtomicUsize,
+    seq: AtomicU64,
+    /// Sequence numbers whose replies have not arrived; the smallest is the floor the
+    /// server may forget below.
+    in_flight: Mutex<std::collections::BTreeSet<u64>>,
+    client_id: u64,
+    root: Mutex<InodeId>,
+}
+
+/// A client of one cluster. Cheap to clone; clones share connections and the client id.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    if getrandom::fill(&mut b).is_err() {
+        // No OS randomness: fall back to time and pid, still distinct across clients.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        return t ^ ((std::process::id() as u64) << 32);
+    }
+    u64::from_le_bytes(b)
+}
+
+impl Client {
+    /// Connects to the cluster (one connection first, to check the key).
+    pub async fn connect(config: ClientConfig) -> FsResult<Client> {
+        let n = config.connections.clamp(1, 64);
+        let inner = Arc::new(Inner {
+            pool: (0..n).map(|_| tokio::sync::Mutex::new(None)).collect(),
+            next: AtomicUsize::new(0),
+            seq: AtomicU64::new(1),
+            in_flight: Mutex::new(Default::default()),
+            client_id: random_u64(),
+            root: Mutex::new(0),
+            config,
+        });
+        let client = Client { inner };
+        let conn = client.conn(0).await?;
+        *client.inner.root.lock() = conn.root;
+        Ok(client)
+    }
+
+    /// The root directory's id.
+    pub fn root(&self) -> InodeId {
+        *self.inner.root.lock()
+    }
+
+    /// This client's id (keys the server's reply cache).
+    pub fn client_id(&self) -> u64 {
+        self.inner.client_id
+    }
+
+    async fn conn(&self, slot: usize) -> FsResult<Arc<Conn>> {
+        let mut guard = self.inner.pool[slot].lock().await;
+        if let Some(c) = guard.as_ref()
+            && c.is_alive()
+        {
+            return Ok(c.clone());
+        }
+        let cfg = &self.inner.config;
+        match Conn::connect(
+            cfg.addr,
+            &cfg.key,
+            self.inner.client_id,
+            cfg.connect_timeout,
+        )
+        .await
+        {
+            Ok(c) => {
+                *guard = Some(c.clone());
+                Ok(c)
+            }
+            Err(ConnError::Refused(e)) => Err(e),
+            Err(ConnError::Lost(why)) => Err(fs_err!(ENOTCONN, "cannot reach {}: {why}", cfg.addr)),
+        }
+    }
+
+    /// Sends one operation and returns the reply, retrying lost or slow attempts with the
+    /// same sequence number. Errors from the server come back as `Err`.
+    pub async fn call(&self, cred: &Credentials, op: Op) -> FsResult<Reply> {
+        if !op.needs_reply_cache() {
+            let req = Request {
+                cred: cred.clone(),
+                seq: 0,
+                seq_floor: 0,
+                op,
+            };
+            return self.send(&req).await;
+        }
+        let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        let seq_floor = {
+            let mut f = self.inner.in_flight.lock();
+            f.insert(seq);
+            f.first().copied().unwrap_or(seq)
+        };
+        // Removed from the in-flight set however this call ends, cancellation included.
+        let _done = InFlight {
+            inner: &self.inner,
+            seq,
+        };
+        let req = Request {
+            cred: cred.clone(),
+            seq,
+            seq_floor,
+            op,
+        };
+        self.send(&req).await
+    }
+
+    async fn send(&self, req: &Request) -> FsResult<Reply> {
+        let cfg = &self.inner.config;
+        let mut last_err = fs_err!(ETIMEDOUT, "no attempt made");
+        for attempt in 0..cfg.attempts.max(1) {
+            if attempt > 0 {
+                // 50, 100, 200 ms...: long enough for a restarting server, short enough
+                // that a mount whose cluster is gone fails promptly.
+                tokio::time::sleep(Duration::from_millis(50 << (attempt - 1).min(5))).await;
+            }
+            let slot = self.inner.next.fetch_add(1, Ordering::Relaxed) % self.inner.pool.len();
+            let conn = match self.conn(slot).await {
+                Ok(c) => c,
+                Err(e) if e.errno == Errno::ENOTCONN => {
+                    last_err = e;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            match tokio::time::timeout(cfg.request_timeout, conn.call(req)).await {
+                Ok(Ok(Reply::Error(e))) => return Err(e),
+                Ok(Ok(Reply::WrongServer { epoch })) => {
+                    last_err = fs_err!(ESTALE, "server does not serve this table (epoch {epoch})");
+                }
+                Ok(Ok(reply)) => return Ok(reply),
+                Ok(Err(ConnError::Refused(e))) => return Err(e),
+                Ok(Err(ConnError::Lost(why))) => {
+                    last_err = fs_err!(ENOTCONN, "connection lost: {why}")
+                }
+                Err(_) => {
+                    conn.mark_dead();
+                    last_err = fs_err!(ETIMEDOUT, "no reply within {:?}", cfg.request_timeout);
+                }
+            }
+        }
+        Err(last_err)
+    }
+
+    async fn entry(&self, cred: &Credentials, op: Op) -> FsResult<Attr> {
+        match self.call(cred, op).await? {
+            Reply::Entry(a) | Reply::Attr(a) => Ok(a),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn empty(&self, cred: &Credentials, op: Op) -> FsResult<()> {
+        match self.call(cred, op).await? {
+            Reply::Empty => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn bytes(&self, cred: &Credentials, op: Op) -> FsResult<Vec<u8>> {
+        match self.call(cred, op).await? {
+            Reply::Bytes(b) => Ok(b),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    pub async fn lookup(&self, cred: &Credentials, parent: InodeId, name: &[u8]) -> FsResult<Attr> {
+        self.entry(
+            cred,
+            Op::Lookup {
+                parent,
+                name: name.to_vec(),
+            },
+        )
+        .await
+    }
+
+    pub async fn getattr(&self, cred: &Credentials, id: InodeId) -> FsResult<Attr> {
+        self.entry(cred, Op::GetAttr { id }).await
+    }
+
+    pub async fn setattr(&self, cred: &Credentials, id: InodeId, set: SetAttrs) -> FsResult<Attr> {
+        self.entry(cred, Op::SetAttr { id, set }).await
+    }
+
+    /// Creates a regular file (or, with type bits in `mode`, a fifo, socket or device).
+    pub async fn mknod(
+        &self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+        exclusive: bool,
+    ) -> FsResult<Attr> {
+        self.entry(
+            cred,
+            Op::Mknod {
+                parent,
+                name: name.to_vec(),
+                mode,
+                rdev,
+                exclusive,
+            },
+        )
+        .await
+    }
+
+    /// Creates a regular file exclusively.
+    pub async fn create(
+        &self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        mode: u32,
+    ) -> FsResult<Attr> {
+        self.mknod(
+            cred,
+            parent,
+            name,
+            mode::S_IFREG | (mode & mode::PERM_MASK),
+            0,
+            true,
+        )
+        .await
+    }
+
+    pub async fn mkdir(
+        &self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        mode: u32,
+    ) -> FsResult<Attr> {
+        self.entry(
+            cred,
+            Op::Mkdir {
+                parent,
+                name: name.to_vec(),
+                mode,
+            },
+        )
+        .await
+    }
+
+    pub async fn symlink(
+        &self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        target: &[u8],
+    ) -> FsResult<Attr> {
+        self.entry(
+            cred,
+            Op::Symlink {
+                parent,
+                name: name.to_vec(),
+                target: target.to_vec(),
+            },
+        )
+        .await
+    }
+
+    pub async fn link(
+        &self,
+        cred: &Credentials,
+        id: InodeId,
+        new_parent: InodeId,
+        new_name: &[u8],
+    ) -> FsResult<Attr> {
+        self.entry(
+            cred,
+            Op::Link {
+                id,
+                new_parent,
+                new_name: new_name.to_vec(),
+            },
+        )
+        .await
+    }
+
+    pub async fn unlink(&self, cred: &Credentials, parent: InodeId, name: &[u8]) -> FsResult<()> {
+        self.empty(
+            cred,
+            Op::Unlink {
+                parent,
+                name: name.to_vec(),
+            },
+        )
+        .await
+    }
+
+    pub async fn rmdir(&self, cred: &Credentials, parent: InodeId, name: &[u8]) -> FsResult<()> {
+        self.empty(
+            cred,
+            Op::Rmdir {
+                parent,
+                name: name.to_vec(),
+            },
+        )
+        .await
+    }
+
+    pub async fn rename(
+        &self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        new_parent: InodeId,
+        new_name: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
+        self.empty(
+            cred,
+            Op::Rename {
+                parent,
+                name: name.to_vec(),
+                new_parent,
+                new_name: new_name.to_vec(),
+                flags,
+            },
+        )
+        .await
+    }
+
+    pub async fn readlink(&self, cred: &Credentials, id: InodeId) -> FsResult<Vec<u8>> {
+        self.bytes(cred, Op::Readlink { id }).await
+    }
+
+    /// One page of entries after `cookie`.
+    pub async fn readdir_page(
+        &self,
+        cred: &Credentials,
+        id: InodeId,
+        cookie: u64,
+        max_entries: u32,
+        plus: bool,
+    ) -> FsResult<(Vec<DirEntry>, bool)> {
+        match self
+            .call(
+                cred,
+                Op::Readdir {
+                    id,
+                    cookie,
+                    max_entries,
+                    plus,
+                },
+            )
+            .await?
+        {
+            Reply::Dir { entries, eof } => Ok((entries, eof)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Every entry of a directory except "." and "..".
+    pub async fn readdir_all(
+        &self,
+        cred: &Credentials,
+        id: InodeId,
+        plus: bool,
+    ) -> FsResult<Vec<DirEntry>> {
+        let mut all = Vec::new();
+        let mut cookie = 0;
+        loop {
+            let (page, eof) = self.readdir_page(cred, id, cookie, 1024, plus).await?;
+            if let Some(last) = page.last() {
+                cookie = last.cookie;
+            }
+            all.extend(
+                page.into_iter()
+                    .filter(|e| e.name != b"." && e.name != b".."),
+            );
+            if eof {
+                return Ok(all);
+            }
+        }
+    }
+
+    pub async fn setxattr(
+        &self,
+        cred: &Credentials,
+        id: InodeId,
+        name: &[u8],
+        value: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
+        self.empty(
+            cred,
+            Op::SetXattr {
+                id,
+                name: name.to_vec(),
+                value: value.to_vec(),
+                flags,
+            },
+        )
+        .await
+    }
+
+    pub async fn getxattr(
+        &self,
+        cred: &Credentials,
+        id: InodeId,
+        name: &[u8],
+    ) -> FsResult<Vec<u8>> {
+        self.bytes(
+            cred,
+            Op::GetXattr {
+                id,
+                name: name.to_vec(),
+            },
+        )
+        .await
+    }
+
+    pub async fn listxattr(&self, cred: &Credentials, id: InodeId) -> FsResult<Vec<u8>> {
+        self.bytes(cred, Op::ListXattr { id }).await
+    }
+
+    pub async fn removexattr(&self, cred: &Credentials, id: InodeId, name: &[u8]) -> FsResult<()> {
+        self.empty(
+            cred,
+            Op::RemoveXattr {
+                id,
+                name: name.to_vec(),
+            },
+        )
+        .await
+    }
+
+    pub async fn access(&self, cred: &Credentials, id: InodeId, mask: u32) -> FsResult<()> {
+        self.empty(cred, Op::Access { id, mask }).await
+    }
+
+    pub async fn statfs(&self, cred: &Credentials) -> FsResult<StatFs> {
+        match self.call(cred, Op::StatFs).await? {
+            Reply::StatFs(s) => Ok(s),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    pub async fn status(&self) -> FsResult<StatusReport> {
+        match self.call(&Credentials::root(), Op::Status).await? {
+            Reply::Status(s) => Ok(s),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Checks the namespace invariants on the server; returns the problems found.
+    pub async fn fsck(&self) -> FsResult<Vec<String>> {
+        match self.call(&Credentials::root(), Op::Fsck).await? {
+            Reply::Problems(p) => Ok(p),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Resolves an absolute path (relative paths are taken from the root) to its inode,
+    /// following symlinks in every component but the last unless `follow_last`.
+    pub async fn resolve(
+        &self,
+        cred: &Credentials,
+        path: &str,
+        follow_last: bool,
+    ) -> FsResult<Attr> {
+        let mut follows = 0;
+        let mut pending: Vec<Vec<u8>> = components(path.as_bytes());
+        pending.reverse();
+        let root = self.getattr(cred, self.root()).await?;
+        let mut stack: Vec<Attr> = vec![root];
+        while let Some(comp) = pending.pop() {
+            let cur = stack
+                .last()
+                .cloned()
+                .unwrap_or_else(|| unreachable!("the stack always holds the root"));
+            if comp == b"." {
+                continue;
+            }
+            if comp == b".." {
+                if stack.len() > 1 {
+                    stack.pop();
+                }
+                continue;
+            }
+            if cur.kind() != FileKind::Dir {
+                return Err(fs_err!(
+                    ENOTDIR,
+                    "a component of {path:?} is not a directory"
+                ));
+            }
+            let attr = self.lookup(cred, cur.id, &comp).await?;
+            let last = pending.is_empty();
+            if attr.kind() == FileKind::Symlink && (!last || follow_last) {
+                follows += 1;
+                if follows > SYMLINK_FOLLOW_MAX {
+                    return Err(fs_err!(ELOOP, "too many symlinks in {path:?}"));
+                }
+                let target = self.readlink(cred, attr.id).await?;
+                if target.first() == Some(&b'/') {
+                    stack.truncate(1);
+                }
+                let mut more = components(&target);
+                more.reverse();
+                pending.extend(more);
+                continue;
+            }
+            stack.push(attr);
+        }
+        stack
+            .pop()
+            .ok_or_else(|| fs_err!(EIO, "path resolution lost its root"))
+    }
+
+    /// Resolves the parent of `path` and returns it with the last component's name.
+    pub async fn resolve_parent(
+        &self,
+        cred: &Credentials,
+        path: &str,
+    ) -> FsResult<(Attr, Vec<u8>)> {
+        let mut comps = components(path.as_bytes());
+        let name = comps
+            .pop()
+            .ok_or_else(|| fs_err!(EINVAL, "{path:?} has no last component"))?;
+        if name == b"." || name == b".." {
+            return Err(fs_err!(EINVAL, "{path:?} ends in . or .."));
+        }
+        let parent_path: Vec<u8> = comps.join(&b'/');
+        let parent = self
+            .resolve(cred, &String::from_utf8_lossy(&parent_path), true)
+            .await?;
+        if parent.kind() != FileKind::Dir {
+            return Err(fs_err!(ENOTDIR, "parent of {path:?} is not a directory"));
+        }
+        Ok((parent, name))
+    }
+}
+
+struct InFlight<'a> {
+    inner: &'a Inner,
+    seq: u64,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.inner.in_flight.lock().remove(&self.seq);
+    }
+}
+
+fn components(path: &[u8]) -> Vec<Vec<u8>> {
+    path.split(|&c| c == b'/')
+        .filter(|c| !c.is_empty())
+        .map(|c| c.to_vec())
+        .collect()
+}
+
+fn unexpected(reply: Reply) -> FsError {
+    fs_err!(EPROTO, "unexpected reply {reply:?}")
+}

@@ -34,13 +34,17 @@ impl Engine {
     /// Chooses the id of a new file in `dir`, updating the directory's allocator `dm`.
     /// May claim the file range of a nonexistent sibling; the changed id-parent is returned
     /// for the caller to journal with the operation.
-    pub(crate) fn alloc_file(&mut self, dir: InodeId, dm: &mut DirMeta) -> OpResult<(InodeId, Claim)> {
+    pub(crate) fn alloc_file(
+        &mut self,
+        dir: InodeId,
+        dm: &mut DirMeta,
+    ) -> OpResult<(InodeId, Claim)> {
         let own = self.policy.own_file_range(dir);
-        if dm.file_end == 0 {
-            if let Some((lo, hi)) = own {
-                dm.file_next = lo;
-                dm.file_end = hi;
-            }
+        if dm.file_end == 0
+            && let Some((lo, hi)) = own
+        {
+            dm.file_next = lo;
+            dm.file_end = hi;
         }
         // 1. The current range.
         if let Some(id) = self.scan_free(&mut dm.file_next, dm.file_end) {
@@ -56,15 +60,17 @@ impl Engine {
             }
         }
         // 3. The file segment of the next, nonexistent sibling (the paper's "cousins").
-        if let Some(claim) = self.claim_sibling_range(dir, dm) {
-            if let Some(id) = self.scan_free(&mut dm.file_next, dm.file_end) {
-                return Ok((id, Some(claim)));
-            }
+        if let Some(claim) = self.claim_sibling_range(dir, dm)
+            && let Some(id) = self.scan_free(&mut dm.file_next, dm.file_end)
+        {
+            return Ok((id, Some(claim)));
         }
         // 4. A range of the too-wide region.
         for _ in 0..SCAN_MAX {
             let n = self.counters.wide_next;
-            let Some((lo, hi)) = self.policy.wide_range(n) else { break };
+            let Some((lo, hi)) = self.policy.wide_range(n) else {
+                break;
+            };
             self.counters.wide_next += 1;
             if self.is_free(lo) {
                 let mut next = lo;
@@ -83,7 +89,11 @@ impl Engine {
     /// sibling has never been handed out by its id-parent.
     fn claim_sibling_range(&self, dir: InodeId, dm: &mut DirMeta) -> Option<(InodeId, Inode)> {
         let layout = self.policy.tree_layout(dir)?;
-        let current = if dm.file_end > 0 { dm.file_end - 1 } else { dir };
+        let current = if dm.file_end > 0 {
+            dm.file_end - 1
+        } else {
+            dir
+        };
         if Region::of(current) != Region::of(dir) {
             return None;
         }
@@ -113,7 +123,9 @@ impl Engine {
                 let mut v = pm.subdir_next.max(1);
                 for pass in 0..2 {
                     for _ in 0..SCAN_MAX {
-                        let Some(id) = layout.child_dir(parent, v) else { break };
+                        let Some(id) = layout.child_dir(parent, v) else {
+                            break;
+                        };
                         v += 1;
                         if self.is_free(id) {
                             pm.subdir_next = v;
@@ -131,7 +143,9 @@ impl Engine {
         }
         // Too deep (or too many subdirectories): a new root in the too-deep region.
         for _ in 0..SCAN_MAX {
-            let Some(id) = self.policy.deep.root(self.counters.deep_next) else { break };
+            let Some(id) = self.policy.deep.root(self.counters.deep_next) else {
+                break;
+            };
             self.counters.deep_next += 1;
             if self.is_free(id) {
                 return Ok(id);

@@ -77,6 +77,18 @@ impl DirEntries {
         }
     }
 
+    /// True if `name` (hash `hash`) is present or its bucket has a free slot.
+    pub fn has_room(&self, hash: u64, name: &[u8]) -> bool {
+        match self.buckets.get(&bucket_of(hash)) {
+            None | Some(Bucket::One(_)) => true,
+            Some(Bucket::Many(v)) => {
+                v.len() < BUCKET_SLOTS
+                    || v.iter()
+                        .any(|e| e.as_ref().is_none_or(|d| d.name.as_bytes() == name))
+            }
+        }
+    }
+
     /// Inserts or replaces the entry for `d.name`. Returns whether the name is new.
     pub fn insert(&mut self, hash: u64, d: Dentry) -> Result<bool, BucketFull> {
         let key = bucket_of(hash);
@@ -120,12 +132,17 @@ impl DirEntries {
         let bucket = self.buckets.get_mut(&key)?;
         let removed = match bucket {
             Bucket::One(d) if d.name.as_bytes() == name => {
-                let Some(Bucket::One(d)) = self.buckets.remove(&key) else { unreachable!() };
+                let Some(Bucket::One(d)) = self.buckets.remove(&key) else {
+                    unreachable!()
+                };
                 Some(d)
             }
             Bucket::One(_) => None,
             Bucket::Many(v) => {
-                let taken = v.iter_mut().find(|e| e.as_ref().is_some_and(|d| d.name.as_bytes() == name)).and_then(Option::take);
+                let taken = v
+                    .iter_mut()
+                    .find(|e| e.as_ref().is_some_and(|d| d.name.as_bytes() == name))
+                    .and_then(Option::take);
                 if v.iter().all(Option::is_none) {
                     self.buckets.remove(&key);
                 }
@@ -230,7 +247,9 @@ impl DirEntries {
         match b {
             Bucket::One(d) => Box::new(std::iter::once((key, d))),
             Bucket::Many(v) => Box::new(
-                v.iter().enumerate().filter_map(move |(i, d)| d.as_ref().map(|d| (key | i as u64, d))),
+                v.iter()
+                    .enumerate()
+                    .filter_map(move |(i, d)| d.as_ref().map(|d| (key | i as u64, d))),
             ),
         }
     }
@@ -241,14 +260,22 @@ mod tests {
     use super::*;
 
     fn d(name: &str, child: u64) -> Dentry {
-        Dentry { name: Name::new(name.as_bytes()), child, kind: FileKind::File }
+        Dentry {
+            name: Name::new(name.as_bytes()),
+            child,
+            kind: FileKind::File,
+        }
     }
 
     #[test]
     fn cookies_survive_other_changes() {
         let mut e = DirEntries::default();
         for i in 0..100u64 {
-            e.insert(i.wrapping_mul(0x9e37_79b9_7f4a_7c15), d(&format!("f{i}"), i)).unwrap();
+            e.insert(
+                i.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                d(&format!("f{i}"), i),
+            )
+            .unwrap();
         }
         let all: Vec<(u64, u64)> = e.iter().map(|(c, d)| (c, d.child)).collect();
         assert_eq!(all.len(), 100);
@@ -257,7 +284,11 @@ mod tests {
         e.remove(0, b"f0");
         e.remove(99u64.wrapping_mul(0x9e37_79b9_7f4a_7c15), b"f99");
         let rest: Vec<u64> = e.iter_after(mid_cookie).map(|(_, d)| d.child).collect();
-        let expect: Vec<u64> = all[51..].iter().map(|x| x.1).filter(|&c| c != 0 && c != 99).collect();
+        let expect: Vec<u64> = all[51..]
+            .iter()
+            .map(|x| x.1)
+            .filter(|&c| c != 0 && c != 99)
+            .collect();
         assert_eq!(rest, expect);
     }
 
@@ -274,12 +305,21 @@ mod tests {
         let after: Vec<u64> = e.iter().map(|(c, _)| c).collect();
         assert_eq!(after, cookies[1..].to_vec());
         assert_eq!(e.get(h, b"c").unwrap().child, 3);
-        assert_eq!(e.iter_after(cookies[1]).map(|(_, d)| d.child).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(
+            e.iter_after(cookies[1])
+                .map(|(_, d)| d.child)
+                .collect::<Vec<_>>(),
+            vec![3]
+        );
         for i in 0..14 {
             e.insert(h, d(&format!("x{i}"), 10 + i)).unwrap();
         }
         assert_eq!(e.insert(h, d("overflow", 99)), Err(BucketFull));
-        assert_eq!(e.insert(h, d("c", 33)), Ok(false), "replacing is fine when full");
+        assert_eq!(
+            e.insert(h, d("c", 33)),
+            Ok(false),
+            "replacing is fine when full"
+        );
         assert_eq!(e.len(), 16);
     }
 
@@ -287,7 +327,11 @@ mod tests {
     fn box_clear_and_insert_at_round_trip() {
         let mut e = DirEntries::default();
         for i in 0..1000u64 {
-            e.insert(i.wrapping_mul(0x9e37_79b9_7f4a_7c15), d(&format!("n{i}"), i)).unwrap();
+            e.insert(
+                i.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                d(&format!("n{i}"), i),
+            )
+            .unwrap();
         }
         let boxes = e.boxes();
         let b = boxes[3];

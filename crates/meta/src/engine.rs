@@ -31,7 +31,11 @@ pub struct EngineConfig {
 impl EngineConfig {
     /// Default widths with the given hash key.
     pub fn with_key(name_hash_key: [u64; 2]) -> Self {
-        EngineConfig { id_policy: IdPolicyConfig::default(), primary_tables: 16, name_hash_key }
+        EngineConfig {
+            id_policy: IdPolicyConfig::default(),
+            primary_tables: 16,
+            name_hash_key,
+        }
     }
 }
 
@@ -77,19 +81,32 @@ pub struct Engine {
 
 /// The id ranges of a new cluster's tables: the catch-all, too-deep and too-wide regions
 /// whole, and the primary region cut into `primary_tables` ranges of top-level slots.
-pub fn initial_table_ranges(policy: &IdPolicy, primary_tables: u32) -> Result<Vec<(InodeId, InodeId)>, String> {
+pub fn initial_table_ranges(
+    policy: &IdPolicy,
+    primary_tables: u32,
+) -> Result<Vec<(InodeId, InodeId)>, String> {
     let slots = policy.primary.slot_max(0) + 1;
     let n = primary_tables as u64;
     if n == 0 || !n.is_power_of_two() || n > slots {
-        return Err(format!("primary_tables must be a power of two between 1 and {slots}"));
+        return Err(format!(
+            "primary_tables must be a power of two between 1 and {slots}"
+        ));
     }
     let root = policy.root();
     let step_slots = slots / n;
-    let slot_span = policy.primary.child_dir(root, 1).ok_or("primary layout has no top-level slot")? - root;
+    let slot_span = policy
+        .primary
+        .child_dir(root, 1)
+        .ok_or("primary layout has no top-level slot")?
+        - root;
     let mut ranges = vec![(Region::CatchAll.base(), Region::CatchAll.end())];
     for i in 0..n {
         let lo = root + i * step_slots * slot_span;
-        let hi = if i + 1 == n { Region::Primary.end() } else { root + (i + 1) * step_slots * slot_span };
+        let hi = if i + 1 == n {
+            Region::Primary.end()
+        } else {
+            root + (i + 1) * step_slots * slot_span
+        };
         ranges.push((lo, hi));
     }
     ranges.push((Region::TooDeep.base(), Region::TooDeep.end()));
@@ -105,14 +122,21 @@ impl Engine {
         tables.sort_by_key(|t| t.lo);
         for w in tables.windows(2) {
             if w[0].hi > w[1].lo {
-                return Err(format!("tables {:#x}.. and {:#x}.. overlap", w[0].lo, w[1].lo));
+                return Err(format!(
+                    "tables {:#x}.. and {:#x}.. overlap",
+                    w[0].lo, w[1].lo
+                ));
             }
         }
         Ok(Engine {
             policy,
             config,
             tables,
-            counters: RegionCounters { deep_next: 1, wide_next: 1, catchall_next: CATCHALL_FIRST },
+            counters: RegionCounters {
+                deep_next: 1,
+                wide_next: 1,
+                catchall_next: CATCHALL_FIRST,
+            },
             epoch: 1,
         })
     }
@@ -166,7 +190,9 @@ impl Engine {
     }
 
     pub(crate) fn table(&self, id: InodeId) -> OpResult<&Table> {
-        self.table_index(id).map(|i| &self.tables[i]).ok_or(Fail::NotHosted(id))
+        self.table_index(id)
+            .map(|i| &self.tables[i])
+            .ok_or(Fail::NotHosted(id))
     }
 
     /// The inode `id`, if it exists in a hosted table.
@@ -175,13 +201,18 @@ impl Engine {
     }
 
     pub(crate) fn get(&self, id: InodeId) -> OpResult<&Inode> {
-        self.table(id)?.inode(id).ok_or_else(|| Fail::Fs(fs_err!(ENOENT, "no inode {id:#x}")))
+        self.table(id)?
+            .inode(id)
+            .ok_or_else(|| Fail::Fs(fs_err!(ENOENT, "no inode {id:#x}")))
     }
 
     pub(crate) fn get_dir(&self, id: InodeId) -> OpResult<&Inode> {
         let inode = self.get(id)?;
         if !inode.is_dir() {
-            return Err(Fail::Fs(fs_err!(ENOTDIR, "inode {id:#x} is not a directory")));
+            return Err(Fail::Fs(fs_err!(
+                ENOTDIR,
+                "inode {id:#x} is not a directory"
+            )));
         }
         Ok(inode)
     }
@@ -197,7 +228,10 @@ impl Engine {
     /// The entry `dir/name`, if any.
     pub(crate) fn entry(&self, dir: InodeId, name: &[u8]) -> OpResult<Option<&Dentry>> {
         let hash = self.name_hash(name);
-        Ok(self.table(dir)?.entries(dir).and_then(|e| e.get(hash, name)))
+        Ok(self
+            .table(dir)?
+            .entries(dir)
+            .and_then(|e| e.get(hash, name)))
     }
 
     /// Number of entries in `dir`.
@@ -207,7 +241,10 @@ impl Engine {
 
     /// True if `id` may be handed to a new inode: hosted here and unused.
     pub(crate) fn is_free(&self, id: InodeId) -> bool {
-        id >= CATCHALL_FIRST && self.table_index(id).is_some_and(|i| self.tables[i].inode(id).is_none())
+        id >= CATCHALL_FIRST
+            && self
+                .table_index(id)
+                .is_some_and(|i| self.tables[i].inode(id).is_none())
     }
 
     /// Applies mutations made by a live operation (already checked, so they cannot fail).
@@ -223,13 +260,24 @@ impl Engine {
     /// Applies one mutation to the table that holds its key.
     pub fn apply(&mut self, m: &Mutation) -> Result<(), String> {
         let key = m.table_key();
-        let i = self.table_index(key).ok_or_else(|| format!("mutation for {key:#x}, whose table is not hosted"))?;
+        let i = self
+            .table_index(key)
+            .ok_or_else(|| format!("mutation for {key:#x}, whose table is not hosted"))?;
         match m {
             Mutation::PutInode { id, inode } => self.tables[i].put_inode(*id, inode.clone()),
             Mutation::DropInode { id } => self.tables[i].drop_inode(*id),
-            Mutation::PutDentry { parent, name, child, kind } => {
+            Mutation::PutDentry {
+                parent,
+                name,
+                child,
+                kind,
+            } => {
                 let hash = self.name_hash(name.as_bytes());
-                let d = Dentry { name: name.clone(), child: *child, kind: *kind };
+                let d = Dentry {
+                    name: name.clone(),
+                    child: *child,
+                    kind: *kind,
+                };
                 if !self.tables[i].put_dentry(*parent, hash, d) {
                     return Err(format!("hash bucket of {name:?} in {parent:#x} is full"));
                 }
@@ -268,13 +316,24 @@ impl Engine {
         };
         let deep = max_in(Region::TooDeep).map_or(1, |id| self.policy.deep_number(id) + 1);
         let wide = max_in(Region::TooWide).map_or(1, |id| self.policy.wide_number(id) + 1);
-        let catchall = max_in(Region::CatchAll).map_or(CATCHALL_FIRST, |id| (id + 1).max(CATCHALL_FIRST));
-        self.counters = RegionCounters { deep_next: deep, wide_next: wide, catchall_next: catchall };
+        let catchall =
+            max_in(Region::CatchAll).map_or(CATCHALL_FIRST, |id| (id + 1).max(CATCHALL_FIRST));
+        self.counters = RegionCounters {
+            deep_next: deep,
+            wide_next: wide,
+            catchall_next: catchall,
+        };
     }
 
     /// Runs one operation: checks it, emits its mutations into `out` (which the caller
     /// journals) and applies them. Read-only operations emit nothing.
-    pub fn execute(&mut self, cred: &Credentials, op: &Op, now: TimeNs, out: &mut Vec<Mutation>) -> Reply {
+    pub fn execute(
+        &mut self,
+        cred: &Credentials,
+        op: &Op,
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> Reply {
         let start = out.len();
         let result = self.dispatch(cred, op, now, out);
         match result {
@@ -292,7 +351,9 @@ impl Engine {
 
     /// Total inodes and entries over all tables.
     pub fn counts(&self) -> (u64, u64) {
-        self.tables.iter().fold((0, 0), |(i, d), t| (i + t.inode_count(), d + t.dentry_count()))
+        self.tables.iter().fold((0, 0), |(i, d), t| {
+            (i + t.inode_count(), d + t.dentry_count())
+        })
     }
 
     /// Checks the namespace invariants of DESIGN.md over every hosted table: every entry
@@ -309,21 +370,34 @@ impl Engine {
             for (dir, entries) in t.iter_dirs() {
                 match t.inode(dir) {
                     Some(d) if d.is_dir() => {}
-                    _ => problems.push(format!("entries under {dir:#x}, which is not a live directory")),
+                    _ => problems.push(format!(
+                        "entries under {dir:#x}, which is not a live directory"
+                    )),
                 }
                 for (_, e) in entries.iter() {
                     let Some(child) = self.inode(e.child) else {
-                        problems.push(format!("{dir:#x}/{:?} names missing inode {:#x}", e.name, e.child));
+                        problems.push(format!(
+                            "{dir:#x}/{:?} names missing inode {:#x}",
+                            e.name, e.child
+                        ));
                         continue;
                     };
                     if child.kind() != e.kind {
-                        problems.push(format!("{dir:#x}/{:?} has kind {:?}, inode is {:?}", e.name, e.kind, child.kind()));
+                        problems.push(format!(
+                            "{dir:#x}/{:?} has kind {:?}, inode is {:?}",
+                            e.name,
+                            e.kind,
+                            child.kind()
+                        ));
                     }
                     *names.entry(e.child).or_default() += 1;
                     if e.kind == FileKind::Dir {
                         *subdirs.entry(dir).or_default() += 1;
                         if let Some(prev) = dir_name_in.insert(e.child, dir) {
-                            problems.push(format!("directory {:#x} has names in {prev:#x} and {dir:#x}", e.child));
+                            problems.push(format!(
+                                "directory {:#x} has names in {prev:#x} and {dir:#x}",
+                                e.child
+                            ));
                         }
                     }
                 }
@@ -337,7 +411,11 @@ impl Engine {
                     let expect = 2 + subdirs.get(&id).copied().unwrap_or(0);
                     let saturated = inode.nlink == 1 && expect >= kochab_proto::LINK_MAX;
                     if inode.nlink != expect && !saturated {
-                        problems.push(format!("directory {id:#x} has nlink {} but {} subdirectories", inode.nlink, expect - 2));
+                        problems.push(format!(
+                            "directory {id:#x} has nlink {} but {} subdirectories",
+                            inode.nlink,
+                            expect - 2
+                        ));
                     }
                     let parent = inode.dir().map_or(0, |d| d.parent);
                     if id == root {
@@ -345,10 +423,16 @@ impl Engine {
                             problems.push("root has a name or a foreign parent".to_string());
                         }
                     } else if dir_name_in.get(&id) != Some(&parent) {
-                        problems.push(format!("directory {id:#x}: parent link {parent:#x} but named in {:?}", dir_name_in.get(&id)));
+                        problems.push(format!(
+                            "directory {id:#x}: parent link {parent:#x} but named in {:?}",
+                            dir_name_in.get(&id)
+                        ));
                     }
                 } else if inode.nlink != n {
-                    problems.push(format!("inode {id:#x} has nlink {} but {n} names", inode.nlink));
+                    problems.push(format!(
+                        "inode {id:#x} has nlink {} but {n} names",
+                        inode.nlink
+                    ));
                 }
             }
         }

@@ -108,15 +108,25 @@ pub struct Layout {
 impl Layout {
     fn new(region: Region, slots: &[u8]) -> Result<Layout, String> {
         if slots.is_empty() {
-            return Err(format!("{} region needs at least one directory slot", region.label()));
+            return Err(format!(
+                "{} region needs at least one directory slot",
+                region.label()
+            ));
         }
         let total: u32 = slots.iter().map(|&b| b as u32).sum();
         if slots.iter().any(|&b| b == 0 || b > 32) {
-            return Err(format!("{} slot widths must be 1..=32 bits", region.label()));
+            return Err(format!(
+                "{} slot widths must be 1..=32 bits",
+                region.label()
+            ));
         }
         // A file segment narrower than 8 bits overflows after 255 files: useless.
         if total + 8 > REGION_SHIFT {
-            return Err(format!("{} slots use {total} bits; at most {} allowed", region.label(), REGION_SHIFT - 8));
+            return Err(format!(
+                "{} slots use {total} bits; at most {} allowed",
+                region.label(),
+                REGION_SHIFT - 8
+            ));
         }
         let mut shifts = Vec::with_capacity(slots.len());
         let mut used = 0;
@@ -149,7 +159,9 @@ impl Layout {
 
     /// Filled slots of a directory id: its depth below the region's root.
     pub fn depth(&self, id: InodeId) -> usize {
-        (0..self.levels()).take_while(|&l| self.slot(id, l) != 0).count()
+        (0..self.levels())
+            .take_while(|&l| self.slot(id, l) != 0)
+            .count()
     }
 
     /// The id with its file segment cleared.
@@ -186,7 +198,10 @@ impl Layout {
         }
         let level = depth - 1;
         let value = self.slot(dir, level);
-        Some((self.dir_base(dir) & !(self.slot_max(level) << self.shifts[level]), value))
+        Some((
+            self.dir_base(dir) & !(self.slot_max(level) << self.shifts[level]),
+            value,
+        ))
     }
 
     /// Root id number `value` of a region whose roots are numbered by slot 0 (too-deep,
@@ -214,7 +229,12 @@ impl IdPolicy {
         let primary = Layout::new(Region::Primary, &config.primary_slots)?;
         let deep = Layout::new(Region::TooDeep, &config.deep_slots)?;
         let wide = Layout::new(Region::TooWide, &[config.wide_dir_bits])?;
-        Ok(IdPolicy { config, primary, deep, wide })
+        Ok(IdPolicy {
+            config,
+            primary,
+            deep,
+            wide,
+        })
     }
 
     /// The root directory: the primary region with every slot empty.
@@ -308,7 +328,12 @@ mod tests {
     #[test]
     fn regions_are_disjoint() {
         let p = small();
-        for id in [p.root(), p.deep.root(1).unwrap(), p.wide_range(1).unwrap().0, CATCHALL_FIRST] {
+        for id in [
+            p.root(),
+            p.deep.root(1).unwrap(),
+            p.wide_range(1).unwrap().0,
+            CATCHALL_FIRST,
+        ] {
             let r = Region::of(id);
             assert!(r.base() <= id && id < r.end());
         }
@@ -320,8 +345,20 @@ mod tests {
 
     #[test]
     fn bad_widths_are_refused() {
-        assert!(IdPolicy::new(IdPolicyConfig { primary_slots: vec![], ..Default::default() }).is_err());
-        assert!(IdPolicy::new(IdPolicyConfig { primary_slots: vec![30, 30], ..Default::default() }).is_err());
+        assert!(
+            IdPolicy::new(IdPolicyConfig {
+                primary_slots: vec![],
+                ..Default::default()
+            })
+            .is_err()
+        );
+        assert!(
+            IdPolicy::new(IdPolicyConfig {
+                primary_slots: vec![30, 30],
+                ..Default::default()
+            })
+            .is_err()
+        );
         assert!(IdPolicy::new(IdPolicyConfig::default()).is_ok());
     }
 }

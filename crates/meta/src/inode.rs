@@ -86,7 +86,10 @@ impl Inode {
 
     /// Mutable directory state, created on first use.
     pub fn dir_mut(&mut self) -> &mut DirMeta {
-        self.extra.get_or_insert_with(Default::default).dir.get_or_insert_with(Default::default)
+        self.extra
+            .get_or_insert_with(Default::default)
+            .dir
+            .get_or_insert_with(Default::default)
     }
 
     /// The symlink target, if this is a symlink.
@@ -100,7 +103,10 @@ impl Inode {
             // Report what a small ext4 directory shows; tools such as du expect blocks.
             (BLKSIZE as u64, 8)
         } else {
-            (self.size, self.size.div_ceil(BLKSIZE as u64) * (BLKSIZE as u64 / 512))
+            (
+                self.size,
+                self.size.div_ceil(BLKSIZE as u64) * (BLKSIZE as u64 / 512),
+            )
         };
         Attr {
             id,
@@ -128,6 +134,10 @@ mod tests {
     #[test]
     fn inode_stays_small() {
         // Memory per file is a stated goal (<= 300 bytes per file with its entry).
-        assert!(std::mem::size_of::<Inode>() <= 72, "{}", std::mem::size_of::<Inode>());
+        assert!(
+            std::mem::size_of::<Inode>() <= 72,
+            "{}",
+            std::mem::size_of::<Inode>()
+        );
     }
 }

@@ -17,7 +17,12 @@ pub enum Mutation {
     /// The inode is gone, with its extended attributes.
     DropInode { id: InodeId },
     /// `parent/name` now names `child`.
-    PutDentry { parent: InodeId, name: Name, child: InodeId, kind: FileKind },
+    PutDentry {
+        parent: InodeId,
+        name: Name,
+        child: InodeId,
+        kind: FileKind,
+    },
     /// `parent/name` names nothing.
     DropDentry { parent: InodeId, name: Name },
     SetXattr {

@@ -24,7 +24,10 @@ impl Name {
         if b.len() <= INLINE_MAX {
             let mut bytes = [0u8; INLINE_MAX];
             bytes[..b.len()].copy_from_slice(b);
-            Name(Repr::Inline { len: b.len() as u8, bytes })
+            Name(Repr::Inline {
+                len: b.len() as u8,
+                bytes,
+            })
         } else {
             Name(Repr::Heap(b.into()))
         }
@@ -69,10 +72,18 @@ pub fn validate_name(name: &[u8]) -> FsResult<()> {
         return Err(fs_err!(ENOENT, "empty file name"));
     }
     if name.len() > NAME_MAX {
-        return Err(fs_err!(ENAMETOOLONG, "name of {} bytes exceeds {NAME_MAX}", name.len()));
+        return Err(fs_err!(
+            ENAMETOOLONG,
+            "name of {} bytes exceeds {NAME_MAX}",
+            name.len()
+        ));
     }
     if name.iter().any(|&c| c == b'/' || c == 0) {
-        return Err(fs_err!(EINVAL, "name {:?} contains '/' or NUL", String::from_utf8_lossy(name)));
+        return Err(fs_err!(
+            EINVAL,
+            "name {:?} contains '/' or NUL",
+            String::from_utf8_lossy(name)
+        ));
     }
     Ok(())
 }
@@ -97,10 +108,22 @@ mod tests {
     #[test]
     fn validation() {
         assert!(validate_name(b"ok").is_ok());
-        assert_eq!(validate_name(b"").unwrap_err().errno, kochab_proto::Errno::ENOENT);
-        assert_eq!(validate_name(&[b'x'; 256]).unwrap_err().errno, kochab_proto::Errno::ENAMETOOLONG);
+        assert_eq!(
+            validate_name(b"").unwrap_err().errno,
+            kochab_proto::Errno::ENOENT
+        );
+        assert_eq!(
+            validate_name(&[b'x'; 256]).unwrap_err().errno,
+            kochab_proto::Errno::ENAMETOOLONG
+        );
         assert!(validate_name(&[b'x'; 255]).is_ok());
-        assert_eq!(validate_name(b"a/b").unwrap_err().errno, kochab_proto::Errno::EINVAL);
-        assert_eq!(validate_name(b"a\0b").unwrap_err().errno, kochab_proto::Errno::EINVAL);
+        assert_eq!(
+            validate_name(b"a/b").unwrap_err().errno,
+            kochab_proto::Errno::EINVAL
+        );
+        assert_eq!(
+            validate_name(b"a\0b").unwrap_err().errno,
+            kochab_proto::Errno::EINVAL
+        );
     }
 }

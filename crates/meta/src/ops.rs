@@ -27,7 +27,8 @@ fn fs<T>(e: FsError) -> OpResult<T> {
 /// ext4_inc_count: a directory's link count saturates at 1 past LINK_MAX subdirectories.
 fn inc_dir_nlink(dir: &mut Inode) {
     dir.nlink += 1;
-    if dir.nlink >= LINK_MAX || dir.nlink == 2 {
+    // "> EXT4_LINK_MAX" as in ext4: 64998 subdirectories still show 65000.
+    if dir.nlink > LINK_MAX || dir.nlink == 2 {
         dir.nlink = 1;
     }
 }
@@ -52,9 +53,34 @@ fn strip_sgid(m: u32, parent: &Inode, cred: &Credentials) -> u32 {
     m & !S_ISGID
 }
 
+/// setattr_should_drop_sgid: a file's setgid bit goes with a chown or a truncate when it is
+/// group-executable, or when the caller is neither root nor in the file's group `gid`.
+fn drops_sgid(m: u32, gid: u32, cred: &Credentials) -> bool {
+    m & S_ISGID != 0 && (m & S_IXGRP != 0 || !(cred.is_root() || cred.in_group(gid)))
+}
+
+/// The length rules of an extended-attribute name (ERANGE, as strncpy_from_user reports them).
+fn xattr_name_check(name: &[u8]) -> OpResult<()> {
+    if name.is_empty() || name.len() > XATTR_NAME_MAX {
+        return fs(fs_err!(
+            ERANGE,
+            "xattr name of {} bytes (1..={XATTR_NAME_MAX} allowed)",
+            name.len()
+        ));
+    }
+    if name.contains(&0) {
+        return fs(fs_err!(EINVAL, "xattr name contains NUL"));
+    }
+    Ok(())
+}
+
 /// The group of a new inode: the directory's if it is setgid, else the creator's.
 fn new_gid(parent: &Inode, cred: &Credentials) -> u32 {
-    if parent.mode & S_ISGID != 0 { parent.gid } else { cred.gid }
+    if parent.mode & S_ISGID != 0 {
+        parent.gid
+    } else {
+        cred.gid
+    }
 }
 
 /// Inodes an operation changes, by id; aliasing (the same directory as both parents) is
@@ -66,11 +92,10 @@ struct Changes {
 
 impl Changes {
     fn load<'a>(&'a mut self, engine: &Engine, id: InodeId) -> OpResult<&'a mut Inode> {
-        if !self.inodes.contains_key(&id) {
-            let inode = engine.get(id)?.clone();
-            self.inodes.insert(id, inode);
+        match self.inodes.entry(id) {
+            std::collections::btree_map::Entry::Occupied(e) => Ok(e.into_mut()),
+            std::collections::btree_map::Entry::Vacant(e) => Ok(e.insert(engine.get(id)?.clone())),
         }
-        Ok(self.inodes.get_mut(&id).expect("just inserted"))
     }
 
     fn put(&mut self, id: InodeId, inode: Inode) {
@@ -85,25 +110,51 @@ impl Changes {
 }
 
 impl Engine {
-    pub(crate) fn dispatch(&mut self, cred: &Credentials, op: &Op, now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+    pub(crate) fn dispatch(
+        &mut self,
+        cred: &Credentials,
+        op: &Op,
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
         if cred.groups.len() > MAX_GROUPS {
-            return fs(fs_err!(EINVAL, "{} supplementary groups exceed {MAX_GROUPS}", cred.groups.len()));
+            return fs(fs_err!(
+                EINVAL,
+                "{} supplementary groups exceed {MAX_GROUPS}",
+                cred.groups.len()
+            ));
         }
         match op {
             Op::Lookup { parent, name } => self.lookup(cred, *parent, name),
             Op::GetAttr { id } => Ok(Reply::Attr(self.get(*id)?.attr(*id))),
             Op::SetAttr { id, set } => self.setattr(cred, *id, set, now, out),
-            Op::Mknod { parent, name, mode, rdev, exclusive } => {
-                self.mknod(cred, *parent, name, *mode, *rdev, *exclusive, now, out)
-            }
+            Op::Mknod {
+                parent,
+                name,
+                mode,
+                rdev,
+                exclusive,
+            } => self.mknod(cred, *parent, name, *mode, *rdev, *exclusive, now, out),
             Op::Mkdir { parent, name, mode } => self.mkdir(cred, *parent, name, *mode, now, out),
-            Op::Symlink { parent, name, target } => self.symlink(cred, *parent, name, target, now, out),
-            Op::Link { id, new_parent, new_name } => self.link(cred, *id, *new_parent, new_name, now, out),
+            Op::Symlink {
+                parent,
+                name,
+                target,
+            } => self.symlink(cred, *parent, name, target, now, out),
+            Op::Link {
+                id,
+                new_parent,
+                new_name,
+            } => self.link(cred, *id, *new_parent, new_name, now, out),
             Op::Unlink { parent, name } => self.unlink(cred, *parent, name, now, out),
             Op::Rmdir { parent, name } => self.rmdir(cred, *parent, name, now, out),
-            Op::Rename { parent, name, new_parent, new_name, flags } => {
-                self.rename(cred, *parent, name, *new_parent, new_name, *flags, now, out)
-            }
+            Op::Rename {
+                parent,
+                name,
+                new_parent,
+                new_name,
+                flags,
+            } => self.rename(cred, *parent, name, *new_parent, new_name, *flags, now, out),
             Op::Readlink { id } => {
                 let inode = self.get(*id)?;
                 match inode.symlink() {
@@ -111,8 +162,18 @@ impl Engine {
                     None => fs(fs_err!(EINVAL, "inode {id:#x} is not a symlink")),
                 }
             }
-            Op::Readdir { id, cookie, max_entries, plus } => self.readdir(cred, *id, *cookie, *max_entries, *plus),
-            Op::SetXattr { id, name, value, flags } => self.setxattr(cred, *id, name, value, *flags, now, out),
+            Op::Readdir {
+                id,
+                cookie,
+                max_entries,
+                plus,
+            } => self.readdir(cred, *id, *cookie, *max_entries, *plus),
+            Op::SetXattr {
+                id,
+                name,
+                value,
+                flags,
+            } => self.setxattr(cred, *id, name, value, *flags, now, out),
             Op::GetXattr { id, name } => self.getxattr(cred, *id, name),
             Op::ListXattr { id } => self.listxattr(cred, *id),
             Op::RemoveXattr { id, name } => self.removexattr(cred, *id, name, now, out),
@@ -125,26 +186,51 @@ impl Engine {
                 Ok(Reply::Empty)
             }
             Op::StatFs => Ok(Reply::StatFs(self.statfs())),
-            Op::Status => fs(fs_err!(ENOSYS, "status is answered by the server, not the engine")),
+            Op::Status => fs(fs_err!(
+                ENOSYS,
+                "status is answered by the server, not the engine"
+            )),
+            Op::Fsck => {
+                if !cred.is_root() {
+                    return fs(fs_err!(EPERM, "fsck needs root"));
+                }
+                Ok(Reply::Problems(self.check_invariants()))
+            }
         }
     }
 
     fn statfs(&self) -> StatFs {
         let (inodes, _) = self.counts();
         let files = 1u64 << 48;
-        StatFs { blocks: 0, bfree: 0, bavail: 0, files, ffree: files - inodes, bsize: 4096, namelen: NAME_MAX as u32, frsize: 4096 }
+        StatFs {
+            blocks: 0,
+            bfree: 0,
+            bavail: 0,
+            files,
+            ffree: files - inodes,
+            bsize: 4096,
+            namelen: NAME_MAX as u32,
+            frsize: 4096,
+        }
     }
 
     fn lookup(&self, cred: &Credentials, parent: InodeId, name: &[u8]) -> OpResult<Reply> {
-        validate_name(name)?;
         let p = self.get_dir(parent)?;
         check_access(p, cred, X_OK)?;
+        // The VFS walks to the directory (checking x) before the file system sees the name.
+        validate_name(name)?;
         let id = match name {
             b"." => parent,
             b".." => p.dir().map_or(parent, |d| d.parent),
             _ => match self.entry(parent, name)? {
                 Some(e) => e.child,
-                None => return fs(fs_err!(ENOENT, "no entry {:?} in {parent:#x}", String::from_utf8_lossy(name))),
+                None => {
+                    return fs(fs_err!(
+                        ENOENT,
+                        "no entry {:?} in {parent:#x}",
+                        String::from_utf8_lossy(name)
+                    ));
+                }
             },
         };
         Ok(Reply::Entry(self.get(id)?.attr(id)))
@@ -153,11 +239,15 @@ impl Engine {
     /// Common checks of every create: a valid, free name in a writable directory with room
     /// in the entry's hash bucket.
     fn check_create(&self, cred: &Credentials, parent: InodeId, name: &[u8]) -> OpResult<()> {
-        validate_name(name)?;
         let p = self.get_dir(parent)?;
         check_access(p, cred, X_OK)?;
+        validate_name(name)?;
         if is_dot_or_dotdot(name) || self.entry(parent, name)?.is_some() {
-            return fs(fs_err!(EEXIST, "{:?} exists", String::from_utf8_lossy(name)));
+            return fs(fs_err!(
+                EEXIST,
+                "{:?} exists",
+                String::from_utf8_lossy(name)
+            ));
         }
         check_access(p, cred, W_OK | X_OK)?;
         if p.nlink == 0 {
@@ -168,18 +258,22 @@ impl Engine {
 
     fn check_bucket_room(&self, parent: InodeId, name: &[u8]) -> OpResult<()> {
         let hash = self.name_hash(name);
-        let full = self.table(parent)?.entries(parent).is_some_and(|e| {
-            e.get(hash, name).is_none()
-                && e.iter_after(0).filter(|(c, _)| c & !0xF == crate::dir::bucket_of(hash)).count() >= crate::dir::BUCKET_SLOTS
-        });
+        let full = self
+            .table(parent)?
+            .entries(parent)
+            .is_some_and(|e| !e.has_room(hash, name));
         if full {
-            return fs(fs_err!(ENOSPC, "too many names with the same hash in {parent:#x}"));
+            return fs(fs_err!(
+                ENOSPC,
+                "too many names with the same hash in {parent:#x}"
+            ));
         }
         Ok(())
     }
 
     /// Emits the mutations of a new inode `child` named `parent/name`, applies them and
     /// replies with its attributes.
+    #[allow(clippy::too_many_arguments)]
     fn finish_create(
         &mut self,
         parent: InodeId,
@@ -197,11 +291,19 @@ impl Engine {
         let kind = child.kind();
         let attr = child.attr(id);
         out.push(Mutation::PutInode { id, inode: child });
-        out.push(Mutation::PutInode { id: parent, inode: p });
+        out.push(Mutation::PutInode {
+            id: parent,
+            inode: p,
+        });
         if let Some((cid, c)) = claim {
             out.push(Mutation::PutInode { id: cid, inode: c });
         }
-        out.push(Mutation::PutDentry { parent, name: Name::new(name), child: id, kind });
+        out.push(Mutation::PutDentry {
+            parent,
+            name: Name::new(name),
+            child: id,
+            kind,
+        });
         self.apply_live(&out[start..]);
         Ok(Reply::Entry(attr))
     }
@@ -218,22 +320,40 @@ impl Engine {
         now: TimeNs,
         out: &mut Vec<Mutation>,
     ) -> OpResult<Reply> {
-        let type_bits = if mode_in & S_IFMT == 0 { S_IFREG } else { mode_in & S_IFMT };
+        let type_bits = if mode_in & S_IFMT == 0 {
+            S_IFREG
+        } else {
+            mode_in & S_IFMT
+        };
         let is_device = match FileKind::from_mode(type_bits) {
             Some(FileKind::File | FileKind::Fifo | FileKind::Socket) => false,
             Some(FileKind::CharDev | FileKind::BlockDev) => true,
+            // may_mknod: directories are made with mkdir (EPERM), unknown types are EINVAL.
+            Some(FileKind::Dir) => return fs(fs_err!(EPERM, "mknod cannot create directories")),
             _ => return fs(fs_err!(EINVAL, "mknod cannot create mode {mode_in:#o}")),
         };
-        validate_name(name)?;
         if !exclusive && type_bits == S_IFREG {
             // open(O_CREAT) without O_EXCL: an existing regular file is opened, not an error.
             let p = self.get_dir(parent)?;
             check_access(p, cred, X_OK)?;
+            validate_name(name)?;
+            if is_dot_or_dotdot(name) {
+                // open_last_lookups: O_CREAT on "." or ".." is EISDIR (EEXIST only with O_EXCL).
+                return fs(fs_err!(
+                    EISDIR,
+                    "{:?} is a directory",
+                    String::from_utf8_lossy(name)
+                ));
+            }
             if let Some(e) = self.entry(parent, name)? {
                 let child = e.child;
                 let inode = self.get(child)?;
                 if inode.is_dir() {
-                    return fs(fs_err!(EISDIR, "{:?} is a directory", String::from_utf8_lossy(name)));
+                    return fs(fs_err!(
+                        EISDIR,
+                        "{:?} is a directory",
+                        String::from_utf8_lossy(name)
+                    ));
                 }
                 return Ok(Reply::Entry(inode.attr(child)));
             }
@@ -251,7 +371,15 @@ impl Engine {
         self.finish_create(parent, p, name, id, child, claim, now, out)
     }
 
-    fn mkdir(&mut self, cred: &Credentials, parent: InodeId, name: &[u8], mode_in: u32, now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+    fn mkdir(
+        &mut self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        mode_in: u32,
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
         self.check_create(cred, parent, name)?;
         let mut p = self.get(parent)?.clone();
         let id = self.alloc_dir(parent, p.dir_mut())?;
@@ -266,12 +394,24 @@ impl Engine {
         self.finish_create(parent, p, name, id, child, None, now, out)
     }
 
-    fn symlink(&mut self, cred: &Credentials, parent: InodeId, name: &[u8], target: &[u8], now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+    fn symlink(
+        &mut self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        target: &[u8],
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
         if target.is_empty() {
             return fs(fs_err!(ENOENT, "empty symlink target"));
         }
         if target.len() > SYMLINK_MAX {
-            return fs(fs_err!(ENAMETOOLONG, "symlink target of {} bytes exceeds {SYMLINK_MAX}", target.len()));
+            return fs(fs_err!(
+                ENAMETOOLONG,
+                "symlink target of {} bytes exceeds {SYMLINK_MAX}",
+                target.len()
+            ));
         }
         if target.contains(&0) {
             return fs(fs_err!(EINVAL, "symlink target contains NUL"));
@@ -285,13 +425,25 @@ impl Engine {
         self.finish_create(parent, p, name, id, child, claim, now, out)
     }
 
-    fn link(&mut self, cred: &Credentials, id: InodeId, new_parent: InodeId, new_name: &[u8], now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
-        validate_name(new_name)?;
+    fn link(
+        &mut self,
+        cred: &Credentials,
+        id: InodeId,
+        new_parent: InodeId,
+        new_name: &[u8],
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
         let inode = self.get(id)?;
         let np = self.get_dir(new_parent)?;
         check_access(np, cred, X_OK)?;
+        validate_name(new_name)?;
         if is_dot_or_dotdot(new_name) || self.entry(new_parent, new_name)?.is_some() {
-            return fs(fs_err!(EEXIST, "{:?} exists", String::from_utf8_lossy(new_name)));
+            return fs(fs_err!(
+                EEXIST,
+                "{:?} exists",
+                String::from_utf8_lossy(new_name)
+            ));
         }
         check_may_link(inode, cred)?;
         check_access(np, cred, W_OK | X_OK)?;
@@ -302,7 +454,11 @@ impl Engine {
             return fs(fs_err!(ENOENT, "inode {id:#x} has been unlinked"));
         }
         if inode.nlink >= LINK_MAX {
-            return fs(fs_err!(EMLINK, "inode {id:#x} already has {} links", inode.nlink));
+            return fs(fs_err!(
+                EMLINK,
+                "inode {id:#x} already has {} links",
+                inode.nlink
+            ));
         }
         self.check_bucket_room(new_parent, new_name)?;
         let mut ch = Changes::default();
@@ -316,19 +472,33 @@ impl Engine {
         let attr = ch.inodes[&id].attr(id);
         let start = out.len();
         ch.emit(out);
-        out.push(Mutation::PutDentry { parent: new_parent, name: Name::new(new_name), child: id, kind });
+        out.push(Mutation::PutDentry {
+            parent: new_parent,
+            name: Name::new(new_name),
+            child: id,
+            kind,
+        });
         self.apply_live(&out[start..]);
         Ok(Reply::Entry(attr))
     }
 
     /// Lookup for a removal: parent, its entry and the victim, with the checks of the VFS's
     /// may_delete in its order.
-    fn may_delete(&self, cred: &Credentials, parent: InodeId, name: &[u8]) -> OpResult<(InodeId, FileKind)> {
-        validate_name(name)?;
+    fn may_delete(
+        &self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+    ) -> OpResult<(InodeId, FileKind)> {
         let p = self.get_dir(parent)?;
         check_access(p, cred, X_OK)?;
+        validate_name(name)?;
         let Some(e) = self.entry(parent, name)? else {
-            return fs(fs_err!(ENOENT, "no entry {:?} in {parent:#x}", String::from_utf8_lossy(name)));
+            return fs(fs_err!(
+                ENOENT,
+                "no entry {:?} in {parent:#x}",
+                String::from_utf8_lossy(name)
+            ));
         };
         let (child, kind) = (e.child, e.kind);
         check_access(p, cred, W_OK | X_OK)?;
@@ -338,7 +508,13 @@ impl Engine {
 
     /// Emits the removal of one name of `child` (already dropped from its directory by the
     /// caller): the inode loses a link and goes away with its last one.
-    fn unlink_inode(ch: &mut Changes, engine: &Engine, child: InodeId, now: TimeNs, drops: &mut Vec<Mutation>) -> OpResult<()> {
+    fn unlink_inode(
+        ch: &mut Changes,
+        engine: &Engine,
+        child: InodeId,
+        now: TimeNs,
+        drops: &mut Vec<Mutation>,
+    ) -> OpResult<()> {
         let c = ch.load(engine, child)?;
         c.nlink = c.nlink.saturating_sub(1);
         c.ctime = now;
@@ -352,22 +528,39 @@ impl Engine {
     /// After the last entry of `dir` goes, its file allocator restarts at the beginning of
     /// its own range, so ids of deleted files are reused.
     fn maybe_rewind_allocator(&self, dir_id: InodeId, dir: &mut Inode, entries_left: u64) {
-        if entries_left == 0 {
-            if let Some((lo, hi)) = self.policy.own_file_range(dir_id) {
-                let d = dir.dir_mut();
-                d.file_next = lo;
-                d.file_end = hi;
-            }
+        if entries_left == 0
+            && let Some((lo, hi)) = self.policy.own_file_range(dir_id)
+        {
+            let d = dir.dir_mut();
+            d.file_next = lo;
+            d.file_end = hi;
         }
     }
 
-    fn unlink(&mut self, cred: &Credentials, parent: InodeId, name: &[u8], now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+    fn unlink(
+        &mut self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
+        // do_unlinkat resolves the parent (ENOENT, ENOTDIR, EACCES) before it looks at the dots.
+        check_access(self.get_dir(parent)?, cred, X_OK)?;
         if is_dot_or_dotdot(name) {
-            return fs(fs_err!(EISDIR, "cannot unlink {:?}", String::from_utf8_lossy(name)));
+            return fs(fs_err!(
+                EISDIR,
+                "cannot unlink {:?}",
+                String::from_utf8_lossy(name)
+            ));
         }
         let (child, kind) = self.may_delete(cred, parent, name)?;
         if kind == FileKind::Dir {
-            return fs(fs_err!(EISDIR, "{:?} is a directory", String::from_utf8_lossy(name)));
+            return fs(fs_err!(
+                EISDIR,
+                "{:?} is a directory",
+                String::from_utf8_lossy(name)
+            ));
         }
         let mut ch = Changes::default();
         let mut drops = Vec::new();
@@ -380,14 +573,26 @@ impl Engine {
         self.maybe_rewind_allocator(parent, &mut pc, left);
         ch.put(parent, pc);
         let start = out.len();
-        out.push(Mutation::DropDentry { parent, name: Name::new(name) });
+        out.push(Mutation::DropDentry {
+            parent,
+            name: Name::new(name),
+        });
         out.append(&mut drops);
         ch.emit(out);
         self.apply_live(&out[start..]);
         Ok(Reply::Empty)
     }
 
-    fn rmdir(&mut self, cred: &Credentials, parent: InodeId, name: &[u8], now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+    fn rmdir(
+        &mut self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
+        // As in do_rmdir: the parent first, then the dots.
+        check_access(self.get_dir(parent)?, cred, X_OK)?;
         match name {
             b"." => return fs(fs_err!(EINVAL, "cannot remove \".\"")),
             b".." => return fs(fs_err!(ENOTEMPTY, "cannot remove \"..\"")),
@@ -395,13 +600,21 @@ impl Engine {
         }
         let (child, kind) = self.may_delete(cred, parent, name)?;
         if kind != FileKind::Dir {
-            return fs(fs_err!(ENOTDIR, "{:?} is not a directory", String::from_utf8_lossy(name)));
+            return fs(fs_err!(
+                ENOTDIR,
+                "{:?} is not a directory",
+                String::from_utf8_lossy(name)
+            ));
         }
         if child == self.root() {
             return fs(fs_err!(EBUSY, "cannot remove the root"));
         }
         if self.entry_count(child)? > 0 {
-            return fs(fs_err!(ENOTEMPTY, "directory {:?} is not empty", String::from_utf8_lossy(name)));
+            return fs(fs_err!(
+                ENOTEMPTY,
+                "directory {:?} is not empty",
+                String::from_utf8_lossy(name)
+            ));
         }
         let left = self.entry_count(parent)? - 1;
         let mut p = self.get(parent)?.clone();
@@ -410,9 +623,15 @@ impl Engine {
         p.ctime = now;
         self.maybe_rewind_allocator(parent, &mut p, left);
         let start = out.len();
-        out.push(Mutation::DropDentry { parent, name: Name::new(name) });
+        out.push(Mutation::DropDentry {
+            parent,
+            name: Name::new(name),
+        });
         out.push(Mutation::DropInode { id: child });
-        out.push(Mutation::PutInode { id: parent, inode: p });
+        out.push(Mutation::PutInode {
+            id: parent,
+            inode: p,
+        });
         self.apply_live(&out[start..]);
         Ok(Reply::Empty)
     }
@@ -431,7 +650,10 @@ impl Engine {
             }
             cur = self.get(cur)?.dir().map_or(root, |d| d.parent);
         }
-        fs(fs_err!(ELOOP, "parent chain of {dir:#x} does not reach the root"))
+        fs(fs_err!(
+            ELOOP,
+            "parent chain of {dir:#x} does not reach the root"
+        ))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -455,34 +677,70 @@ impl Engine {
             return fs(fs_err!(EINVAL, "RENAME_WHITEOUT is not supported"));
         }
         let exchange = flags & RENAME_EXCHANGE != 0;
-        validate_name(name)?;
-        validate_name(new_name)?;
-        if is_dot_or_dotdot(name) || is_dot_or_dotdot(new_name) {
-            return fs(fs_err!(EBUSY, "cannot rename \".\" or \"..\""));
-        }
-        // The checks of do_renameat2 and vfs_rename, in their order.
+        // The checks of do_renameat2 and vfs_rename, in their order: both parents are
+        // resolved first, then the dots, then each name as it is looked up.
         check_access(self.get_dir(parent)?, cred, X_OK)?;
         check_access(self.get_dir(new_parent)?, cred, X_OK)?;
+        if is_dot_or_dotdot(name) {
+            return fs(fs_err!(EBUSY, "cannot rename \".\" or \"..\""));
+        }
+        if is_dot_or_dotdot(new_name) {
+            // do_renameat2 answers EEXIST here when RENAME_NOREPLACE is set.
+            return if flags & RENAME_NOREPLACE != 0 {
+                fs(fs_err!(
+                    EEXIST,
+                    "{:?} exists",
+                    String::from_utf8_lossy(new_name)
+                ))
+            } else {
+                fs(fs_err!(EBUSY, "cannot rename onto \".\" or \"..\""))
+            };
+        }
+        validate_name(name)?;
         let Some((src, src_kind)) = self.entry(parent, name)?.map(|e| (e.child, e.kind)) else {
-            return fs(fs_err!(ENOENT, "no entry {:?} in {parent:#x}", String::from_utf8_lossy(name)));
+            return fs(fs_err!(
+                ENOENT,
+                "no entry {:?} in {parent:#x}",
+                String::from_utf8_lossy(name)
+            ));
         };
+        validate_name(new_name)?;
         let dst = self.entry(new_parent, new_name)?.map(|e| (e.child, e.kind));
         if flags & RENAME_NOREPLACE != 0 && dst.is_some() {
-            return fs(fs_err!(EEXIST, "{:?} exists", String::from_utf8_lossy(new_name)));
+            return fs(fs_err!(
+                EEXIST,
+                "{:?} exists",
+                String::from_utf8_lossy(new_name)
+            ));
         }
         if exchange && dst.is_none() {
-            return fs(fs_err!(ENOENT, "RENAME_EXCHANGE target {:?} does not exist", String::from_utf8_lossy(new_name)));
+            return fs(fs_err!(
+                ENOENT,
+                "RENAME_EXCHANGE target {:?} does not exist",
+                String::from_utf8_lossy(new_name)
+            ));
         }
         let src_is_dir = src_kind == FileKind::Dir;
         let dst_is_dir = dst.is_some_and(|(_, k)| k == FileKind::Dir);
         if parent != new_parent {
             if src_is_dir && self.is_ancestor(src, new_parent)? {
-                return fs(fs_err!(EINVAL, "cannot move a directory into its own subtree"));
+                return fs(fs_err!(
+                    EINVAL,
+                    "cannot move a directory into its own subtree"
+                ));
             }
-            if let Some((d, _)) = dst.filter(|_| dst_is_dir) {
-                if self.is_ancestor(d, parent)? {
-                    return fs(fs_err!(ENOTEMPTY, "target directory contains the source"));
-                }
+            if let Some((d, _)) = dst.filter(|_| dst_is_dir)
+                && self.is_ancestor(d, parent)?
+            {
+                // do_renameat2's trap check: ENOTEMPTY, or EINVAL when exchanging.
+                return if exchange {
+                    fs(fs_err!(
+                        EINVAL,
+                        "cannot exchange a directory with its own descendant"
+                    ))
+                } else {
+                    fs(fs_err!(ENOTEMPTY, "target directory contains the source"))
+                };
             }
         }
         if dst.is_some_and(|(d, _)| d == src) {
@@ -498,10 +756,18 @@ impl Engine {
             check_sticky(np, self.get(d)?, cred)?;
             if !exchange {
                 if src_is_dir && !dst_is_dir {
-                    return fs(fs_err!(ENOTDIR, "cannot replace non-directory {:?} with a directory", String::from_utf8_lossy(new_name)));
+                    return fs(fs_err!(
+                        ENOTDIR,
+                        "cannot replace non-directory {:?} with a directory",
+                        String::from_utf8_lossy(new_name)
+                    ));
                 }
                 if !src_is_dir && dst_is_dir {
-                    return fs(fs_err!(EISDIR, "cannot replace directory {:?} with a non-directory", String::from_utf8_lossy(new_name)));
+                    return fs(fs_err!(
+                        EISDIR,
+                        "cannot replace directory {:?} with a non-directory",
+                        String::from_utf8_lossy(new_name)
+                    ));
                 }
             }
         }
@@ -517,10 +783,14 @@ impl Engine {
             check_access(self.get(dst.expect("exchange has a target").0)?, cred, W_OK)?;
         }
         if !exchange {
-            if let Some((d, _)) = dst.filter(|_| dst_is_dir) {
-                if self.entry_count(d)? > 0 {
-                    return fs(fs_err!(ENOTEMPTY, "directory {:?} is not empty", String::from_utf8_lossy(new_name)));
-                }
+            if let Some((d, _)) = dst.filter(|_| dst_is_dir)
+                && self.entry_count(d)? > 0
+            {
+                return fs(fs_err!(
+                    ENOTEMPTY,
+                    "directory {:?} is not empty",
+                    String::from_utf8_lossy(new_name)
+                ));
             }
             if dst.is_none() {
                 self.check_bucket_room(new_parent, new_name)?;
@@ -529,7 +799,10 @@ impl Engine {
 
         let mut ch = Changes::default();
         let mut drops = Vec::new();
-        let mut dentries = vec![Mutation::DropDentry { parent, name: Name::new(name) }];
+        let mut dentries = vec![Mutation::DropDentry {
+            parent,
+            name: Name::new(name),
+        }];
         for p in [parent, new_parent] {
             let p = ch.load(self, p)?;
             p.mtime = now;
@@ -540,8 +813,18 @@ impl Engine {
             let (d, dk) = dst.expect("exchange has a target");
             ch.load(self, d)?.ctime = now;
             dentries = vec![
-                Mutation::PutDentry { parent, name: Name::new(name), child: d, kind: dk },
-                Mutation::PutDentry { parent: new_parent, name: Name::new(new_name), child: src, kind: src_kind },
+                Mutation::PutDentry {
+                    parent,
+                    name: Name::new(name),
+                    child: d,
+                    kind: dk,
+                },
+                Mutation::PutDentry {
+                    parent: new_parent,
+                    name: Name::new(new_name),
+                    child: src,
+                    kind: src_kind,
+                },
             ];
             if moves(dst_is_dir, new_parent, parent) {
                 ch.load(self, d)?.dir_mut().parent = parent;
@@ -558,7 +841,12 @@ impl Engine {
                     Self::unlink_inode(&mut ch, self, d, now, &mut drops)?;
                 }
             }
-            dentries.push(Mutation::PutDentry { parent: new_parent, name: Name::new(new_name), child: src, kind: src_kind });
+            dentries.push(Mutation::PutDentry {
+                parent: new_parent,
+                name: Name::new(new_name),
+                child: src,
+                kind: src_kind,
+            });
         }
         if moves(src_is_dir, parent, new_parent) {
             ch.load(self, src)?.dir_mut().parent = new_parent;
@@ -579,9 +867,20 @@ impl Engine {
         Ok(Reply::Empty)
     }
 
-    fn setattr(&mut self, cred: &Credentials, id: InodeId, set: &SetAttrs, now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+    fn setattr(
+        &mut self,
+        cred: &Credentials,
+        id: InodeId,
+        set: &SetAttrs,
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
         let old = self.get(id)?;
         let owner = is_owner(old, cred);
+        if set.mode.is_some() && old.mode & S_IFMT == S_IFLNK {
+            // notify_change refuses mode changes of symlinks (Linux 6.6+), before any other check.
+            return fs(fs_err!(EOPNOTSUPP, "the mode of a symlink cannot change"));
+        }
         if let Some(size) = set.size {
             if old.is_dir() {
                 return fs(fs_err!(EISDIR, "cannot truncate a directory"));
@@ -594,25 +893,32 @@ impl Engine {
             }
             check_access(old, cred, W_OK)?;
         }
-        if let Some(uid) = set.uid {
-            if !cred.is_root() && !(cred.uid == old.uid && uid == old.uid) {
-                return fs(fs_err!(EPERM, "only root may change the owner"));
-            }
+        if let Some(uid) = set.uid
+            && !cred.is_root()
+            && (cred.uid != old.uid || uid != old.uid)
+        {
+            return fs(fs_err!(EPERM, "only root may change the owner"));
         }
-        if let Some(gid) = set.gid {
-            if !cred.is_root() && !(cred.uid == old.uid && (cred.in_group(gid) || gid == old.gid)) {
-                return fs(fs_err!(EPERM, "only the owner may change the group, to one of their groups"));
-            }
+        if let Some(gid) = set.gid
+            && !cred.is_root()
+            && !(cred.uid == old.uid && (cred.in_group(gid) || gid == old.gid))
+        {
+            return fs(fs_err!(
+                EPERM,
+                "only the owner may change the group, to one of their groups"
+            ));
         }
         if set.mode.is_some() && !owner {
             return fs(fs_err!(EPERM, "only the owner may change the mode"));
         }
-        let explicit_time = matches!(set.atime, Some(TimeSet::At(_))) || matches!(set.mtime, Some(TimeSet::At(_)));
+        // utimensat turns "both now" into a touch (owner or write permission); any other time
+        // change, a single "now" included, is an explicit one (ATTR_TIMES_SET): owner only.
+        let touch = set.atime == Some(TimeSet::Now) && set.mtime == Some(TimeSet::Now);
+        let explicit_time = !touch && (set.atime.is_some() || set.mtime.is_some());
         if explicit_time && !owner {
             return fs(fs_err!(EPERM, "only the owner may set explicit times"));
         }
-        let touch_now = matches!(set.atime, Some(TimeSet::Now)) || matches!(set.mtime, Some(TimeSet::Now));
-        if touch_now && !owner {
+        if touch && !owner {
             check_access(old, cred, W_OK)?;
         }
         if set.ctime.is_some() && !owner {
@@ -633,9 +939,10 @@ impl Engine {
             }
             i.mode = (i.mode & S_IFMT) | m;
         } else if (set.uid.is_some() || set.gid.is_some()) && !i.is_dir() {
-            // chown kills setuid, and setgid when group-executable (ATTR_KILL_SUID/SGID).
+            // chown kills setuid, and setgid as setattr_should_drop_sgid decides from the
+            // group the file had (ATTR_KILL_SUID/SGID).
             i.mode &= !S_ISUID;
-            if i.mode & S_IXGRP != 0 {
+            if drops_sgid(i.mode, old.gid, cred) {
                 i.mode &= !S_ISGID;
             }
         }
@@ -645,7 +952,7 @@ impl Engine {
             i.size = size;
             if !cred.is_root() && set.mode.is_none() {
                 i.mode &= !S_ISUID;
-                if i.mode & S_IXGRP != 0 {
+                if drops_sgid(i.mode, i.gid, cred) {
                     i.mode &= !S_ISGID;
                 }
             }
@@ -668,18 +975,43 @@ impl Engine {
         Ok(Reply::Attr(attr))
     }
 
-    fn readdir(&self, cred: &Credentials, id: InodeId, cookie: u64, max_entries: u32, plus: bool) -> OpResult<Reply> {
+    fn readdir(
+        &self,
+        cred: &Credentials,
+        id: InodeId,
+        cookie: u64,
+        max_entries: u32,
+        plus: bool,
+    ) -> OpResult<Reply> {
         let dir = self.get_dir(id)?;
         check_access(dir, cred, R_OK)?;
         let max = max_entries.clamp(1, READDIR_MAX_ENTRIES) as usize;
         let mut entries = Vec::new();
-        let attr_of = |child: InodeId| if plus { self.inode(child).map(|i| i.attr(child)) } else { None };
+        let attr_of = |child: InodeId| {
+            if plus {
+                self.inode(child).map(|i| i.attr(child))
+            } else {
+                None
+            }
+        };
         if cookie == 0 {
-            entries.push(DirEntry { cookie: COOKIE_DOT, name: b".".to_vec(), id, kind: FileKind::Dir, attr: attr_of(id) });
+            entries.push(DirEntry {
+                cookie: COOKIE_DOT,
+                name: b".".to_vec(),
+                id,
+                kind: FileKind::Dir,
+                attr: attr_of(id),
+            });
         }
         if cookie <= COOKIE_DOT {
             let parent = dir.dir().map_or(id, |d| d.parent);
-            entries.push(DirEntry { cookie: COOKIE_DOTDOT, name: b"..".to_vec(), id: parent, kind: FileKind::Dir, attr: attr_of(parent) });
+            entries.push(DirEntry {
+                cookie: COOKIE_DOTDOT,
+                name: b"..".to_vec(),
+                id: parent,
+                kind: FileKind::Dir,
+                attr: attr_of(parent),
+            });
         }
         let mut eof = true;
         if let Some(list) = self.table(id)?.entries(id) {
@@ -688,7 +1020,13 @@ impl Engine {
                     eof = false;
                     break;
                 }
-                entries.push(DirEntry { cookie: c, name: e.name.as_bytes().to_vec(), id: e.child, kind: e.kind, attr: attr_of(e.child) });
+                entries.push(DirEntry {
+                    cookie: c,
+                    name: e.name.as_bytes().to_vec(),
+                    id: e.child,
+                    kind: e.kind,
+                    attr: attr_of(e.child),
+                });
             }
         }
         if entries.len() > max {
@@ -701,24 +1039,31 @@ impl Engine {
 
     /// The namespace rules of an extended-attribute name (xattr_permission), then the
     /// permission bits for reading or writing it.
-    fn xattr_check(&self, cred: &Credentials, id: InodeId, name: &[u8], write: bool) -> OpResult<()> {
-        if name.is_empty() || name.len() > XATTR_NAME_MAX {
-            return fs(fs_err!(ERANGE, "xattr name of {} bytes (1..={XATTR_NAME_MAX} allowed)", name.len()));
-        }
-        if name.contains(&0) {
-            return fs(fs_err!(EINVAL, "xattr name contains NUL"));
-        }
+    fn xattr_check(
+        &self,
+        cred: &Credentials,
+        id: InodeId,
+        name: &[u8],
+        write: bool,
+    ) -> OpResult<()> {
+        xattr_name_check(name)?;
         let inode = self.get(id)?;
         if name.starts_with(b"user.") {
             if !inode.is_regular() && !inode.is_dir() {
                 return if write {
-                    fs(fs_err!(EPERM, "user xattrs only on regular files and directories"))
+                    fs(fs_err!(
+                        EPERM,
+                        "user xattrs only on regular files and directories"
+                    ))
                 } else {
                     fs(fs_err!(ENODATA, "no such attribute"))
                 };
             }
             if write && inode.is_dir() && inode.mode & S_ISVTX != 0 && !is_owner(inode, cred) {
-                return fs(fs_err!(EPERM, "user xattrs of a sticky directory belong to its owner"));
+                return fs(fs_err!(
+                    EPERM,
+                    "user xattrs of a sticky directory belong to its owner"
+                ));
             }
             check_access(inode, cred, if write { W_OK } else { R_OK })?;
         } else if name.starts_with(b"trusted.") {
@@ -734,22 +1079,46 @@ impl Engine {
                 return fs(fs_err!(EPERM, "security xattrs need root"));
             }
         } else if name.starts_with(b"system.") {
-            return fs(fs_err!(EOPNOTSUPP, "system xattrs (POSIX ACLs) are not supported"));
+            return fs(fs_err!(
+                EOPNOTSUPP,
+                "system xattrs (POSIX ACLs) are not supported"
+            ));
         } else {
+            // xattr_permission checks the mode bits before the name is resolved to a handler.
+            check_access(inode, cred, if write { W_OK } else { R_OK })?;
             return fs(fs_err!(EOPNOTSUPP, "unknown xattr namespace"));
+        }
+        if [&b"user."[..], b"trusted.", b"security."].contains(&name) {
+            // xattr_resolve_name: a namespace prefix alone names no attribute.
+            return fs(fs_err!(EINVAL, "xattr name is only a namespace prefix"));
         }
         Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn setxattr(&mut self, cred: &Credentials, id: InodeId, name: &[u8], value: &[u8], flags: u32, now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+    fn setxattr(
+        &mut self,
+        cred: &Credentials,
+        id: InodeId,
+        name: &[u8],
+        value: &[u8],
+        flags: u32,
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
         if flags & !(XATTR_CREATE | XATTR_REPLACE) != 0 {
             return fs(fs_err!(EINVAL, "invalid setxattr flags {flags:#x}"));
         }
-        self.xattr_check(cred, id, name, true)?;
+        // setxattr copies in the name and the value before it looks at the inode.
+        xattr_name_check(name)?;
         if value.len() > XATTR_SIZE_MAX {
-            return fs(fs_err!(E2BIG, "xattr value of {} bytes exceeds {XATTR_SIZE_MAX}", value.len()));
+            return fs(fs_err!(
+                E2BIG,
+                "xattr value of {} bytes exceeds {XATTR_SIZE_MAX}",
+                value.len()
+            ));
         }
+        self.xattr_check(cred, id, name, true)?;
         let existing = self.table(id)?.xattrs(id);
         let exists = existing.is_some_and(|x| x.contains_key(name));
         if flags & XATTR_CREATE != 0 && exists {
@@ -759,17 +1128,28 @@ impl Engine {
             return fs(fs_err!(ENODATA, "no such attribute"));
         }
         let (mut total, mut list) = existing.map_or((0, 0), |x| {
-            x.iter().filter(|(k, _)| k.as_slice() != name).fold((0, 0), |(t, l), (k, v)| (t + k.len() + v.len(), l + k.len() + 1))
+            x.iter()
+                .filter(|(k, _)| k.as_slice() != name)
+                .fold((0, 0), |(t, l), (k, v)| {
+                    (t + k.len() + v.len(), l + k.len() + 1)
+                })
         });
         total += name.len() + value.len();
         list += name.len() + 1;
         if total > XATTR_TOTAL_MAX || list > XATTR_LIST_MAX {
-            return fs(fs_err!(ENOSPC, "no room for more extended attributes on {id:#x}"));
+            return fs(fs_err!(
+                ENOSPC,
+                "no room for more extended attributes on {id:#x}"
+            ));
         }
         let mut i = self.get(id)?.clone();
         i.ctime = now;
         let start = out.len();
-        out.push(Mutation::SetXattr { id, name: name.to_vec(), value: value.to_vec() });
+        out.push(Mutation::SetXattr {
+            id,
+            name: name.to_vec(),
+            value: value.to_vec(),
+        });
         out.push(Mutation::PutInode { id, inode: i });
         self.apply_live(&out[start..]);
         Ok(Reply::Empty)
@@ -798,15 +1178,29 @@ impl Engine {
         Ok(Reply::Bytes(list))
     }
 
-    fn removexattr(&mut self, cred: &Credentials, id: InodeId, name: &[u8], now: TimeNs, out: &mut Vec<Mutation>) -> OpResult<Reply> {
+    fn removexattr(
+        &mut self,
+        cred: &Credentials,
+        id: InodeId,
+        name: &[u8],
+        now: TimeNs,
+        out: &mut Vec<Mutation>,
+    ) -> OpResult<Reply> {
         self.xattr_check(cred, id, name, true)?;
-        if !self.table(id)?.xattrs(id).is_some_and(|x| x.contains_key(name)) {
+        if !self
+            .table(id)?
+            .xattrs(id)
+            .is_some_and(|x| x.contains_key(name))
+        {
             return fs(fs_err!(ENODATA, "no such attribute"));
         }
         let mut i = self.get(id)?.clone();
         i.ctime = now;
         let start = out.len();
-        out.push(Mutation::DropXattr { id, name: name.to_vec() });
+        out.push(Mutation::DropXattr {
+            id,
+            name: name.to_vec(),
+        });
         out.push(Mutation::PutInode { id, inode: i });
         self.apply_live(&out[start..]);
         Ok(Reply::Empty)

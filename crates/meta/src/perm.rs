@@ -26,7 +26,12 @@ pub fn check_access(inode: &Inode, cred: &Credentials, mask: u32) -> FsResult<()
     if bits & mask == mask {
         Ok(())
     } else {
-        Err(fs_err!(EACCES, "permission denied (mode {:o}, need {})", inode.mode & mode::PERM_MASK, mask_name(mask)))
+        Err(fs_err!(
+            EACCES,
+            "permission denied (mode {:o}, need {})",
+            inode.mode & mode::PERM_MASK,
+            mask_name(mask)
+        ))
     }
 }
 
@@ -50,10 +55,17 @@ pub fn is_owner(inode: &Inode, cred: &Credentials) -> bool {
 /// Sticky-directory rule: in a directory with S_ISVTX only the owner of the entry, the owner
 /// of the directory or root may remove or rename it.
 pub fn check_sticky(dir: &Inode, victim: &Inode, cred: &Credentials) -> FsResult<()> {
-    if dir.mode & mode::S_ISVTX == 0 || cred.is_root() || cred.uid == victim.uid || cred.uid == dir.uid {
+    if dir.mode & mode::S_ISVTX == 0
+        || cred.is_root()
+        || cred.uid == victim.uid
+        || cred.uid == dir.uid
+    {
         Ok(())
     } else {
-        Err(fs_err!(EPERM, "sticky directory: only the owner may remove or rename this entry"))
+        Err(fs_err!(
+            EPERM,
+            "sticky directory: only the owner may remove or rename this entry"
+        ))
     }
 }
 
@@ -64,9 +76,17 @@ pub fn check_may_link(inode: &Inode, cred: &Credentials) -> FsResult<()> {
         return Ok(());
     }
     let setuid = inode.mode & mode::S_ISUID != 0;
-    let setgid_exec = inode.mode & (mode::S_ISGID | mode::S_IXGRP) == (mode::S_ISGID | mode::S_IXGRP);
-    if inode.is_regular() && !setuid && !setgid_exec && check_access(inode, cred, access::R_OK | access::W_OK).is_ok() {
+    let setgid_exec =
+        inode.mode & (mode::S_ISGID | mode::S_IXGRP) == (mode::S_ISGID | mode::S_IXGRP);
+    if inode.is_regular()
+        && !setuid
+        && !setgid_exec
+        && check_access(inode, cred, access::R_OK | access::W_OK).is_ok()
+    {
         return Ok(());
     }
-    Err(fs_err!(EPERM, "hard link to a file you neither own nor may read and write"))
+    Err(fs_err!(
+        EPERM,
+        "hard link to a file you neither own nor may read and write"
+    ))
 }

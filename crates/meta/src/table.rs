@@ -86,8 +86,15 @@ pub struct DentryImage {
 /// The full contents of one box at one moment: loading it replaces the box.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BoxImage {
-    Inodes { boxno: u64, inodes: Vec<InodeImage> },
-    Dentries { dir: InodeId, boxno: u16, entries: Vec<DentryImage> },
+    Inodes {
+        boxno: u64,
+        inodes: Vec<InodeImage>,
+    },
+    Dentries {
+        dir: InodeId,
+        boxno: u16,
+        entries: Vec<DentryImage>,
+    },
 }
 
 /// Boxes to write in a checkpoint.
@@ -155,7 +162,9 @@ impl Table {
     }
 
     pub fn inode(&self, id: InodeId) -> Option<&Inode> {
-        self.boxes.get(&(id >> BOX_SHIFT))?.get((id & BOX_MASK) as u32)
+        self.boxes
+            .get(&(id >> BOX_SHIFT))?
+            .get((id & BOX_MASK) as u32)
     }
 
     /// The highest inode id present, if any.
@@ -186,7 +195,12 @@ impl Table {
     pub fn put_inode(&mut self, id: InodeId, inode: Inode) {
         debug_assert!(self.contains(id));
         let boxno = id >> BOX_SHIFT;
-        if self.boxes.entry(boxno).or_default().put((id & BOX_MASK) as u32, inode) {
+        if self
+            .boxes
+            .entry(boxno)
+            .or_default()
+            .put((id & BOX_MASK) as u32, inode)
+        {
             self.inodes += 1;
         }
         self.dirty_boxes.insert(boxno);
@@ -231,7 +245,9 @@ impl Table {
     }
 
     pub fn drop_dentry(&mut self, dir: InodeId, hash: u64, name: &[u8]) {
-        let Some(entries) = self.dirs.get_mut(&dir) else { return };
+        let Some(entries) = self.dirs.get_mut(&dir) else {
+            return;
+        };
         if entries.remove(hash, name).is_some() {
             self.dentries -= 1;
             self.dirty_dentries.insert((dir, crate::dir::box_of(hash)));
@@ -246,7 +262,10 @@ impl Table {
     }
 
     pub fn set_xattr(&mut self, id: InodeId, name: &[u8], value: &[u8]) {
-        self.xattrs.entry(id).or_default().insert(name.to_vec(), value.to_vec());
+        self.xattrs
+            .entry(id)
+            .or_default()
+            .insert(name.to_vec(), value.to_vec());
         self.dirty_boxes.insert(id >> BOX_SHIFT);
     }
 
@@ -271,6 +290,12 @@ impl Table {
         set
     }
 
+    /// Tracks boxes as changed again (a checkpoint that took them failed).
+    pub fn mark_dirty(&mut self, set: &BoxSet) {
+        self.dirty_boxes.extend(set.inode_boxes.iter().copied());
+        self.dirty_dentries.extend(set.dentry_boxes.iter().copied());
+    }
+
     /// Number of boxes changed since the last checkpoint.
     pub fn dirty_len(&self) -> usize {
         self.dirty_boxes.len() + self.dirty_dentries.len()
@@ -283,7 +308,10 @@ impl Table {
             dentry_boxes.extend(e.boxes().into_iter().map(|b| (dir, b)));
         }
         dentry_boxes.sort_unstable();
-        BoxSet { inode_boxes: self.boxes.keys().copied().collect(), dentry_boxes }
+        BoxSet {
+            inode_boxes: self.boxes.keys().copied().collect(),
+            dentry_boxes,
+        }
     }
 
     /// The current contents of inode box `boxno` (empty if nothing is there any more).
@@ -297,11 +325,20 @@ impl Table {
                     .get(&id)
                     .map(|x| {
                         x.iter()
-                            .map(|(k, v)| (serde_bytes::ByteBuf::from(k.clone()), serde_bytes::ByteBuf::from(v.clone())))
+                            .map(|(k, v)| {
+                                (
+                                    serde_bytes::ByteBuf::from(k.clone()),
+                                    serde_bytes::ByteBuf::from(v.clone()),
+                                )
+                            })
                             .collect()
                     })
                     .unwrap_or_default();
-                inodes.push(InodeImage { slot: slot as u8, inode: inode.clone(), xattrs });
+                inodes.push(InodeImage {
+                    slot: slot as u8,
+                    inode: inode.clone(),
+                    xattrs,
+                });
             }
         }
         BoxImage::Inodes { boxno, inodes }
@@ -314,11 +351,20 @@ impl Table {
             .get(&dir)
             .map(|e| {
                 e.iter_box(boxno)
-                    .map(|(cookie, d)| DentryImage { cookie, name: d.name.clone(), child: d.child, kind: d.kind })
+                    .map(|(cookie, d)| DentryImage {
+                        cookie,
+                        name: d.name.clone(),
+                        child: d.child,
+                        kind: d.kind,
+                    })
                     .collect()
             })
             .unwrap_or_default();
-        BoxImage::Dentries { dir, boxno, entries }
+        BoxImage::Dentries {
+            dir,
+            boxno,
+            entries,
+        }
     }
 
     /// Replaces a box with its image (checkpoint load). Images of later checkpoints
@@ -326,9 +372,14 @@ impl Table {
     pub fn load_image(&mut self, img: BoxImage) -> Result<(), String> {
         match img {
             BoxImage::Inodes { boxno, inodes } => {
-                let lo = boxno.checked_shl(BOX_SHIFT).ok_or("inode box number out of range")?;
+                let lo = boxno
+                    .checked_shl(BOX_SHIFT)
+                    .ok_or("inode box number out of range")?;
                 if !self.contains(lo) {
-                    return Err(format!("inode box {boxno:#x} outside table {:#x}..{:#x}", self.lo, self.hi));
+                    return Err(format!(
+                        "inode box {boxno:#x} outside table {:#x}..{:#x}",
+                        self.lo, self.hi
+                    ));
                 }
                 if let Some(old) = self.boxes.remove(&boxno) {
                     self.inodes -= old.inodes.len() as u64;
@@ -356,18 +407,35 @@ impl Table {
                     self.boxes.insert(boxno, b);
                 }
             }
-            BoxImage::Dentries { dir, boxno, entries } => {
+            BoxImage::Dentries {
+                dir,
+                boxno,
+                entries,
+            } => {
                 if !self.contains(dir) {
-                    return Err(format!("entries of {dir:#x} outside table {:#x}..{:#x}", self.lo, self.hi));
+                    return Err(format!(
+                        "entries of {dir:#x} outside table {:#x}..{:#x}",
+                        self.lo, self.hi
+                    ));
                 }
                 let e = self.dirs.entry(dir).or_default();
                 let before = e.len();
                 e.clear_box(boxno);
                 for img in entries {
                     if (img.cookie >> crate::dir::DENTRY_BOX_SHIFT) as u16 != boxno {
-                        return Err(format!("entry cookie {:#x} outside box {boxno}", img.cookie));
+                        return Err(format!(
+                            "entry cookie {:#x} outside box {boxno}",
+                            img.cookie
+                        ));
                     }
-                    e.insert_at(img.cookie, Dentry { name: img.name, child: img.child, kind: img.kind });
+                    e.insert_at(
+                        img.cookie,
+                        Dentry {
+                            name: img.name,
+                            child: img.child,
+                            kind: img.kind,
+                        },
+                    );
                 }
                 let after = e.len();
                 self.dentries = self.dentries + after - before;
@@ -381,9 +449,10 @@ impl Table {
 
     /// Every inode, in id order (for invariant checks and tests).
     pub fn iter_inodes(&self) -> impl Iterator<Item = (InodeId, &Inode)> + '_ {
-        self.boxes
-            .iter()
-            .flat_map(|(&boxno, b)| b.iter().map(move |(s, i)| ((boxno << BOX_SHIFT) | s as u64, i)))
+        self.boxes.iter().flat_map(|(&boxno, b)| {
+            b.iter()
+                .map(move |(s, i)| ((boxno << BOX_SHIFT) | s as u64, i))
+        })
     }
 
     /// Every directory with entries, and its entries.
@@ -419,14 +488,26 @@ mod tests {
         let mut t = Table::new(0, 1 << 20);
         t.put_inode(7, Inode::new(0o100644, 1, 1, 7));
         t.set_xattr(7, b"user.a", b"1");
-        t.put_dentry(2, 0xabcd_0000, Dentry { name: Name::new(b"x"), child: 7, kind: FileKind::File });
+        t.put_dentry(
+            2,
+            0xabcd_0000,
+            Dentry {
+                name: Name::new(b"x"),
+                child: 7,
+                kind: FileKind::File,
+            },
+        );
         let set = t.take_dirty();
         assert_eq!(set.inode_boxes, vec![0]);
         let imgs: Vec<BoxImage> = set
             .inode_boxes
             .iter()
             .map(|&b| t.image_inode_box(b))
-            .chain(set.dentry_boxes.iter().map(|&(d, b)| t.image_dentry_box(d, b)))
+            .chain(
+                set.dentry_boxes
+                    .iter()
+                    .map(|&(d, b)| t.image_dentry_box(d, b)),
+            )
             .collect();
         let mut u = Table::new(0, 1 << 20);
         u.put_inode(9, Inode::new(0o100644, 1, 1, 9)); // replaced by the image of box 0
@@ -439,6 +520,12 @@ mod tests {
         assert_eq!(u.xattrs(7), t.xattrs(7));
         assert_eq!(u.dentry_count(), 1);
         assert_eq!(u.inode_count(), 1);
-        assert!(u.load_image(BoxImage::Inodes { boxno: 1 << 40, inodes: vec![] }).is_err());
+        assert!(
+            u.load_image(BoxImage::Inodes {
+                boxno: 1 << 40,
+                inodes: vec![]
+            })
+            .is_err()
+        );
     }
 }

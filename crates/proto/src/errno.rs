@@ -91,7 +91,10 @@ pub struct FsError {
 
 impl FsError {
     pub fn new(errno: Errno, message: impl Into<String>) -> Self {
-        FsError { errno, message: message.into() }
+        FsError {
+            errno,
+            message: message.into(),
+        }
     }
 }
 

@@ -58,7 +58,9 @@ impl fmt::Display for FrameError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             FrameError::TooLarge(n) => write!(f, "frame of {n} bytes exceeds {MAX_FRAME_BYTES}"),
-            FrameError::TooShort(n) => write!(f, "frame body of {n} bytes is shorter than its header"),
+            FrameError::TooShort(n) => {
+                write!(f, "frame body of {n} bytes is shorter than its header")
+            }
             FrameError::UnknownKind(k) => write!(f, "unknown frame kind {k}"),
             FrameError::Payload(e) => write!(f, "malformed payload: {e}"),
         }
@@ -102,7 +104,11 @@ pub fn parse_header(buf: &[u8]) -> Result<Option<FrameHeader>, FrameError> {
     if buf.len() < total_len {
         return Ok(None);
     }
-    Ok(Some(FrameHeader { kind, request_id: u64::from_le_bytes(id), total_len }))
+    Ok(Some(FrameHeader {
+        kind,
+        request_id: u64::from_le_bytes(id),
+        total_len,
+    }))
 }
 
 /// Appends one frame carrying `msg` to `out`.
@@ -136,7 +142,10 @@ pub fn encode_frame<T: Serialize>(
 pub fn decode_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, FrameError> {
     match postcard::take_from_bytes::<T>(payload) {
         Ok((v, [])) => Ok(v),
-        Ok((_, rest)) => Err(FrameError::Payload(format!("{} trailing bytes", rest.len()))),
+        Ok((_, rest)) => Err(FrameError::Payload(format!(
+            "{} trailing bytes",
+            rest.len()
+        ))),
         Err(e) => Err(FrameError::Payload(e.to_string())),
     }
 }
@@ -157,7 +166,11 @@ mod tests {
         let req = Request {
             cred: Credentials::user(1000, 100),
             seq: 7,
-            op: Op::Lookup { parent: 42, name: b"hello".to_vec() },
+            seq_floor: 3,
+            op: Op::Lookup {
+                parent: 42,
+                name: b"hello".to_vec(),
+            },
         };
         let mut buf = Vec::new();
         encode_frame(&mut buf, FrameKind::Request, 99, &req).unwrap();
@@ -179,8 +192,14 @@ mod tests {
         let mut big = (MAX_FRAME_BYTES as u32 + 1).to_le_bytes().to_vec();
         big.extend_from_slice(&[4; 9]);
         assert!(matches!(parse_header(&big), Err(FrameError::TooLarge(_))));
-        assert!(matches!(parse_header(&[1, 0, 0, 0, 4]), Err(FrameError::TooShort(1))));
-        assert!(matches!(parse_header(&[9, 0, 0, 0, 77]), Err(FrameError::UnknownKind(77))));
+        assert!(matches!(
+            parse_header(&[1, 0, 0, 0, 4]),
+            Err(FrameError::TooShort(1))
+        ));
+        assert!(matches!(
+            parse_header(&[9, 0, 0, 0, 77]),
+            Err(FrameError::UnknownKind(77))
+        ));
         let garbage = [0xffu8; 20];
         assert!(decode_payload::<Request>(&garbage).is_err());
     }

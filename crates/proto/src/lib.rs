@@ -3,6 +3,7 @@
 //! Everything here is pure data and pure functions so that servers, clients and tests share
 //! one definition of what travels between them.
 
+pub mod auth;
 pub mod errno;
 pub mod frame;
 pub mod msg;

@@ -35,13 +35,41 @@ pub struct Welcome {
 }
 
 /// One request. `seq` is non-zero for operations that must not run twice: a retry carries
-/// the same `seq` and is answered from the server's reply cache.
+/// the same `seq` and is answered from the server's reply cache. `seq_floor` tells the
+/// server that the client has the replies of all its requests below it, so their cache
+/// entries can go (as NFSv4.1 session slots do); the cache then holds only what is in
+/// flight.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Request {
     pub cred: Credentials,
     pub seq: u64,
+    pub seq_floor: u64,
     pub op: Op,
 }
+
+/// Names of the operation kinds, indexed by [`Op::index`].
+pub const OP_NAMES: [&str; 20] = [
+    "lookup",
+    "getattr",
+    "setattr",
+    "mknod",
+    "mkdir",
+    "symlink",
+    "link",
+    "unlink",
+    "rmdir",
+    "rename",
+    "readlink",
+    "readdir",
+    "setxattr",
+    "getxattr",
+    "listxattr",
+    "removexattr",
+    "access",
+    "statfs",
+    "status",
+    "fsck",
+];
 
 /// Bytes of a name, serialized compactly.
 pub type NameBuf = Vec<u8>;
@@ -147,32 +175,40 @@ pub enum Op {
     StatFs,
     /// Server state for `kochab status`.
     Status,
+    /// Checks the namespace invariants of every table (root only; linear in its size).
+    Fsck,
 }
 
 impl Op {
+    /// A dense index of the operation kind (position in [`OP_NAMES`]).
+    pub fn index(&self) -> usize {
+        match self {
+            Op::Lookup { .. } => 0,
+            Op::GetAttr { .. } => 1,
+            Op::SetAttr { .. } => 2,
+            Op::Mknod { .. } => 3,
+            Op::Mkdir { .. } => 4,
+            Op::Symlink { .. } => 5,
+            Op::Link { .. } => 6,
+            Op::Unlink { .. } => 7,
+            Op::Rmdir { .. } => 8,
+            Op::Rename { .. } => 9,
+            Op::Readlink { .. } => 10,
+            Op::Readdir { .. } => 11,
+            Op::SetXattr { .. } => 12,
+            Op::GetXattr { .. } => 13,
+            Op::ListXattr { .. } => 14,
+            Op::RemoveXattr { .. } => 15,
+            Op::Access { .. } => 16,
+            Op::StatFs => 17,
+            Op::Status => 18,
+            Op::Fsck => 19,
+        }
+    }
+
     /// A short, stable name for metrics and logs.
     pub fn name(&self) -> &'static str {
-        match self {
-            Op::Lookup { .. } => "lookup",
-            Op::GetAttr { .. } => "getattr",
-            Op::SetAttr { .. } => "setattr",
-            Op::Mknod { .. } => "mknod",
-            Op::Mkdir { .. } => "mkdir",
-            Op::Symlink { .. } => "symlink",
-            Op::Link { .. } => "link",
-            Op::Unlink { .. } => "unlink",
-            Op::Rmdir { .. } => "rmdir",
-            Op::Rename { .. } => "rename",
-            Op::Readlink { .. } => "readlink",
-            Op::Readdir { .. } => "readdir",
-            Op::SetXattr { .. } => "setxattr",
-            Op::GetXattr { .. } => "getxattr",
-            Op::ListXattr { .. } => "listxattr",
-            Op::RemoveXattr { .. } => "removexattr",
-            Op::Access { .. } => "access",
-            Op::StatFs => "statfs",
-            Op::Status => "status",
-        }
+        OP_NAMES[self.index()]
     }
 
     /// True if the operation changes the namespace and so must not run twice on a retry.
@@ -186,6 +222,8 @@ impl Op {
                 | Op::Unlink { .. }
                 | Op::Rmdir { .. }
                 | Op::Rename { .. }
+                | Op::SetXattr { .. }
+                | Op::RemoveXattr { .. }
         )
     }
 }
@@ -206,6 +244,8 @@ pub enum Reply {
     },
     StatFs(StatFs),
     Status(StatusReport),
+    /// Invariant violations found by fsck (empty when consistent).
+    Problems(Vec<String>),
     Error(FsError),
     /// The server does not serve a table this operation needs; refresh the map and retry.
     WrongServer {

@@ -177,12 +177,20 @@ pub const MAX_GROUPS: usize = 64;
 impl Credentials {
     /// The superuser.
     pub fn root() -> Self {
-        Credentials { uid: 0, gid: 0, groups: Vec::new() }
+        Credentials {
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
+        }
     }
 
     /// A user with one primary group and no supplementary groups.
     pub fn user(uid: u32, gid: u32) -> Self {
-        Credentials { uid, gid, groups: Vec::new() }
+        Credentials {
+            uid,
+            gid,
+            groups: Vec::new(),
+        }
     }
 
     /// True for uid 0, which bypasses permission bits as CAP_DAC_OVERRIDE does.

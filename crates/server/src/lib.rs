@@ -1,1 +1,20 @@
+//! The Kochab metadata server.
+//!
+//! - [`server`]: start (recover, then serve), the checkpointer thread, shutdown.
+//! - [`conn`]: one connection: handshake, batched execution, durable replies.
+//! - [`core`]: the engine and reply cache behind one lock; journal records.
+//! - [`checkpoint`] / [`recovery`]: per-table incremental checkpoints and start-up.
+//! - [`replycache`]: answers to retried non-idempotent requests.
+//! - [`datadir`]: the cluster key and description; [`metrics`]: Prometheus endpoint.
 
+pub mod checkpoint;
+pub mod conn;
+pub mod core;
+pub mod datadir;
+pub mod metrics;
+pub mod recovery;
+pub mod replycache;
+pub mod server;
+
+pub use datadir::{DataDir, KEY_FILE, read_key_file};
+pub use server::{RunningServer, ServerConfig, start};

@@ -1,1 +1,298 @@
+//! The object store: named byte objects that hold journal segments, table checkpoints and
+//! (later) file data. Servers are soft state; everything durable lives here.
+//!
+//! [`LocalStore`] keeps objects as files under one directory (the embedded default). Object
+//! storage servers implement the same trait later.
 
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, ErrorKind};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// An object opened for positioned reads and writes (journal segments, data chunks).
+pub trait Object: Send + Sync {
+    /// Reads up to `buf.len()` bytes at `offset`; returns how many (0 at the end).
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize>;
+    /// Writes all of `data` at `offset`, extending the object if needed.
+    fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()>;
+    /// Makes written data durable (fdatasync).
+    fn sync_data(&self) -> io::Result<()>;
+    /// Current length in bytes.
+    fn len(&self) -> io::Result<u64>;
+    /// True if the object holds no bytes.
+    fn is_empty(&self) -> io::Result<bool> {
+        Ok(self.len()? == 0)
+    }
+    /// Truncates or extends (with zeros) to `len` bytes.
+    fn set_len(&self, len: u64) -> io::Result<()>;
+}
+
+/// Capacity of the store, for statfs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Capacity {
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+}
+
+/// Named objects. Names are relative paths of `[A-Za-z0-9._-]` components joined by '/'.
+pub trait ObjectStore: Send + Sync {
+    /// Replaces `name` with `data` atomically and durably: afterwards a reader sees either
+    /// the old or the new contents, never a mix, even after a crash.
+    fn put(&self, name: &str, data: &[u8]) -> io::Result<()>;
+    /// The whole object, or `None` if it does not exist.
+    fn get(&self, name: &str) -> io::Result<Option<Vec<u8>>>;
+    /// Removes an object; removing a missing object is not an error.
+    fn delete(&self, name: &str) -> io::Result<()>;
+    /// Names of the objects directly under `prefix` (a folder name such as "journal"),
+    /// sorted.
+    fn list(&self, prefix: &str) -> io::Result<Vec<String>>;
+    /// Renames an object atomically (replacing `to` if it exists).
+    fn rename(&self, from: &str, to: &str) -> io::Result<()>;
+    /// Opens an object for positioned I/O, creating it (empty) if `create` is set.
+    fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn Object>>;
+    /// Makes the existence of objects created or removed under `prefix` durable.
+    fn sync_dir(&self, prefix: &str) -> io::Result<()>;
+    /// Space in the store.
+    fn capacity(&self) -> io::Result<Capacity>;
+}
+
+/// Checks an object name: no empty, "." or ".." components, no absolute paths, a small
+/// character set, bounded length. Object names come from our own code, but a bad one must
+/// never escape the store's directory.
+pub fn validate_object_name(name: &str) -> io::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 512
+        && name.split('/').all(|c| {
+            !c.is_empty()
+                && c != "."
+                && c != ".."
+                && c.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(io::Error::new(
+            ErrorKind::InvalidInput,
+            format!("invalid object name {name:?}"),
+        ))
+    }
+}
+
+/// Objects as files under one directory.
+#[derive(Debug, Clone)]
+pub struct LocalStore {
+    root: PathBuf,
+}
+
+struct LocalObject {
+    file: File,
+}
+
+impl Object for LocalObject {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+
+    fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(data, offset)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+}
+
+impl LocalStore {
+    /// A store rooted at `root`, created if missing.
+    pub fn open(root: impl AsRef<Path>) -> io::Result<LocalStore> {
+        fs::create_dir_all(root.as_ref())?;
+        Ok(LocalStore {
+            root: root.as_ref().to_path_buf(),
+        })
+    }
+
+    /// The directory holding the objects.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn path(&self, name: &str) -> io::Result<PathBuf> {
+        validate_object_name(name)?;
+        Ok(self.root.join(name))
+    }
+
+    fn ensure_parent(path: &Path) -> io::Result<()> {
+        match path.parent() {
+            Some(p) => fs::create_dir_all(p),
+            None => Ok(()),
+        }
+    }
+}
+
+fn fsync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+impl ObjectStore for LocalStore {
+    fn put(&self, name: &str, data: &[u8]) -> io::Result<()> {
+        let path = self.path(name)?;
+        Self::ensure_parent(&path)?;
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        {
+            let f = File::create(&tmp)?;
+            f.write_all_at(data, 0)?;
+            f.sync_all()?;
+        }
+        fs::rename(&tmp, &path)?;
+        fsync_dir(path.parent().unwrap_or(&self.root))
+    }
+
+    fn get(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
+        match fs::read(self.path(name)?) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn delete(&self, name: &str) -> io::Result<()> {
+        match fs::remove_file(self.path(name)?) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn list(&self, prefix: &str) -> io::Result<Vec<String>> {
+        let dir = self.path(prefix)?;
+        let mut names = Vec::new();
+        let rd = match fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(names),
+            Err(e) => return Err(e),
+        };
+        for entry in rd {
+            let entry = entry?;
+            if let Some(n) = entry.file_name().to_str()
+                && validate_object_name(n).is_ok()
+                && !n.contains(".tmp")
+            {
+                names.push(format!("{prefix}/{n}"));
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        let to = self.path(to)?;
+        Self::ensure_parent(&to)?;
+        fs::rename(self.path(from)?, to)
+    }
+
+    fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn Object>> {
+        let path = self.path(name)?;
+        if create {
+            Self::ensure_parent(&path)?;
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .truncate(false)
+            .open(&path)?;
+        Ok(Arc::new(LocalObject { file }))
+    }
+
+    fn sync_dir(&self, prefix: &str) -> io::Result<()> {
+        let dir = self.path(prefix)?;
+        fs::create_dir_all(&dir)?;
+        fsync_dir(&dir)
+    }
+
+    fn capacity(&self) -> io::Result<Capacity> {
+        let c = std::ffi::CString::new(self.root.as_os_str().as_encoded_bytes())
+            .map_err(|_| io::Error::new(ErrorKind::InvalidInput, "store path contains NUL"))?;
+        // SAFETY: `c` is a valid NUL-terminated path and `st` is a properly sized out-buffer.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let frsize = st.f_frsize as u64;
+        Ok(Capacity {
+            total_bytes: st.f_blocks as u64 * frsize,
+            free_bytes: st.f_bavail as u64 * frsize,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn put_get_list_delete() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path()).unwrap();
+        s.put("a/x", b"one").unwrap();
+        s.put("a/y", b"two").unwrap();
+        s.put("a/x", b"three").unwrap();
+        assert_eq!(s.get("a/x").unwrap().unwrap(), b"three");
+        assert_eq!(s.list("a").unwrap(), vec!["a/x", "a/y"]);
+        s.delete("a/x").unwrap();
+        s.delete("a/x").unwrap();
+        assert_eq!(s.get("a/x").unwrap(), None);
+        assert!(s.list("missing").unwrap().is_empty());
+        assert!(s.capacity().unwrap().total_bytes > 0);
+    }
+
+    #[test]
+    fn positioned_io() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path()).unwrap();
+        let o = s.open("seg/1", true).unwrap();
+        o.write_at(b"hello", 10).unwrap();
+        o.sync_data().unwrap();
+        assert_eq!(o.len().unwrap(), 15);
+        let mut buf = [1u8; 20];
+        assert_eq!(o.read_at(&mut buf, 0).unwrap(), 15);
+        assert_eq!(&buf[..15], b"\0\0\0\0\0\0\0\0\0\0hello");
+        o.set_len(12).unwrap();
+        assert_eq!(o.len().unwrap(), 12);
+    }
+
+    #[test]
+    fn names_cannot_escape() {
+        for bad in [
+            "",
+            "/etc/passwd",
+            "../x",
+            "a/../b",
+            "a//b",
+            "a/./b",
+            "sp ace",
+        ] {
+            assert!(validate_object_name(bad).is_err(), "{bad:?}");
+        }
+        assert!(validate_object_name("journal/00000001.seg").is_ok());
+    }
+}

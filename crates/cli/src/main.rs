@@ -1,0 +1,366 @@
+//! `kochab`: one binary for every role. See `kochab --help`.
+
+mod fsshell;
+
+use clap::{Args, Parser, Subcommand};
+use kochab_bench::{BenchConfig, Phase};
+use kochab_client::{Client, ClientConfig, resolve_addr};
+use kochab_proto::auth::{ClusterKey, key_from_hex};
+use kochab_server::ServerConfig;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Default port of the metadata service.
+const DEFAULT_PORT: u16 = 7420;
+
+#[derive(Parser)]
+#[command(
+    name = "kochab",
+    version,
+    about = "Kochab: a distributed file system with a transparently scalable metadata service"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run an embedded cluster in the foreground until SIGINT or SIGTERM.
+    Up(UpArgs),
+    /// mdtest-like metadata benchmark through the native client.
+    Bench(BenchArgs),
+    /// Show the cluster's tables, inode counts, journal and memory.
+    Status {
+        #[command(flatten)]
+        conn: ConnArgs,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check the namespace invariants (no orphans, no cycles, nlink = names).
+    Fsck {
+        #[command(flatten)]
+        conn: ConnArgs,
+    },
+    /// A small file-system shell over the native client.
+    Fs {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[command(subcommand)]
+        cmd: fsshell::FsCommand,
+    },
+}
+
+#[derive(Args)]
+struct UpArgs {
+    /// Data directory (created on first start; reused, and recovered, afterwards).
+    #[arg(long, default_value = "./kochab-data")]
+    data: PathBuf,
+    /// Address to listen on (loopback by default).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port of the metadata service (0 picks a free one).
+    #[arg(long, default_value_t = DEFAULT_PORT)]
+    port: u16,
+    /// Port of the Prometheus metrics endpoint (0 picks a free one).
+    #[arg(long)]
+    metrics_port: Option<u16>,
+    /// Buffered mode: acknowledge before fdatasync. A machine crash may lose acknowledged
+    /// operations; a process crash does not.
+    #[arg(long)]
+    no_fsync: bool,
+    /// Worker threads of the server (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Journal records between checkpoint rounds (tests set it low).
+    #[arg(long, hide = true)]
+    checkpoint_records: Option<u64>,
+    /// Bytes per journal segment (tests set it low).
+    #[arg(long, hide = true)]
+    segment_bytes: Option<u64>,
+}
+
+#[derive(Args, Clone)]
+struct ConnArgs {
+    /// The cluster's HOST:PORT.
+    #[arg(long, env = "KOCHAB_CLUSTER", default_value = "127.0.0.1:7420")]
+    cluster: String,
+    /// File holding the cluster key (written by `kochab up` into its data directory).
+    #[arg(
+        long,
+        env = "KOCHAB_KEY_FILE",
+        default_value = "./kochab-data/cluster.key"
+    )]
+    key_file: PathBuf,
+    /// The cluster key itself, in hex (instead of --key-file).
+    #[arg(long, env = "KOCHAB_KEY", hide_env_values = true)]
+    key: Option<String>,
+    /// Connections in the client's pool.
+    #[arg(long, default_value_t = 2)]
+    connections: usize,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// Files in total, over all clients.
+    #[arg(long, default_value_t = 100_000)]
+    items: u64,
+    /// All clients in one shared directory instead of one directory each.
+    #[arg(long)]
+    shared_dir: bool,
+    /// Phases to run, in order.
+    #[arg(long, default_value = "create,stat,remove", value_delimiter = ',')]
+    phases: Vec<String>,
+    /// Directory under the root that holds the benchmark's files.
+    #[arg(long, default_value = "kochab-bench")]
+    base: String,
+    /// Print one JSON object keyed by phase.
+    #[arg(long)]
+    json: bool,
+}
+
+fn load_key(conn: &ConnArgs) -> Result<ClusterKey, String> {
+    if let Some(hex) = &conn.key {
+        return key_from_hex(hex).ok_or_else(|| "--key is not 64 hex digits".to_string());
+    }
+    kochab_server::read_key_file(&conn.key_file).map_err(|e| {
+        format!(
+            "cannot read the cluster key from {}: {e}",
+            conn.key_file.display()
+        )
+    })
+}
+
+async fn connect(conn: &ConnArgs) -> Result<Client, String> {
+    let key = load_key(conn)?;
+    let addr = resolve_addr(&conn.cluster).map_err(|e| e.to_string())?;
+    let mut cfg = ClientConfig::new(addr, key);
+    cfg.connections = conn.connections;
+    Client::connect(cfg)
+        .await
+        .map_err(|e| format!("cannot connect to {}: {e}", conn.cluster))
+}
+
+fn init_logging(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KOCHAB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, String> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = threads {
+        b.worker_threads(n.max(1));
+    }
+    b.enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
+}
+
+async fn up(args: UpArgs) -> Result<(), String> {
+    let listen: SocketAddr =
+        resolve_addr(&format!("{}:{}", args.host, args.port)).map_err(|e| e.to_string())?;
+    let mut config = ServerConfig::new(&args.data, listen);
+    config.fsync = !args.no_fsync;
+    config.metrics_listen = args.metrics_port.map(|p| SocketAddr::new(listen.ip(), p));
+    if let Some(n) = args.checkpoint_records {
+        config.checkpoint_records = n.max(1);
+    }
+    if let Some(b) = args.segment_bytes {
+        config.segment_bytes = b.max(1 << 16);
+    }
+    let server = kochab_server::start(config)
+        .await
+        .map_err(|e| format!("cannot start: {e}"))?;
+    eprintln!(
+        "kochab: data in {}, key in {}",
+        server.data_dir.display(),
+        server.data_dir.join(kochab_server::KEY_FILE).display()
+    );
+    if let Some(m) = server.metrics_addr {
+        eprintln!("kochab: metrics at http://{m}/metrics");
+    }
+    if args.no_fsync {
+        eprintln!(
+            "kochab: buffered mode (--no-fsync): a machine crash may lose acknowledged operations"
+        );
+    }
+    println!("kochab: cluster ready at {}", server.addr);
+    wait_for_signal().await;
+    eprintln!("kochab: shutting down");
+    server.shutdown().await;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        // Without signal handlers there is nothing to wait for but the end of time.
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = int.recv() => {},
+        _ = term.recv() => {},
+    }
+}
+
+async fn bench(args: BenchArgs) -> Result<(), String> {
+    let mut phases = Vec::new();
+    for p in &args.phases {
+        phases.push(
+            Phase::parse(p).ok_or_else(|| format!("unknown phase {p:?} (create, stat, remove)"))?,
+        );
+    }
+    let client = connect(&args.conn).await?;
+    let cfg = BenchConfig {
+        clients: args.clients,
+        items: args.items,
+        shared_dir: args.shared_dir,
+        phases,
+        base: args.base.clone(),
+        progress: !args.json,
+    };
+    let report = kochab_bench::run(&client, &cfg)
+        .await
+        .map_err(|e| format!("benchmark failed: {e}"))?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| e.to_string())?
+        );
+    } else {
+        println!(
+            "{} clients, {} files, {}",
+            args.clients,
+            args.items,
+            if args.shared_dir {
+                "one shared directory"
+            } else {
+                "one directory per client"
+            }
+        );
+        println!(
+            "{:<8} {:>12} {:>10} {:>10} {:>8}",
+            "phase", "ops/s", "p50 us", "p99 us", "errors"
+        );
+        for (name, r) in &report {
+            println!(
+                "{name:<8} {:>12.0} {:>10.0} {:>10.0} {:>8}",
+                r.ops_per_sec, r.p50_us, r.p99_us, r.errors
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn status(conn: ConnArgs, json: bool) -> Result<(), String> {
+    let client = connect(&conn).await?;
+    let s = client.status().await.map_err(|e| e.to_string())?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&s).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    println!(
+        "server {:016x}, up {:.1}s, {} connections",
+        s.server_id,
+        s.uptime_ms as f64 / 1000.0,
+        s.connections
+    );
+    println!(
+        "inodes {}, entries {}, resident memory {:.1} MiB",
+        s.inodes,
+        s.dentries,
+        s.rss_bytes as f64 / (1 << 20) as f64
+    );
+    println!(
+        "journal: {:.1} MiB in {} segments, applied LSN {}, durable LSN {} ({})",
+        s.journal_bytes as f64 / (1 << 20) as f64,
+        s.journal_segments,
+        s.applied_lsn,
+        s.durable_lsn,
+        if s.durable_mode {
+            "fsync before reply"
+        } else {
+            "buffered"
+        }
+    );
+    println!(
+        "{:<18} {:<18} {:<10} {:>10} {:>10} {:>12}",
+        "table lo", "table hi", "region", "inodes", "entries", "ckpt LSN"
+    );
+    for t in &s.tables {
+        println!(
+            "{:016x}   {:016x}   {:<10} {:>10} {:>10} {:>12}",
+            t.lo, t.hi, t.region, t.inodes, t.dentries, t.checkpoint_lsn
+        );
+    }
+    Ok(())
+}
+
+async fn fsck(conn: ConnArgs) -> Result<(), String> {
+    let client = connect(&conn).await?;
+    let problems = client.fsck().await.map_err(|e| e.to_string())?;
+    if problems.is_empty() {
+        println!("kochab fsck: clean");
+        return Ok(());
+    }
+    for p in &problems {
+        println!("{p}");
+    }
+    Err(format!("{} problems", problems.len()))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Up(args) => {
+            init_logging("info");
+            runtime(args.threads).and_then(|rt| rt.block_on(up(args)))
+        }
+        Command::Bench(args) => {
+            init_logging("warn");
+            runtime(None).and_then(|rt| rt.block_on(bench(args)))
+        }
+        Command::Status { conn, json } => {
+            init_logging("warn");
+            runtime(Some(1)).and_then(|rt| rt.block_on(status(conn, json)))
+        }
+        Command::Fsck { conn } => {
+            init_logging("warn");
+            runtime(Some(1)).and_then(|rt| rt.block_on(fsck(conn)))
+        }
+        Command::Fs { conn, cmd } => {
+            init_logging("warn");
+            runtime(Some(1)).and_then(|rt| {
+                rt.block_on(async {
+                    let client = connect(&conn).await?;
+                    fsshell::run(&client, cmd).await
+                })
+            })
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kochab: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! Helpers shared by the integration tests: real `kochab up` processes on loopback ports,
+//! killed with real signals, and a deterministic random number generator.
+#![allow(dead_code)]
+
+use kochab_client::{Client, ClientConfig};
+use kochab_proto::auth::ClusterKey;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// The `kochab` binary under test.
+pub fn kochab_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_kochab"))
+}
+
+/// A `kochab up` process.
+pub struct ServerProc {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub key: ClusterKey,
+    pub data: PathBuf,
+    pub log: PathBuf,
+}
+
+impl ServerProc {
+    /// Starts `kochab up` on a free loopback port with `extra` flags and waits until it
+    /// serves (or panics with its log after 60 s).
+    pub fn start(data: &Path, extra: &[&str]) -> ServerProc {
+        Self::start_on(data, "0", extra)
+    }
+
+    /// Like `start`, on a given port.
+    pub fn start_on(data: &Path, port: &str, extra: &[&str]) -> ServerProc {
+        let log = data.with_extension(format!("log{}", std::process::id()));
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("log file");
+        let mut child = Command::new(kochab_bin())
+            .args(["up", "--data"])
+            .arg(data)
+            .args(["--port", port])
+            .args(extra)
+            .env("KOCHAB_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn kochab up");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(a) = line.strip_prefix("kochab: cluster ready at ") {
+                    let _ = tx.send(a.trim().to_string());
+                }
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(a) => a.parse().expect("address"),
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "server did not start; log:\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+        };
+        let key = kochab_proto::auth::key_from_hex(
+            &std::fs::read_to_string(data.join("cluster.key")).expect("key file"),
+        )
+        .expect("key");
+        ServerProc {
+            child,
+            addr,
+            key,
+            data: data.to_path_buf(),
+            log,
+        }
+    }
+
+    /// SIGKILL: no chance to flush or checkpoint.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait for a clean exit; returns the exit status code.
+    pub fn stop(&mut self) -> Option<i32> {
+        // SAFETY: kill(2) with a pid we spawned and still own.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.child.wait().ok().and_then(|s| s.code())
+    }
+
+    /// True while the process runs.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The server's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// A client with the given number of attempts per request.
+    pub async fn client(&self, attempts: u32) -> Client {
+        let mut cfg = ClientConfig::new(self.addr, self.key);
+        cfg.attempts = attempts;
+        cfg.request_timeout = Duration::from_secs(10);
+        Client::connect(cfg).await.expect("connect")
+    }
+}
+
+impl Drop for ServerProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// xorshift64*: small, seeded, reproducible.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// Random bytes of a random length below `max`.
+    pub fn bytes_below(&mut self, max: u64) -> Vec<u8> {
+        let n = self.below(max) as usize;
+        self.bytes(n)
+    }
+
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+/// A seed from the environment (KOCHAB_TEST_SEED) or the clock, printed so a failure can
+/// be replayed.
+pub fn seed(test: &str) -> u64 {
+    let s = std::env::var("KOCHAB_TEST_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    eprintln!("{test}: seed {s} (rerun with KOCHAB_TEST_SEED={s})");
+    s
+}
+
+/// A tokio runtime for a test.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}

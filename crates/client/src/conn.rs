@@ -1,0 +1,285 @@
+//! One authenticated, multiplexed connection to a server: many requests in flight, replies
+//! matched by request id in any order.
+
+use kochab_proto::auth::{ClusterKey, prove};
+use kochab_proto::frame::{FRAME_HEADER_BYTES, decode_payload, encode_frame, parse_header};
+use kochab_proto::*;
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{mpsc, oneshot};
+
+/// Bytes the writer gathers into one write.
+const WRITE_BATCH_BYTES: usize = 256 << 10;
+/// Free buffer space kept before each read.
+const READ_CHUNK: usize = 64 << 10;
+/// Frames queued for the writer before senders wait.
+const SEND_QUEUE: usize = 4096;
+
+/// Why a request got no reply on this connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnError {
+    /// The connection is gone (the request may or may not have run).
+    Lost(String),
+    /// The server refused us (bad key, bad version).
+    Refused(FsError),
+}
+
+type Pending = Mutex<FxHashMap<u64, oneshot::Sender<Result<Reply, ConnError>>>>;
+
+/// A live connection.
+pub struct Conn {
+    tx: mpsc::Sender<Vec<u8>>,
+    pending: Arc<Pending>,
+    next_id: AtomicU64,
+    alive: Arc<AtomicBool>,
+    /// The root directory, as the server announced it.
+    pub root: InodeId,
+}
+
+impl Conn {
+    /// Connects, authenticates with `key` as `client_id`, and starts the I/O tasks.
+    pub async fn connect(
+        addr: SocketAddr,
+        key: &ClusterKey,
+        client_id: u64,
+        timeout: Duration,
+    ) -> Result<Arc<Conn>, ConnError> {
+        let lost = |e: std::io::Error| ConnError::Lost(format!("{addr}: {e}"));
+        let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| ConnError::Lost(format!("{addr}: connect timed out")))?
+            .map_err(lost)?;
+        let _ = sock.set_nodelay(true);
+        let (mut rd, mut wr) = sock.into_split();
+        let mut buf = Vec::with_capacity(READ_CHUNK);
+        let handshake = async {
+            let (kind, payload) = read_frame(&mut rd, &mut buf).await?;
+            let challenge: Challenge = match kind {
+                FrameKind::Challenge => {
+                    decode_payload(&payload).map_err(|e| ConnError::Lost(e.to_string()))?
+                }
+                FrameKind::Goodbye => return Err(refused(&payload)),
+                k => return Err(ConnError::Lost(format!("expected a challenge, got {k:?}"))),
+            };
+            if challenge.version != PROTOCOL_VERSION {
+                return Err(ConnError::Refused(fs_err!(
+                    EPROTO,
+                    "server speaks protocol {}, we speak {PROTOCOL_VERSION}",
+                    challenge.version
+                )));
+            }
+            let auth = Auth {
+                version: PROTOCOL_VERSION,
+                client_id,
+                mac: prove(key, &challenge.nonce, client_id),
+            };
+            let mut out = Vec::new();
+            encode_frame(&mut out, FrameKind::Auth, 0, &auth)
+                .map_err(|e| ConnError::Lost(e.to_string()))?;
+            wr.write_all(&out).await.map_err(lost)?;
+            let (kind, payload) = read_frame(&mut rd, &mut buf).await?;
+            match kind {
+                FrameKind::Welcome => {
+                    decode_payload::<Welcome>(&payload).map_err(|e| ConnError::Lost(e.to_string()))
+                }
+                FrameKind::Goodbye => Err(refused(&payload)),
+                k => Err(ConnError::Lost(format!("expected a welcome, got {k:?}"))),
+            }
+        };
+        let welcome = tokio::time::timeout(timeout, handshake)
+            .await
+            .map_err(|_| ConnError::Lost(format!("{addr}: handshake timed out")))??;
+        let (tx, rx) = mpsc::channel(SEND_QUEUE);
+        let pending: Arc<Pending> = Arc::new(Mutex::new(FxHashMap::default()));
+        let alive = Arc::new(AtomicBool::new(true));
+        tokio::spawn(write_loop(wr, rx, alive.clone(), pending.clone()));
+        tokio::spawn(read_loop(rd, buf, pending.clone(), alive.clone()));
+        Ok(Arc::new(Conn {
+            tx,
+            pending,
+            next_id: AtomicU64::new(1),
+            alive,
+            root: welcome.root,
+        }))
+    }
+
+    /// False once the connection failed; callers reconnect.
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    /// Sends one request and waits for its reply. Dropping the future (a timeout)
+    /// forgets the request; a late reply is then discarded.
+    pub async fn call(&self, req: &Request) -> Result<Reply, ConnError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut frame = Vec::with_capacity(96);
+        if let Err(e) = encode_frame(&mut frame, FrameKind::Request, id, req) {
+            return Ok(Reply::Error(fs_err!(
+                EINVAL,
+                "request does not fit in a frame: {e}"
+            )));
+        }
+        let (tx, rx) = oneshot::channel();
+        self.pending.lock().insert(id, tx);
+        let guard = Forget {
+            pending: &self.pending,
+            id,
+        };
+        if !self.is_alive() || self.tx.send(frame).await.is_err() {
+            return Err(ConnError::Lost("connection closed".into()));
+        }
+        let result = match rx.await {
+            Ok(r) => r,
+            Err(_) => Err(ConnError::Lost("connection closed".into())),
+        };
+        std::mem::forget(guard);
+        result
+    }
+
+    /// Marks the connection dead so that callers reconnect (e.g. after a timeout).
+    pub fn mark_dead(&self) {
+        self.alive.store(false, Ordering::Release);
+    }
+}
+
+/// Removes a pending request whose caller stopped waiting.
+struct Forget<'a> {
+    pending: &'a Pending,
+    id: u64,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        self.pending.lock().remove(&self.id);
+    }
+}
+
+fn refused(payload: &[u8]) -> ConnError {
+    match decode_payload::<FsError>(payload) {
+        Ok(e) => ConnError::Refused(e),
+        Err(e) => ConnError::Lost(format!("undecodable goodbye: {e}")),
+    }
+}
+
+async fn read_frame(
+    rd: &mut OwnedReadHalf,
+    buf: &mut Vec<u8>,
+) -> Result<(FrameKind, Vec<u8>), ConnError> {
+    loop {
+        match parse_header(buf) {
+            Ok(Some(h)) => {
+                let payload = buf[FRAME_HEADER_BYTES..h.total_len].to_vec();
+                buf.drain(..h.total_len);
+                return Ok((h.kind, payload));
+            }
+            Ok(None) => {}
+            Err(e) => return Err(ConnError::Lost(e.to_string())),
+        }
+        buf.reserve(READ_CHUNK);
+        match rd.read_buf(buf).await {
+            Ok(0) => return Err(ConnError::Lost("server closed the connection".into())),
+            Ok(_) => {}
+            Err(e) => return Err(ConnError::Lost(e.to_string())),
+        }
+    }
+}
+
+fn fail_all(pending: &Pending, alive: &AtomicBool, why: &str) {
+    alive.store(false, Ordering::Release);
+    let waiters: Vec<_> = pending.lock().drain().collect();
+    for (_, tx) in waiters {
+        let _ = tx.send(Err(ConnError::Lost(why.to_string())));
+    }
+}
+
+async fn write_loop(
+    mut wr: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Vec<u8>>,
+    alive: Arc<AtomicBool>,
+    pending: Arc<Pending>,
+) {
+    let mut out = Vec::with_capacity(WRITE_BATCH_BYTES);
+    while let Some(first) = rx.recv().await {
+        out.extend_from_slice(&first);
+        while out.len() < WRITE_BATCH_BYTES {
+            match rx.try_recv() {
+                Ok(f) => out.extend_from_slice(&f),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = wr.write_all(&out).await {
+            fail_all(&pending, &alive, &format!("write failed: {e}"));
+            return;
+        }
+        out.clear();
+        if !alive.load(Ordering::Acquire) {
+            return;
+        }
+    }
+}
+
+async fn read_loop(
+    mut rd: OwnedReadHalf,
+    mut buf: Vec<u8>,
+    pending: Arc<Pending>,
+    alive: Arc<AtomicBool>,
+) {
+    let mut start = 0;
+    loop {
+        loop {
+            match parse_header(&buf[start..]) {
+                Ok(None) => break,
+                Err(e) => {
+                    fail_all(&pending, &alive, &format!("bad frame from server: {e}"));
+                    return;
+                }
+                Ok(Some(h)) => {
+                    let payload = &buf[start + FRAME_HEADER_BYTES..start + h.total_len];
+                    match h.kind {
+                        FrameKind::Reply => {
+                            let reply = decode_payload::<Reply>(payload)
+                                .map_err(|e| ConnError::Lost(format!("bad reply: {e}")));
+                            if let Some(tx) = pending.lock().remove(&h.request_id) {
+                                let _ = tx.send(reply);
+                            }
+                        }
+                        FrameKind::Goodbye => {
+                            let why = match decode_payload::<FsError>(payload) {
+                                Ok(e) => format!("server closed the connection: {e}"),
+                                Err(_) => "server closed the connection".to_string(),
+                            };
+                            fail_all(&pending, &alive, &why);
+                            return;
+                        }
+                        k => {
+                            fail_all(&pending, &alive, &format!("unexpected {k:?} frame"));
+                            return;
+                        }
+                    }
+                    start += h.total_len;
+                }
+            }
+        }
+        buf.drain(..start);
+        start = 0;
+        buf.reserve(READ_CHUNK);
+        match rd.read_buf(&mut buf).await {
+            Ok(0) => {
+                fail_all(&pending, &alive, "server closed the connection");
+                return;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                fail_all(&pending, &alive, &format!("read failed: {e}"));
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! One client connection: the handshake, then a reader task that decodes and runs batches
+//! of requests and a writer task that sends their replies once the journal has made them
+//! durable. A malformed frame closes this connection only; everyone else is unaffected.
+
+use crate::core::Shared;
+use kochab_proto::auth::{ClusterKey, verify};
+use kochab_proto::frame::{FRAME_HEADER_BYTES, decode_payload, encode_frame, parse_header};
+use kochab_proto::*;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{mpsc, watch};
+
+/// Time a new connection has to authenticate.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Reply batches queued for the writer before the reader stops reading (backpressure).
+const WRITER_QUEUE: usize = 64;
+/// Bytes the writer gathers into one write.
+const WRITE_BATCH_BYTES: usize = 1 << 20;
+/// Free buffer space the reader keeps before each read.
+const READ_CHUNK: usize = 64 << 10;
+
+enum Outgoing {
+    Replies {
+        lsn: u64,
+        bytes: Vec<u8>,
+        started: Instant,
+        ops: Vec<(u8, bool)>,
+    },
+    Goodbye(Vec<u8>),
+}
+
+/// Serves one accepted connection until it closes or the server shuts down.
+pub async fn serve(
+    shared: Arc<Shared>,
+    key: ClusterKey,
+    sock: TcpStream,
+    peer: SocketAddr,
+    shutdown: watch::Receiver<bool>,
+) {
+    let _ = sock.set_nodelay(true);
+    let (mut rd, mut wr) = sock.into_split();
+    let mut buf = Vec::with_capacity(READ_CHUNK);
+    let client = match tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        handshake(&shared, &key, &mut rd, &mut wr, &mut buf),
+    )
+    .await
+    {
+        Ok(Ok(client)) => client,
+        Ok(Err(reason)) => {
+            tracing::info!("connection from {peer} refused: {reason}");
+            return;
+        }
+        Err(_) => {
+            tracing::info!("connection from {peer} did not authenticate in time");
+            return;
+        }
+    };
+    shared.connections.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = mpsc::channel(WRITER_QUEUE);
+    let writer = tokio::spawn(write_loop(shared.clone(), wr, rx, peer));
+    read_loop(&shared, client, rd, buf, tx, peer, shutdown).await;
+    let _ = writer.await;
+    shared.connections.fetch_sub(1, Ordering::Relaxed);
+}
+
+fn goodbye(errno: Errno, message: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    let _ = encode_frame(
+        &mut out,
+        FrameKind::Goodbye,
+        0,
+        &FsError::new(errno, message),
+    );
+    out
+}
+
+/// Challenge, proof, welcome. Returns the client id.
+async fn handshake(
+    shared: &Shared,
+    key: &ClusterKey,
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+    buf: &mut Vec<u8>,
+) -> Result<u64, String> {
+    let mut nonce = [0u8; 32];
+    getrandom::fill(&mut nonce).map_err(|e| format!("no randomness: {e}"))?;
+    let mut out = Vec::new();
+    encode_frame(
+        &mut out,
+        FrameKind::Challenge,
+        0,
+        &Challenge {
+            version: PROTOCOL_VERSION,
+            nonce,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    wr.write_all(&out).await.map_err(|e| e.to_string())?;
+    let header = loop {
+        match parse_header(buf) {
+            Ok(Some(h)) => break h,
+            Ok(None) => {}
+            Err(e) => {
+                let _ = wr.write_all(&goodbye(Errno::EPROTO, &e.to_string())).await;
+                return Err(e.to_string());
+            }
+        }
+        buf.reserve(READ_CHUNK);
+        if rd.read_buf(buf).await.map_err(|e| e.to_string())? == 0 {
+            return Err("closed during handshake".into());
+        }
+    };
+    let refuse = |why: &str| goodbye(Errno::EACCES, why);
+    if header.kind != FrameKind::Auth {
+        let _ = wr.write_all(&refuse("authenticate first")).await;
+        return Err(format!("sent {:?} before authenticating", header.kind));
+    }
+    let auth: Auth = match decode_payload(&buf[FRAME_HEADER_BYTES..header.total_len]) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = wr.write_all(&goodbye(Errno::EPROTO, &e.to_string())).await;
+            return Err(e.to_string());
+        }
+    };
+    buf.drain(..header.total_len);
+    if auth.version != PROTOCOL_VERSION {
+        let _ = wr
+            .write_all(&goodbye(
+                Errno::EPROTO,
+                &format!(
+                    "protocol version {} is not {PROTOCOL_VERSION}",
+                    auth.version
+                ),
+            ))
+            .await;
+        return Err(format!("protocol version {}", auth.version));
+    }
+    if !verify(key, &nonce, auth.client_id, &auth.mac) {
+        let _ = wr.write_all(&refuse("wrong cluster key")).await;
+        return Err("wrong cluster key".into());
+    }
+    let root = shared.core.lock().engine.root();
+    let welcome = Welcome {
+        server_id: shared.server_id,
+        root,
+        max_frame_bytes: frame::MAX_FRAME_BYTES as u32,
+    };
+    out.clear();
+    encode_frame(&mut out, FrameKind::Welcome, 0, &welcome).map_err(|e| e.to_string())?;
+    wr.write_all(&out).await.map_err(|e| e.to_string())?;
+    Ok(auth.client_id)
+}
+
+/// Decodes every complete frame in `buf[*start..]`. An invalid one ends the connection.
+fn take_requests(
+    buf: &[u8],
+    start: &mut usize,
+    reqs: &mut Vec<(u64, Request)>,
+) -> Result<(), String> {
+    loop {
+        match parse_header(&buf[*start..]) {
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+            Ok(Some(h)) => {
+                if h.kind != FrameKind::Request {
+                    return Err(format!("unexpected {:?} frame", h.kind));
+                }
+                let payload = &buf[*start + FRAME_HEADER_BYTES..*start + h.total_len];
+                let req: Request = decode_payload(payload).map_err(|e| e.to_string())?;
+                reqs.push((h.request_id, req));
+                *start += h.total_len;
+            }
+        }
+    }
+}
+
+async fn read_loop(
+    shared: &Arc<Shared>,
+    client: u64,
+    mut rd: OwnedReadHalf,
+    mut buf: Vec<u8>,
+    tx: mpsc::Sender<Outgoing>,
+    peer: SocketAddr,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut reqs = Vec::new();
+    let mut replies = Vec::new();
+    loop {
+        let mut start = 0;
+        let parsed = take_requests(&buf, &mut start, &mut reqs);
+        if !reqs.is_empty() {
+            let started = Instant::now();
+            let lsn = shared.execute_batch(client, &reqs, &mut replies);
+            let mut bytes = Vec::with_capacity(replies.len() * 128);
+            let mut ops = Vec::with_capacity(replies.len());
+            for ((rid, reply), (_, req)) in replies.drain(..).zip(reqs.drain(..)) {
+                ops.push((req.op.index() as u8, !matches!(reply, Reply::Error(_))));
+                if let Err(e) = encode_frame(&mut bytes, FrameKind::Reply, rid, &reply) {
+                    let fallback = Reply::Error(fs_err!(EIO, "reply does not fit in a frame: {e}"));
+                    let _ = encode_frame(&mut bytes, FrameKind::Reply, rid, &fallback);
+                }
+            }
+            if tx
+                .send(Outgoing::Replies {
+                    lsn,
+                    bytes,
+                    started,
+                    ops,
+                })
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        if let Err(reason) = parsed {
+            tracing::warn!("closing connection from {peer}: {reason}");
+            let _ = tx
+                .send(Outgoing::Goodbye(goodbye(Errno::EPROTO, &reason)))
+                .await;
+            return;
+        }
+        buf.drain(..start);
+        buf.reserve(READ_CHUNK);
+        tokio::select! {
+            r = rd.read_buf(&mut buf) => match r {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!("connection from {peer}: {e}");
+                    return;
+                }
+            },
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+async fn write_loop(
+    shared: Arc<Shared>,
+    mut wr: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Outgoing>,
+    peer: SocketAddr,
+) {
+    let mut durable = shared.journal.subscribe();
+    let mut out = Vec::with_capacity(WRITE_BATCH_BYTES);
+    let mut done: Vec<(Instant, Vec<(u8, bool)>)> = Vec::new();
+    while let Some(first) = rx.recv().await {
+        let mut max_lsn = 0;
+        let mut closing = false;
+        let mut next = Some(first);
+        while let Some(item) = next.take() {
+            match item {
+                Outgoing::Replies {
+                    lsn,
+                    bytes,
+                    started,
+                    ops,
+                } => {
+                    max_lsn = max_lsn.max(lsn);
+                    out.extend_from_slice(&bytes);
+                    done.push((started, ops));
+                }
+                Outgoing::Goodbye(bytes) => {
+                    out.extend_from_slice(&bytes);
+                    closing = true;
+                }
+            }
+            if out.len() < WRITE_BATCH_BYTES && !closing {
+                next = rx.try_recv().ok();
+            }
+        }
+        // Nothing leaves before the journal holds every record it could reflect.
+        while *durable.borrow_and_update() < max_lsn {
+            if shared.journal.failed() {
+                tracing::error!("journal failed; dropping connection from {peer} without replies");
+                return;
+            }
+            if let Ok(Err(_)) =
+                tokio::time::timeout(Duration::from_secs(1), durable.changed()).await
+            {
+                return; // the journal is gone: the server is stopping
+            }
+        }
+        if wr.write_all(&out).await.is_err() {
+            return;
+        }
+        out.clear();
+        let now = Instant::now();
+        for (started, ops) in done.drain(..) {
+            let secs = now.duration_since(started).as_secs_f64();
+            for (op, ok) in ops {
+                shared.metrics.record_op(op as usize, ok, secs);
+            }
+        }
+        if closing {
+            let _ = wr.shutdown().await;
+            return;
+        }
+    }
+}

@@ -1,0 +1,256 @@
+//! The serving core: the engine and the reply cache behind one lock, and the journal.
+//!
+//! A batch of requests from one connection runs under one lock acquisition; each
+//! operation that changed something appends one journal record while the lock is held, so
+//! journal order is execution order. Replies wait until the journal is durable up to the
+//! last LSN the batch could have observed: nothing a client sees can be lost in a crash.
+
+use crate::metrics::Metrics;
+use crate::replycache::{Outcome, ReplyCache};
+use kochab_journal::Journal;
+use kochab_meta::{Engine, Mutation};
+use kochab_proto::*;
+use kochab_store::ObjectStore;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// The payload of one journal record: one operation's mutations plus what the reply cache
+/// needs to answer a retry of it after a crash.
+#[derive(Serialize)]
+pub struct JournalEntryRef<'a> {
+    pub client: u64,
+    pub seq: u64,
+    pub seq_floor: u64,
+    pub outcome: Outcome,
+    pub muts: &'a [Mutation],
+}
+
+/// Owned form of [`JournalEntryRef`], as read back.
+#[derive(Deserialize)]
+pub struct JournalEntry {
+    pub client: u64,
+    pub seq: u64,
+    pub seq_floor: u64,
+    pub outcome: Outcome,
+    pub muts: Vec<Mutation>,
+}
+
+/// What the lock protects.
+pub struct Core {
+    pub engine: Engine,
+    pub replies: ReplyCache,
+    scratch: Vec<Mutation>,
+}
+
+impl Core {
+    pub fn new(engine: Engine, replies: ReplyCache) -> Core {
+        Core {
+            engine,
+            replies,
+            scratch: Vec::with_capacity(16),
+        }
+    }
+}
+
+/// Everything the connection tasks, the checkpointer and the admin paths share.
+pub struct Shared {
+    pub core: Mutex<Core>,
+    pub journal: Journal,
+    pub store: Arc<dyn ObjectStore>,
+    pub metrics: Arc<Metrics>,
+    pub server_id: u64,
+    pub durable_mode: bool,
+    pub started: Instant,
+    pub connections: AtomicU64,
+}
+
+/// Nanoseconds since the epoch from the system clock.
+pub fn now_ns() -> TimeNs {
+    match SystemTime::now().duration_since(UNIX_EPOCH) {
+        Ok(d) => d.as_nanos().min(i64::MAX as u128) as i64,
+        Err(e) => -(e.duration().as_nanos().min(i64::MAX as u128) as i64),
+    }
+}
+
+/// Appends one engine result to the journal; the caller holds the core lock.
+pub fn journal_entry(
+    journal: &Journal,
+    client: u64,
+    seq: u64,
+    seq_floor: u64,
+    outcome: Outcome,
+    muts: &[Mutation],
+) -> u64 {
+    let entry = JournalEntryRef {
+        client,
+        seq,
+        seq_floor,
+        outcome,
+        muts,
+    };
+    journal.append_with(|buf| {
+        let taken = std::mem::take(buf);
+        *buf = match postcard::to_extend(&entry, taken) {
+            Ok(b) => b,
+            // Serializing our own in-memory types into a Vec cannot fail; if it does the
+            // journal would diverge from memory, so stop loudly.
+            Err(e) => panic!("journal entry does not serialize: {e}"),
+        };
+    })
+}
+
+/// The inode an operation's reply names, remembered for retries.
+fn outcome_of(reply: &Reply) -> Outcome {
+    match reply {
+        Reply::Entry(a) => Some(a.id),
+        _ => None,
+    }
+}
+
+impl Shared {
+    /// Runs a batch of requests of one client; returns the replies and the LSN that must
+    /// be durable before they are sent.
+    pub fn execute_batch(
+        &self,
+        client: u64,
+        reqs: &[(u64, Request)],
+        replies: &mut Vec<(u64, Reply)>,
+    ) -> u64 {
+        let now = now_ns();
+        let mut core = self.core.lock();
+        for (rid, req) in reqs {
+            let reply = match req.op {
+                Op::Status => Reply::Status(self.status(&core)),
+                Op::StatFs => self.statfs(&mut core, req, now),
+                _ => self.execute_one(&mut core, client, req, now),
+            };
+            replies.push((*rid, reply));
+        }
+        drop(core);
+        self.journal.last_lsn()
+    }
+
+    fn execute_one(&self, core: &mut Core, client: u64, req: &Request, now: TimeNs) -> Reply {
+        let cached = req.seq != 0 && req.op.needs_reply_cache();
+        if req.seq_floor != 0 {
+            core.replies.acknowledge(client, req.seq_floor);
+        }
+        if cached && let Some(outcome) = core.replies.get(client, req.seq) {
+            return retry_reply(&core.engine, &req.op, outcome);
+        }
+        let Core {
+            engine,
+            replies,
+            scratch,
+        } = core;
+        scratch.clear();
+        let reply = engine.execute(&req.cred, &req.op, now, scratch);
+        if !scratch.is_empty() {
+            let outcome = outcome_of(&reply);
+            journal_entry(
+                &self.journal,
+                client,
+                if cached { req.seq } else { 0 },
+                req.seq_floor,
+                outcome,
+                scratch,
+            );
+            if cached {
+                replies.insert(client, req.seq, outcome);
+            }
+        }
+        reply
+    }
+
+    fn statfs(&self, core: &mut Core, req: &Request, now: TimeNs) -> Reply {
+        let Core {
+            engine, scratch, ..
+        } = core;
+        let reply = engine.execute(&req.cred, &req.op, now, scratch);
+        match (reply, self.store.capacity()) {
+            (Reply::StatFs(mut s), Ok(c)) => {
+                let bs = s.bsize as u64;
+                s.blocks = c.total_bytes / bs;
+                s.bfree = c.free_bytes / bs;
+                s.bavail = c.free_bytes / bs;
+                Reply::StatFs(s)
+            }
+            (Reply::StatFs(_), Err(e)) => {
+                Reply::Error(fs_err!(EIO, "cannot read store capacity: {e}"))
+            }
+            (other, _) => other,
+        }
+    }
+
+    /// The server's state for `kochab status`.
+    pub fn status(&self, core: &Core) -> StatusReport {
+        let tables = core
+            .engine
+            .tables()
+            .iter()
+            .map(|t| TableStatus {
+                lo: t.lo,
+                hi: t.hi,
+                region: kochab_meta::Region::of(t.lo).label().to_string(),
+                inodes: t.inode_count(),
+                dentries: t.dentry_count(),
+                checkpoint_lsn: t.replay_from,
+            })
+            .collect();
+        let (inodes, dentries) = core.engine.counts();
+        StatusReport {
+            server_id: self.server_id,
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            tables,
+            inodes,
+            dentries,
+            journal_bytes: self.journal.bytes(),
+            journal_segments: self.journal.segments(),
+            applied_lsn: self.journal.last_lsn(),
+            durable_lsn: self.journal.durable_lsn(),
+            rss_bytes: crate::metrics::rss_bytes(),
+            connections: self.connections.load(Ordering::Relaxed),
+            durable_mode: self.durable_mode,
+        }
+    }
+
+    /// Updates the gauges that are sampled rather than counted.
+    pub fn refresh_gauges(&self) {
+        let m = &self.metrics;
+        m.rss_bytes.set(crate::metrics::rss_bytes() as i64);
+        m.journal_bytes.set(self.journal.bytes() as i64);
+        m.connections
+            .set(self.connections.load(Ordering::Relaxed) as i64);
+        let core = self.core.lock();
+        for t in core.engine.tables() {
+            let label = crate::metrics::TableLabel {
+                table: format!("{:016x}", t.lo),
+            };
+            m.table_inodes
+                .get_or_create(&label)
+                .set(t.inode_count() as i64);
+            m.table_dentries
+                .get_or_create(&label)
+                .set(t.dentry_count() as i64);
+        }
+    }
+}
+
+/// The answer to a retry of an operation that already ran.
+fn retry_reply(engine: &Engine, op: &Op, outcome: Outcome) -> Reply {
+    match (op, outcome) {
+        (Op::Mknod { .. } | Op::Mkdir { .. } | Op::Symlink { .. } | Op::Link { .. }, Some(id)) => {
+            match engine.inode(id) {
+                Some(i) => Reply::Entry(i.attr(id)),
+                None => Reply::Error(fs_err!(
+                    ESTALE,
+                    "created by the first attempt, removed before this retry"
+                )),
+            }
+        }
+        _ => Reply::Empty,
+    }
+}

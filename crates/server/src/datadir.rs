@@ -1,0 +1,129 @@
+//! The data directory: the cluster key (mode 0600), the cluster description and the object
+//! store. Created on first start, read on every later one.
+
+use kochab_meta::{EngineConfig, initial_table_ranges};
+use kochab_proto::auth::{ClusterKey, key_from_hex, key_to_hex};
+use kochab_store::{LocalStore, ObjectStore};
+use serde::{Deserialize, Serialize};
+use std::fs;
+use std::io::{self, ErrorKind, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// File name of the cluster key inside the data directory.
+pub const KEY_FILE: &str = "cluster.key";
+/// Object holding the cluster description.
+const CLUSTER_OBJECT: &str = "cluster.json";
+
+/// What never changes for the life of a cluster.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ClusterMeta {
+    pub format: u32,
+    pub cluster_id: u64,
+    pub server_id: u64,
+    pub engine: EngineConfig,
+    /// The tables this server hosts.
+    pub tables: Vec<(u64, u64)>,
+}
+
+/// An opened data directory.
+pub struct DataDir {
+    pub path: PathBuf,
+    pub store: Arc<dyn ObjectStore>,
+    pub key: ClusterKey,
+    pub meta: ClusterMeta,
+    /// True if this start created the cluster.
+    pub created: bool,
+}
+
+fn random_u64() -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    getrandom::fill(&mut b).map_err(|e| io::Error::other(format!("no randomness: {e}")))?;
+    Ok(u64::from_le_bytes(b))
+}
+
+/// Reads the key file, refusing one that others can read.
+pub fn read_key_file(path: &Path) -> io::Result<ClusterKey> {
+    let text = fs::read_to_string(path)?;
+    key_from_hex(&text).ok_or_else(|| {
+        io::Error::new(
+            ErrorKind::InvalidData,
+            format!("{} is not a cluster key", path.display()),
+        )
+    })
+}
+
+fn create_key_file(path: &Path) -> io::Result<ClusterKey> {
+    let mut key = [0u8; 32];
+    getrandom::fill(&mut key).map_err(|e| io::Error::other(format!("no randomness: {e}")))?;
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(key_to_hex(&key).as_bytes())?;
+    f.write_all(b"\n")?;
+    f.sync_all()?;
+    Ok(key)
+}
+
+impl DataDir {
+    /// Opens `path`, creating a new cluster there if it holds none.
+    pub fn open_or_create(path: &Path) -> io::Result<DataDir> {
+        fs::create_dir_all(path)?;
+        fs::set_permissions(path, fs::Permissions::from_mode(0o700))?;
+        let key_path = path.join(KEY_FILE);
+        let key = match read_key_file(&key_path) {
+            Ok(k) => k,
+            Err(e) if e.kind() == ErrorKind::NotFound => create_key_file(&key_path)?,
+            Err(e) => return Err(e),
+        };
+        let mode = fs::metadata(&key_path)?.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(io::Error::new(
+                ErrorKind::PermissionDenied,
+                format!("{} has mode {mode:o}; it must be 0600", key_path.display()),
+            ));
+        }
+        let store: Arc<dyn ObjectStore> = Arc::new(LocalStore::open(path.join("store"))?);
+        let (meta, created) = match store.get(CLUSTER_OBJECT)? {
+            Some(bytes) => {
+                let meta: ClusterMeta = serde_json::from_slice(&bytes).map_err(|e| {
+                    io::Error::new(ErrorKind::InvalidData, format!("{CLUSTER_OBJECT}: {e}"))
+                })?;
+                (meta, false)
+            }
+            None => {
+                let engine = EngineConfig::with_key([random_u64()?, random_u64()?]);
+                let policy = kochab_meta::IdPolicy::new(engine.id_policy.clone())
+                    .map_err(io::Error::other)?;
+                let tables = initial_table_ranges(&policy, engine.primary_tables)
+                    .map_err(io::Error::other)?;
+                let meta = ClusterMeta {
+                    format: 1,
+                    cluster_id: random_u64()?,
+                    server_id: random_u64()?,
+                    engine,
+                    tables,
+                };
+                let json = serde_json::to_vec_pretty(&meta).map_err(io::Error::other)?;
+                store.put(CLUSTER_OBJECT, &json)?;
+                (meta, true)
+            }
+        };
+        if meta.format != 1 {
+            return Err(io::Error::new(
+                ErrorKind::InvalidData,
+                format!("data format {} is not supported", meta.format),
+            ));
+        }
+        Ok(DataDir {
+            path: path.to_path_buf(),
+            store,
+            key,
+            meta,
+            created,
+        })
+    }
+}

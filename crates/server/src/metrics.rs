@@ -1,0 +1,259 @@
+//! Server metrics in the Prometheus (OpenMetrics) text format, served over HTTP. Hot-path
+//! metrics are created up front per operation kind, so recording is an atomic add or an
+//! uncontended lock, never a label lookup.
+
+use kochab_proto::OP_NAMES;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabel {
+    op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpResultLabel {
+    op: &'static str,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TableLabel {
+    pub table: String,
+}
+
+/// Every metric the server exports.
+pub struct Metrics {
+    registry: Registry,
+    ops_ok: Vec<Counter>,
+    ops_err: Vec<Counter>,
+    latency: Vec<Histogram>,
+    pub fsync_seconds: Histogram,
+    pub records_per_fsync: Histogram,
+    pub bytes_per_fsync: Histogram,
+    pub checkpoint_seconds: Histogram,
+    pub checkpoint_bytes: Counter,
+    pub table_inodes: Family<TableLabel, Gauge>,
+    pub table_dentries: Family<TableLabel, Gauge>,
+    pub rss_bytes: Gauge,
+    pub journal_bytes: Gauge,
+    pub connections: Gauge,
+    pub replay_records: Gauge<u64, AtomicU64>,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("kochab");
+        let ops: Family<OpResultLabel, Counter> = Family::default();
+        let lat: Family<OpLabel, Histogram> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(10e-6, 2.0, 18)));
+        let ops_ok = OP_NAMES
+            .iter()
+            .map(|&op| {
+                ops.get_or_create(&OpResultLabel { op, result: "ok" })
+                    .clone()
+            })
+            .collect();
+        let ops_err = OP_NAMES
+            .iter()
+            .map(|&op| {
+                ops.get_or_create(&OpResultLabel {
+                    op,
+                    result: "error",
+                })
+                .clone()
+            })
+            .collect();
+        let latency = OP_NAMES
+            .iter()
+            .map(|&op| lat.get_or_create(&OpLabel { op }).clone())
+            .collect();
+        registry.register("operations", "Operations served, by type and result", ops);
+        registry.register(
+            "operation_latency_seconds",
+            "Time from request arrival to durable reply",
+            lat,
+        );
+        let fsync_seconds = Histogram::new(exponential_buckets(25e-6, 2.0, 16));
+        registry.register(
+            "journal_fsync_seconds",
+            "Duration of one journal group commit (write + fdatasync)",
+            fsync_seconds.clone(),
+        );
+        let records_per_fsync = Histogram::new(exponential_buckets(1.0, 2.0, 14));
+        registry.register(
+            "journal_records_per_fsync",
+            "Records made durable by one group commit",
+            records_per_fsync.clone(),
+        );
+        let bytes_per_fsync = Histogram::new(exponential_buckets(64.0, 4.0, 12));
+        registry.register(
+            "journal_bytes_per_fsync",
+            "Bytes made durable by one group commit",
+            bytes_per_fsync.clone(),
+        );
+        let checkpoint_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 16));
+        registry.register(
+            "checkpoint_seconds",
+            "Duration of one table checkpoint",
+            checkpoint_seconds.clone(),
+        );
+        let checkpoint_bytes = Counter::default();
+        registry.register(
+            "checkpoint_bytes",
+            "Bytes of checkpoint images written",
+            checkpoint_bytes.clone(),
+        );
+        let table_inodes = Family::<TableLabel, Gauge>::default();
+        registry.register("table_inodes", "Inodes per table", table_inodes.clone());
+        let table_dentries = Family::<TableLabel, Gauge>::default();
+        registry.register(
+            "table_dentries",
+            "Directory entries per table",
+            table_dentries.clone(),
+        );
+        let rss_bytes = Gauge::default();
+        registry.register(
+            "memory_rss_bytes",
+            "Resident memory of the server process",
+            rss_bytes.clone(),
+        );
+        let journal_bytes = Gauge::default();
+        registry.register(
+            "journal_bytes",
+            "Bytes of journal kept in the object store",
+            journal_bytes.clone(),
+        );
+        let connections = Gauge::default();
+        registry.register(
+            "connections",
+            "Open client connections",
+            connections.clone(),
+        );
+        let replay_records = Gauge::<u64, AtomicU64>::default();
+        registry.register(
+            "recovery_replayed_records",
+            "Journal records replayed at the last start",
+            replay_records.clone(),
+        );
+        Metrics {
+            registry,
+            ops_ok,
+            ops_err,
+            latency,
+            fsync_seconds,
+            records_per_fsync,
+            bytes_per_fsync,
+            checkpoint_seconds,
+            checkpoint_bytes,
+            table_inodes,
+            table_dentries,
+            rss_bytes,
+            journal_bytes,
+            connections,
+            replay_records,
+        }
+    }
+
+    /// Counts one operation of kind `op_index` and its latency.
+    pub fn record_op(&self, op_index: usize, ok: bool, seconds: f64) {
+        if ok {
+            &self.ops_ok[op_index]
+        } else {
+            &self.ops_err[op_index]
+        }
+        .inc();
+        self.latency[op_index].observe(seconds);
+    }
+
+    /// The text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!("cannot encode metrics: {e}");
+        }
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Resident set size of this process, from /proc/self/statm.
+pub fn rss_bytes() -> u64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/statm") else {
+        return 0;
+    };
+    let pages: u64 = s
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+    pages * page
+}
+
+/// Most bytes of an HTTP request head read before answering; we only need the first line.
+const HTTP_HEAD_MAX: usize = 8192;
+
+/// Serves `GET /metrics` (any path, in fact) on `listener` until the task is dropped.
+pub async fn serve_http(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    refresh: Arc<dyn Fn() + Send + Sync>,
+) {
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let metrics = metrics.clone();
+        let refresh = refresh.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; HTTP_HEAD_MAX];
+            let mut n = 0;
+            let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                while n < buf.len() {
+                    let k = sock.read(&mut buf[n..]).await?;
+                    if k == 0 {
+                        break;
+                    }
+                    n += k;
+                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+                Ok::<_, std::io::Error>(())
+            })
+            .await;
+            if !matches!(read, Ok(Ok(()))) {
+                return;
+            }
+            refresh();
+            let body = metrics.encode();
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = sock.write_all(head.as_bytes()).await;
+            let _ = sock.write_all(body.as_bytes()).await;
+        });
+    }
+}
+
+/// Binds the metrics listener.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}

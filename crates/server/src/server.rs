@@ -1,0 +1,292 @@
+//! Starting, running and stopping one metadata server.
+
+use crate::checkpoint::Checkpointer;
+use crate::core::{Core, Shared, journal_entry, now_ns};
+use crate::datadir::DataDir;
+use crate::metrics::Metrics;
+use kochab_journal::{Journal, JournalObserver, JournalOptions};
+use kochab_proto::InodeId;
+use kochab_proto::auth::ClusterKey;
+use parking_lot::{Condvar, Mutex};
+use std::io;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// Most simultaneous client connections; more are refused with EAGAIN.
+const MAX_CONNECTIONS: u64 = 4096;
+
+/// How a server runs.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    pub metrics_listen: Option<SocketAddr>,
+    /// fdatasync every group commit before replying (the default). Off is the named
+    /// "buffered" mode: a machine crash may lose acknowledged operations.
+    pub fsync: bool,
+    /// Journal records between checkpoint rounds (bounds replay time at restart).
+    pub checkpoint_records: u64,
+    /// A round also runs this often if anything changed.
+    pub checkpoint_interval: Duration,
+    pub segment_bytes: u64,
+}
+
+impl ServerConfig {
+    /// Defaults for a data directory and listen address.
+    pub fn new(data_dir: impl Into<PathBuf>, listen: SocketAddr) -> ServerConfig {
+        ServerConfig {
+            data_dir: data_dir.into(),
+            listen,
+            metrics_listen: None,
+            fsync: true,
+            // ~300k creates: a few tenths of a second of replay at restart.
+            checkpoint_records: 300_000,
+            checkpoint_interval: Duration::from_secs(30),
+            segment_bytes: JournalOptions::default().segment_bytes,
+        }
+    }
+}
+
+struct JournalMetrics(Arc<Metrics>);
+
+impl JournalObserver for JournalMetrics {
+    fn on_commit(&self, records: u64, bytes: u64, sync_seconds: f64) {
+        self.0.fsync_seconds.observe(sync_seconds);
+        self.0.records_per_fsync.observe(records as f64);
+        self.0.bytes_per_fsync.observe(bytes as f64);
+    }
+}
+
+struct Stopper {
+    stop: Mutex<bool>,
+    cv: Condvar,
+}
+
+/// A server that is serving.
+pub struct RunningServer {
+    pub addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
+    pub key: ClusterKey,
+    pub root: InodeId,
+    pub data_dir: PathBuf,
+    shared: Arc<Shared>,
+    shutdown_tx: watch::Sender<bool>,
+    accept_task: tokio::task::JoinHandle<()>,
+    metrics_task: Option<tokio::task::JoinHandle<()>>,
+    checkpointer: Option<JoinHandle<()>>,
+    stopper: Arc<Stopper>,
+}
+
+/// Recovers the data directory and starts serving.
+pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
+    let dir_path = config.data_dir.clone();
+    let (dir, recovered) = tokio::task::spawn_blocking(move || -> io::Result<_> {
+        let dir = DataDir::open_or_create(&dir_path)?;
+        let recovered = crate::recovery::recover(&dir)?;
+        Ok((dir, recovered))
+    })
+    .await
+    .map_err(io::Error::other)??;
+    let crate::recovery::Recovered {
+        mut engine,
+        replies,
+        manifests,
+        journal: report,
+        boxes_loaded,
+        load_time,
+        replay_time,
+    } = recovered;
+    tracing::info!(
+        "recovered {} inodes: {boxes_loaded} checkpoint boxes in {:.3}s, {} journal records replayed in {:.3}s",
+        engine.counts().0,
+        load_time.as_secs_f64(),
+        report.replayed,
+        replay_time.as_secs_f64()
+    );
+    let metrics = Arc::new(Metrics::new());
+    metrics.replay_records.set(report.replayed);
+    let options = JournalOptions {
+        segment_bytes: config.segment_bytes,
+        fsync: config.fsync,
+    };
+    let journal = Journal::start(
+        dir.store.clone(),
+        report.last_lsn + 1,
+        options,
+        Some(Arc::new(JournalMetrics(metrics.clone()))),
+    )?;
+    if !engine.has_root() {
+        let muts = engine.bootstrap(now_ns());
+        for m in &muts {
+            engine.apply(m).map_err(io::Error::other)?;
+        }
+        let lsn = journal_entry(&journal, 0, 0, 0, None, &muts);
+        if !journal.wait_durable(lsn) {
+            return Err(io::Error::other("journal failed while creating the root"));
+        }
+        tracing::info!("created a new cluster in {}", dir.path.display());
+    }
+    let root = engine.root();
+    let shared = Arc::new(Shared {
+        core: Mutex::new(Core::new(engine, replies)),
+        journal,
+        store: dir.store.clone(),
+        metrics: metrics.clone(),
+        server_id: dir.meta.server_id,
+        durable_mode: config.fsync,
+        started: Instant::now(),
+        connections: AtomicU64::new(0),
+    });
+
+    let stopper = Arc::new(Stopper {
+        stop: Mutex::new(false),
+        cv: Condvar::new(),
+    });
+    let checkpointer = {
+        let shared = shared.clone();
+        let stopper = stopper.clone();
+        let ckpt = Checkpointer::new(manifests);
+        let config = config.clone();
+        std::thread::Builder::new()
+            .name("checkpointer".into())
+            .spawn(move || checkpoint_loop(shared, ckpt, stopper, config))?
+    };
+
+    let listener = TcpListener::bind(config.listen).await?;
+    let addr = listener.local_addr()?;
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let accept_task = tokio::spawn(accept_loop(listener, shared.clone(), dir.key, shutdown_rx));
+    let (metrics_task, metrics_addr) = match config.metrics_listen {
+        Some(a) => {
+            let l = crate::metrics::bind(a).await?;
+            let maddr = l.local_addr()?;
+            let s = shared.clone();
+            let refresh: Arc<dyn Fn() + Send + Sync> = Arc::new(move || s.refresh_gauges());
+            (
+                Some(tokio::spawn(crate::metrics::serve_http(
+                    l, metrics, refresh,
+                ))),
+                Some(maddr),
+            )
+        }
+        None => (None, None),
+    };
+    Ok(RunningServer {
+        addr,
+        metrics_addr,
+        key: dir.key,
+        root,
+        data_dir: dir.path,
+        shared,
+        shutdown_tx,
+        accept_task,
+        metrics_task,
+        checkpointer: Some(checkpointer),
+        stopper,
+    })
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    key: ClusterKey,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            r = listener.accept() => match r {
+                Ok((sock, peer)) => {
+                    if shared.connections.load(Ordering::Relaxed) >= MAX_CONNECTIONS {
+                        tracing::warn!("refusing {peer}: {MAX_CONNECTIONS} connections open");
+                        drop(sock);
+                        continue;
+                    }
+                    tokio::spawn(crate::conn::serve(shared.clone(), key, sock, peer, shutdown.clone()));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+fn checkpoint_loop(
+    shared: Arc<Shared>,
+    mut ckpt: Checkpointer,
+    stopper: Arc<Stopper>,
+    config: ServerConfig,
+) {
+    let mut last_round = Instant::now();
+    loop {
+        let stop = {
+            let mut g = stopper.stop.lock();
+            if !*g {
+                stopper.cv.wait_for(&mut g, Duration::from_millis(200));
+            }
+            *g
+        };
+        let lsn = shared.journal.last_lsn();
+        // Records a restart would replay now.
+        let behind = lsn.saturating_sub(ckpt.replay_from());
+        let due = behind >= config.checkpoint_records
+            || (behind > 0 && last_round.elapsed() >= config.checkpoint_interval);
+        if due || (stop && behind > 0) {
+            let started = Instant::now();
+            match ckpt.round(&shared) {
+                Ok(r) => tracing::info!(
+                    "checkpoint: {} tables, {} boxes, {} bytes in {:.3}s; {} journal segments trimmed",
+                    r.tables,
+                    r.boxes,
+                    r.bytes,
+                    started.elapsed().as_secs_f64(),
+                    r.trimmed_segments
+                ),
+                Err(e) => tracing::warn!("checkpoint failed (will retry): {e}"),
+            }
+            last_round = Instant::now();
+        }
+        if stop {
+            return;
+        }
+    }
+}
+
+impl RunningServer {
+    /// The shared state (for tests and the embedded CLI).
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Stops accepting, closes connections, takes a final checkpoint (so the next start
+    /// replays nothing) and flushes the journal.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown_tx.send(true);
+        let _ = (&mut self.accept_task).await;
+        if let Some(t) = self.metrics_task.take() {
+            t.abort();
+        }
+        // Give connection tasks a moment to send what is durable.
+        for _ in 0..50 {
+            if self.shared.connections.load(Ordering::Relaxed) == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        *self.stopper.stop.lock() = true;
+        self.stopper.cv.notify_all();
+        if let Some(h) = self.checkpointer.take() {
+            let _ = tokio::task::spawn_blocking(move || h.join()).await;
+        }
+        self.shared.journal.shutdown();
+    }
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what Kochab needs on a fresh Debian machine: the Rust toolchain (if missing) and
+# the Debian packages the tests use (fuse3 for mounting; programs the FUSE tests run).
+# Safe to run repeatedly; does nothing when everything is present.
+set -euo pipefail
+
+PKGS=(fuse3 rsync sqlite3 git make gcc libc6-dev tar diffutils findutils util-linux procps)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: need root to install: ${missing[*]}" >&2
+    exit 1
+  fi
+  echo "setup: installing ${missing[*]}" >&2
+  apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  if [ -x "$HOME/.cargo/bin/cargo" ]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+  else
+    echo "setup: installing the Rust toolchain with rustup" >&2
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --default-toolchain 1.95.0 -c clippy,rustfmt
+    export PATH="$HOME/.cargo/bin:$PATH"
+  fi
+fi
+cargo --version >/dev/null
