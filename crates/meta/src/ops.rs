@@ -987,6 +987,8 @@ impl Engine {
         check_access(dir, cred, R_OK)?;
         let max = max_entries.clamp(1, READDIR_MAX_ENTRIES) as usize;
         let mut entries = Vec::new();
+        // Attributes need search permission, as a stat of each entry would.
+        let plus = plus && check_access(dir, cred, X_OK).is_ok();
         let attr_of = |child: InodeId| {
             if plus {
                 self.inode(child).map(|i| i.attr(child))
