@@ -28,7 +28,7 @@ fn last_record(bytes: &[u8]) -> (usize, usize) {
         kochab_journal::segment::Header::Valid { first_lsn } => (first_lsn, ()),
         other => panic!("segment header: {other:?}"),
     };
-    let mut off = kochab_journal::segment::SEGMENT_HEADER_BYTES;
+    let mut off = kochab_journal::segment::SEGMENT_DATA_START as usize;
     let mut lsn = first;
     let mut last = (off, off);
     while let Scan::Record { len, .. } = scan(&bytes[off..], lsn) {

@@ -66,8 +66,10 @@ pub enum Scan<'a> {
     },
     /// A zero header, or no room for a header: nothing more was ever written here.
     End,
-    /// A valid record from an earlier use of a recycled segment (lower LSN): the end.
+    /// A valid record with a lower LSN than expected (not written by this journal's
+    /// current pass over the bytes): the end.
     Stale { lsn: u64 },
+
     /// Bytes that are not a valid record: a torn write or corruption.
     Corrupt { reason: String },
 }

@@ -2,7 +2,7 @@
 //! caller, and cut a torn or corrupt tail (report it, zero it out, never replay it).
 
 use crate::record::{Scan, scan};
-use crate::segment::{self, Header, SEGMENT_HEADER_BYTES, decode_header};
+use crate::segment::{self, Header, SEGMENT_DATA_START, SEGMENT_HEADER_BYTES, decode_header};
 use kochab_store::ObjectStore;
 use std::fmt;
 
@@ -110,7 +110,7 @@ pub fn recover(
             _ => {}
         }
         let mut lsn = first;
-        let mut off = SEGMENT_HEADER_BYTES;
+        let mut off = (SEGMENT_DATA_START as usize).min(data.len());
         loop {
             match scan(&data[off..], lsn) {
                 Scan::Record {

@@ -14,9 +14,11 @@ pub const SEGMENT_HEADER_BYTES: usize = 32;
 const MAGIC: &[u8; 8] = b"KOCHABJ1";
 /// Name of the zero-filled segment waiting to become the next one.
 pub const SPARE_NAME: &str = "journal/spare.zero";
-/// Prefix of trimmed segments kept for reuse: overwriting a segment whose blocks exist
-/// costs no zero-filling and no block allocation.
-pub const RECYCLE_PREFIX: &str = "journal/recycle-";
+/// Records start after the header block.
+pub const SEGMENT_DATA_START: u64 = BLOCK as u64;
+/// Unit of journal writes: whole blocks, so that direct I/O works and two writes in flight
+/// never touch the same block.
+pub const BLOCK: usize = kochab_store::DIRECT_ALIGN;
 
 /// The object name of the segment whose first record is `first_lsn`.
 pub fn segment_name(first_lsn: u64) -> String {
@@ -91,15 +93,6 @@ pub fn list_segments(store: &dyn ObjectStore) -> io::Result<Vec<(u64, String)>> 
         .collect();
     segs.sort();
     Ok(segs)
-}
-
-/// Recycled segments present, oldest first.
-pub fn list_recycled(store: &dyn ObjectStore) -> io::Result<Vec<String>> {
-    Ok(store
-        .list(JOURNAL_DIR)?
-        .into_iter()
-        .filter(|n| n.starts_with(RECYCLE_PREFIX))
-        .collect())
 }
 
 /// Writes a zero-filled object of `bytes` bytes and makes it durable, one MiB at a time:

@@ -1,13 +1,25 @@
-//! Group commit with double buffering. Appenders add records to the active buffer under a
-//! short lock and get their LSN; one writer thread swaps the buffers, writes the full one
-//! and fdatasyncs it, so one fsync covers every record that arrived while the previous one
-//! ran. Durability is published as the highest durable LSN, both to threads (a condvar)
-//! and to async tasks (a watch channel).
+//! Group commit with double buffering.
+//!
+//! Appenders add records to the active buffer under a short lock and get their LSN. The
+//! flusher thread takes the whole active buffer (every record that arrived while the
+//! previous flush ran), swaps in the idle one and writes it with one durable write:
+//! O_DIRECT | O_DSYNC where the store allows it (one device write with FUA; measured here
+//! p50 0.13 ms against 0.15 ms for write + fdatasync), else write + fdatasync. Direct I/O
+//! writes whole blocks, so each flush rewrites the partial block it starts in; the bytes of
+//! earlier records in it are rewritten unchanged, so a torn write cannot damage them.
+//! Durability is published as the highest durable LSN, to threads (a condvar) and async
+//! tasks (a watch channel).
+//!
+//! (Two flushers with overlapping writes were measured too: equal throughput on this
+//! machine, where every direct write costs a VM exit, and each flush then needs padding.)
 
-use crate::record::{RECORD_HEADER_BYTES, encode_record_with, record_len};
-use crate::segment::{self, SEGMENT_HEADER_BYTES, SPARE_NAME, encode_header, segment_name};
+use crate::record::{encode_record_with, record_len};
+use crate::segment::{
+    self, BLOCK, SEGMENT_DATA_START, SEGMENT_HEADER_BYTES, SPARE_NAME, encode_header, segment_name,
+};
 use kochab_store::{Object, ObjectStore};
 use parking_lot::{Condvar, Mutex};
+use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,8 +32,9 @@ use tokio::sync::watch;
 pub struct JournalOptions {
     /// Bytes per segment.
     pub segment_bytes: u64,
-    /// fdatasync before a record counts as durable. Off is the named "buffered" mode: a
-    /// crash of the machine (not of the process) may lose acknowledged operations.
+    /// Make every flush durable before its records count as durable. Off is the named
+    /// "buffered" mode: a crash of the machine (not of the process) may lose acknowledged
+    /// operations.
     pub fsync: bool,
 }
 
@@ -35,9 +48,9 @@ impl Default for JournalOptions {
     }
 }
 
-/// Observations of the writer, for metrics.
+/// Observations of the flusher, for metrics.
 pub trait JournalObserver: Send + Sync {
-    /// One group commit: records and bytes written, and how long the sync took.
+    /// One group commit: records and bytes written, and how long the durable write took.
     fn on_commit(&self, records: u64, bytes: u64, sync_seconds: f64);
 }
 
@@ -52,34 +65,33 @@ struct State {
 
 struct Shared {
     state: Mutex<State>,
-    wake_writer: Condvar,
+    wake_flusher: Condvar,
     durable: AtomicU64,
-    durable_cv: Condvar,
     durable_lock: Mutex<()>,
+    durable_cv: Condvar,
     durable_tx: watch::Sender<u64>,
     failed: AtomicBool,
-    /// Bytes in segments before the current one plus the current one's used part.
     bytes: AtomicU64,
     segments: AtomicU64,
-    /// Serializes taking and adding recycled segments.
-    recycle_lock: Mutex<()>,
-}
-
-/// Trimmed segments kept for reuse.
-const RECYCLE_KEEP: usize = 4;
-
-/// The journal of one server.
-pub struct Journal {
-    shared: Arc<Shared>,
-    writer: Mutex<Option<JoinHandle<()>>>,
     store: Arc<dyn ObjectStore>,
     options: JournalOptions,
 }
 
-/// Where the writer is in the current segment.
-struct SegmentCursor {
+/// The journal of one server.
+pub struct Journal {
+    shared: Arc<Shared>,
+    flusher: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The segment being filled, as the flusher sees it.
+struct Segment {
     obj: Arc<dyn Object>,
+    /// The same object opened for direct synchronous writes, if the store can.
+    direct: Option<Arc<dyn Object>>,
+    /// Offset of the next record.
     pos: u64,
+    /// The bytes of the partly filled block at `pos` (rewritten with the next flush).
+    tail: Vec<u8>,
 }
 
 impl Journal {
@@ -93,15 +105,18 @@ impl Journal {
     ) -> io::Result<Journal> {
         assert!(next_lsn >= 1, "LSNs start at 1");
         assert!(
-            options.segment_bytes >= 1 << 16,
-            "segments below 64 KiB make no sense"
+            options.segment_bytes >= 1 << 16 && options.segment_bytes.is_multiple_of(BLOCK as u64),
+            "segments are whole blocks, at least 64 KiB"
         );
         store.sync_dir(segment::JOURNAL_DIR)?;
-        let existing = segment::list_segments(store.as_ref())?;
-        let cursor = open_segment(store.as_ref(), next_lsn, &options, &Mutex::new(()))?;
+        let existing = segment::list_segments(store.as_ref())?
+            .into_iter()
+            .filter(|(l, _)| *l != next_lsn)
+            .count() as u64;
+        let mut aligned = AlignedBuf::new();
+        // The header block is written now, so an empty journal is a valid one.
+        let segment = open_segment(store.as_ref(), next_lsn, &options, &mut aligned)?;
         let (durable_tx, _) = watch::channel(next_lsn - 1);
-        let used: u64 =
-            existing.iter().filter(|(l, _)| *l != next_lsn).count() as u64 * options.segment_bytes;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 active: Vec::with_capacity(1 << 20),
@@ -110,31 +125,24 @@ impl Journal {
                 next_lsn,
                 shutdown: false,
             }),
-            wake_writer: Condvar::new(),
+            wake_flusher: Condvar::new(),
             durable: AtomicU64::new(next_lsn - 1),
-            durable_cv: Condvar::new(),
             durable_lock: Mutex::new(()),
+            durable_cv: Condvar::new(),
             durable_tx,
             failed: AtomicBool::new(false),
-            bytes: AtomicU64::new(used + SEGMENT_HEADER_BYTES as u64),
-            segments: AtomicU64::new(
-                existing.iter().filter(|(l, _)| *l != next_lsn).count() as u64 + 1,
-            ),
-            recycle_lock: Mutex::new(()),
-        });
-        let writer_shared = shared.clone();
-        let writer_store = store.clone();
-        let writer_opts = options.clone();
-        let handle = std::thread::Builder::new()
-            .name("journal-writer".into())
-            .spawn(move || {
-                writer_loop(writer_shared, writer_store, writer_opts, cursor, observer)
-            })?;
-        Ok(Journal {
-            shared,
-            writer: Mutex::new(Some(handle)),
+            bytes: AtomicU64::new(existing * options.segment_bytes + SEGMENT_DATA_START),
+            segments: AtomicU64::new(existing + 1),
             store,
             options,
+        });
+        let s = shared.clone();
+        let flusher = std::thread::Builder::new()
+            .name("journal-flush".into())
+            .spawn(move || flusher_loop(s, segment, aligned, observer))?;
+        Ok(Journal {
+            shared,
+            flusher: Mutex::new(Some(flusher)),
         })
     }
 
@@ -142,18 +150,26 @@ impl Journal {
     /// Records become durable in LSN order; callers that need order across threads (the
     /// engine) call this while holding their own lock.
     pub fn append_with(&self, write_payload: impl FnOnce(&mut Vec<u8>)) -> u64 {
+        let lsn = self.append_deferred(write_payload);
+        self.flush_now();
+        lsn
+    }
+
+    /// Like `append_with`, but leaves waking the flusher to a later [`Journal::flush_now`]:
+    /// a server appends a whole batch of operations, then starts one flush for all of them.
+    pub fn append_deferred(&self, write_payload: impl FnOnce(&mut Vec<u8>)) -> u64 {
         let mut st = self.shared.state.lock();
         let lsn = st.next_lsn;
         st.next_lsn += 1;
-        let was_empty = st.active.is_empty();
         encode_record_with(&mut st.active, lsn, write_payload);
         st.active_records += 1;
         st.active_last = lsn;
-        drop(st);
-        if was_empty {
-            self.shared.wake_writer.notify_one();
-        }
         lsn
+    }
+
+    /// Wakes the flusher if it is idle and records are waiting.
+    pub fn flush_now(&self) {
+        self.shared.wake_flusher.notify_one();
     }
 
     /// Appends a record carrying `payload`.
@@ -176,7 +192,7 @@ impl Journal {
         self.shared.durable_tx.subscribe()
     }
 
-    /// True once a write or sync failed; the server must stop acknowledging.
+    /// True once a write failed; the server must stop acknowledging.
     pub fn failed(&self) -> bool {
         self.shared.failed.load(Ordering::Acquire)
     }
@@ -205,49 +221,37 @@ impl Journal {
         self.shared.segments.load(Ordering::Relaxed)
     }
 
-    /// Retires every segment whose records all have LSNs below `keep_from` (they are in
-    /// every table's checkpoint): a few are kept for reuse, the rest deleted. The segment
-    /// being written is never touched.
+    /// Deletes every segment whose records all have LSNs below `keep_from` (they are in
+    /// every table's checkpoint). The segment being written is never deleted.
     pub fn trim(&self, keep_from: u64) -> io::Result<u64> {
-        let segs = segment::list_segments(self.store.as_ref())?;
-        let _pool = self.shared.recycle_lock.lock();
-        let mut recycled = segment::list_recycled(self.store.as_ref())?.len();
+        let store = &self.shared.store;
+        let segs = segment::list_segments(store.as_ref())?;
         let mut removed = 0;
         for w in segs.windows(2) {
-            let (first, name) = &w[0];
+            let (_, name) = &w[0];
             let (next_first, _) = w[1];
             if next_first > keep_from {
                 break;
             }
-            let full_size = self
-                .store
-                .open(name, false)
-                .and_then(|o| o.len())
-                .is_ok_and(|l| l == self.options.segment_bytes);
-            if recycled < RECYCLE_KEEP && full_size {
-                self.store
-                    .rename(name, &format!("{}{first:020}.seg", segment::RECYCLE_PREFIX))?;
-                recycled += 1;
-            } else {
-                self.store.delete(name)?;
-            }
+            store.delete(name)?;
             removed += 1;
         }
         if removed > 0 {
-            self.store.sync_dir(segment::JOURNAL_DIR)?;
+            store.sync_dir(segment::JOURNAL_DIR)?;
             self.shared.segments.fetch_sub(removed, Ordering::Relaxed);
-            self.shared
-                .bytes
-                .fetch_sub(removed * self.options.segment_bytes, Ordering::Relaxed);
+            self.shared.bytes.fetch_sub(
+                removed * self.shared.options.segment_bytes,
+                Ordering::Relaxed,
+            );
         }
         Ok(removed)
     }
 
-    /// Writes and syncs everything appended so far, stops the writer thread.
+    /// Writes everything appended so far and stops the flusher.
     pub fn shutdown(&self) {
         self.shared.state.lock().shutdown = true;
-        self.shared.wake_writer.notify_one();
-        if let Some(h) = self.writer.lock().take() {
+        self.shared.wake_flusher.notify_all();
+        if let Some(h) = self.flusher.lock().take() {
             let _ = h.join();
         }
     }
@@ -259,56 +263,56 @@ impl Drop for Journal {
     }
 }
 
-/// Opens the segment that starts at `first_lsn`: a recycled segment if there is one, else
-/// the pre-zeroed spare, else a new zero-filled object. The rename is made durable before
-/// any record in it is acknowledged. Leftover records of a recycled segment have lower LSNs
-/// and every write ends in a zero header, so readers stop cleanly where new data ends.
+/// Opens the segment that starts at `first_lsn` (the pre-zeroed spare if it is ready,
+/// else a new zero-filled object) and writes its header block. Zeros matter: a block no
+/// write reached reads as a clean end. The rename is made durable before any record in the
+/// segment can be acknowledged.
 fn open_segment(
     store: &dyn ObjectStore,
     first_lsn: u64,
     options: &JournalOptions,
-    recycle_lock: &Mutex<()>,
-) -> io::Result<SegmentCursor> {
+    aligned: &mut AlignedBuf,
+) -> io::Result<Segment> {
     let name = segment_name(first_lsn);
-    let fits = |n: &str| {
-        store.open(n, false).ok().and_then(|o| o.len().ok()) == Some(options.segment_bytes)
-    };
-    let recycled = {
-        let _g = recycle_lock.lock();
-        let found = segment::list_recycled(store)?.into_iter().find(|n| fits(n));
-        if let Some(r) = &found {
-            store.rename(r, &name)?;
-        }
-        found.is_some()
-    };
-    if !recycled {
-        if fits(SPARE_NAME) {
-            store.rename(SPARE_NAME, &name)?;
-        } else {
-            segment::write_zeroed(store, &name, options.segment_bytes)?;
-        }
+    let spare_ready = store
+        .open(SPARE_NAME, false)
+        .ok()
+        .and_then(|o| o.len().ok())
+        == Some(options.segment_bytes);
+    if spare_ready {
+        store.rename(SPARE_NAME, &name)?;
+    } else {
+        segment::write_zeroed(store, &name, options.segment_bytes)?;
     }
     store.sync_dir(segment::JOURNAL_DIR)?;
     let obj = store.open(&name, false)?;
-    obj.write_at(&encode_header(first_lsn), 0)?;
-    obj.write_at(&[0u8; RECORD_HEADER_BYTES], SEGMENT_HEADER_BYTES as u64)?;
-    Ok(SegmentCursor {
+    let direct = if options.fsync {
+        store.open_sync_direct(&name)?
+    } else {
+        None
+    };
+    let mut seg = Segment {
         obj,
-        pos: SEGMENT_HEADER_BYTES as u64,
-    })
+        direct,
+        pos: 0,
+        tail: Vec::new(),
+    };
+    let mut header = vec![0u8; BLOCK];
+    header[..SEGMENT_HEADER_BYTES].copy_from_slice(&encode_header(first_lsn));
+    write_blocks(&seg, aligned.fill(&header), 0, options.fsync)?;
+    seg.pos = SEGMENT_DATA_START;
+    Ok(seg)
 }
 
-/// Prepares the zero-filled spare in the background, unless a recycled segment or a
-/// spare is already waiting, so that rolling over never waits for zero-filling.
+/// Prepares the zero-filled spare in the background so that a rollover rarely waits.
 fn prepare_spare(store: Arc<dyn ObjectStore>, bytes: u64) -> JoinHandle<()> {
     std::thread::spawn(move || {
-        let has_recycled = segment::list_recycled(store.as_ref()).is_ok_and(|r| !r.is_empty());
-        let has_spare = store
+        if store
             .open(SPARE_NAME, false)
             .ok()
             .and_then(|o| o.len().ok())
-            == Some(bytes);
-        if has_recycled || has_spare {
+            == Some(bytes)
+        {
             return;
         }
         let tmp = "journal/spare.tmp";
@@ -320,44 +324,176 @@ fn prepare_spare(store: Arc<dyn ObjectStore>, bytes: u64) -> JoinHandle<()> {
     })
 }
 
-fn writer_loop(
+/// A block-aligned buffer for direct I/O.
+struct AlignedBuf {
+    ptr: *mut u8,
+    cap: usize,
+}
+
+// SAFETY: the buffer is a plain heap allocation owned by one thread at a time.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    fn new() -> AlignedBuf {
+        AlignedBuf {
+            ptr: std::ptr::null_mut(),
+            cap: 0,
+        }
+    }
+
+    /// Replaces the contents with `data`, zero-extended to a whole number of blocks.
+    fn fill(&mut self, data: &[u8]) -> &[u8] {
+        let need = data.len().div_ceil(BLOCK).max(1) * BLOCK;
+        if need > self.cap {
+            self.free();
+            let cap = need.next_power_of_two().max(BLOCK * 16);
+            let layout = Layout::from_size_align(cap, BLOCK)
+                .unwrap_or_else(|_| panic!("journal buffer of {cap} bytes"));
+            // SAFETY: the layout has a non-zero size.
+            let ptr = unsafe { alloc_zeroed(layout) };
+            if ptr.is_null() {
+                std::alloc::handle_alloc_error(layout);
+            }
+            self.ptr = ptr;
+            self.cap = cap;
+        }
+        // SAFETY: `ptr` points to `cap >= need` bytes owned by this buffer, and the only
+        // reference handed out borrows `self`.
+        let slice = unsafe { std::slice::from_raw_parts_mut(self.ptr, need) };
+        slice[..data.len()].copy_from_slice(data);
+        slice[data.len()..].fill(0);
+        slice
+    }
+
+    fn free(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: allocated in `fill` with exactly this layout.
+            unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.cap, BLOCK)) };
+            self.ptr = std::ptr::null_mut();
+            self.cap = 0;
+        }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        self.free();
+    }
+}
+
+/// Writes whole blocks durably (directly if possible, else write + fdatasync).
+fn write_blocks(seg: &Segment, blocks: &[u8], offset: u64, fsync: bool) -> io::Result<()> {
+    debug_assert!(offset.is_multiple_of(BLOCK as u64) && blocks.len().is_multiple_of(BLOCK));
+    match &seg.direct {
+        Some(d) => d.write_at(blocks, offset),
+        None => {
+            seg.obj.write_at(blocks, offset)?;
+            if fsync { seg.obj.sync_data() } else { Ok(()) }
+        }
+    }
+}
+
+/// Writes whole records at the segment's position: from the start of the partly filled
+/// block, whose earlier bytes are rewritten unchanged, to the end of the last block (the
+/// zeros after the records mark the end). Returns the bytes written.
+fn write_records(
+    seg: &mut Segment,
+    records: &[u8],
+    staging: &mut Vec<u8>,
+    aligned: &mut AlignedBuf,
+    fsync: bool,
+) -> io::Result<u64> {
+    let block_start = seg.pos - seg.tail.len() as u64;
+    staging.clear();
+    staging.extend_from_slice(&seg.tail);
+    staging.extend_from_slice(records);
+    let blocks = aligned.fill(staging);
+    write_blocks(seg, blocks, block_start, fsync)?;
+    seg.pos += records.len() as u64;
+    let keep = staging.len() % BLOCK;
+    seg.tail.clear();
+    seg.tail.extend_from_slice(&staging[staging.len() - keep..]);
+    Ok(blocks.len() as u64)
+}
+
+fn flusher_loop(
     shared: Arc<Shared>,
-    store: Arc<dyn ObjectStore>,
-    options: JournalOptions,
-    mut cursor: SegmentCursor,
+    mut seg: Segment,
+    mut aligned: AlignedBuf,
     observer: Option<Arc<dyn JournalObserver>>,
 ) {
     let mut flushing: Vec<u8> = Vec::with_capacity(1 << 20);
-    let mut spare = Some(prepare_spare(store.clone(), options.segment_bytes));
+    let mut staging: Vec<u8> = Vec::with_capacity(1 << 20);
+    let mut spare = Some(prepare_spare(
+        shared.store.clone(),
+        shared.options.segment_bytes,
+    ));
+    let seg_bytes = shared.options.segment_bytes;
     loop {
         let (last, records) = {
             let mut st = shared.state.lock();
             while st.active.is_empty() && !st.shutdown {
-                shared.wake_writer.wait(&mut st);
+                shared.wake_flusher.wait(&mut st);
             }
             if st.active.is_empty() {
                 break;
             }
             std::mem::swap(&mut st.active, &mut flushing);
-            let records = std::mem::take(&mut st.active_records);
-            (st.active_last, records)
+            (st.active_last, std::mem::take(&mut st.active_records))
         };
         let started = Instant::now();
-        let result = write_buffer(
-            &shared,
-            &store,
-            &options,
-            &mut cursor,
-            &flushing,
-            &mut spare,
-        )
-        .and_then(|()| {
-            if options.fsync {
-                cursor.obj.sync_data()
-            } else {
-                Ok(())
+        let mut written = 0u64;
+        let mut result: io::Result<()> = Ok(());
+        let mut off = 0;
+        while off < flushing.len() {
+            // Whole records that fit in this segment.
+            let mut end = off;
+            while end < flushing.len() {
+                let next = end + record_len(&flushing[end..]);
+                if seg.pos + (next - off) as u64 > seg_bytes {
+                    break;
+                }
+                end = next;
             }
-        });
+            if end > off {
+                match write_records(
+                    &mut seg,
+                    &flushing[off..end],
+                    &mut staging,
+                    &mut aligned,
+                    shared.options.fsync,
+                ) {
+                    Ok(n) => written += n,
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+                off = end;
+                continue;
+            }
+            // The next record starts a new segment.
+            if let Some(h) = spare.take() {
+                let _ = h.join();
+            }
+            let first =
+                u64::from_le_bytes(flushing[off + 8..off + 16].try_into().unwrap_or([0; 8]));
+            match open_segment(shared.store.as_ref(), first, &shared.options, &mut aligned) {
+                Ok(s) => seg = s,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+            shared.segments.fetch_add(1, Ordering::Relaxed);
+            spare = Some(prepare_spare(shared.store.clone(), seg_bytes));
+            if seg.pos + record_len(&flushing[off..]) as u64 > seg_bytes {
+                result = Err(io::Error::other(
+                    "a journal record does not fit in an empty segment",
+                ));
+                break;
+            }
+        }
         if let Err(e) = result {
             // A journal that cannot write must not acknowledge anything more.
             tracing::error!("journal write failed: {e}; no further operation will be acknowledged");
@@ -367,11 +503,7 @@ fn writer_loop(
             return;
         }
         if let Some(o) = &observer {
-            o.on_commit(
-                records,
-                flushing.len() as u64,
-                started.elapsed().as_secs_f64(),
-            );
+            o.on_commit(records, written, started.elapsed().as_secs_f64());
         }
         shared
             .bytes
@@ -388,57 +520,4 @@ fn writer_loop(
     if let Some(h) = spare.take() {
         let _ = h.join();
     }
-}
-
-/// Writes whole records, moving to a new segment when the next one does not fit.
-fn write_buffer(
-    shared: &Shared,
-    store: &Arc<dyn ObjectStore>,
-    options: &JournalOptions,
-    cursor: &mut SegmentCursor,
-    buf: &[u8],
-    spare: &mut Option<JoinHandle<()>>,
-) -> io::Result<()> {
-    let mut run_start = 0;
-    let mut off = 0;
-    while off < buf.len() {
-        let len = record_len(&buf[off..]);
-        debug_assert!(len >= RECORD_HEADER_BYTES && off + len <= buf.len());
-        // Keep a zero header's room at the end so a reader always finds a clean end.
-        if cursor.pos + (off - run_start + len) as u64 + RECORD_HEADER_BYTES as u64
-            > options.segment_bytes
-        {
-            if off > run_start {
-                write_run(cursor, &buf[run_start..off])?;
-            }
-            if options.fsync {
-                cursor.obj.sync_data()?;
-            }
-            if let Some(h) = spare.take() {
-                let _ = h.join();
-            }
-            let first = u64::from_le_bytes(buf[off + 8..off + 16].try_into().expect("8 bytes"));
-            *cursor = open_segment(store.as_ref(), first, options, &shared.recycle_lock)?;
-            shared.segments.fetch_add(1, Ordering::Relaxed);
-            *spare = Some(prepare_spare(store.clone(), options.segment_bytes));
-            run_start = off;
-        }
-        off += len;
-    }
-    if off > run_start {
-        write_run(cursor, &buf[run_start..off])?;
-    }
-    Ok(())
-}
-
-/// Writes whole records at the cursor, followed by a zero header that marks the end (the
-/// next write overwrites it), and advances the cursor past the records.
-fn write_run(cursor: &mut SegmentCursor, records: &[u8]) -> io::Result<()> {
-    cursor.obj.write_at(records, cursor.pos)?;
-    cursor.obj.write_at(
-        &[0u8; RECORD_HEADER_BYTES],
-        cursor.pos + records.len() as u64,
-    )?;
-    cursor.pos += records.len() as u64;
-    Ok(())
 }

@@ -91,7 +91,7 @@ pub fn journal_entry(
         outcome,
         muts,
     };
-    journal.append_with(|buf| {
+    journal.append_deferred(|buf| {
         let taken = std::mem::take(buf);
         *buf = match postcard::to_extend(&entry, taken) {
             Ok(b) => b,
@@ -130,6 +130,7 @@ impl Shared {
             replies.push((*rid, reply));
         }
         drop(core);
+        self.journal.flush_now();
         self.journal.last_lsn()
     }
 

@@ -127,6 +127,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
             engine.apply(m).map_err(io::Error::other)?;
         }
         let lsn = journal_entry(&journal, 0, 0, 0, None, &muts);
+        journal.flush_now();
         if !journal.wait_durable(lsn) {
             return Err(io::Error::other("journal failed while creating the root"));
         }

@@ -28,6 +28,9 @@ pub trait Object: Send + Sync {
     fn set_len(&self, len: u64) -> io::Result<()>;
 }
 
+/// Alignment of offsets, lengths and buffers for objects opened with `open_sync_direct`.
+pub const DIRECT_ALIGN: usize = 4096;
+
 /// Capacity of the store, for statfs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Capacity {
@@ -51,6 +54,11 @@ pub trait ObjectStore: Send + Sync {
     fn rename(&self, from: &str, to: &str) -> io::Result<()>;
     /// Opens an object for positioned I/O, creating it (empty) if `create` is set.
     fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn Object>>;
+    /// Opens an existing object for writes that are durable when they return, bypassing
+    /// the page cache (O_DIRECT | O_DSYNC: one device write with FUA instead of a write
+    /// plus a separate flush). Writes must be `DIRECT_ALIGN`-aligned in offset, length and
+    /// memory. `Ok(None)` if the store cannot do this (the caller writes and syncs instead).
+    fn open_sync_direct(&self, name: &str) -> io::Result<Option<Arc<dyn Object>>>;
     /// Makes the existence of objects created or removed under `prefix` durable.
     fn sync_dir(&self, prefix: &str) -> io::Result<()>;
     /// Space in the store.
@@ -221,6 +229,22 @@ impl ObjectStore for LocalStore {
             .truncate(false)
             .open(&path)?;
         Ok(Arc::new(LocalObject { file }))
+    }
+
+    fn open_sync_direct(&self, name: &str) -> io::Result<Option<Arc<dyn Object>>> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = self.path(name)?;
+        match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT | libc::O_DSYNC)
+            .open(&path)
+        {
+            Ok(file) => Ok(Some(Arc::new(LocalObject { file }))),
+            // tmpfs and some others refuse O_DIRECT.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     fn sync_dir(&self, prefix: &str) -> io::Result<()> {
