@@ -124,6 +124,9 @@ struct BenchArgs {
     /// Print one JSON object keyed by phase.
     #[arg(long)]
     json: bool,
+    /// Worker threads of the benchmark's runtime (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
 }
 
 fn load_key(conn: &ConnArgs) -> Result<ClusterKey, String> {
@@ -336,7 +339,7 @@ fn main() -> ExitCode {
         }
         Command::Bench(args) => {
             init_logging("warn");
-            runtime(None).and_then(|rt| rt.block_on(bench(args)))
+            runtime(args.threads).and_then(|rt| rt.block_on(bench(args)))
         }
         Command::Status { conn, json } => {
             init_logging("warn");
