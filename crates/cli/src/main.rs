@@ -1,6 +1,7 @@
 //! `kochab`: one binary for every role. See `kochab --help`.
 
 mod fsshell;
+mod mount;
 
 use clap::{Args, Parser, Subcommand};
 use kochab_bench::{BenchConfig, Phase};
@@ -39,6 +40,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Mount a cluster with FUSE.
+    Mount(MountArgs),
     /// Check the namespace invariants (no orphans, no cycles, nlink = names).
     Fsck {
         #[command(flatten)]
@@ -74,12 +77,42 @@ struct UpArgs {
     /// Worker threads of the server (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
+    /// Also mount the cluster here (FUSE), for as long as it runs.
+    #[arg(long)]
+    mount: Option<PathBuf>,
+    /// Seconds a disconnected client keeps its open files and locks.
+    #[arg(long, default_value_t = 10.0)]
+    session_grace: f64,
     /// Journal records between checkpoint rounds (tests set it low).
     #[arg(long, hide = true)]
     checkpoint_records: Option<u64>,
     /// Bytes per journal segment (tests set it low).
     #[arg(long, hide = true)]
     segment_bytes: Option<u64>,
+}
+
+#[derive(Args)]
+struct MountArgs {
+    /// The cluster's HOST:PORT.
+    cluster: String,
+    /// Where to mount.
+    mountpoint: PathBuf,
+    /// Stay in the foreground (otherwise the mount runs in the background).
+    #[arg(long)]
+    foreground: bool,
+    /// File holding the cluster key.
+    #[arg(
+        long,
+        env = "KOCHAB_KEY_FILE",
+        default_value = "./kochab-data/cluster.key"
+    )]
+    key_file: PathBuf,
+    /// The cluster key itself, in hex (instead of --key-file).
+    #[arg(long, env = "KOCHAB_KEY", hide_env_values = true)]
+    key: Option<String>,
+    /// Where the background mount writes its log.
+    #[arg(long)]
+    log: Option<PathBuf>,
 }
 
 #[derive(Args, Clone)]
@@ -180,8 +213,10 @@ async fn up(args: UpArgs) -> Result<(), String> {
         config.checkpoint_records = n.max(1);
     }
     if let Some(b) = args.segment_bytes {
-        config.segment_bytes = b.max(1 << 16);
+        config.segment_bytes = (b.max(1 << 16) / 4096) * 4096;
     }
+    config.session_grace =
+        std::time::Duration::from_secs_f64(args.session_grace.clamp(0.0, 3600.0));
     let server = kochab_server::start(config)
         .await
         .map_err(|e| format!("cannot start: {e}"))?;
@@ -198,14 +233,33 @@ async fn up(args: UpArgs) -> Result<(), String> {
             "kochab: buffered mode (--no-fsync): a machine crash may lose acknowledged operations"
         );
     }
+    let mount = match &args.mount {
+        Some(dir) => {
+            let mut cfg = ClientConfig::new(server.addr, server.key);
+            cfg.connections = 2;
+            let client = Client::connect(cfg)
+                .await
+                .map_err(|e| format!("cannot connect the mount: {e}"))?;
+            let session = mount::mount(client, dir)
+                .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
+            eprintln!("kochab: mounted at {}", dir.display());
+            Some(session)
+        }
+        None => None,
+    };
     println!("kochab: cluster ready at {}", server.addr);
-    wait_for_signal().await;
+    match mount {
+        Some(session) => {
+            mount::wait(session).await;
+        }
+        None => wait_for_signal().await,
+    }
     eprintln!("kochab: shutting down");
     server.shutdown().await;
     Ok(())
 }
 
-async fn wait_for_signal() {
+pub(crate) async fn wait_for_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut int), Ok(mut term)) = (
         signal(SignalKind::interrupt()),
@@ -330,7 +384,20 @@ async fn fsck(conn: ConnArgs) -> Result<(), String> {
     Err(format!("{} problems", problems.len()))
 }
 
+/// Keeps glibc from giving large buffers back to the kernel after each use: on this kind of
+/// VM every first touch of a page is a fault to the hypervisor, and 1 MiB data buffers
+/// re-faulted on every request cost more than the copy itself (measured: 1 MiB writes
+/// through the client went from 5.5 ms to under 2 ms).
+fn tune_allocator() {
+    // SAFETY: mallopt only changes allocator parameters; called before any threads start.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
+    }
+}
+
 fn main() -> ExitCode {
+    tune_allocator();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Up(args) => {
@@ -344,6 +411,14 @@ fn main() -> ExitCode {
         Command::Status { conn, json } => {
             init_logging("warn");
             runtime(Some(1)).and_then(|rt| rt.block_on(status(conn, json)))
+        }
+        Command::Mount(args) => {
+            init_logging("warn");
+            if args.foreground {
+                runtime(None).and_then(|rt| rt.block_on(mount::foreground(args)))
+            } else {
+                mount::background(&args)
+            }
         }
         Command::Fsck { conn } => {
             init_logging("warn");

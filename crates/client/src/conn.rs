@@ -17,8 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Bytes the writer gathers into one write.
 const WRITE_BATCH_BYTES: usize = 256 << 10;
-/// Free buffer space kept before each read.
-const READ_CHUNK: usize = 64 << 10;
+use kochab_proto::net::READ_CHUNK;
 /// Frames queued for the writer before senders wait.
 const SEND_QUEUE: usize = 4096;
 
@@ -57,6 +56,7 @@ impl Conn {
             .map_err(|_| ConnError::Lost(format!("{addr}: connect timed out")))?
             .map_err(lost)?;
         let _ = sock.set_nodelay(true);
+        kochab_proto::net::size_socket_buffers(std::os::fd::AsRawFd::as_raw_fd(&sock));
         let (mut rd, mut wr) = sock.into_split();
         let mut buf = Vec::with_capacity(READ_CHUNK);
         let handshake = async {
@@ -119,7 +119,7 @@ impl Conn {
     /// forgets the request; a late reply is then discarded.
     pub async fn call(&self, req: &Request) -> Result<Reply, ConnError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut frame = Vec::with_capacity(96);
+        let mut frame = Vec::with_capacity(96 + bulk_len(&req.op));
         if let Err(e) = encode_frame(&mut frame, FrameKind::Request, id, req) {
             return Ok(Reply::Error(fs_err!(
                 EINVAL,
@@ -158,6 +158,16 @@ struct Forget<'a> {
 impl Drop for Forget<'_> {
     fn drop(&mut self) {
         self.pending.lock().remove(&self.id);
+    }
+}
+
+/// Bytes of bulk data an operation carries, so its frame is allocated once.
+fn bulk_len(op: &Op) -> usize {
+    match op {
+        Op::Write { data, .. } => data.len(),
+        Op::SetXattr { value, .. } => value.len(),
+        Op::Symlink { target, .. } => target.len(),
+        _ => 0,
     }
 }
 
@@ -207,14 +217,23 @@ async fn write_loop(
 ) {
     let mut out = Vec::with_capacity(WRITE_BATCH_BYTES);
     while let Some(first) = rx.recv().await {
-        out.extend_from_slice(&first);
-        while out.len() < WRITE_BATCH_BYTES {
-            match rx.try_recv() {
-                Ok(f) => out.extend_from_slice(&f),
-                Err(_) => break,
+        // A lone (often large) frame goes out as it is; several are gathered into one write.
+        let single = match rx.try_recv() {
+            Ok(second) => {
+                out.extend_from_slice(&first);
+                out.extend_from_slice(&second);
+                while out.len() < WRITE_BATCH_BYTES {
+                    match rx.try_recv() {
+                        Ok(f) => out.extend_from_slice(&f),
+                        Err(_) => break,
+                    }
+                }
+                None
             }
-        }
-        if let Err(e) = wr.write_all(&out).await {
+            Err(_) => Some(first),
+        };
+        let bytes: &[u8] = single.as_deref().unwrap_or(&out);
+        if let Err(e) = wr.write_all(bytes).await {
             fail_all(&pending, &alive, &format!("write failed: {e}"));
             return;
         }
@@ -269,7 +288,7 @@ async fn read_loop(
         }
         buf.drain(..start);
         start = 0;
-        buf.reserve(READ_CHUNK);
+        kochab_proto::net::reserve_for_frame(&mut buf);
         match rd.read_buf(&mut buf).await {
             Ok(0) => {
                 fail_all(&pending, &alive, "server closed the connection");

@@ -65,6 +65,9 @@ struct Inner {
     /// Sequence numbers whose replies have not arrived; the smallest is the floor the
     /// server may forget below.
     in_flight: Mutex<std::collections::BTreeSet<u64>>,
+    /// Open handles, to reopen them after a server restart: handle -> (inode, flags, cred).
+    handles: Mutex<rustc_hash::FxHashMap<u64, (InodeId, u32, Credentials)>>,
+    next_handle: AtomicU64,
     client_id: u64,
     root: Mutex<InodeId>,
 }
@@ -96,6 +99,8 @@ impl Client {
             next: AtomicUsize::new(0),
             seq: AtomicU64::new(1),
             in_flight: Mutex::new(Default::default()),
+            handles: Mutex::new(Default::default()),
+            next_handle: AtomicU64::new(1),
             client_id: random_u64(),
             root: Mutex::new(0),
             config,
@@ -511,6 +516,205 @@ impl Client {
             Reply::Status(s) => Ok(s),
             other => Err(unexpected(other)),
         }
+    }
+
+    /// Opens inode `id` with open(2) `flags`; returns its attributes and the handle.
+    pub async fn open(&self, cred: &Credentials, id: InodeId, flags: u32) -> FsResult<(Attr, u64)> {
+        let handle = self.inner.next_handle.fetch_add(1, Ordering::Relaxed);
+        let attr = self.entry(cred, Op::Open { id, flags, handle }).await?;
+        self.inner
+            .handles
+            .lock()
+            .insert(handle, (id, flags, cred.clone()));
+        Ok((attr, handle))
+    }
+
+    /// Creates (or with O_EXCL absent, opens an existing) regular file and opens it.
+    pub async fn create_open(
+        &self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        mode: u32,
+        flags: u32,
+    ) -> FsResult<(Attr, u64)> {
+        let handle = self.inner.next_handle.fetch_add(1, Ordering::Relaxed);
+        let attr = self
+            .entry(
+                cred,
+                Op::Create {
+                    parent,
+                    name: name.to_vec(),
+                    mode,
+                    flags,
+                    handle,
+                },
+            )
+            .await?;
+        self.inner
+            .handles
+            .lock()
+            .insert(handle, (attr.id, flags, cred.clone()));
+        Ok((attr, handle))
+    }
+
+    /// Closes a handle.
+    pub async fn close(&self, cred: &Credentials, handle: u64) -> FsResult<()> {
+        self.inner.handles.lock().remove(&handle);
+        self.empty(cred, Op::Close { handle }).await
+    }
+
+    /// Runs a handle operation; if the server no longer knows the handle (it restarted),
+    /// reopens it once and tries again.
+    async fn with_handle(&self, cred: &Credentials, handle: u64, op: Op) -> FsResult<Reply> {
+        // Handle operations are idempotent: no sequence number, and the request (which may
+        // carry a MiB of data) is built once and reused for a retry.
+        debug_assert!(!op.needs_reply_cache());
+        let req = Request {
+            cred: cred.clone(),
+            seq: 0,
+            seq_floor: 0,
+            op,
+        };
+        match self.send(&req).await {
+            Err(e) if e.errno == Errno::EBADF => {
+                let known = self.inner.handles.lock().get(&handle).cloned();
+                let Some((id, flags, open_cred)) = known else {
+                    return Err(e);
+                };
+                match self.call(&open_cred, Op::Open { id, flags, handle }).await {
+                    Ok(_) => self.send(&req).await,
+                    Err(reopen) if reopen.errno == Errno::ENOENT => {
+                        Err(fs_err!(ESTALE, "the file is gone: {reopen}"))
+                    }
+                    Err(_) => Err(e),
+                }
+            }
+            other => other,
+        }
+    }
+
+    pub async fn read(
+        &self,
+        cred: &Credentials,
+        handle: u64,
+        offset: u64,
+        len: u32,
+    ) -> FsResult<Vec<u8>> {
+        match self
+            .with_handle(
+                cred,
+                handle,
+                Op::Read {
+                    handle,
+                    offset,
+                    len,
+                },
+            )
+            .await?
+        {
+            Reply::Bytes(b) => Ok(b),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Writes `data` at `offset`; returns the attributes after the write.
+    pub async fn write(
+        &self,
+        cred: &Credentials,
+        handle: u64,
+        offset: u64,
+        data: Vec<u8>,
+    ) -> FsResult<Attr> {
+        match self
+            .with_handle(
+                cred,
+                handle,
+                Op::Write {
+                    handle,
+                    offset,
+                    data,
+                },
+            )
+            .await?
+        {
+            Reply::Attr(a) => Ok(a),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    pub async fn fsync(&self, cred: &Credentials, handle: u64, datasync: bool) -> FsResult<()> {
+        match self
+            .with_handle(cred, handle, Op::Fsync { handle, datasync })
+            .await?
+        {
+            Reply::Empty => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    pub async fn fallocate(
+        &self,
+        cred: &Credentials,
+        handle: u64,
+        offset: u64,
+        len: u64,
+        mode: u32,
+    ) -> FsResult<()> {
+        match self
+            .with_handle(
+                cred,
+                handle,
+                Op::Fallocate {
+                    handle,
+                    offset,
+                    len,
+                    mode,
+                },
+            )
+            .await?
+        {
+            Reply::Empty => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The lock that conflicts with `lock`, or `lock` with kind Unlock if none does.
+    pub async fn getlk(
+        &self,
+        cred: &Credentials,
+        handle: u64,
+        lock: LockSpec,
+    ) -> FsResult<LockSpec> {
+        match self
+            .with_handle(cred, handle, Op::GetLk { handle, lock })
+            .await?
+        {
+            Reply::Lock(l) => Ok(l),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Takes or releases a lock without waiting (EAGAIN on conflict).
+    pub async fn setlk(&self, cred: &Credentials, handle: u64, lock: LockSpec) -> FsResult<()> {
+        match self
+            .with_handle(cred, handle, Op::SetLk { handle, lock })
+            .await?
+        {
+            Reply::Empty => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Releases the locks `owner` holds on the handle's file.
+    pub async fn release_locks(&self, cred: &Credentials, handle: u64, owner: u64) -> FsResult<()> {
+        self.empty(cred, Op::ReleaseLocks { handle, owner }).await
+    }
+
+    /// Ends this client's session on the server (closes handles, releases locks).
+    pub async fn end_session(&self) -> FsResult<()> {
+        self.inner.handles.lock().clear();
+        self.empty(&Credentials::root(), Op::EndSession).await
     }
 
     /// Checks the namespace invariants on the server; returns the problems found.

@@ -17,9 +17,8 @@ use crate::record::{encode_record_with, record_len};
 use crate::segment::{
     self, BLOCK, SEGMENT_DATA_START, SEGMENT_HEADER_BYTES, SPARE_NAME, encode_header, segment_name,
 };
-use kochab_store::{Object, ObjectStore};
+use kochab_store::{AlignedBuf, Object, ObjectStore};
 use parking_lot::{Condvar, Mutex};
-use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -322,63 +321,6 @@ fn prepare_spare(store: Arc<dyn ObjectStore>, bytes: u64) -> JoinHandle<()> {
             tracing::warn!("could not prepare a spare journal segment: {e}");
         }
     })
-}
-
-/// A block-aligned buffer for direct I/O.
-struct AlignedBuf {
-    ptr: *mut u8,
-    cap: usize,
-}
-
-// SAFETY: the buffer is a plain heap allocation owned by one thread at a time.
-unsafe impl Send for AlignedBuf {}
-
-impl AlignedBuf {
-    fn new() -> AlignedBuf {
-        AlignedBuf {
-            ptr: std::ptr::null_mut(),
-            cap: 0,
-        }
-    }
-
-    /// Replaces the contents with `data`, zero-extended to a whole number of blocks.
-    fn fill(&mut self, data: &[u8]) -> &[u8] {
-        let need = data.len().div_ceil(BLOCK).max(1) * BLOCK;
-        if need > self.cap {
-            self.free();
-            let cap = need.next_power_of_two().max(BLOCK * 16);
-            let layout = Layout::from_size_align(cap, BLOCK)
-                .unwrap_or_else(|_| panic!("journal buffer of {cap} bytes"));
-            // SAFETY: the layout has a non-zero size.
-            let ptr = unsafe { alloc_zeroed(layout) };
-            if ptr.is_null() {
-                std::alloc::handle_alloc_error(layout);
-            }
-            self.ptr = ptr;
-            self.cap = cap;
-        }
-        // SAFETY: `ptr` points to `cap >= need` bytes owned by this buffer, and the only
-        // reference handed out borrows `self`.
-        let slice = unsafe { std::slice::from_raw_parts_mut(self.ptr, need) };
-        slice[..data.len()].copy_from_slice(data);
-        slice[data.len()..].fill(0);
-        slice
-    }
-
-    fn free(&mut self) {
-        if !self.ptr.is_null() {
-            // SAFETY: allocated in `fill` with exactly this layout.
-            unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.cap, BLOCK)) };
-            self.ptr = std::ptr::null_mut();
-            self.cap = 0;
-        }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        self.free();
-    }
 }
 
 /// Writes whole blocks durably (directly if possible, else write + fdatasync).

@@ -75,6 +75,9 @@ pub struct Engine {
     /// Sorted by `lo`, never overlapping.
     pub(crate) tables: Vec<Table>,
     pub(crate) counters: RegionCounters,
+    /// Open handles per inode (server session state, not journaled): an inode whose last
+    /// name goes while it is open lives on with nlink 0 until its last close.
+    pub(crate) open_counts: rustc_hash::FxHashMap<InodeId, u32>,
     /// Epoch of the delegation map this server serves under (reported in WRONG_SERVER).
     pub epoch: u64,
 }
@@ -137,6 +140,7 @@ impl Engine {
                 wide_next: 1,
                 catchall_next: CATCHALL_FIRST,
             },
+            open_counts: Default::default(),
             epoch: 1,
         })
     }
@@ -288,6 +292,20 @@ impl Engine {
             }
             Mutation::SetXattr { id, name, value } => self.tables[i].set_xattr(*id, name, value),
             Mutation::DropXattr { id, name } => self.tables[i].drop_xattr(*id, name),
+            Mutation::PutReclaim {
+                id,
+                generation,
+                from,
+                chunks,
+            } => self.tables[i].put_reclaim(crate::table::Reclaim {
+                id: *id,
+                generation: *generation,
+                from: *from,
+                chunks: *chunks,
+            }),
+            Mutation::DropReclaim { id, generation } => {
+                self.tables[i].drop_reclaim(*id, *generation)
+            }
         }
         Ok(())
     }

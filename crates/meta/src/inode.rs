@@ -22,7 +22,9 @@ pub struct Inode {
     /// Birth time; doubles as the generation number (an id is never reused within a ns).
     pub btime: TimeNs,
     pub rdev: u32,
-    pub flags: u32,
+    /// Regular files: data chunks that may exist (a high-water mark, raised before a chunk
+    /// is first written, so that reclaiming the file's data never misses an object).
+    pub chunks: u32,
     pub extra: Option<Box<InodeExtra>>,
 }
 
@@ -61,7 +63,7 @@ impl Inode {
             ctime: now,
             btime: now,
             rdev: 0,
-            flags: 0,
+            chunks: 0,
             extra: None,
         }
     }

@@ -10,6 +10,7 @@
 pub mod alloc;
 pub mod dir;
 pub mod engine;
+pub mod files;
 pub mod idpolicy;
 pub mod inode;
 pub mod mutation;
@@ -23,4 +24,4 @@ pub use idpolicy::{IdPolicy, IdPolicyConfig, Region};
 pub use inode::Inode;
 pub use mutation::Mutation;
 pub use name::Name;
-pub use table::{BoxImage, BoxSet, Table};
+pub use table::{BoxImage, BoxSet, Reclaim, Table};

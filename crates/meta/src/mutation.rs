@@ -37,6 +37,17 @@ pub enum Mutation {
         #[serde(with = "serde_bytes")]
         name: Vec<u8>,
     },
+    /// Data of inode `id` (generation `generation`) at and beyond byte `from` must be
+    /// deleted; its chunks below `chunks` may exist. Durable until the data is gone, so a
+    /// crash never leaks objects.
+    PutReclaim {
+        id: InodeId,
+        generation: u64,
+        from: u64,
+        chunks: u32,
+    },
+    /// The data named by a reclaim entry is gone.
+    DropReclaim { id: InodeId, generation: u64 },
 }
 
 impl Mutation {
@@ -46,7 +57,9 @@ impl Mutation {
             Mutation::PutInode { id, .. }
             | Mutation::DropInode { id }
             | Mutation::SetXattr { id, .. }
-            | Mutation::DropXattr { id, .. } => *id,
+            | Mutation::DropXattr { id, .. }
+            | Mutation::PutReclaim { id, .. }
+            | Mutation::DropReclaim { id, .. } => *id,
             Mutation::PutDentry { parent, .. } | Mutation::DropDentry { parent, .. } => *parent,
         }
     }

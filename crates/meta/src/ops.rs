@@ -190,6 +190,21 @@ impl Engine {
                 ENOSYS,
                 "status is answered by the server, not the engine"
             )),
+            Op::Open { .. }
+            | Op::Create { .. }
+            | Op::Close { .. }
+            | Op::Read { .. }
+            | Op::Write { .. }
+            | Op::Fsync { .. }
+            | Op::Fallocate { .. }
+            | Op::GetLk { .. }
+            | Op::SetLk { .. }
+            | Op::ReleaseLocks { .. }
+            | Op::EndSession => fs(fs_err!(
+                ENOSYS,
+                "{} is answered by the server's session layer",
+                op.name()
+            )),
             Op::Fsck => {
                 if !cred.is_root() {
                     return fs(fs_err!(EPERM, "fsck needs root"));
@@ -515,12 +530,23 @@ impl Engine {
         now: TimeNs,
         drops: &mut Vec<Mutation>,
     ) -> OpResult<()> {
+        let open = engine.open_count(child) > 0;
         let c = ch.load(engine, child)?;
         c.nlink = c.nlink.saturating_sub(1);
         c.ctime = now;
-        if c.nlink == 0 {
+        // An open file keeps its inode (and data) until its last close.
+        if c.nlink == 0 && !open {
+            let (generation, chunks, regular) = (c.btime as u64, c.chunks, c.is_regular());
             ch.inodes.remove(&child);
             drops.push(Mutation::DropInode { id: child });
+            if regular && chunks > 0 {
+                drops.push(Mutation::PutReclaim {
+                    id: child,
+                    generation,
+                    from: 0,
+                    chunks,
+                });
+            }
         }
         Ok(())
     }
@@ -968,9 +994,21 @@ impl Engine {
             i.mtime = resolve(t);
         }
         i.ctime = set.ctime.unwrap_or(now);
+        // Shrinking drops the data beyond the new end (and so zeros it, should the file
+        // grow again); the entry is durable with the size until the data is gone.
+        let trim = match set.size {
+            Some(size) if size < old.size && i.chunks > 0 => Some(Mutation::PutReclaim {
+                id,
+                generation: i.btime as u64,
+                from: size,
+                chunks: i.chunks,
+            }),
+            _ => None,
+        };
         let attr = i.attr(id);
         let start = out.len();
         out.push(Mutation::PutInode { id, inode: i });
+        out.extend(trim);
         self.apply_live(&out[start..]);
         Ok(Reply::Attr(attr))
     }

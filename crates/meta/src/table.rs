@@ -83,6 +83,16 @@ pub struct DentryImage {
     pub kind: FileKind,
 }
 
+/// Data still to be deleted: everything of inode `id`'s generation `generation` at or
+/// beyond byte `from`, in chunks below `chunks`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reclaim {
+    pub id: InodeId,
+    pub generation: u64,
+    pub from: u64,
+    pub chunks: u32,
+}
+
 /// The full contents of one box at one moment: loading it replaces the box.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BoxImage {
@@ -95,6 +105,10 @@ pub enum BoxImage {
         boxno: u16,
         entries: Vec<DentryImage>,
     },
+    /// The table's whole reclaim list.
+    Reclaims {
+        entries: Vec<Reclaim>,
+    },
 }
 
 /// Boxes to write in a checkpoint.
@@ -102,11 +116,13 @@ pub enum BoxImage {
 pub struct BoxSet {
     pub inode_boxes: Vec<u64>,
     pub dentry_boxes: Vec<(InodeId, u16)>,
+    /// The reclaim list changed (it is written whole).
+    pub reclaims: bool,
 }
 
 impl BoxSet {
     pub fn len(&self) -> usize {
-        self.inode_boxes.len() + self.dentry_boxes.len()
+        self.inode_boxes.len() + self.dentry_boxes.len() + usize::from(self.reclaims)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -124,6 +140,8 @@ pub struct Table {
     xattrs: FxHashMap<InodeId, Xattrs>,
     dirty_boxes: FxHashSet<u64>,
     dirty_dentries: FxHashSet<(InodeId, u16)>,
+    reclaims: BTreeMap<(InodeId, u64), Reclaim>,
+    dirty_reclaims: bool,
     inodes: u64,
     dentries: u64,
     /// Journal records with a higher LSN are not yet in this table's checkpoint and are
@@ -143,6 +161,8 @@ impl Table {
             xattrs: FxHashMap::default(),
             dirty_boxes: FxHashSet::default(),
             dirty_dentries: FxHashSet::default(),
+            reclaims: BTreeMap::new(),
+            dirty_reclaims: false,
             inodes: 0,
             dentries: 0,
             replay_from: 0,
@@ -279,11 +299,31 @@ impl Table {
         self.dirty_boxes.insert(id >> BOX_SHIFT);
     }
 
+    /// Adds or widens a reclaim entry (a lower `from` wins: more data goes).
+    pub fn put_reclaim(&mut self, r: Reclaim) {
+        let e = self.reclaims.entry((r.id, r.generation)).or_insert(r);
+        e.from = e.from.min(r.from);
+        e.chunks = e.chunks.max(r.chunks);
+        self.dirty_reclaims = true;
+    }
+
+    pub fn drop_reclaim(&mut self, id: InodeId, generation: u64) {
+        if self.reclaims.remove(&(id, generation)).is_some() {
+            self.dirty_reclaims = true;
+        }
+    }
+
+    /// Data waiting to be deleted.
+    pub fn reclaims(&self) -> impl Iterator<Item = &Reclaim> + '_ {
+        self.reclaims.values()
+    }
+
     /// Boxes changed since the last call; the table starts tracking afresh.
     pub fn take_dirty(&mut self) -> BoxSet {
         let mut set = BoxSet {
             inode_boxes: self.dirty_boxes.drain().collect(),
             dentry_boxes: self.dirty_dentries.drain().collect(),
+            reclaims: std::mem::take(&mut self.dirty_reclaims),
         };
         set.inode_boxes.sort_unstable();
         set.dentry_boxes.sort_unstable();
@@ -294,6 +334,7 @@ impl Table {
     pub fn mark_dirty(&mut self, set: &BoxSet) {
         self.dirty_boxes.extend(set.inode_boxes.iter().copied());
         self.dirty_dentries.extend(set.dentry_boxes.iter().copied());
+        self.dirty_reclaims |= set.reclaims;
     }
 
     /// Number of boxes changed since the last checkpoint.
@@ -311,6 +352,7 @@ impl Table {
         BoxSet {
             inode_boxes: self.boxes.keys().copied().collect(),
             dentry_boxes,
+            reclaims: true,
         }
     }
 
@@ -367,10 +409,29 @@ impl Table {
         }
     }
 
+    /// The whole reclaim list as an image.
+    pub fn image_reclaims(&self) -> BoxImage {
+        BoxImage::Reclaims {
+            entries: self.reclaims.values().copied().collect(),
+        }
+    }
+
     /// Replaces a box with its image (checkpoint load). Images of later checkpoints
     /// override earlier ones box by box. Rejects images that do not belong here.
     pub fn load_image(&mut self, img: BoxImage) -> Result<(), String> {
         match img {
+            BoxImage::Reclaims { entries } => {
+                self.reclaims.clear();
+                for r in entries {
+                    if !self.contains(r.id) {
+                        return Err(format!(
+                            "reclaim of {:#x} outside table {:#x}..{:#x}",
+                            r.id, self.lo, self.hi
+                        ));
+                    }
+                    self.reclaims.insert((r.id, r.generation), r);
+                }
+            }
             BoxImage::Inodes { boxno, inodes } => {
                 let lo = boxno
                     .checked_shl(BOX_SHIFT)

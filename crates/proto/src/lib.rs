@@ -7,6 +7,7 @@ pub mod auth;
 pub mod errno;
 pub mod frame;
 pub mod msg;
+pub mod net;
 pub mod types;
 
 pub use errno::{Errno, FsError, FsResult};

@@ -48,7 +48,7 @@ pub struct Request {
 }
 
 /// Names of the operation kinds, indexed by [`Op::index`].
-pub const OP_NAMES: [&str; 20] = [
+pub const OP_NAMES: [&str; 31] = [
     "lookup",
     "getattr",
     "setattr",
@@ -69,6 +69,17 @@ pub const OP_NAMES: [&str; 20] = [
     "statfs",
     "status",
     "fsck",
+    "open",
+    "create",
+    "close",
+    "read",
+    "write",
+    "fsync",
+    "fallocate",
+    "getlk",
+    "setlk",
+    "releaselocks",
+    "endsession",
 ];
 
 /// Bytes of a name, serialized compactly.
@@ -177,6 +188,86 @@ pub enum Op {
     Status,
     /// Checks the namespace invariants of every table (root only; linear in its size).
     Fsck,
+    /// Opens inode `id` (permission checked for `flags`' access mode) as the client's
+    /// handle `handle` (chosen by the client; opening it again is harmless).
+    Open {
+        id: InodeId,
+        flags: u32,
+        handle: u64,
+    },
+    /// Creates a regular file and opens it in one round trip; O_EXCL in `flags` makes an
+    /// existing name an error, otherwise the existing file is opened.
+    Create {
+        parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: NameBuf,
+        mode: u32,
+        flags: u32,
+        handle: u64,
+    },
+    /// Closes a handle. The last close of an unlinked file removes it.
+    Close {
+        handle: u64,
+    },
+    Read {
+        handle: u64,
+        offset: u64,
+        len: u32,
+    },
+    Write {
+        handle: u64,
+        offset: u64,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    /// Makes the file's data and metadata durable.
+    Fsync {
+        handle: u64,
+        datasync: bool,
+    },
+    Fallocate {
+        handle: u64,
+        offset: u64,
+        len: u64,
+        mode: u32,
+    },
+    /// The first lock that would conflict with `lock`, or an unlock if none.
+    GetLk {
+        handle: u64,
+        lock: LockSpec,
+    },
+    /// Takes or releases a POSIX (or flock) lock; never waits (EAGAIN on conflict).
+    SetLk {
+        handle: u64,
+        lock: LockSpec,
+    },
+    /// Releases every lock `owner` holds on the handle's inode (close of a descriptor).
+    ReleaseLocks {
+        handle: u64,
+        owner: u64,
+    },
+    /// The client is going away: close its handles and release its locks now.
+    EndSession,
+}
+
+/// A byte-range lock: `[start, end]` inclusive (`end == u64::MAX` means to the end of the
+/// file), held by `owner` (the kernel's lock owner: a process's file table for fcntl locks,
+/// an open file description for flock).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LockSpec {
+    pub owner: u64,
+    pub start: u64,
+    pub end: u64,
+    pub kind: LockKind,
+    pub pid: u32,
+}
+
+/// Lock types, as F_RDLCK, F_WRLCK, F_UNLCK.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LockKind {
+    Read,
+    Write,
+    Unlock,
 }
 
 impl Op {
@@ -203,6 +294,17 @@ impl Op {
             Op::StatFs => 17,
             Op::Status => 18,
             Op::Fsck => 19,
+            Op::Open { .. } => 20,
+            Op::Create { .. } => 21,
+            Op::Close { .. } => 22,
+            Op::Read { .. } => 23,
+            Op::Write { .. } => 24,
+            Op::Fsync { .. } => 25,
+            Op::Fallocate { .. } => 26,
+            Op::GetLk { .. } => 27,
+            Op::SetLk { .. } => 28,
+            Op::ReleaseLocks { .. } => 29,
+            Op::EndSession => 30,
         }
     }
 
@@ -224,6 +326,7 @@ impl Op {
                 | Op::Rename { .. }
                 | Op::SetXattr { .. }
                 | Op::RemoveXattr { .. }
+                | Op::Create { .. }
         )
     }
 }
@@ -246,6 +349,8 @@ pub enum Reply {
     Status(StatusReport),
     /// Invariant violations found by fsck (empty when consistent).
     Problems(Vec<String>),
+    /// GetLk: the conflicting lock, or `LockKind::Unlock` if there is none.
+    Lock(LockSpec),
     Error(FsError),
     /// The server does not serve a table this operation needs; refresh the map and retry.
     WrongServer {

@@ -19,6 +19,9 @@ pub const XATTR_NAME_MAX: usize = 255;
 pub const XATTR_SIZE_MAX: usize = 65536;
 /// Largest listxattr result (Linux XATTR_LIST_MAX).
 pub const XATTR_LIST_MAX: usize = 65536;
+/// Bytes per data chunk: a file's data is stored as objects named by (inode, chunk).
+pub const CHUNK_BYTES: u64 = 4 << 20;
+
 /// Most hard links to one inode; ext4's limit, so programs see the same EMLINK.
 pub const LINK_MAX: u32 = 65000;
 

@@ -260,6 +260,7 @@ impl Checkpointer {
         let mut scratch = Vec::new();
         let mut inode_boxes = set.inode_boxes.iter();
         let mut dentry_boxes = set.dentry_boxes.iter();
+        let mut reclaims_left = set.reclaims;
         loop {
             let core = shared.core.lock();
             let t = &core.engine.tables()[i];
@@ -269,6 +270,9 @@ impl Checkpointer {
                     t.image_inode_box(b)
                 } else if let Some(&(d, b)) = dentry_boxes.next() {
                     t.image_dentry_box(d, b)
+                } else if reclaims_left {
+                    reclaims_left = false;
+                    t.image_reclaims()
                 } else {
                     break;
                 };

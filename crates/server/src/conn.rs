@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 
 /// Time a new connection has to authenticate.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -21,8 +21,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const WRITER_QUEUE: usize = 64;
 /// Bytes the writer gathers into one write.
 const WRITE_BATCH_BYTES: usize = 1 << 20;
-/// Free buffer space the reader keeps before each read.
-const READ_CHUNK: usize = 64 << 10;
+/// Data operations (reads, writes) one connection may have running at once.
+const DATA_OPS_IN_FLIGHT: usize = 64;
+use kochab_proto::net::READ_CHUNK;
 
 enum Outgoing {
     Replies {
@@ -43,6 +44,7 @@ pub async fn serve(
     shutdown: watch::Receiver<bool>,
 ) {
     let _ = sock.set_nodelay(true);
+    kochab_proto::net::size_socket_buffers(std::os::fd::AsRawFd::as_raw_fd(&sock));
     let (mut rd, mut wr) = sock.into_split();
     let mut buf = Vec::with_capacity(READ_CHUNK);
     let client = match tokio::time::timeout(
@@ -62,11 +64,17 @@ pub async fn serve(
         }
     };
     shared.connections.fetch_add(1, Ordering::Relaxed);
+    shared.core.lock().sessions.connect(client);
     let (tx, rx) = mpsc::channel(WRITER_QUEUE);
     let writer = tokio::spawn(write_loop(shared.clone(), wr, rx, peer));
     read_loop(&shared, client, rd, buf, tx, peer, shutdown).await;
     let _ = writer.await;
     shared.connections.fetch_sub(1, Ordering::Relaxed);
+    shared
+        .core
+        .lock()
+        .sessions
+        .disconnect(client, Instant::now());
 }
 
 fn goodbye(errno: Errno, message: &str) -> Vec<u8> {
@@ -191,9 +199,51 @@ async fn read_loop(
 ) {
     let mut reqs = Vec::new();
     let mut replies = Vec::new();
+    let data_slots = Arc::new(Semaphore::new(DATA_OPS_IN_FLIGHT));
     loop {
         let mut start = 0;
         let parsed = take_requests(&buf, &mut start, &mut reqs);
+        // Data operations run as their own tasks (their I/O must not hold up the batch).
+        let data_ops: Vec<(u64, Request)> =
+            if reqs.iter().any(|(_, r)| crate::filesvc::is_data_op(&r.op)) {
+                let (data, meta): (Vec<_>, Vec<_>) = reqs
+                    .drain(..)
+                    .partition(|(_, r)| crate::filesvc::is_data_op(&r.op));
+                reqs = meta;
+                data
+            } else {
+                Vec::new()
+            };
+        for (rid, req) in data_ops {
+            let Ok(permit) = data_slots.clone().acquire_owned().await else {
+                return;
+            };
+            let (shared, tx) = (shared.clone(), tx.clone());
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let op = req.op.index() as u8;
+                let (reply, lsn) = crate::filesvc::data_op(shared, client, req).await;
+                let ok = !matches!(reply, Reply::Error(_));
+                let mut bytes = Vec::new();
+                if let Err(e) = encode_frame(&mut bytes, FrameKind::Reply, rid, &reply) {
+                    let _ = encode_frame(
+                        &mut bytes,
+                        FrameKind::Reply,
+                        rid,
+                        &Reply::Error(fs_err!(EIO, "reply does not fit in a frame: {e}")),
+                    );
+                }
+                let _ = tx
+                    .send(Outgoing::Replies {
+                        lsn,
+                        bytes,
+                        started,
+                        ops: vec![(op, ok)],
+                    })
+                    .await;
+                drop(permit);
+            });
+        }
         if !reqs.is_empty() {
             let started = Instant::now();
             let lsn = shared.execute_batch(client, &reqs, &mut replies);
@@ -227,7 +277,7 @@ async fn read_loop(
             return;
         }
         buf.drain(..start);
-        buf.reserve(READ_CHUNK);
+        kochab_proto::net::reserve_for_frame(&mut buf);
         tokio::select! {
             r = rd.read_buf(&mut buf) => match r {
                 Ok(0) => return,

@@ -5,8 +5,11 @@
 //! journal order is execution order. Replies wait until the journal is durable up to the
 //! last LSN the batch could have observed: nothing a client sees can be lost in a crash.
 
+use crate::data::DataStore;
+use crate::locks::LockTable;
 use crate::metrics::Metrics;
 use crate::replycache::{Outcome, ReplyCache};
+use crate::session::Sessions;
 use kochab_journal::Journal;
 use kochab_meta::{Engine, Mutation};
 use kochab_proto::*;
@@ -42,6 +45,8 @@ pub struct JournalEntry {
 pub struct Core {
     pub engine: Engine,
     pub replies: ReplyCache,
+    pub sessions: Sessions,
+    pub locks: LockTable,
     scratch: Vec<Mutation>,
 }
 
@@ -50,8 +55,15 @@ impl Core {
         Core {
             engine,
             replies,
+            sessions: Sessions::default(),
+            locks: LockTable::default(),
             scratch: Vec::with_capacity(16),
         }
+    }
+
+    /// The mutations of the last operation run through `execute_one`.
+    pub fn last_mutations(&self) -> &[Mutation] {
+        &self.scratch
     }
 }
 
@@ -65,6 +77,12 @@ pub struct Shared {
     pub durable_mode: bool,
     pub started: Instant,
     pub connections: AtomicU64,
+    /// File data.
+    pub data: Arc<DataStore>,
+    /// Orders writes against truncation per inode (see `filesvc`).
+    pub stripes: Vec<tokio::sync::RwLock<()>>,
+    /// How long a client may stay disconnected before its session ends.
+    pub session_grace: std::time::Duration,
 }
 
 /// Nanoseconds since the epoch from the system clock.
@@ -125,6 +143,13 @@ impl Shared {
             let reply = match req.op {
                 Op::Status => Reply::Status(self.status(&core)),
                 Op::StatFs => self.statfs(&mut core, req, now),
+                Op::Open { .. }
+                | Op::Create { .. }
+                | Op::Close { .. }
+                | Op::GetLk { .. }
+                | Op::SetLk { .. }
+                | Op::ReleaseLocks { .. }
+                | Op::EndSession => self.session_op(&mut core, client, req, now),
                 _ => self.execute_one(&mut core, client, req, now),
             };
             replies.push((*rid, reply));
@@ -134,18 +159,32 @@ impl Shared {
         self.journal.last_lsn()
     }
 
+    /// Runs one engine operation with the reply cache and the journal; its mutations stay
+    /// readable in `core.last_mutations()` until the next one.
+    pub(crate) fn execute_traced(
+        &self,
+        core: &mut Core,
+        client: u64,
+        req: &Request,
+        now: TimeNs,
+    ) -> Reply {
+        self.execute_one(core, client, req, now)
+    }
+
     fn execute_one(&self, core: &mut Core, client: u64, req: &Request, now: TimeNs) -> Reply {
         let cached = req.seq != 0 && req.op.needs_reply_cache();
         if req.seq_floor != 0 {
             core.replies.acknowledge(client, req.seq_floor);
         }
         if cached && let Some(outcome) = core.replies.get(client, req.seq) {
+            core.scratch.clear();
             return retry_reply(&core.engine, &req.op, outcome);
         }
         let Core {
             engine,
             replies,
             scratch,
+            ..
         } = core;
         scratch.clear();
         let reply = engine.execute(&req.cred, &req.op, now, scratch);

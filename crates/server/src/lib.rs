@@ -10,11 +10,15 @@
 pub mod checkpoint;
 pub mod conn;
 pub mod core;
+pub mod data;
 pub mod datadir;
+pub mod filesvc;
+pub mod locks;
 pub mod metrics;
 pub mod recovery;
 pub mod replycache;
 pub mod server;
+pub mod session;
 
 pub use datadir::{DataDir, KEY_FILE, read_key_file};
 pub use server::{RunningServer, ServerConfig, start};

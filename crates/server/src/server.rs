@@ -2,6 +2,7 @@
 
 use crate::checkpoint::Checkpointer;
 use crate::core::{Core, Shared, journal_entry, now_ns};
+use crate::data::DataStore;
 use crate::datadir::DataDir;
 use crate::metrics::Metrics;
 use kochab_journal::{Journal, JournalObserver, JournalOptions};
@@ -35,6 +36,9 @@ pub struct ServerConfig {
     /// A round also runs this often if anything changed.
     pub checkpoint_interval: Duration,
     pub segment_bytes: u64,
+    /// How long a client may be disconnected before its handles are closed and its locks
+    /// released (and how long, after a restart, unlinked files wait to be reopened).
+    pub session_grace: Duration,
 }
 
 impl ServerConfig {
@@ -49,6 +53,7 @@ impl ServerConfig {
             checkpoint_records: 300_000,
             checkpoint_interval: Duration::from_secs(30),
             segment_bytes: JournalOptions::default().segment_bytes,
+            session_grace: Duration::from_secs(10),
         }
     }
 }
@@ -79,6 +84,7 @@ pub struct RunningServer {
     shutdown_tx: watch::Sender<bool>,
     accept_task: tokio::task::JoinHandle<()>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
+    maintenance: tokio::task::JoinHandle<()>,
     checkpointer: Option<JoinHandle<()>>,
     stopper: Arc<Stopper>,
 }
@@ -134,6 +140,30 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         tracing::info!("created a new cluster in {}", dir.path.display());
     }
     let root = engine.root();
+    let data = Arc::new(DataStore::new(dir.store.clone()));
+    // Data deletions and trims left over from before the restart finish before anyone
+    // can write again.
+    let pending = engine.pending_reclaims();
+    if !pending.is_empty() {
+        let mut muts = Vec::new();
+        for r in &pending {
+            data.reclaim(r)?;
+            muts.extend(engine.finish_reclaim(r));
+        }
+        let lsn = journal_entry(&journal, 0, 0, 0, None, &muts);
+        journal.flush_now();
+        if !journal.wait_durable(lsn) {
+            return Err(io::Error::other(
+                "journal failed while finishing data reclaims",
+            ));
+        }
+        tracing::info!(
+            "finished {} data reclaims left from before the restart",
+            pending.len()
+        );
+    }
+    // Open-unlinked files outlive a restart only if a client reopens them in time.
+    let orphans = engine.orphans();
     let shared = Arc::new(Shared {
         core: Mutex::new(Core::new(engine, replies)),
         journal,
@@ -143,7 +173,13 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         durable_mode: config.fsync,
         started: Instant::now(),
         connections: AtomicU64::new(0),
+        data,
+        stripes: (0..crate::filesvc::STRIPES)
+            .map(|_| tokio::sync::RwLock::new(()))
+            .collect(),
+        session_grace: config.session_grace,
     });
+    let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
 
     let stopper = Arc::new(Stopper {
         stop: Mutex::new(false),
@@ -188,6 +224,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         shutdown_tx,
         accept_task,
         metrics_task,
+        maintenance,
         checkpointer: Some(checkpointer),
         stopper,
     })
@@ -217,6 +254,70 @@ async fn accept_loop(
                 }
             },
             _ = shutdown.changed() => return,
+        }
+    }
+}
+
+/// Ends sessions of clients gone longer than the grace period, drops open-unlinked files
+/// nobody reopened after a restart, and deletes the data of removed files.
+async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
+    let orphan_deadline = Instant::now() + shared.session_grace;
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tick.tick().await;
+        let now = Instant::now();
+        {
+            let mut core = shared.core.lock();
+            for client in core.sessions.expired(shared.session_grace, now) {
+                tracing::info!(
+                    "client {client:016x} gone for {:?}: closing its files, releasing its locks",
+                    shared.session_grace
+                );
+                shared.end_session(&mut core, client);
+            }
+            if !orphans.is_empty() && now >= orphan_deadline {
+                let mut muts = Vec::new();
+                for id in orphans.drain(..) {
+                    muts.extend(core.engine.drop_if_orphan(id));
+                }
+                if !muts.is_empty() {
+                    journal_entry(&shared.journal, 0, 0, 0, None, &muts);
+                    shared.journal.flush_now();
+                }
+            }
+        }
+        reclaim_dropped(&shared).await;
+    }
+}
+
+/// Deletes the data of files that no longer exist (their reclaim entries).
+async fn reclaim_dropped(shared: &Arc<Shared>) {
+    let pending: Vec<kochab_meta::Reclaim> = {
+        let core = shared.core.lock();
+        core.engine
+            .pending_reclaims()
+            .into_iter()
+            .filter(|r| {
+                core.engine
+                    .inode(r.id)
+                    .is_none_or(|i| i.btime as u64 != r.generation)
+            })
+            .collect()
+    };
+    for r in pending {
+        let data = shared.data.clone();
+        let done = tokio::task::spawn_blocking(move || data.reclaim(&r).map(|_| r)).await;
+        match done {
+            Ok(Ok(r)) => {
+                let mut core = shared.core.lock();
+                let muts = core.engine.finish_reclaim(&r);
+                if !muts.is_empty() {
+                    journal_entry(&shared.journal, 0, 0, 0, None, &muts);
+                    shared.journal.flush_now();
+                }
+            }
+            Ok(Err(e)) => tracing::warn!("cannot delete data of {:#x}: {e} (will retry)", r.id),
+            Err(e) => tracing::warn!("data reclaim task failed: {e}"),
         }
     }
 }
@@ -276,6 +377,7 @@ impl RunningServer {
         if let Some(t) = self.metrics_task.take() {
             t.abort();
         }
+        self.maintenance.abort();
         // Give connection tasks a moment to send what is durable.
         for _ in 0..50 {
             if self.shared.connections.load(Ordering::Relaxed) == 0 {

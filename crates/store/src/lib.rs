@@ -4,6 +4,10 @@
 //! [`LocalStore`] keeps objects as files under one directory (the embedded default). Object
 //! storage servers implement the same trait later.
 
+mod aligned;
+
+pub use aligned::AlignedBuf;
+
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, ErrorKind};
 use std::os::unix::fs::FileExt;
@@ -59,6 +63,10 @@ pub trait ObjectStore: Send + Sync {
     /// plus a separate flush). Writes must be `DIRECT_ALIGN`-aligned in offset, length and
     /// memory. `Ok(None)` if the store cannot do this (the caller writes and syncs instead).
     fn open_sync_direct(&self, name: &str) -> io::Result<Option<Arc<dyn Object>>>;
+    /// Opens an object for direct I/O (O_DIRECT, bypassing the page cache; not synchronous:
+    /// `sync_data` still makes it durable), creating it if `create`. Same alignment rules.
+    /// `Ok(None)` if the store cannot.
+    fn open_direct(&self, name: &str, create: bool) -> io::Result<Option<Arc<dyn Object>>>;
     /// Makes the existence of objects created or removed under `prefix` durable.
     fn sync_dir(&self, prefix: &str) -> io::Result<()>;
     /// Space in the store.
@@ -242,6 +250,26 @@ impl ObjectStore for LocalStore {
         {
             Ok(file) => Ok(Some(Arc::new(LocalObject { file }))),
             // tmpfs and some others refuse O_DIRECT.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn open_direct(&self, name: &str, create: bool) -> io::Result<Option<Arc<dyn Object>>> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = self.path(name)?;
+        if create {
+            Self::ensure_parent(&path)?;
+        }
+        match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .truncate(false)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+        {
+            Ok(file) => Ok(Some(Arc::new(LocalObject { file }))),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
             Err(e) => Err(e),
         }

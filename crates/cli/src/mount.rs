@@ -1,0 +1,159 @@
+//! `kochab mount` and the mount of `kochab up --mount`.
+
+use crate::{MountArgs, wait_for_signal};
+use kochab_client::{Client, ClientConfig, resolve_addr};
+use kochab_fuse::{KochabFs, MountConfig};
+use kochab_proto::auth::key_from_hex;
+use std::path::Path;
+use std::time::Duration;
+
+/// Mounts `client`'s cluster at `dir`, served from the current tokio runtime.
+pub fn mount(client: Client, dir: &Path) -> std::io::Result<fuser::BackgroundSession> {
+    let fs = KochabFs::new(
+        client,
+        tokio::runtime::Handle::current(),
+        MountConfig::default(),
+    );
+    let config = fs.fuse_config();
+    let session = fuser::spawn_mount(fs, dir, &config)?;
+    set_read_ahead(dir);
+    Ok(session)
+}
+
+/// Read-ahead of the mount, in KiB. FUSE's default of 128 KiB makes a sequential read one
+/// small round trip after another (measured: 1 GiB cold read 307 MB/s at 128 KiB, 632 MB/s
+/// at 1 MiB).
+const READ_AHEAD_KB: u32 = 1024;
+
+/// Raises the mount's read-ahead (best effort: needs root and sysfs).
+fn set_read_ahead(dir: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::metadata(dir) else {
+        return;
+    };
+    let dev = meta.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let path = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
+    if let Err(e) = std::fs::write(&path, READ_AHEAD_KB.to_string()) {
+        tracing::info!("cannot raise read-ahead ({path}): {e}");
+    }
+}
+
+/// Waits until SIGINT/SIGTERM (then unmounts) or until someone unmounts the file system.
+pub async fn wait(session: fuser::BackgroundSession) {
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    let signal = wait_for_signal();
+    tokio::pin!(signal);
+    loop {
+        tokio::select! {
+            _ = &mut signal => {
+                let _ = tokio::task::spawn_blocking(move || session.umount_and_join()).await;
+                return;
+            }
+            _ = tick.tick() => {
+                if session.guard.is_finished() {
+                    // Unmounted from outside (fusermount3 -u): the session has ended.
+                    let _ = tokio::task::spawn_blocking(move || session.join()).await;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+fn key(args: &MountArgs) -> Result<kochab_proto::auth::ClusterKey, String> {
+    if let Some(hex) = &args.key {
+        return key_from_hex(hex).ok_or_else(|| "--key is not 64 hex digits".to_string());
+    }
+    kochab_server::read_key_file(&args.key_file).map_err(|e| {
+        format!(
+            "cannot read the cluster key from {}: {e}",
+            args.key_file.display()
+        )
+    })
+}
+
+/// `kochab mount --foreground`.
+pub async fn foreground(args: MountArgs) -> Result<(), String> {
+    let addr = resolve_addr(&args.cluster).map_err(|e| e.to_string())?;
+    let mut cfg = ClientConfig::new(addr, key(&args)?);
+    cfg.connections = 2;
+    let client = Client::connect(cfg)
+        .await
+        .map_err(|e| format!("cannot connect to {}: {e}", args.cluster))?;
+    let session = mount(client, &args.mountpoint)
+        .map_err(|e| format!("cannot mount {}: {e}", args.mountpoint.display()))?;
+    eprintln!(
+        "kochab: {} mounted at {}",
+        args.cluster,
+        args.mountpoint.display()
+    );
+    wait(session).await;
+    Ok(())
+}
+
+fn is_mounted(dir: &Path) -> bool {
+    let Ok(canon) = std::fs::canonicalize(dir) else {
+        return false;
+    };
+    let Ok(mounts) = std::fs::read_to_string("/proc/self/mounts") else {
+        return false;
+    };
+    mounts.lines().any(|l| {
+        let mut f = l.split_whitespace();
+        let (_, target, fstype) = (f.next(), f.next(), f.next());
+        target == Some(canon.to_str().unwrap_or(""))
+            && fstype.is_some_and(|t| t.starts_with("fuse"))
+    })
+}
+
+/// `kochab mount` without --foreground: runs the foreground mount as a detached process
+/// and returns once the file system is mounted.
+pub fn background(args: &MountArgs) -> Result<(), String> {
+    key(args)?;
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find myself: {e}"))?;
+    let log_path = args.log.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("kochab-mount-{}.log", std::process::id()))
+    });
+    let log = std::fs::File::create(&log_path)
+        .map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("mount")
+        .arg(&args.cluster)
+        .arg(&args.mountpoint)
+        .arg("--foreground")
+        .arg("--key-file")
+        .arg(&args.key_file);
+    if let Some(k) = &args.key {
+        cmd.env("KOCHAB_KEY", k);
+    }
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(log.try_clone().map_err(|e| e.to_string())?)
+        .stderr(log);
+    // SAFETY: setsid() in the child between fork and exec touches no shared state.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start the mount process: {e}"))?;
+    for _ in 0..300 {
+        if is_mounted(&args.mountpoint) {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            return Err(format!("the mount process exited ({status}): {log}"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(format!(
+        "{} did not appear as a mount within 15 s; see {}",
+        args.mountpoint.display(),
+        log_path.display()
+    ))
+}

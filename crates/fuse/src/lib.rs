@@ -1,0 +1,873 @@
+//! Kochab's FUSE adapter.
+//!
+//! Every kernel request is handed to a task on a tokio runtime, which calls the cluster
+//! through the native client and answers the kernel from there, so many requests are in
+//! flight at once. Inode numbers are Kochab inode ids, except that the root is shown as 1.
+//!
+//! Caching (see docs/ARCHITECTURE.md): attributes and entries are cached by the kernel for
+//! `attr_ttl`/`entry_ttl` (1 s by default), negative lookups not at all; the page cache of a
+//! file is kept across opens only if its size and mtime did not change, and the kernel
+//! drops it when a getattr shows a new mtime (auto_inval_data); writes go through to the
+//! servers (no writeback cache, which would make the kernel ignore other mounts' sizes).
+//! Together this gives close-to-open consistency between mounts.
+
+mod creds;
+
+use creds::GroupCache;
+use fuser::{
+    AccessFlags, Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
+    INodeNo, InitFlags, KernelConfig, LockOwner, MountOption, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLock,
+    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, SessionACL, TimeOrNow, WriteFlags,
+};
+use kochab_client::Client;
+use kochab_proto::{
+    Attr, Credentials, FileKind, FsError, InodeId, LockKind, LockSpec, SetAttrs, TimeNs, TimeSet,
+};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// FUSE's inode number of the root directory.
+const FUSE_ROOT: u64 = 1;
+/// Entries fetched per readdir round trip.
+const READDIR_PAGE: u32 = 512;
+/// Largest write the kernel sends (needs FUSE_MAX_PAGES).
+const MAX_WRITE: u32 = 1 << 20;
+/// Longest pause between attempts of a blocking lock (F_SETLKW, flock without LOCK_NB).
+const LOCK_POLL_MAX: Duration = Duration::from_millis(100);
+
+/// Mount settings.
+#[derive(Clone, Debug)]
+pub struct MountConfig {
+    pub attr_ttl: Duration,
+    pub entry_ttl: Duration,
+    /// Threads reading requests from /dev/fuse (each hands requests to the runtime).
+    pub threads: usize,
+}
+
+impl Default for MountConfig {
+    fn default() -> Self {
+        MountConfig {
+            attr_ttl: Duration::from_secs(1),
+            entry_ttl: Duration::from_secs(1),
+            threads: 2,
+        }
+    }
+}
+
+struct Inner {
+    client: Client,
+    rt: tokio::runtime::Handle,
+    root: InodeId,
+    config: MountConfig,
+    /// Lookups the kernel holds per inode (forget gives them back).
+    lookups: Mutex<FxHashMap<u64, u64>>,
+    /// (mtime, size) seen at the last open, to decide whether the page cache is still good.
+    seen_at_open: Mutex<FxHashMap<InodeId, (TimeNs, u64)>>,
+    groups: GroupCache,
+}
+
+/// The file system the kernel talks to.
+#[derive(Clone)]
+pub struct KochabFs {
+    inner: Arc<Inner>,
+}
+
+fn errno(e: &FsError) -> Errno {
+    Errno::from_i32(e.errno.0)
+}
+
+fn time(ns: TimeNs) -> SystemTime {
+    if ns >= 0 {
+        UNIX_EPOCH + Duration::from_nanos(ns as u64)
+    } else {
+        UNIX_EPOCH - Duration::from_nanos(ns.unsigned_abs())
+    }
+}
+
+fn ns_of(t: SystemTime) -> TimeNs {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => d.as_nanos().min(i64::MAX as u128) as i64,
+        Err(e) => -(e.duration().as_nanos().min(i64::MAX as u128) as i64),
+    }
+}
+
+fn file_type(k: FileKind) -> FileType {
+    match k {
+        FileKind::File => FileType::RegularFile,
+        FileKind::Dir => FileType::Directory,
+        FileKind::Symlink => FileType::Symlink,
+        FileKind::Fifo => FileType::NamedPipe,
+        FileKind::Socket => FileType::Socket,
+        FileKind::CharDev => FileType::CharDevice,
+        FileKind::BlockDev => FileType::BlockDevice,
+    }
+}
+
+fn lock_kind(typ: i32) -> LockKind {
+    match typ {
+        libc::F_RDLCK => LockKind::Read,
+        libc::F_WRLCK => LockKind::Write,
+        _ => LockKind::Unlock,
+    }
+}
+
+fn lock_typ(kind: LockKind) -> i32 {
+    match kind {
+        LockKind::Read => libc::F_RDLCK,
+        LockKind::Write => libc::F_WRLCK,
+        LockKind::Unlock => libc::F_UNLCK,
+    }
+}
+
+impl KochabFs {
+    /// A file system over `client`, running its work on `rt`.
+    pub fn new(client: Client, rt: tokio::runtime::Handle, config: MountConfig) -> KochabFs {
+        let root = client.root();
+        KochabFs {
+            inner: Arc::new(Inner {
+                client,
+                rt,
+                root,
+                config,
+                lookups: Mutex::new(FxHashMap::default()),
+                seen_at_open: Mutex::new(FxHashMap::default()),
+                groups: GroupCache::default(),
+            }),
+        }
+    }
+
+    /// The mount options Kochab uses.
+    pub fn fuse_config(&self) -> Config {
+        let mut c = Config::default();
+        c.mount_options = vec![
+            MountOption::FSName("kochab".into()),
+            MountOption::Subtype("kochab".into()),
+            MountOption::DefaultPermissions,
+            MountOption::Dev,
+            MountOption::Suid,
+        ];
+        // Every user may use the mount; permissions are checked by the kernel (default
+        // permissions) and again by the servers.
+        c.acl = SessionACL::All;
+        c.n_threads = Some(self.inner.config.threads.max(1));
+        c.clone_fd = true;
+        c
+    }
+
+    /// Runs `f` on the runtime with the caller's credentials.
+    fn spawn<F, Fut>(&self, req: &Request, f: F)
+    where
+        F: FnOnce(Arc<Inner>, Credentials) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let cred = self
+            .inner
+            .groups
+            .credentials(req.uid(), req.gid(), req.pid());
+        let inner = self.inner.clone();
+        self.inner.rt.spawn(async move { f(inner, cred).await });
+    }
+}
+
+impl Inner {
+    fn id(&self, ino: INodeNo) -> InodeId {
+        if ino.0 == FUSE_ROOT { self.root } else { ino.0 }
+    }
+
+    fn ino(&self, id: InodeId) -> INodeNo {
+        INodeNo(if id == self.root { FUSE_ROOT } else { id })
+    }
+
+    fn file_attr(&self, a: &Attr) -> FileAttr {
+        FileAttr {
+            ino: self.ino(a.id),
+            size: a.size,
+            blocks: a.blocks,
+            atime: time(a.atime),
+            mtime: time(a.mtime),
+            ctime: time(a.ctime),
+            crtime: time(a.btime),
+            kind: file_type(a.kind()),
+            perm: (a.mode & 0o7777) as u16,
+            nlink: a.nlink,
+            uid: a.uid,
+            gid: a.gid,
+            rdev: a.rdev,
+            blksize: a.blksize,
+            flags: 0,
+        }
+    }
+
+    /// Counts a lookup the kernel now holds.
+    fn looked_up(&self, id: InodeId) {
+        *self.lookups.lock().entry(self.ino(id).0).or_insert(0) += 1;
+    }
+
+    fn entry(&self, reply: ReplyEntry, r: Result<Attr, FsError>) {
+        match r {
+            Ok(a) => {
+                self.looked_up(a.id);
+                reply.entry(
+                    &self.config.entry_ttl,
+                    &self.file_attr(&a),
+                    Generation(a.generation),
+                );
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn empty(&self, reply: ReplyEmpty, r: Result<(), FsError>) {
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    /// FOPEN flags for a fresh open: keep the page cache only if the file is unchanged.
+    /// Write-only handles (and O_DIRECT ones) bypass the page cache: nothing is read through
+    /// them, writes go straight to the servers as they would anyway, and large writes are
+    /// sent as several requests at once (async direct I/O).
+    fn open_flags(&self, a: &Attr, flags: i32) -> FopenFlags {
+        let mut f = FopenFlags::empty();
+        if flags & libc::O_DIRECT != 0 || flags & libc::O_ACCMODE == libc::O_WRONLY {
+            f |= FopenFlags::FOPEN_DIRECT_IO;
+        }
+        let now = (a.mtime, a.size);
+        if self.seen_at_open.lock().insert(a.id, now) == Some(now) {
+            f |= FopenFlags::FOPEN_KEEP_CACHE;
+        }
+        f
+    }
+}
+
+fn name_bytes(name: &OsStr) -> Vec<u8> {
+    name.as_bytes().to_vec()
+}
+
+impl Filesystem for KochabFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        for cap in [
+            InitFlags::FUSE_DO_READDIRPLUS,
+            InitFlags::FUSE_READDIRPLUS_AUTO,
+            InitFlags::FUSE_POSIX_LOCKS,
+            InitFlags::FUSE_FLOCK_LOCKS,
+            InitFlags::FUSE_PARALLEL_DIROPS,
+            InitFlags::FUSE_AUTO_INVAL_DATA,
+            InitFlags::FUSE_ASYNC_READ,
+            InitFlags::FUSE_MAX_PAGES,
+            InitFlags::FUSE_BIG_WRITES,
+            InitFlags::FUSE_ASYNC_DIO,
+        ] {
+            if config.add_capabilities(cap).is_err() {
+                tracing::info!("kernel lacks FUSE capability {cap:?}");
+            }
+        }
+        let _ = config.set_max_write(MAX_WRITE);
+        let _ = config.set_max_readahead(1 << 20);
+        let _ = config.set_max_background(64);
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        let client = self.inner.client.clone();
+        // Release this mount's locks and handles at once instead of after the grace period.
+        let _ = self.inner.rt.block_on(async move {
+            tokio::time::timeout(Duration::from_secs(2), client.end_session()).await
+        });
+    }
+
+    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let name = name_bytes(name);
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs.client.lookup(&cred, fs.id(parent), &name).await;
+            fs.entry(reply, r);
+        });
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        let mut l = self.inner.lookups.lock();
+        if let Some(n) = l.get_mut(&ino.0) {
+            *n = n.saturating_sub(nlookup);
+            if *n == 0 {
+                l.remove(&ino.0);
+                self.inner.seen_at_open.lock().remove(&self.inner.id(ino));
+            }
+        }
+    }
+
+    fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.getattr(&cred, fs.id(ino)).await {
+                Ok(a) => reply.attr(&fs.config.attr_ttl, &fs.file_attr(&a)),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn setattr(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let conv = |t: TimeOrNow| match t {
+            TimeOrNow::Now => TimeSet::Now,
+            TimeOrNow::SpecificTime(st) => TimeSet::At(ns_of(st)),
+        };
+        let set = SetAttrs {
+            mode: mode.map(|m| m & 0o7777),
+            uid,
+            gid,
+            size,
+            atime: atime.map(conv),
+            mtime: mtime.map(conv),
+            ctime: ctime.map(ns_of),
+        };
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.setattr(&cred, fs.id(ino), set).await {
+                Ok(a) => reply.attr(&fs.config.attr_ttl, &fs.file_attr(&a)),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn readlink(&self, req: &Request, ino: INodeNo, reply: ReplyData) {
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.readlink(&cred, fs.id(ino)).await {
+                Ok(t) => reply.data(&t),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let name = name_bytes(name);
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs
+                .client
+                .mknod(&cred, fs.id(parent), &name, mode, rdev, true)
+                .await;
+            fs.entry(reply, r);
+        });
+    }
+
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let name = name_bytes(name);
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs.client.mkdir(&cred, fs.id(parent), &name, mode).await;
+            fs.entry(reply, r);
+        });
+    }
+
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_bytes(name);
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs.client.unlink(&cred, fs.id(parent), &name).await;
+            fs.empty(reply, r);
+        });
+    }
+
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_bytes(name);
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs.client.rmdir(&cred, fs.id(parent), &name).await;
+            fs.empty(reply, r);
+        });
+    }
+
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let name = name_bytes(link_name);
+        let target = target.as_os_str().as_bytes().to_vec();
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs
+                .client
+                .symlink(&cred, fs.id(parent), &name, &target)
+                .await;
+            fs.entry(reply, r);
+        });
+    }
+
+    fn rename(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let (name, newname) = (name_bytes(name), name_bytes(newname));
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs
+                .client
+                .rename(
+                    &cred,
+                    fs.id(parent),
+                    &name,
+                    fs.id(newparent),
+                    &newname,
+                    flags.bits(),
+                )
+                .await;
+            fs.empty(reply, r);
+        });
+    }
+
+    fn link(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let newname = name_bytes(newname);
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs
+                .client
+                .link(&cred, fs.id(ino), fs.id(newparent), &newname)
+                .await;
+            fs.entry(reply, r);
+        });
+    }
+
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let flags = flags.0;
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.open(&cred, fs.id(ino), flags as u32).await {
+                Ok((a, handle)) => reply.opened(FileHandle(handle), fs.open_flags(&a, flags)),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn read(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.read(&cred, fh.0, offset, size).await {
+                Ok(b) => reply.data(&b),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn write(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let data = data.to_vec();
+        let len = data.len() as u32;
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.write(&cred, fh.0, offset, data).await {
+                Ok(_) => reply.written(len),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn flush(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        // close(2) of any descriptor releases the process's POSIX locks on the file.
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs.client.release_locks(&cred, fh.0, lock_owner.0).await;
+            fs.empty(reply, r);
+        });
+    }
+
+    fn release(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.spawn(req, move |fs, cred| async move {
+            if let Some(owner) = lock_owner {
+                // The last close of an open file description drops its flock.
+                let _ = fs.client.release_locks(&cred, fh.0, owner.0).await;
+            }
+            let r = fs.client.close(&cred, fh.0).await;
+            fs.empty(reply, r);
+        });
+    }
+
+    fn fsync(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs.client.fsync(&cred, fh.0, datasync).await;
+            fs.empty(reply, r);
+        });
+    }
+
+    fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        reply.opened(FileHandle(0), FopenFlags::empty());
+    }
+
+    fn readdir(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        self.spawn(req, move |fs, cred| async move {
+            match fs
+                .client
+                .readdir_page(&cred, fs.id(ino), offset, READDIR_PAGE, false)
+                .await
+            {
+                Ok((entries, _)) => {
+                    for e in entries {
+                        if reply.add(
+                            fs.ino(e.id),
+                            e.cookie,
+                            file_type(e.kind),
+                            OsStr::from_bytes(&e.name),
+                        ) {
+                            break;
+                        }
+                    }
+                    reply.ok();
+                }
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn readdirplus(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        self.spawn(req, move |fs, cred| async move {
+            match fs
+                .client
+                .readdir_page(&cred, fs.id(ino), offset, READDIR_PAGE, true)
+                .await
+            {
+                Ok((entries, _)) => {
+                    for e in entries {
+                        let attr = match e.attr {
+                            Some(a) => a,
+                            None => match fs.client.getattr(&cred, e.id).await {
+                                Ok(a) => a,
+                                Err(_) => continue,
+                            },
+                        };
+                        let dot = e.name == b"." || e.name == b"..";
+                        let full = reply.add(
+                            fs.ino(e.id),
+                            e.cookie,
+                            OsStr::from_bytes(&e.name),
+                            &fs.config.entry_ttl,
+                            &fs.file_attr(&attr),
+                            Generation(attr.generation),
+                        );
+                        if full {
+                            break;
+                        }
+                        if !dot {
+                            // readdirplus entries count as lookups the kernel will forget.
+                            fs.looked_up(e.id);
+                        }
+                    }
+                    reply.ok();
+                }
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        // Namespace changes are durable when they are acknowledged.
+        reply.ok();
+    }
+
+    fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.statfs(&cred).await {
+                Ok(s) => reply.statfs(
+                    s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
+                ),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn setxattr(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let (name, value) = (name_bytes(name), value.to_vec());
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs
+                .client
+                .setxattr(&cred, fs.id(ino), &name, &value, flags as u32)
+                .await;
+            fs.empty(reply, r);
+        });
+    }
+
+    fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let name = name_bytes(name);
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.getxattr(&cred, fs.id(ino), &name).await {
+                Ok(v) => xattr_reply(reply, &v, size),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.listxattr(&cred, fs.id(ino)).await {
+                Ok(v) => xattr_reply(reply, &v, size),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_bytes(name);
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs.client.removexattr(&cred, fs.id(ino), &name).await;
+            fs.empty(reply, r);
+        });
+    }
+
+    fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        let mask = mask.bits() as u32;
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs.client.access(&cred, fs.id(ino), mask).await;
+            fs.empty(reply, r);
+        });
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let name = name_bytes(name);
+        self.spawn(req, move |fs, cred| async move {
+            match fs
+                .client
+                .create_open(&cred, fs.id(parent), &name, mode, flags as u32)
+                .await
+            {
+                Ok((a, handle)) => {
+                    fs.looked_up(a.id);
+                    let open = fs.open_flags(&a, flags);
+                    reply.created(
+                        &fs.config.entry_ttl,
+                        &fs.file_attr(&a),
+                        Generation(a.generation),
+                        FileHandle(handle),
+                        open,
+                    );
+                }
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn getlk(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        typ: i32,
+        pid: u32,
+        reply: ReplyLock,
+    ) {
+        let want = LockSpec {
+            owner: lock_owner.0,
+            start,
+            end,
+            kind: lock_kind(typ),
+            pid,
+        };
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.getlk(&cred, fh.0, want).await {
+                Ok(l) => reply.locked(l.start, l.end, lock_typ(l.kind), l.pid),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn setlk(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        typ: i32,
+        pid: u32,
+        sleep: bool,
+        reply: ReplyEmpty,
+    ) {
+        let want = LockSpec {
+            owner: lock_owner.0,
+            start,
+            end,
+            kind: lock_kind(typ),
+            pid,
+        };
+        self.spawn(req, move |fs, cred| async move {
+            // The server never blocks; a waiting lock is retried here with backoff.
+            let mut pause = Duration::from_millis(2);
+            loop {
+                match fs.client.setlk(&cred, fh.0, want).await {
+                    Err(e) if sleep && e.errno == kochab_proto::Errno::EAGAIN => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(LOCK_POLL_MAX);
+                    }
+                    r => return fs.empty(reply, r),
+                }
+            }
+        });
+    }
+
+    fn fallocate(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        self.spawn(req, move |fs, cred| async move {
+            let r = fs
+                .client
+                .fallocate(&cred, fh.0, offset, length, mode as u32)
+                .await;
+            fs.empty(reply, r);
+        });
+    }
+}
+
+fn xattr_reply(reply: ReplyXattr, value: &[u8], size: u32) {
+    if size == 0 {
+        reply.size(value.len() as u32);
+    } else if (size as usize) < value.len() {
+        reply.error(Errno::ERANGE);
+    } else {
+        reply.data(value);
+    }
+}

@@ -1,0 +1,204 @@
+//! The metadata side of file data: open and close (an unlinked file stays until its last
+//! close), the size and times a write leaves, the chunk high-water mark raised before new
+//! chunks are written, and the durable list of data to delete.
+
+use crate::engine::{Engine, Fail, OpResult};
+use crate::mutation::Mutation;
+use crate::perm::check_access;
+use crate::table::Reclaim;
+use kochab_proto::access::{R_OK, W_OK};
+use kochab_proto::mode::{S_ISGID, S_ISUID, S_IXGRP};
+use kochab_proto::{Attr, CHUNK_BYTES, Credentials, FileKind, InodeId, TimeNs, fs_err};
+
+/// open(2) access-mode and flag bits the server looks at.
+pub mod open_flags {
+    pub const O_ACCMODE: u32 = 0o3;
+    pub const O_RDONLY: u32 = 0o0;
+    pub const O_WRONLY: u32 = 0o1;
+    pub const O_RDWR: u32 = 0o2;
+    pub const O_TRUNC: u32 = 0o1000;
+}
+
+/// True if `flags` allow reading.
+pub fn reads(flags: u32) -> bool {
+    flags & open_flags::O_ACCMODE != open_flags::O_WRONLY
+}
+
+/// True if `flags` allow writing.
+pub fn writes(flags: u32) -> bool {
+    matches!(
+        flags & open_flags::O_ACCMODE,
+        open_flags::O_WRONLY | open_flags::O_RDWR
+    )
+}
+
+/// Chunks needed to hold `end` bytes.
+pub fn chunks_for(end: u64) -> u32 {
+    end.div_ceil(CHUNK_BYTES).min(u32::MAX as u64) as u32
+}
+
+impl Engine {
+    /// Checks that `cred` may open `id` with `flags` (may_open): read and write permission
+    /// by the access mode, no writing to directories.
+    pub fn check_open(&self, cred: &Credentials, id: InodeId, flags: u32) -> OpResult<Attr> {
+        let inode = self.get(id)?;
+        let mut mask = 0;
+        if reads(flags) {
+            mask |= R_OK;
+        }
+        if writes(flags) || flags & open_flags::O_TRUNC != 0 {
+            if inode.is_dir() {
+                return Err(Fail::Fs(fs_err!(
+                    EISDIR,
+                    "cannot open a directory for writing"
+                )));
+            }
+            mask |= W_OK;
+        }
+        if inode.kind() == FileKind::Symlink {
+            return Err(Fail::Fs(fs_err!(ELOOP, "cannot open a symlink")));
+        }
+        check_access(inode, cred, mask)?;
+        Ok(inode.attr(id))
+    }
+
+    /// Counts one more open handle of `id`.
+    pub fn open_ref(&mut self, id: InodeId) {
+        *self.open_counts.entry(id).or_insert(0) += 1;
+    }
+
+    /// Open handles of `id`.
+    pub fn open_count(&self, id: InodeId) -> u32 {
+        self.open_counts.get(&id).copied().unwrap_or(0)
+    }
+
+    /// Drops one open handle of `id`; if that was the last one of an unlinked inode, the
+    /// inode goes now: its removal (and its data's reclaim entry) is returned to journal.
+    pub fn close_ref(&mut self, id: InodeId) -> Vec<Mutation> {
+        match self.open_counts.get_mut(&id) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                return Vec::new();
+            }
+            Some(_) => {
+                self.open_counts.remove(&id);
+            }
+            None => return Vec::new(),
+        }
+        self.drop_if_orphan(id)
+    }
+
+    /// If `id` has no name and no open handle, emits (and applies) its removal.
+    pub fn drop_if_orphan(&mut self, id: InodeId) -> Vec<Mutation> {
+        let Some(inode) = self.inode(id) else {
+            return Vec::new();
+        };
+        if inode.nlink != 0 || self.open_count(id) != 0 {
+            return Vec::new();
+        }
+        let mut muts = vec![Mutation::DropInode { id }];
+        if inode.is_regular() && inode.chunks > 0 {
+            muts.push(Mutation::PutReclaim {
+                id,
+                generation: inode.btime as u64,
+                from: 0,
+                chunks: inode.chunks,
+            });
+        }
+        self.apply_live(&muts);
+        muts
+    }
+
+    /// Inodes with no name (open-unlinked files). After a restart nobody holds them open
+    /// any more, once clients had a grace period to reopen them.
+    pub fn orphans(&self) -> Vec<InodeId> {
+        self.tables()
+            .iter()
+            .flat_map(|t| {
+                t.iter_inodes()
+                    .filter(|(_, i)| i.nlink == 0)
+                    .map(|(id, _)| id)
+            })
+            .collect()
+    }
+
+    /// Raises the chunk high-water mark of `id` to cover `end` bytes, before data is written
+    /// there. Returns the mutations to journal (none if already covered).
+    pub fn reserve_chunks(&mut self, id: InodeId, end: u64) -> OpResult<Vec<Mutation>> {
+        let inode = self.get(id)?;
+        if !inode.is_regular() {
+            return Err(Fail::Fs(fs_err!(
+                EINVAL,
+                "inode {id:#x} is not a regular file"
+            )));
+        }
+        let need = chunks_for(end);
+        if need <= inode.chunks {
+            return Ok(Vec::new());
+        }
+        let mut i = inode.clone();
+        // Reserve ahead (doubling, at most 1 GiB ahead) so that a growing file waits for
+        // this journal record only a few times; reclaiming names a few absent chunks.
+        i.chunks = need
+            .max(inode.chunks.saturating_mul(2))
+            .min(need.saturating_add(256));
+        let muts = vec![Mutation::PutInode { id, inode: i }];
+        self.apply_live(&muts);
+        Ok(muts)
+    }
+
+    /// The metadata change of a write that ended at byte `end`: size, mtime and ctime, and
+    /// (for a non-root writer) the setuid/setgid bits that any write clears.
+    pub fn write_done(
+        &mut self,
+        cred: &Credentials,
+        id: InodeId,
+        end: u64,
+        now: TimeNs,
+    ) -> OpResult<(Vec<Mutation>, Attr)> {
+        let inode = self.get(id)?;
+        let mut i = inode.clone();
+        i.size = i.size.max(end);
+        i.chunks = i.chunks.max(chunks_for(end));
+        i.mtime = now;
+        i.ctime = now;
+        if !cred.is_root() {
+            i.mode &= !S_ISUID;
+            if i.mode & S_IXGRP != 0 {
+                i.mode &= !S_ISGID;
+            }
+        }
+        let attr = i.attr(id);
+        let muts = vec![Mutation::PutInode { id, inode: i }];
+        self.apply_live(&muts);
+        Ok((muts, attr))
+    }
+
+    /// Data waiting to be deleted, over all tables.
+    pub fn pending_reclaims(&self) -> Vec<Reclaim> {
+        self.tables()
+            .iter()
+            .flat_map(|t| t.reclaims().copied())
+            .collect()
+    }
+
+    /// Marks a reclaim entry done (its data is gone), unless it grew meanwhile: then the
+    /// larger entry stays for the next pass.
+    pub fn finish_reclaim(&mut self, r: &Reclaim) -> Vec<Mutation> {
+        let current = self.table_index(r.id).and_then(|i| {
+            self.tables[i]
+                .reclaims()
+                .find(|e| e.id == r.id && e.generation == r.generation)
+                .copied()
+        });
+        if current != Some(*r) {
+            return Vec::new();
+        }
+        let muts = vec![Mutation::DropReclaim {
+            id: r.id,
+            generation: r.generation,
+        }];
+        self.apply_live(&muts);
+        muts
+    }
+}
