@@ -91,12 +91,8 @@ impl Shared {
             },
             Op::SetLk { handle, lock } => match core.sessions.get(client, *handle) {
                 None => bad_handle(*handle),
-                Some(of) if lock.kind == LockKind::Write && !writes(of.flags) => Reply::Error(
-                    fs_err!(EBADF, "a write lock needs a handle open for writing"),
-                ),
-                Some(of) if lock.kind == LockKind::Read && !reads(of.flags) => Reply::Error(
-                    fs_err!(EBADF, "a read lock needs a handle open for reading"),
-                ),
+                // No access-mode check: flock locks any descriptor, and for fcntl the
+                // kernel has checked the descriptor already; the locks are advisory.
                 Some(of) => match core.locks.set(client, of.id, lock) {
                     Ok(()) => Reply::Empty,
                     Err(e) => Reply::Error(e),

@@ -176,3 +176,120 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .build()
         .expect("runtime")
 }
+
+/// True if `dir` is a FUSE mount right now.
+pub fn is_mounted(dir: &Path) -> bool {
+    let Ok(canon) = std::fs::canonicalize(dir) else {
+        return false;
+    };
+    let Some(target) = canon.to_str() else {
+        return false;
+    };
+    std::fs::read_to_string("/proc/self/mounts")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            l.split_whitespace().nth(1) == Some(target)
+                && l.split_whitespace()
+                    .nth(2)
+                    .is_some_and(|t| t.starts_with("fuse"))
+        })
+}
+
+/// Lazily unmounts `dir` if it is mounted (after a SIGKILL the mount is left dangling).
+pub fn force_unmount(dir: &Path) {
+    if is_mounted(dir) {
+        let _ = Command::new("fusermount3").arg("-uz").arg(dir).status();
+    }
+}
+
+/// An embedded cluster (`kochab up --mount`) with its FUSE mount at `mnt`.
+pub struct Cluster {
+    pub server: ServerProc,
+    pub mnt: PathBuf,
+}
+
+impl Cluster {
+    /// Starts `kochab up --data DIR/data --mount DIR/mnt` (plus `extra` flags).
+    pub fn start(dir: &Path, extra: &[&str]) -> Cluster {
+        let mnt = dir.join("mnt");
+        std::fs::create_dir_all(&mnt).expect("mountpoint");
+        let mut args = vec!["--mount", mnt.to_str().expect("utf8 path")];
+        args.extend_from_slice(extra);
+        let server = ServerProc::start(&dir.join("data"), &args);
+        assert!(
+            is_mounted(&mnt),
+            "not mounted after start; log:\n{}",
+            server.log_text()
+        );
+        Cluster { server, mnt }
+    }
+
+    /// A second, separate mount process (`kochab mount --foreground`) of the same cluster.
+    pub fn mount_again(&self, dir: &Path) -> MountProc {
+        MountProc::start(self.server.addr, &self.server.data.join("cluster.key"), dir)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self.server.child.kill();
+        let _ = self.server.child.wait();
+        force_unmount(&self.mnt);
+    }
+}
+
+/// A `kochab mount --foreground` process.
+pub struct MountProc {
+    pub child: Child,
+    pub mnt: PathBuf,
+}
+
+impl MountProc {
+    pub fn start(addr: SocketAddr, key_file: &Path, mnt: &Path) -> MountProc {
+        std::fs::create_dir_all(mnt).expect("mountpoint");
+        let child = Command::new(kochab_bin())
+            .args(["mount", &addr.to_string()])
+            .arg(mnt)
+            .arg("--foreground")
+            .arg("--key-file")
+            .arg(key_file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kochab mount");
+        for _ in 0..300 {
+            if is_mounted(mnt) {
+                return MountProc {
+                    child,
+                    mnt: mnt.to_path_buf(),
+                };
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{} was not mounted within 15 s", mnt.display());
+    }
+
+    /// SIGKILL the mount process (its session ends after the server's grace period).
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        force_unmount(&self.mnt);
+    }
+}
+
+impl Drop for MountProc {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) of a child we spawned.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        for _ in 0..100 {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        force_unmount(&self.mnt);
+    }
+}
