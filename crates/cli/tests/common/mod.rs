@@ -248,7 +248,7 @@ pub struct MountProc {
 impl MountProc {
     pub fn start(addr: SocketAddr, key_file: &Path, mnt: &Path) -> MountProc {
         std::fs::create_dir_all(mnt).expect("mountpoint");
-        let child = Command::new(kochab_bin())
+        let mut child = Command::new(kochab_bin())
             .args(["mount", &addr.to_string()])
             .arg(mnt)
             .arg("--foreground")
@@ -267,6 +267,8 @@ impl MountProc {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+        let _ = child.kill();
+        let _ = child.wait();
         panic!("{} was not mounted within 15 s", mnt.display());
     }
 
