@@ -9,6 +9,7 @@ use std::time::Duration;
 
 /// Mounts `client`'s cluster at `dir`, served from the current tokio runtime.
 pub fn mount(client: Client, dir: &Path) -> std::io::Result<fuser::BackgroundSession> {
+    std::fs::create_dir_all(dir)?;
     let fs = KochabFs::new(
         client,
         tokio::runtime::Handle::current(),
