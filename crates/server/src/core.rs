@@ -15,6 +15,7 @@ use kochab_meta::{Engine, Mutation};
 use kochab_proto::*;
 use kochab_store::ObjectStore;
 use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,7 +48,49 @@ pub struct Core {
     pub replies: ReplyCache,
     pub sessions: Sessions,
     pub locks: LockTable,
+    /// LSN of the last journal record that changed each inode (or its entries), for inodes
+    /// changed since about the last durable point: a reply must wait only until what it
+    /// observed is durable, not for unrelated operations in flight.
+    pub modified: FxHashMap<InodeId, u64>,
     scratch: Vec<Mutation>,
+}
+
+/// Entries of `Core::modified` before it is pruned to the records not yet durable.
+const MODIFIED_PRUNE_AT: usize = 1 << 16;
+
+/// Notes that `muts` were journaled at `lsn`.
+pub fn note_modified(modified: &mut FxHashMap<InodeId, u64>, muts: &[Mutation], lsn: u64) {
+    for m in muts {
+        modified.insert(m.table_key(), lsn);
+    }
+}
+
+/// Inodes whose state a request's answer depends on (besides the ones its reply names).
+fn observed_ids(op: &Op) -> [Option<InodeId>; 2] {
+    match *op {
+        Op::Lookup { parent, .. }
+        | Op::Mknod { parent, .. }
+        | Op::Mkdir { parent, .. }
+        | Op::Symlink { parent, .. }
+        | Op::Unlink { parent, .. }
+        | Op::Rmdir { parent, .. }
+        | Op::Create { parent, .. } => [Some(parent), None],
+        Op::Rename {
+            parent, new_parent, ..
+        } => [Some(parent), Some(new_parent)],
+        Op::Link { id, new_parent, .. } => [Some(id), Some(new_parent)],
+        Op::GetAttr { id }
+        | Op::SetAttr { id, .. }
+        | Op::Readlink { id }
+        | Op::Readdir { id, .. }
+        | Op::SetXattr { id, .. }
+        | Op::GetXattr { id, .. }
+        | Op::ListXattr { id }
+        | Op::RemoveXattr { id, .. }
+        | Op::Access { id, .. }
+        | Op::Open { id, .. } => [Some(id), None],
+        _ => [None, None],
+    }
 }
 
 impl Core {
@@ -57,8 +100,34 @@ impl Core {
             replies,
             sessions: Sessions::default(),
             locks: LockTable::default(),
+            modified: FxHashMap::default(),
             scratch: Vec::with_capacity(16),
         }
+    }
+
+    /// The LSN a reply about `id` must wait for (0 if nothing about it is pending).
+    pub fn observed(&self, id: InodeId) -> u64 {
+        self.modified.get(&id).copied().unwrap_or(0)
+    }
+
+    /// The LSN that must be durable before `reply` to `req` can be sent.
+    fn needed_lsn(&self, op: &Op, reply: &Reply) -> u64 {
+        let mut lsn = observed_ids(op)
+            .into_iter()
+            .flatten()
+            .map(|id| self.observed(id))
+            .max()
+            .unwrap_or(0);
+        match reply {
+            Reply::Entry(a) | Reply::Attr(a) => lsn = lsn.max(self.observed(a.id)),
+            Reply::Dir { entries, .. } => {
+                for e in entries.iter().filter(|e| e.attr.is_some()) {
+                    lsn = lsn.max(self.observed(e.id));
+                }
+            }
+            _ => {}
+        }
+        lsn
     }
 
     /// The mutations of the last operation run through `execute_one`.
@@ -139,7 +208,10 @@ impl Shared {
     ) -> u64 {
         let now = now_ns();
         let mut core = self.core.lock();
+        let mut needed = 0;
         for (rid, req) in reqs {
+            let before = self.journal.last_lsn();
+            let global = matches!(req.op, Op::Status | Op::StatFs | Op::Fsck);
             let reply = match req.op {
                 Op::Status => Reply::Status(self.status(&core)),
                 Op::StatFs => self.statfs(&mut core, req, now),
@@ -152,11 +224,20 @@ impl Shared {
                 | Op::EndSession => self.session_op(&mut core, client, req, now),
                 _ => self.execute_one(&mut core, client, req, now),
             };
+            let after = self.journal.last_lsn();
+            // An operation that journaled waits for its record; every reply waits for what
+            // it observed; whole-server answers wait for everything.
+            let own = if after > before || global { after } else { 0 };
+            needed = needed.max(own).max(core.needed_lsn(&req.op, &reply));
             replies.push((*rid, reply));
+        }
+        if core.modified.len() > MODIFIED_PRUNE_AT {
+            let durable = self.journal.durable_lsn();
+            core.modified.retain(|_, lsn| *lsn > durable);
         }
         drop(core);
         self.journal.flush_now();
-        self.journal.last_lsn()
+        needed
     }
 
     /// Runs one engine operation with the reply cache and the journal; its mutations stay
@@ -184,13 +265,14 @@ impl Shared {
             engine,
             replies,
             scratch,
+            modified,
             ..
         } = core;
         scratch.clear();
         let reply = engine.execute(&req.cred, &req.op, now, scratch);
         if !scratch.is_empty() {
             let outcome = outcome_of(&reply);
-            journal_entry(
+            let lsn = journal_entry(
                 &self.journal,
                 client,
                 if cached { req.seq } else { 0 },
@@ -198,6 +280,7 @@ impl Shared {
                 outcome,
                 scratch,
             );
+            note_modified(modified, scratch, lsn);
             if cached {
                 replies.insert(client, req.seq, outcome);
             }

@@ -6,7 +6,7 @@
 //! the chunk I/O runs on the blocking pool, and a per-inode stripe lock orders writes
 //! against truncation, so that a truncation's data trim can never destroy a later write.
 
-use crate::core::{Core, Shared, journal_entry, now_ns};
+use crate::core::{Core, Shared, journal_entry, note_modified, now_ns};
 use crate::session::OpenFile;
 use kochab_meta::files::{open_flags, reads, writes};
 use kochab_meta::{Mutation, Reclaim};
@@ -74,9 +74,7 @@ impl Shared {
             Op::Close { handle } => {
                 if let Some(of) = core.sessions.close(client, *handle) {
                     let muts = core.engine.close_ref(of.id);
-                    if !muts.is_empty() {
-                        journal_entry(&self.journal, client, 0, req.seq_floor, None, &muts);
-                    }
+                    self.journal_now(core, client, &muts);
                 }
                 Reply::Empty
             }
@@ -170,7 +168,7 @@ impl Shared {
                 return Reply::Error(e);
             }
         } else {
-            journal_entry(
+            let lsn = journal_entry(
                 &self.journal,
                 client,
                 if cached { req.seq } else { 0 },
@@ -178,6 +176,7 @@ impl Shared {
                 Some(attr.id),
                 &muts,
             );
+            note_modified(&mut core.modified, &muts, lsn);
             if cached {
                 core.replies.insert(client, req.seq, Some(attr.id));
             }
@@ -193,10 +192,7 @@ impl Shared {
             muts.extend(core.engine.close_ref(of.id));
         }
         core.locks.release_client(client);
-        if !muts.is_empty() {
-            journal_entry(&self.journal, client, 0, 0, None, &muts);
-            self.journal.flush_now();
-        }
+        self.journal_now(core, client, &muts);
     }
 
     /// The open handle `handle` of `client`, checked for the access it needs.
@@ -224,11 +220,12 @@ impl Shared {
     }
 
     /// Journals `muts` (if any) as one record; returns its LSN or 0.
-    fn journal_now(&self, client: u64, muts: &[Mutation]) -> u64 {
+    pub(crate) fn journal_now(&self, core: &mut Core, client: u64, muts: &[Mutation]) -> u64 {
         if muts.is_empty() {
             return 0;
         }
         let lsn = journal_entry(&self.journal, client, 0, 0, None, muts);
+        note_modified(&mut core.modified, muts, lsn);
         self.journal.flush_now();
         lsn
     }
@@ -282,7 +279,8 @@ async fn run_data_op(
             let len = (len as usize).min(IO_MAX) as u32;
             let bytes =
                 blocking(move || data.read(of.id, of.generation, size, offset, len)).await?;
-            Ok((Reply::Bytes(bytes), shared.journal.last_lsn()))
+            let observed = shared.core.lock().observed(of.id);
+            Ok((Reply::Bytes(bytes), observed))
         }
         Op::Write {
             handle,
@@ -308,7 +306,7 @@ async fn run_data_op(
                 let mut core = shared.core.lock();
                 current_generation(&core, &of)?;
                 let muts = core.engine.reserve_chunks(of.id, end).map_err(fail)?;
-                shared.journal_now(client, &muts)
+                shared.journal_now(&mut core, client, &muts)
             };
             if lsn != 0 {
                 wait_durable(shared, lsn).await?;
@@ -326,7 +324,7 @@ async fn run_data_op(
                     .engine
                     .write_done(&req.cred, of.id, end, now_ns())
                     .map_err(fail)?;
-                shared.journal_now(client, &muts);
+                shared.journal_now(&mut core, client, &muts);
                 attr
             };
             Ok((Reply::Attr(attr), 0))
@@ -386,7 +384,7 @@ async fn run_data_op(
                     .engine
                     .write_done(&req.cred, of.id, new_end, now_ns())
                     .map_err(fail)?;
-                shared.journal_now(client, &muts)
+                shared.journal_now(&mut core, client, &muts)
             } else {
                 0
             };
@@ -418,8 +416,9 @@ async fn run_data_op(
             for r in trims {
                 let data = shared.data.clone();
                 blocking(move || data.reclaim(&r)).await?;
-                let muts = shared.core.lock().engine.finish_reclaim(&r);
-                shared.journal_now(client, &muts);
+                let mut core = shared.core.lock();
+                let muts = core.engine.finish_reclaim(&r);
+                shared.journal_now(&mut core, client, &muts);
             }
             Ok((reply, shared.journal.last_lsn()))
         }

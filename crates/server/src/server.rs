@@ -280,10 +280,7 @@ async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
                 for id in orphans.drain(..) {
                     muts.extend(core.engine.drop_if_orphan(id));
                 }
-                if !muts.is_empty() {
-                    journal_entry(&shared.journal, 0, 0, 0, None, &muts);
-                    shared.journal.flush_now();
-                }
+                shared.journal_now(&mut core, 0, &muts);
             }
         }
         reclaim_dropped(&shared).await;
@@ -311,10 +308,7 @@ async fn reclaim_dropped(shared: &Arc<Shared>) {
             Ok(Ok(r)) => {
                 let mut core = shared.core.lock();
                 let muts = core.engine.finish_reclaim(&r);
-                if !muts.is_empty() {
-                    journal_entry(&shared.journal, 0, 0, 0, None, &muts);
-                    shared.journal.flush_now();
-                }
+                shared.journal_now(&mut core, 0, &muts);
             }
             Ok(Err(e)) => tracing::warn!("cannot delete data of {:#x}: {e} (will retry)", r.id),
             Err(e) => tracing::warn!("data reclaim task failed: {e}"),
