@@ -100,26 +100,16 @@ struct MountArgs {
     /// Stay in the foreground (otherwise the mount runs in the background).
     #[arg(long)]
     foreground: bool,
-    /// File holding the cluster key.
-    #[arg(
-        long,
-        env = "KOCHAB_KEY_FILE",
-        default_value = "./kochab-data/cluster.key"
-    )]
-    key_file: PathBuf,
-    /// The cluster key itself, in hex (instead of --key-file).
-    #[arg(long, env = "KOCHAB_KEY", hide_env_values = true)]
-    key: Option<String>,
+    #[command(flatten)]
+    key: KeyArgs,
     /// Where the background mount writes its log.
     #[arg(long)]
     log: Option<PathBuf>,
 }
 
+/// How a client finds the cluster key.
 #[derive(Args, Clone)]
-struct ConnArgs {
-    /// The cluster's HOST:PORT.
-    #[arg(long, env = "KOCHAB_CLUSTER", default_value = "127.0.0.1:7420")]
-    cluster: String,
+struct KeyArgs {
     /// File holding the cluster key (written by `kochab up` into its data directory).
     #[arg(
         long,
@@ -130,6 +120,29 @@ struct ConnArgs {
     /// The cluster key itself, in hex (instead of --key-file).
     #[arg(long, env = "KOCHAB_KEY", hide_env_values = true)]
     key: Option<String>,
+}
+
+impl KeyArgs {
+    fn load(&self) -> Result<ClusterKey, String> {
+        if let Some(hex) = &self.key {
+            return key_from_hex(hex).ok_or_else(|| "--key is not 64 hex digits".to_string());
+        }
+        kochab_server::read_key_file(&self.key_file).map_err(|e| {
+            format!(
+                "cannot read the cluster key from {}: {e}",
+                self.key_file.display()
+            )
+        })
+    }
+}
+
+#[derive(Args, Clone)]
+struct ConnArgs {
+    /// The cluster's HOST:PORT.
+    #[arg(long, env = "KOCHAB_CLUSTER", default_value = "127.0.0.1:7420")]
+    cluster: String,
+    #[command(flatten)]
+    key: KeyArgs,
     /// Connections in the client's pool.
     #[arg(long, default_value_t = 2)]
     connections: usize,
@@ -162,20 +175,8 @@ struct BenchArgs {
     threads: Option<usize>,
 }
 
-fn load_key(conn: &ConnArgs) -> Result<ClusterKey, String> {
-    if let Some(hex) = &conn.key {
-        return key_from_hex(hex).ok_or_else(|| "--key is not 64 hex digits".to_string());
-    }
-    kochab_server::read_key_file(&conn.key_file).map_err(|e| {
-        format!(
-            "cannot read the cluster key from {}: {e}",
-            conn.key_file.display()
-        )
-    })
-}
-
 async fn connect(conn: &ConnArgs) -> Result<Client, String> {
-    let key = load_key(conn)?;
+    let key = conn.key.load()?;
     let addr = resolve_addr(&conn.cluster).map_err(|e| e.to_string())?;
     let mut cfg = ClientConfig::new(addr, key);
     cfg.connections = conn.connections;

@@ -3,7 +3,6 @@
 use crate::{MountArgs, wait_for_signal};
 use kochab_client::{Client, ClientConfig, resolve_addr};
 use kochab_fuse::{KochabFs, MountConfig};
-use kochab_proto::auth::key_from_hex;
 use std::path::Path;
 use std::time::Duration;
 
@@ -62,22 +61,10 @@ pub async fn wait(session: fuser::BackgroundSession) {
     }
 }
 
-fn key(args: &MountArgs) -> Result<kochab_proto::auth::ClusterKey, String> {
-    if let Some(hex) = &args.key {
-        return key_from_hex(hex).ok_or_else(|| "--key is not 64 hex digits".to_string());
-    }
-    kochab_server::read_key_file(&args.key_file).map_err(|e| {
-        format!(
-            "cannot read the cluster key from {}: {e}",
-            args.key_file.display()
-        )
-    })
-}
-
 /// `kochab mount --foreground`.
 pub async fn foreground(args: MountArgs) -> Result<(), String> {
     let addr = resolve_addr(&args.cluster).map_err(|e| e.to_string())?;
-    let mut cfg = ClientConfig::new(addr, key(&args)?);
+    let mut cfg = ClientConfig::new(addr, args.key.load()?);
     cfg.connections = 2;
     let client = Client::connect(cfg)
         .await
@@ -111,7 +98,7 @@ fn is_mounted(dir: &Path) -> bool {
 /// `kochab mount` without --foreground: runs the foreground mount as a detached process
 /// and returns once the file system is mounted.
 pub fn background(args: &MountArgs) -> Result<(), String> {
-    key(args)?;
+    args.key.load()?;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find myself: {e}"))?;
     let log_path = args.log.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!("kochab-mount-{}.log", std::process::id()))
@@ -124,8 +111,8 @@ pub fn background(args: &MountArgs) -> Result<(), String> {
         .arg(&args.mountpoint)
         .arg("--foreground")
         .arg("--key-file")
-        .arg(&args.key_file);
-    if let Some(k) = &args.key {
+        .arg(&args.key.key_file);
+    if let Some(k) = &args.key.key {
         cmd.env("KOCHAB_KEY", k);
     }
     cmd.stdin(std::process::Stdio::null())

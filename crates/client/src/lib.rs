@@ -601,8 +601,8 @@ impl Client {
         offset: u64,
         len: u32,
     ) -> FsResult<Vec<u8>> {
-        match self
-            .with_handle(
+        as_bytes(
+            self.with_handle(
                 cred,
                 handle,
                 Op::Read {
@@ -611,11 +611,8 @@ impl Client {
                     len,
                 },
             )
-            .await?
-        {
-            Reply::Bytes(b) => Ok(b),
-            other => Err(unexpected(other)),
-        }
+            .await?,
+        )
     }
 
     /// Writes `data` at `offset`; returns the attributes after the write.
@@ -626,8 +623,8 @@ impl Client {
         offset: u64,
         data: Vec<u8>,
     ) -> FsResult<Attr> {
-        match self
-            .with_handle(
+        as_attr(
+            self.with_handle(
                 cred,
                 handle,
                 Op::Write {
@@ -636,21 +633,15 @@ impl Client {
                     data,
                 },
             )
-            .await?
-        {
-            Reply::Attr(a) => Ok(a),
-            other => Err(unexpected(other)),
-        }
+            .await?,
+        )
     }
 
     pub async fn fsync(&self, cred: &Credentials, handle: u64, datasync: bool) -> FsResult<()> {
-        match self
-            .with_handle(cred, handle, Op::Fsync { handle, datasync })
-            .await?
-        {
-            Reply::Empty => Ok(()),
-            other => Err(unexpected(other)),
-        }
+        as_empty(
+            self.with_handle(cred, handle, Op::Fsync { handle, datasync })
+                .await?,
+        )
     }
 
     pub async fn fallocate(
@@ -661,8 +652,8 @@ impl Client {
         len: u64,
         mode: u32,
     ) -> FsResult<()> {
-        match self
-            .with_handle(
+        as_empty(
+            self.with_handle(
                 cred,
                 handle,
                 Op::Fallocate {
@@ -672,11 +663,8 @@ impl Client {
                     mode,
                 },
             )
-            .await?
-        {
-            Reply::Empty => Ok(()),
-            other => Err(unexpected(other)),
-        }
+            .await?,
+        )
     }
 
     /// The lock that conflicts with `lock`, or `lock` with kind Unlock if none does.
@@ -686,24 +674,18 @@ impl Client {
         handle: u64,
         lock: LockSpec,
     ) -> FsResult<LockSpec> {
-        match self
-            .with_handle(cred, handle, Op::GetLk { handle, lock })
-            .await?
-        {
-            Reply::Lock(l) => Ok(l),
-            other => Err(unexpected(other)),
-        }
+        as_lock(
+            self.with_handle(cred, handle, Op::GetLk { handle, lock })
+                .await?,
+        )
     }
 
     /// Takes or releases a lock without waiting (EAGAIN on conflict).
     pub async fn setlk(&self, cred: &Credentials, handle: u64, lock: LockSpec) -> FsResult<()> {
-        match self
-            .with_handle(cred, handle, Op::SetLk { handle, lock })
-            .await?
-        {
-            Reply::Empty => Ok(()),
-            other => Err(unexpected(other)),
-        }
+        as_empty(
+            self.with_handle(cred, handle, Op::SetLk { handle, lock })
+                .await?,
+        )
     }
 
     /// Releases the locks `owner` holds on the handle's file.
@@ -821,6 +803,34 @@ fn components(path: &[u8]) -> Vec<Vec<u8>> {
         .filter(|c| !c.is_empty())
         .map(|c| c.to_vec())
         .collect()
+}
+
+fn as_empty(reply: Reply) -> FsResult<()> {
+    match reply {
+        Reply::Empty => Ok(()),
+        other => Err(unexpected(other)),
+    }
+}
+
+fn as_attr(reply: Reply) -> FsResult<Attr> {
+    match reply {
+        Reply::Attr(a) | Reply::Entry(a) => Ok(a),
+        other => Err(unexpected(other)),
+    }
+}
+
+fn as_bytes(reply: Reply) -> FsResult<Vec<u8>> {
+    match reply {
+        Reply::Bytes(b) => Ok(b),
+        other => Err(unexpected(other)),
+    }
+}
+
+fn as_lock(reply: Reply) -> FsResult<LockSpec> {
+    match reply {
+        Reply::Lock(l) => Ok(l),
+        other => Err(unexpected(other)),
+    }
 }
 
 fn unexpected(reply: Reply) -> FsError {
