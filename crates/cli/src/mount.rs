@@ -15,7 +15,9 @@ pub fn mount(client: Client, dir: &Path) -> std::io::Result<fuser::BackgroundSes
         MountConfig::default(),
     );
     let config = fs.fuse_config();
+    let handle = fs.clone();
     let session = fuser::spawn_mount(fs, dir, &config)?;
+    handle.set_notifier(session.notifier());
     set_read_ahead(dir);
     Ok(session)
 }

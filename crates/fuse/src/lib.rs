@@ -72,6 +72,11 @@ struct Inner {
     /// Inodes on which this mount ever took a lock: only their closes need to tell the
     /// server to release locks (saves a round trip on every other close).
     locked: Mutex<rustc_hash::FxHashSet<InodeId>>,
+    /// Open setuid/setgid files: a non-root write clears those bits on the servers, and the
+    /// kernel's cached mode must then be dropped.
+    privileged: Mutex<rustc_hash::FxHashSet<InodeId>>,
+    /// Sends invalidations to the kernel (set once the session is mounted).
+    notifier: std::sync::OnceLock<fuser::Notifier>,
     groups: GroupCache,
 }
 
@@ -85,6 +90,20 @@ fn errno(e: &FsError) -> Errno {
     Errno::from_i32(e.errno.0)
 }
 
+/// The errno of an operation on an inode the kernel named by its number: ENOENT there means
+/// the inode is gone (another mount removed or replaced the name this kernel still caches
+/// for up to entry_ttl), which the VFS must hear as ESTALE. Then open, stat, truncate,
+/// chmod, utimensat and the like walk the path again with revalidation and act on what the
+/// name is now (open with O_CREAT creates it); with ENOENT, sqlite on a second mount failed
+/// to reopen its journal after the first mount had deleted it.
+fn errno_of_inode(e: &FsError) -> Errno {
+    if e.errno == kochab_proto::Errno::ENOENT {
+        Errno::ESTALE
+    } else {
+        errno(e)
+    }
+}
+
 fn time(ns: TimeNs) -> SystemTime {
     if ns >= 0 {
         UNIX_EPOCH + Duration::from_nanos(ns as u64)
@@ -93,10 +112,20 @@ fn time(ns: TimeNs) -> SystemTime {
     }
 }
 
+/// The nanoseconds of a time the kernel sent in a setattr. fuser 0.18's
+/// `system_time_from_time` turns the kernel's (seconds < 0, nanoseconds) into
+/// `UNIX_EPOCH - (|seconds| + nanoseconds)` instead of `UNIX_EPOCH - |seconds| +
+/// nanoseconds`, so `touch -d '1969-12-31 23:59:59.25'` stored 23:59:58.75; this undoes it
+/// (the kernel's nanoseconds are the sub-second part of the difference). Revisit when
+/// fuser fixes its conversion.
 fn ns_of(t: SystemTime) -> TimeNs {
     match t.duration_since(UNIX_EPOCH) {
         Ok(d) => d.as_nanos().min(i64::MAX as u128) as i64,
-        Err(e) => -(e.duration().as_nanos().min(i64::MAX as u128) as i64),
+        Err(e) => {
+            let d = e.duration();
+            let secs = d.as_secs().min(i64::MAX as u64 / 1_000_000_000 - 1) as i64;
+            -secs * 1_000_000_000 + i64::from(d.subsec_nanos())
+        }
     }
 }
 
@@ -141,9 +170,16 @@ impl KochabFs {
                 lookups: Mutex::new(FxHashMap::default()),
                 seen_at_open: Mutex::new(FxHashMap::default()),
                 locked: Mutex::new(Default::default()),
+                notifier: std::sync::OnceLock::new(),
+                privileged: Mutex::new(Default::default()),
                 groups: GroupCache::default(),
             }),
         }
+    }
+
+    /// Gives the adapter the session's notifier (call right after mounting).
+    pub fn set_notifier(&self, notifier: fuser::Notifier) {
+        let _ = self.inner.notifier.set(notifier);
     }
 
     /// The mount options Kochab uses.
@@ -240,7 +276,16 @@ impl Inner {
     /// sent as several requests at once (async direct I/O).
     fn open_flags(&self, a: &Attr, flags: i32) -> FopenFlags {
         let mut f = FopenFlags::empty();
-        if flags & libc::O_DIRECT != 0 || flags & libc::O_ACCMODE == libc::O_WRONLY {
+        // Not for setuid/setgid files: on a direct write the kernel leaves killing those
+        // bits to the servers (FUSE_WRITE_KILL_SUIDGID) and keeps showing, and exec'ing
+        // with, its cached mode for attr_ttl; through the page cache it kills them with a
+        // setattr whose reply updates that cache, as ext4 would at once.
+        let privileged = a.mode & (kochab_proto::mode::S_ISUID | kochab_proto::mode::S_ISGID) != 0;
+        if privileged {
+            self.privileged.lock().insert(a.id);
+        }
+        if !privileged && (flags & libc::O_DIRECT != 0 || flags & libc::O_ACCMODE == libc::O_WRONLY)
+        {
             f |= FopenFlags::FOPEN_DIRECT_IO;
         }
         let now = (a.mtime, a.size);
@@ -310,7 +355,7 @@ impl Filesystem for KochabFs {
         self.spawn(req, move |fs, cred| async move {
             match fs.client.getattr(&cred, fs.id(ino)).await {
                 Ok(a) => reply.attr(&fs.config.attr_ttl, &fs.file_attr(&a)),
-                Err(e) => reply.error(errno(&e)),
+                Err(e) => reply.error(errno_of_inode(&e)),
             }
         });
     }
@@ -349,7 +394,7 @@ impl Filesystem for KochabFs {
         self.spawn(req, move |fs, cred| async move {
             match fs.client.setattr(&cred, fs.id(ino), set).await {
                 Ok(a) => reply.attr(&fs.config.attr_ttl, &fs.file_attr(&a)),
-                Err(e) => reply.error(errno(&e)),
+                Err(e) => reply.error(errno_of_inode(&e)),
             }
         });
     }
@@ -484,7 +529,7 @@ impl Filesystem for KochabFs {
         self.spawn(req, move |fs, cred| async move {
             match fs.client.open(&cred, fs.id(ino), flags as u32).await {
                 Ok((a, handle)) => reply.opened(FileHandle(handle), fs.open_flags(&a, flags)),
-                Err(e) => reply.error(errno(&e)),
+                Err(e) => reply.error(errno_of_inode(&e)),
             }
         });
     }
@@ -511,7 +556,7 @@ impl Filesystem for KochabFs {
     fn write(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
@@ -524,7 +569,18 @@ impl Filesystem for KochabFs {
         let len = data.len() as u32;
         self.spawn(req, move |fs, cred| async move {
             match fs.client.write(&cred, fh.0, offset, data).await {
-                Ok(_) => reply.written(len),
+                Ok(a) => {
+                    let killed =
+                        a.mode & (kochab_proto::mode::S_ISUID | kochab_proto::mode::S_ISGID) == 0;
+                    if cred.uid != 0 && killed && fs.privileged.lock().remove(&a.id) {
+                        // The write cleared setuid/setgid: drop the kernel's cached mode
+                        // (attributes only: offset -1 leaves the pages alone).
+                        if let Some(n) = fs.notifier.get() {
+                            let _ = n.inval_inode(ino, -1, 0);
+                        }
+                    }
+                    reply.written(len)
+                }
                 Err(e) => reply.error(errno(&e)),
             }
         });
@@ -846,6 +902,14 @@ impl Filesystem for KochabFs {
                     Err(e) if sleep && e.errno == kochab_proto::Errno::EAGAIN => {
                         tokio::time::sleep(pause).await;
                         pause = (pause * 2).min(LOCK_POLL_MAX);
+                    }
+                    Ok(()) if want.kind != LockKind::Unlock => {
+                        // Taking a lock is a consistency point (as in NFS): another mount
+                        // may have changed the file while this kernel kept its pages.
+                        if let Some(n) = fs.notifier.get() {
+                            let _ = n.inval_inode(ino, 0, 0);
+                        }
+                        return reply.ok();
                     }
                     r => return fs.empty(reply, r),
                 }

@@ -39,6 +39,10 @@ impl EngineConfig {
     }
 }
 
+/// How long the id of a removed inode is not reused: well past the 1 s a mount caches
+/// names, so no cached name can reach a new inode under an old number.
+pub const QUARANTINE_NS: TimeNs = 5_000_000_000;
+
 /// Why an operation did not complete.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fail {
@@ -78,6 +82,13 @@ pub struct Engine {
     /// Open handles per inode (server session state, not journaled): an inode whose last
     /// name goes while it is open lives on with nlink 0 until its last close.
     pub(crate) open_counts: rustc_hash::FxHashMap<InodeId, u32>,
+    /// Ids of recently removed inodes, not handed out again before `QUARANTINE_NS` passed:
+    /// a kernel may still hold a name for the old inode (for its entry TTL) and would
+    /// otherwise reach a new file through it. Oldest first.
+    quarantine: std::collections::VecDeque<(TimeNs, InodeId)>,
+    quarantined: rustc_hash::FxHashSet<InodeId>,
+    /// The latest time an operation brought (for removals outside `execute`).
+    clock: TimeNs,
     /// Epoch of the delegation map this server serves under (reported in WRONG_SERVER).
     pub epoch: u64,
 }
@@ -141,6 +152,9 @@ impl Engine {
                 catchall_next: CATCHALL_FIRST,
             },
             open_counts: Default::default(),
+            quarantine: Default::default(),
+            quarantined: Default::default(),
+            clock: 0,
             epoch: 1,
         })
     }
@@ -246,6 +260,7 @@ impl Engine {
     /// True if `id` may be handed to a new inode: hosted here and unused.
     pub(crate) fn is_free(&self, id: InodeId) -> bool {
         id >= CATCHALL_FIRST
+            && !self.quarantined.contains(&id)
             && self
                 .table_index(id)
                 .is_some_and(|i| self.tables[i].inode(id).is_none())
@@ -254,6 +269,11 @@ impl Engine {
     /// Applies mutations made by a live operation (already checked, so they cannot fail).
     pub(crate) fn apply_live(&mut self, muts: &[Mutation]) {
         for m in muts {
+            if let Mutation::DropInode { id } = m
+                && self.quarantined.insert(*id)
+            {
+                self.quarantine.push_back((self.clock, *id));
+            }
             if let Err(e) = self.apply(m) {
                 // Operations check everything before emitting mutations; reaching this is a bug.
                 panic!("live mutation failed after its checks passed: {e}");
@@ -353,6 +373,7 @@ impl Engine {
         out: &mut Vec<Mutation>,
     ) -> Reply {
         let start = out.len();
+        self.advance_clock(now);
         let result = self.dispatch(cred, op, now, out);
         match result {
             Ok(reply) => reply,
@@ -364,6 +385,18 @@ impl Engine {
                     Fail::NotHosted(_) => Reply::WrongServer { epoch: self.epoch },
                 }
             }
+        }
+    }
+
+    /// Notes the time and releases ids whose quarantine is over.
+    pub fn advance_clock(&mut self, now: TimeNs) {
+        self.clock = self.clock.max(now);
+        while let Some(&(t, id)) = self.quarantine.front() {
+            if self.clock.saturating_sub(t) < QUARANTINE_NS {
+                break;
+            }
+            self.quarantine.pop_front();
+            self.quarantined.remove(&id);
         }
     }
 

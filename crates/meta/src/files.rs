@@ -164,7 +164,8 @@ impl Engine {
         i.ctime = now;
         if !cred.is_root() {
             i.mode &= !S_ISUID;
-            if i.mode & S_IXGRP != 0 {
+            // setattr_should_drop_sgid: with group execute, or for a writer outside the group.
+            if i.mode & S_IXGRP != 0 || !cred.in_group(i.gid) {
                 i.mode &= !S_ISGID;
             }
         }

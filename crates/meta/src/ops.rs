@@ -934,7 +934,17 @@ impl Engine {
                 "only the owner may change the group, to one of their groups"
             ));
         }
-        if set.mode.is_some() && !owner {
+        // A mode change that only clears S_ISUID/S_ISGID, by someone who may write the file,
+        // is the kernel killing privileges for a write or a truncate: without
+        // FUSE_HANDLE_KILLPRIV, file_remove_privs and do_truncate send it as a setattr with
+        // the writer's credentials, and ext4 lets such a writer through.
+        let kill_privs = !owner
+            && set.mode.is_some_and(|m| {
+                let (new, cur) = (m & PERM_MASK, old.mode & PERM_MASK);
+                new != cur && new & !cur == 0 && (cur & !new) & !(S_ISUID | S_ISGID) == 0
+            })
+            && check_access(old, cred, W_OK).is_ok();
+        if set.mode.is_some() && !owner && !kill_privs {
             return fs(fs_err!(EPERM, "only the owner may change the mode"));
         }
         // utimensat turns "both now" into a touch (owner or write permission); any other time
@@ -960,7 +970,7 @@ impl Engine {
         }
         if let Some(m) = set.mode {
             let mut m = m & PERM_MASK;
-            if !cred.is_root() && !cred.in_group(i.gid) {
+            if !kill_privs && !cred.is_root() && !cred.in_group(i.gid) {
                 m &= !S_ISGID;
             }
             i.mode = (i.mode & S_IFMT) | m;

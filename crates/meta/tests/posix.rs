@@ -2609,6 +2609,8 @@ fn full_directory_slots_overflow_and_freed_values_are_reused() {
     let over = fs.dir(cur, "s16");
     assert_eq!(Region::of(over), Region::TooDeep);
     fs.rmdir(cur, "s3").unwrap();
+    // Removed ids are reused once their quarantine is over.
+    fs.now += kochab_meta::engine::QUARANTINE_NS;
     assert_eq!(
         fs.dir(cur, "s3again"),
         cur + (3 << 21),
@@ -2635,6 +2637,13 @@ fn ids_of_deleted_files_come_back_once_the_directory_is_empty() {
     for n in ["a", "c", "x"] {
         fs.unlink(d, n).unwrap();
     }
+    assert_eq!(
+        fs.file(d, "early"),
+        d + 5,
+        "removed ids (d+1..=d+4) wait out their quarantine"
+    );
+    fs.unlink(d, "early").unwrap();
+    fs.now += kochab_meta::engine::QUARANTINE_NS;
     assert_eq!(fs.file(d, "y"), d + 1, "an empty directory starts over");
     assert_eq!(fs.file(d, "z"), d + 2);
     assert_ne!(
@@ -2655,6 +2664,7 @@ fn ids_of_deleted_files_come_back_once_the_directory_is_empty() {
     fs.dir(g, "sub");
     fs.unlink(g, "f").unwrap();
     fs.rmdir(g, "sub").unwrap();
+    fs.now += kochab_meta::engine::QUARANTINE_NS;
     assert_eq!(fs.file(g, "again"), g + 1);
     fs.check();
 }
