@@ -191,6 +191,8 @@ impl KochabFs {
             MountOption::DefaultPermissions,
             MountOption::Dev,
             MountOption::Suid,
+            // Reads do not update atime on the servers; say so instead of claiming relatime.
+            MountOption::NoAtime,
         ];
         // Every user may use the mount; permissions are checked by the kernel (default
         // permissions) and again by the servers.
