@@ -6,15 +6,17 @@
 //! on retry instead of failing with EEXIST.
 
 pub mod conn;
+pub mod dircache;
 
 use conn::{Conn, ConnError};
+use dircache::DirCache;
 use kochab_proto::auth::ClusterKey;
 use kochab_proto::*;
 use parking_lot::Mutex;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use kochab_proto as proto;
 
@@ -70,6 +72,8 @@ struct Inner {
     next_handle: AtomicU64,
     client_id: u64,
     root: Mutex<InodeId>,
+    /// Directories this client just changed, as the servers' replies left them.
+    dirs: Mutex<DirCache>,
 }
 
 /// A client of one cluster. Cheap to clone; clones share connections and the client id.
@@ -103,6 +107,7 @@ impl Client {
             next_handle: AtomicU64::new(1),
             client_id: random_u64(),
             root: Mutex::new(0),
+            dirs: Mutex::new(DirCache::default()),
             config,
         });
         let client = Client { inner };
@@ -149,6 +154,29 @@ impl Client {
     /// Sends one operation and returns the reply, retrying lost or slow attempts with the
     /// same sequence number. Errors from the server come back as `Err`.
     pub async fn call(&self, cred: &Credentials, op: Op) -> FsResult<Reply> {
+        let ticket = self.inner.dirs.lock().begin(&op);
+        // Ended however this call ends, cancellation included.
+        let mut guard = DirsGuard {
+            inner: &self.inner,
+            ticket,
+            dirs: Vec::new(),
+        };
+        match self.call_once(cred, op).await? {
+            Reply::WithDirs { reply, dirs } => {
+                guard.dirs = dirs;
+                Ok(*reply)
+            }
+            reply => Ok(reply),
+        }
+    }
+
+    /// The attributes of directory `id` as this client's last change to it left them, if
+    /// that was less than `max_age` ago (and at most 1 s), with the time they stay good.
+    pub fn recent_dir_attr(&self, id: InodeId, max_age: Duration) -> Option<(Attr, Duration)> {
+        self.inner.dirs.lock().get(id, max_age, Instant::now())
+    }
+
+    async fn call_once(&self, cred: &Credentials, op: Op) -> FsResult<Reply> {
         if !op.needs_reply_cache() {
             let req = Request {
                 cred: cred.clone(),
@@ -795,6 +823,22 @@ struct InFlight<'a> {
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.inner.in_flight.lock().remove(&self.seq);
+    }
+}
+
+/// Hands an operation's end, and the directory attributes its reply carried, to the
+/// directory cache.
+struct DirsGuard<'a> {
+    inner: &'a Inner,
+    ticket: Option<dircache::Ticket>,
+    dirs: Vec<Attr>,
+}
+
+impl Drop for DirsGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            self.inner.dirs.lock().end(t, &self.dirs, Instant::now());
+        }
     }
 }
 

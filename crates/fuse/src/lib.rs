@@ -5,7 +5,9 @@
 //! flight at once. Inode numbers are Kochab inode ids, except that the root is shown as 1.
 //!
 //! Caching (see docs/ARCHITECTURE.md): attributes and entries are cached by the kernel for
-//! `attr_ttl`/`entry_ttl` (1 s by default), negative lookups not at all; the page cache of a
+//! `attr_ttl`/`entry_ttl` (1 s by default), negative lookups not at all; a directory this
+//! mount just changed is answered from the attributes the change's reply carried (for what
+//! is left of `attr_ttl`; see `kochab_client::dircache`); the page cache of a
 //! file is kept across opens only if its size and mtime did not change, and the kernel
 //! drops it when a getattr shows a new mtime (auto_inval_data); writes go through to the
 //! servers (no writeback cache, which would make the kernel ignore other mounts' sizes).
@@ -354,6 +356,11 @@ impl Filesystem for KochabFs {
     }
 
     fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        // A directory this mount just changed: the reply to that change said how it is now.
+        let fs = &self.inner;
+        if let Some((a, left)) = fs.client.recent_dir_attr(fs.id(ino), fs.config.attr_ttl) {
+            return reply.attr(&left, &fs.file_attr(&a));
+        }
         self.spawn(req, move |fs, cred| async move {
             match fs.client.getattr(&cred, fs.id(ino)).await {
                 Ok(a) => reply.attr(&fs.config.attr_ttl, &fs.file_attr(&a)),

@@ -329,6 +329,72 @@ impl Op {
                 | Op::Create { .. }
         )
     }
+
+    /// The inodes the operation names by id (directories by name are not resolved here).
+    pub fn inode_ids(&self) -> [Option<InodeId>; 2] {
+        match *self {
+            Op::Lookup { parent, .. }
+            | Op::Mknod { parent, .. }
+            | Op::Mkdir { parent, .. }
+            | Op::Symlink { parent, .. }
+            | Op::Unlink { parent, .. }
+            | Op::Rmdir { parent, .. }
+            | Op::Create { parent, .. } => [Some(parent), None],
+            Op::Rename {
+                parent, new_parent, ..
+            } => [Some(parent), Some(new_parent)],
+            Op::Link { id, new_parent, .. } => [Some(id), Some(new_parent)],
+            Op::GetAttr { id }
+            | Op::SetAttr { id, .. }
+            | Op::Readlink { id }
+            | Op::Readdir { id, .. }
+            | Op::SetXattr { id, .. }
+            | Op::GetXattr { id, .. }
+            | Op::ListXattr { id }
+            | Op::RemoveXattr { id, .. }
+            | Op::Access { id, .. }
+            | Op::Open { id, .. } => [Some(id), None],
+            _ => [None, None],
+        }
+    }
+
+    /// The directories whose entries the operation adds or removes: a successful reply
+    /// carries their attributes afterwards (see [`Reply::WithDirs`]).
+    pub fn changed_dirs(&self) -> [Option<InodeId>; 2] {
+        match *self {
+            Op::Mknod { parent, .. }
+            | Op::Mkdir { parent, .. }
+            | Op::Symlink { parent, .. }
+            | Op::Unlink { parent, .. }
+            | Op::Rmdir { parent, .. }
+            | Op::Create { parent, .. } => [Some(parent), None],
+            Op::Link { new_parent, .. } => [Some(new_parent), None],
+            Op::Rename {
+                parent, new_parent, ..
+            } => [Some(parent), (new_parent != parent).then_some(new_parent)],
+            _ => [None, None],
+        }
+    }
+
+    /// True if the operation changes nothing on the servers (handle operations aside,
+    /// which change regular files only).
+    pub fn is_read_only(&self) -> bool {
+        matches!(
+            self,
+            Op::Lookup { .. }
+                | Op::GetAttr { .. }
+                | Op::Readlink { .. }
+                | Op::Readdir { .. }
+                | Op::GetXattr { .. }
+                | Op::ListXattr { .. }
+                | Op::Access { .. }
+                | Op::StatFs
+                | Op::Status
+                | Op::Fsck
+                | Op::Read { .. }
+                | Op::GetLk { .. }
+        )
+    }
 }
 
 /// The answer to one request.
@@ -356,12 +422,27 @@ pub enum Reply {
     WrongServer {
         epoch: u64,
     },
+    /// A namespace change's reply with the attributes of the directories it changed, as
+    /// they were right after it (the FUSE client answers the kernel's next getattr of
+    /// those directories from them instead of asking again).
+    WithDirs {
+        reply: Box<Reply>,
+        dirs: Vec<Attr>,
+    },
 }
 
 impl Reply {
     /// Builds an error reply.
     pub fn err(e: FsError) -> Reply {
         Reply::Error(e)
+    }
+
+    /// The reply without the directory attributes a namespace change adds.
+    pub fn without_dirs(self) -> Reply {
+        match self {
+            Reply::WithDirs { reply, .. } => *reply,
+            other => other,
+        }
     }
 }
 

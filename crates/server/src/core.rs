@@ -65,34 +65,6 @@ pub fn note_modified(modified: &mut FxHashMap<InodeId, u64>, muts: &[Mutation], 
     }
 }
 
-/// Inodes whose state a request's answer depends on (besides the ones its reply names).
-fn observed_ids(op: &Op) -> [Option<InodeId>; 2] {
-    match *op {
-        Op::Lookup { parent, .. }
-        | Op::Mknod { parent, .. }
-        | Op::Mkdir { parent, .. }
-        | Op::Symlink { parent, .. }
-        | Op::Unlink { parent, .. }
-        | Op::Rmdir { parent, .. }
-        | Op::Create { parent, .. } => [Some(parent), None],
-        Op::Rename {
-            parent, new_parent, ..
-        } => [Some(parent), Some(new_parent)],
-        Op::Link { id, new_parent, .. } => [Some(id), Some(new_parent)],
-        Op::GetAttr { id }
-        | Op::SetAttr { id, .. }
-        | Op::Readlink { id }
-        | Op::Readdir { id, .. }
-        | Op::SetXattr { id, .. }
-        | Op::GetXattr { id, .. }
-        | Op::ListXattr { id }
-        | Op::RemoveXattr { id, .. }
-        | Op::Access { id, .. }
-        | Op::Open { id, .. } => [Some(id), None],
-        _ => [None, None],
-    }
-}
-
 impl Core {
     pub fn new(engine: Engine, replies: ReplyCache) -> Core {
         Core {
@@ -112,7 +84,8 @@ impl Core {
 
     /// The LSN that must be durable before `reply` to `req` can be sent.
     fn needed_lsn(&self, op: &Op, reply: &Reply) -> u64 {
-        let mut lsn = observed_ids(op)
+        let mut lsn = op
+            .inode_ids()
             .into_iter()
             .flatten()
             .map(|id| self.observed(id))
@@ -229,6 +202,11 @@ impl Shared {
             // it observed; whole-server answers wait for everything.
             let own = if after > before || global { after } else { 0 };
             needed = needed.max(own).max(core.needed_lsn(&req.op, &reply));
+            let reply = if after > before {
+                with_changed_dirs(&core.engine, &req.op, reply)
+            } else {
+                reply
+            };
             replies.push((*rid, reply));
         }
         if core.modified.len() > MODIFIED_PRUNE_AT {
@@ -359,6 +337,28 @@ impl Shared {
                 .get_or_create(&label)
                 .set(t.dentry_count() as i64);
         }
+    }
+}
+
+/// Adds to a namespace change's reply the attributes of the directories it changed (those
+/// hosted here); their changes are in this operation's record, which the reply waits for.
+fn with_changed_dirs(engine: &Engine, op: &Op, reply: Reply) -> Reply {
+    if matches!(reply, Reply::Error(_) | Reply::WrongServer { .. }) {
+        return reply;
+    }
+    let dirs: Vec<Attr> = op
+        .changed_dirs()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| engine.inode(d).map(|i| i.attr(d)))
+        .filter(|a| a.kind() == FileKind::Dir)
+        .collect();
+    if dirs.is_empty() {
+        return reply;
+    }
+    Reply::WithDirs {
+        reply: Box::new(reply),
+        dirs,
     }
 }
 
