@@ -35,6 +35,43 @@ enum Outgoing {
     Goodbye(Vec<u8>),
 }
 
+impl Outgoing {
+    fn replies(lsn: u64, started: Instant, n: usize) -> Outgoing {
+        Outgoing::Replies {
+            lsn,
+            bytes: Vec::with_capacity(n * 128),
+            started,
+            ops: Vec::with_capacity(n),
+        }
+    }
+
+    /// Adds one reply to a group of replies.
+    fn add(&mut self, rid: u64, op: u8, reply: &Reply, reply_lsn: u64) {
+        let Outgoing::Replies {
+            lsn, bytes, ops, ..
+        } = self
+        else {
+            return;
+        };
+        *lsn = (*lsn).max(reply_lsn);
+        ops.push((op, !matches!(reply, Reply::Error(_))));
+        if let Err(e) = encode_frame(bytes, FrameKind::Reply, rid, reply) {
+            let fallback = Reply::Error(fs_err!(EIO, "reply does not fit in a frame: {e}"));
+            let _ = encode_frame(bytes, FrameKind::Reply, rid, &fallback);
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Outgoing::Replies { bytes, .. } | Outgoing::Goodbye(bytes) => bytes.len(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        matches!(self, Outgoing::Replies { ops, .. } if ops.is_empty())
+    }
+}
+
 /// Serves one accepted connection until it closes or the server shuts down.
 pub async fn serve(
     shared: Arc<Shared>,
@@ -246,27 +283,20 @@ async fn read_loop(
         }
         if !reqs.is_empty() {
             let started = Instant::now();
-            let lsn = shared.execute_batch(client, &reqs, &mut replies);
-            let mut bytes = Vec::with_capacity(replies.len() * 128);
-            let mut ops = Vec::with_capacity(replies.len());
-            for ((rid, reply), (_, req)) in replies.drain(..).zip(reqs.drain(..)) {
-                ops.push((req.op.index() as u8, !matches!(reply, Reply::Error(_))));
-                if let Err(e) = encode_frame(&mut bytes, FrameKind::Reply, rid, &reply) {
-                    let fallback = Reply::Error(fs_err!(EIO, "reply does not fit in a frame: {e}"));
-                    let _ = encode_frame(&mut bytes, FrameKind::Reply, rid, &fallback);
-                }
+            shared.execute_batch(client, &reqs, &mut replies);
+            // Two groups: replies that may leave now, and those waiting for the journal (so
+            // a lookup does not wait for the fsync of a create that ran in the same batch).
+            let durable = shared.journal.durable_lsn();
+            let mut now = Outgoing::replies(0, started, replies.len());
+            let mut later = Outgoing::replies(0, started, 0);
+            for ((rid, reply, lsn), (_, req)) in replies.drain(..).zip(reqs.drain(..)) {
+                let group = if lsn <= durable { &mut now } else { &mut later };
+                group.add(rid, req.op.index() as u8, &reply, lsn);
             }
-            if tx
-                .send(Outgoing::Replies {
-                    lsn,
-                    bytes,
-                    started,
-                    ops,
-                })
-                .await
-                .is_err()
-            {
-                return;
+            for group in [now, later] {
+                if !group.is_empty() && tx.send(group).await.is_err() {
+                    return;
+                }
             }
         }
         if let Err(reason) = parsed {
@@ -292,6 +322,17 @@ async fn read_loop(
     }
 }
 
+/// Replies whose journal records are not durable yet.
+struct Waiting {
+    lsn: u64,
+    bytes: Vec<u8>,
+    started: Instant,
+    ops: Vec<(u8, bool)>,
+}
+
+/// Sends replies as soon as the journal holds every record each one could reflect; replies
+/// leave in that order, not in the order they were made (the protocol is multiplexed), so a
+/// lookup never waits behind another request's fsync.
 async fn write_loop(
     shared: Arc<Shared>,
     mut wr: OwnedWriteHalf,
@@ -300,48 +341,93 @@ async fn write_loop(
 ) {
     let mut durable = shared.journal.subscribe();
     let mut out = Vec::with_capacity(WRITE_BATCH_BYTES);
+    let mut waiting: Vec<Waiting> = Vec::new();
     let mut done: Vec<(Instant, Vec<(u8, bool)>)> = Vec::new();
-    while let Some(first) = rx.recv().await {
-        let mut max_lsn = 0;
-        let mut closing = false;
-        let mut next = Some(first);
-        while let Some(item) = next.take() {
+    let mut goodbye: Option<Vec<u8>> = None;
+    let mut open = true;
+    loop {
+        // Block for new replies when nothing waits for the journal; otherwise for whichever
+        // comes first, a new reply or more of the journal on disk.
+        let mut arrived = Vec::new();
+        if waiting.is_empty() {
+            if !open {
+                break;
+            }
+            match rx.recv().await {
+                Some(item) => arrived.push(item),
+                None => open = false,
+            }
+        } else if open && goodbye.is_none() {
+            tokio::select! {
+                item = rx.recv() => match item {
+                    Some(item) => arrived.push(item),
+                    None => open = false,
+                },
+                r = tokio::time::timeout(Duration::from_secs(1), durable.changed()) => {
+                    if let Ok(Err(_)) = r {
+                        return; // the journal is gone: the server is stopping
+                    }
+                }
+            }
+        } else if let Ok(Err(_)) =
+            tokio::time::timeout(Duration::from_secs(1), durable.changed()).await
+        {
+            return;
+        }
+        let mut bytes = arrived.iter().map(Outgoing::len).sum::<usize>();
+        while open
+            && goodbye.is_none()
+            && bytes < WRITE_BATCH_BYTES
+            && let Ok(item) = rx.try_recv()
+        {
+            bytes += item.len();
+            arrived.push(item);
+        }
+        for item in arrived {
             match item {
                 Outgoing::Replies {
                     lsn,
                     bytes,
                     started,
                     ops,
-                } => {
-                    max_lsn = max_lsn.max(lsn);
-                    out.extend_from_slice(&bytes);
-                    done.push((started, ops));
-                }
-                Outgoing::Goodbye(bytes) => {
-                    out.extend_from_slice(&bytes);
-                    closing = true;
-                }
-            }
-            if out.len() < WRITE_BATCH_BYTES && !closing {
-                next = rx.try_recv().ok();
+                } => waiting.push(Waiting {
+                    lsn,
+                    bytes,
+                    started,
+                    ops,
+                }),
+                Outgoing::Goodbye(bytes) => goodbye = Some(bytes),
             }
         }
-        // Nothing leaves before the journal holds every record it could reflect.
-        while *durable.borrow_and_update() < max_lsn {
-            if shared.journal.failed() {
-                tracing::error!("journal failed; dropping connection from {peer} without replies");
-                return;
-            }
-            if let Ok(Err(_)) =
-                tokio::time::timeout(Duration::from_secs(1), durable.changed()).await
-            {
-                return; // the journal is gone: the server is stopping
-            }
-        }
-        if wr.write_all(&out).await.is_err() {
+        if shared.journal.failed() {
+            tracing::error!("journal failed; dropping connection from {peer} without replies");
             return;
         }
-        out.clear();
+        // Nothing leaves before the journal holds every record it could reflect.
+        let on_disk = *durable.borrow_and_update();
+        let mut i = 0;
+        while i < waiting.len() {
+            if waiting[i].lsn <= on_disk {
+                let w = waiting.swap_remove(i);
+                out.extend_from_slice(&w.bytes);
+                done.push((w.started, w.ops));
+            } else {
+                i += 1;
+            }
+        }
+        let closing = goodbye.is_some() && waiting.is_empty();
+        if closing && let Some(bytes) = goodbye.take() {
+            out.extend_from_slice(&bytes);
+        }
+        if !out.is_empty() {
+            if wr.write_all(&out).await.is_err() {
+                return;
+            }
+            out.clear();
+            if out.capacity() > WRITE_BATCH_BYTES {
+                out.shrink_to(WRITE_BATCH_BYTES);
+            }
+        }
         let now = Instant::now();
         for (started, ops) in done.drain(..) {
             let secs = now.duration_since(started).as_secs_f64();

@@ -171,17 +171,16 @@ fn outcome_of(reply: &Reply) -> Outcome {
 }
 
 impl Shared {
-    /// Runs a batch of requests of one client; returns the replies and the LSN that must
-    /// be durable before they are sent.
+    /// Runs a batch of requests of one client; returns each reply with the LSN that must
+    /// be durable before it is sent.
     pub fn execute_batch(
         &self,
         client: u64,
         reqs: &[(u64, Request)],
-        replies: &mut Vec<(u64, Reply)>,
-    ) -> u64 {
+        replies: &mut Vec<(u64, Reply, u64)>,
+    ) {
         let now = now_ns();
         let mut core = self.core.lock();
-        let mut needed = 0;
         for (rid, req) in reqs {
             let before = self.journal.last_lsn();
             let global = matches!(req.op, Op::Status | Op::StatFs | Op::Fsck);
@@ -201,13 +200,13 @@ impl Shared {
             // An operation that journaled waits for its record; every reply waits for what
             // it observed; whole-server answers wait for everything.
             let own = if after > before || global { after } else { 0 };
-            needed = needed.max(own).max(core.needed_lsn(&req.op, &reply));
+            let needed = own.max(core.needed_lsn(&req.op, &reply));
             let reply = if after > before {
                 with_changed_dirs(&core.engine, &req.op, reply)
             } else {
                 reply
             };
-            replies.push((*rid, reply));
+            replies.push((*rid, reply, needed));
         }
         if core.modified.len() > MODIFIED_PRUNE_AT {
             let durable = self.journal.durable_lsn();
@@ -215,7 +214,6 @@ impl Shared {
         }
         drop(core);
         self.journal.flush_now();
-        needed
     }
 
     /// Runs one engine operation with the reply cache and the journal; its mutations stay
