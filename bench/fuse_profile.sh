@@ -70,6 +70,7 @@ cpu_ticks() {  # utime+stime of a process, in clock ticks
 HZ=$(getconf CLK_TCK)
 
 top_by_comm() {  # top_by_comm PERF_DATA: share per thread name, top symbols of the busiest
+  local -; set +o pipefail   # head closes the pipe early: perf report's SIGPIPE is no error
   echo "  share of all samples by process/thread (comm):"
   perf report -i "$1" --no-children --sort comm --stdio 2>/dev/null \
     | grep -E '^ +[0-9.]+%' | head -8 | sed 's/^/   /'
