@@ -36,7 +36,7 @@
 
 mod common;
 
-use common::Cluster;
+use common::{Cluster, errno_name};
 use kochab_proto::Credentials;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::CString;
@@ -99,6 +99,25 @@ impl Rng {
     fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
         &xs[self.below(xs.len() as u64) as usize]
     }
+}
+
+/// Open flags: `access`, each of `bits` with its percent chance, O_EXCL with `excl` percent
+/// when O_CREAT was picked, and O_NONBLOCK on a FIFO (which would otherwise block the open
+/// until the other end opens).
+fn open_flags(rng: &mut Rng, access: i32, bits: &[(u64, i32)], excl: u64, fifo: bool) -> i32 {
+    let mut flags = access;
+    for &(p, bit) in bits {
+        if rng.chance(p) {
+            flags |= bit;
+        }
+    }
+    if flags & libc::O_CREAT != 0 && rng.chance(excl) {
+        flags |= libc::O_EXCL;
+    }
+    if fifo {
+        flags |= libc::O_NONBLOCK;
+    }
+    flags
 }
 
 /// The bytes a write with fill `fill` writes: reproducible from (fill, len).
@@ -636,42 +655,6 @@ impl StatSum {
             rdev: md.rdev(),
         }
     }
-}
-
-fn errno_name(e: i32) -> String {
-    let name = match e {
-        libc::EPERM => "EPERM",
-        libc::ENOENT => "ENOENT",
-        libc::EIO => "EIO",
-        libc::ENXIO => "ENXIO",
-        libc::E2BIG => "E2BIG",
-        libc::EBADF => "EBADF",
-        libc::EAGAIN => "EAGAIN",
-        libc::EACCES => "EACCES",
-        libc::EFAULT => "EFAULT",
-        libc::EBUSY => "EBUSY",
-        libc::EEXIST => "EEXIST",
-        libc::EXDEV => "EXDEV",
-        libc::ENOTDIR => "ENOTDIR",
-        libc::EISDIR => "EISDIR",
-        libc::EINVAL => "EINVAL",
-        libc::ETXTBSY => "ETXTBSY",
-        libc::EFBIG => "EFBIG",
-        libc::ENOSPC => "ENOSPC",
-        libc::ESPIPE => "ESPIPE",
-        libc::EMLINK => "EMLINK",
-        libc::ERANGE => "ERANGE",
-        libc::ENAMETOOLONG => "ENAMETOOLONG",
-        libc::ENOSYS => "ENOSYS",
-        libc::ENOTEMPTY => "ENOTEMPTY",
-        libc::ELOOP => "ELOOP",
-        libc::ENODATA => "ENODATA",
-        libc::EOPNOTSUPP => "EOPNOTSUPP",
-        libc::ENOTCONN => "ENOTCONN",
-        libc::ESTALE => "ESTALE",
-        _ => return format!("errno {e}"),
-    };
-    name.to_string()
 }
 
 impl fmt::Debug for Res {
@@ -1835,27 +1818,16 @@ fn generate(rng: &mut Rng, m: &Model) -> Op {
                 0..=5 => m.existing_where(rng, libc::S_IFREG),
                 _ => m.any(rng),
             };
-            let mut flags =
-                *rng.pick(&[libc::O_RDONLY, libc::O_WRONLY, libc::O_RDWR, libc::O_RDWR]);
-            for (p, bit) in [
+            let access = *rng.pick(&[libc::O_RDONLY, libc::O_WRONLY, libc::O_RDWR, libc::O_RDWR]);
+            let bits = [
                 (60, libc::O_CREAT),
                 (20, libc::O_TRUNC),
                 (20, libc::O_APPEND),
                 (3, libc::O_DIRECTORY),
                 (5, libc::O_NOFOLLOW),
                 (3, libc::O_SYNC),
-            ] {
-                if rng.chance(p) {
-                    flags |= bit;
-                }
-            }
-            if flags & libc::O_CREAT != 0 && rng.chance(20) {
-                flags |= libc::O_EXCL;
-            }
-            // A FIFO would block the open until the other end opens.
-            if m.is_fifo(&path) {
-                flags |= libc::O_NONBLOCK;
-            }
+            ];
+            let flags = open_flags(rng, access, &bits, 20, m.is_fifo(&path));
             let free: Vec<usize> = (0..SLOTS).filter(|&s| !m.open[s]).collect();
             let slot = if free.is_empty() || rng.chance(20) {
                 rng.below(SLOTS as u64) as usize
@@ -1940,22 +1912,13 @@ fn generate(rng: &mut Rng, m: &Model) -> Op {
                 0..=4 => m.existing_where(rng, libc::S_IFREG),
                 _ => m.any(rng),
             };
-            let mut flags = *rng.pick(&[libc::O_WRONLY, libc::O_RDWR]);
-            for (p, bit) in [
+            let access = *rng.pick(&[libc::O_WRONLY, libc::O_RDWR]);
+            let bits = [
                 (85, libc::O_CREAT),
                 (30, libc::O_TRUNC),
                 (20, libc::O_APPEND),
-            ] {
-                if rng.chance(p) {
-                    flags |= bit;
-                }
-            }
-            if flags & libc::O_CREAT != 0 && rng.chance(10) {
-                flags |= libc::O_EXCL;
-            }
-            if m.is_fifo(&path) {
-                flags |= libc::O_NONBLOCK;
-            }
+            ];
+            let flags = open_flags(rng, access, &bits, 10, m.is_fifo(&path));
             Op::Put {
                 path,
                 flags,

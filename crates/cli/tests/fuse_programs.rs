@@ -360,35 +360,11 @@ fn as_user<T: Send>(uid: u32, gid: u32, groups: &[u32], f: impl FnOnce() -> T + 
 // Outcome logs.
 
 fn errname(code: i32) -> String {
-    let n = match code {
-        0 => "OK",
-        libc::EPERM => "EPERM",
-        libc::ENOENT => "ENOENT",
-        libc::EBADF => "EBADF",
-        libc::EACCES => "EACCES",
-        libc::EBUSY => "EBUSY",
-        libc::EEXIST => "EEXIST",
-        libc::EXDEV => "EXDEV",
-        libc::ENOTDIR => "ENOTDIR",
-        libc::EISDIR => "EISDIR",
-        libc::EINVAL => "EINVAL",
-        libc::EFBIG => "EFBIG",
-        libc::ENOSPC => "ENOSPC",
-        libc::EMLINK => "EMLINK",
-        libc::ERANGE => "ERANGE",
-        libc::ENAMETOOLONG => "ENAMETOOLONG",
-        libc::ENOTEMPTY => "ENOTEMPTY",
-        libc::ELOOP => "ELOOP",
-        libc::ENODATA => "ENODATA",
-        libc::EOPNOTSUPP => "EOPNOTSUPP",
-        libc::E2BIG => "E2BIG",
-        libc::ESTALE => "ESTALE",
-        libc::EIO => "EIO",
-        libc::ENOSYS => "ENOSYS",
-        libc::ENXIO => "ENXIO",
-        _ => return format!("errno {code}"),
-    };
-    n.to_string()
+    if code == 0 {
+        "OK".to_string()
+    } else {
+        common::errno_name(code)
+    }
 }
 
 const OK: i32 = 0;

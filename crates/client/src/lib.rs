@@ -154,7 +154,12 @@ impl Client {
     /// Sends one operation and returns the reply, retrying lost or slow attempts with the
     /// same sequence number. Errors from the server come back as `Err`.
     pub async fn call(&self, cred: &Credentials, op: Op) -> FsResult<Reply> {
-        let ticket = self.inner.dirs.lock().begin(&op);
+        // Reads change no directory: they skip the cache's lock.
+        let ticket = if op.is_read_only() {
+            None
+        } else {
+            self.inner.dirs.lock().begin(&op)
+        };
         // Ended however this call ends, cancellation included.
         let mut guard = DirsGuard {
             inner: &self.inner,

@@ -739,13 +739,18 @@ impl Engine {
                 String::from_utf8_lossy(new_name)
             ));
         }
-        if exchange && dst.is_none() {
-            return fs(fs_err!(
-                ENOENT,
-                "RENAME_EXCHANGE target {:?} does not exist",
-                String::from_utf8_lossy(new_name)
-            ));
-        }
+        // The inode an exchange swaps with; it must exist.
+        let swapped = match (exchange, dst) {
+            (true, None) => {
+                return fs(fs_err!(
+                    ENOENT,
+                    "RENAME_EXCHANGE target {:?} does not exist",
+                    String::from_utf8_lossy(new_name)
+                ));
+            }
+            (true, Some(d)) => Some(d),
+            (false, _) => None,
+        };
         let src_is_dir = src_kind == FileKind::Dir;
         let dst_is_dir = dst.is_some_and(|(_, k)| k == FileKind::Dir);
         if parent != new_parent {
@@ -805,8 +810,8 @@ impl Engine {
         if moves(src_is_dir, parent, new_parent) {
             check_access(self.get(src)?, cred, W_OK)?;
         }
-        if exchange && moves(dst_is_dir, new_parent, parent) {
-            check_access(self.get(dst.expect("exchange has a target").0)?, cred, W_OK)?;
+        if let Some((d, _)) = swapped.filter(|_| moves(dst_is_dir, new_parent, parent)) {
+            check_access(self.get(d)?, cred, W_OK)?;
         }
         if !exchange {
             if let Some((d, _)) = dst.filter(|_| dst_is_dir)
@@ -835,8 +840,7 @@ impl Engine {
             p.ctime = now;
         }
         ch.load(self, src)?.ctime = now;
-        if exchange {
-            let (d, dk) = dst.expect("exchange has a target");
+        if let Some((d, dk)) = swapped {
             ch.load(self, d)?.ctime = now;
             dentries = vec![
                 Mutation::PutDentry {

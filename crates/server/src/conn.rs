@@ -25,51 +25,39 @@ const WRITE_BATCH_BYTES: usize = 1 << 20;
 const DATA_OPS_IN_FLIGHT: usize = 64;
 use kochab_proto::net::READ_CHUNK;
 
-enum Outgoing {
-    Replies {
-        lsn: u64,
-        bytes: Vec<u8>,
-        started: Instant,
-        ops: Vec<(u8, bool)>,
-    },
-    Goodbye(Vec<u8>),
+/// Replies of one batch (or of one data operation), sent once the journal holds `lsn`.
+struct Replies {
+    lsn: u64,
+    bytes: Vec<u8>,
+    started: Instant,
+    /// (operation index, succeeded) per reply, for the metrics.
+    ops: Vec<(u8, bool)>,
 }
 
-impl Outgoing {
-    fn replies(lsn: u64, started: Instant, n: usize) -> Outgoing {
-        Outgoing::Replies {
-            lsn,
+impl Replies {
+    fn new(started: Instant, n: usize) -> Replies {
+        Replies {
+            lsn: 0,
             bytes: Vec::with_capacity(n * 128),
             started,
             ops: Vec::with_capacity(n),
         }
     }
 
-    /// Adds one reply to a group of replies.
-    fn add(&mut self, rid: u64, op: u8, reply: &Reply, reply_lsn: u64) {
-        let Outgoing::Replies {
-            lsn, bytes, ops, ..
-        } = self
-        else {
-            return;
-        };
-        *lsn = (*lsn).max(reply_lsn);
-        ops.push((op, !matches!(reply, Reply::Error(_))));
-        if let Err(e) = encode_frame(bytes, FrameKind::Reply, rid, reply) {
+    /// Adds one reply that may leave once `lsn` is durable.
+    fn add(&mut self, rid: u64, op: u8, reply: &Reply, lsn: u64) {
+        self.lsn = self.lsn.max(lsn);
+        self.ops.push((op, !matches!(reply, Reply::Error(_))));
+        if let Err(e) = encode_frame(&mut self.bytes, FrameKind::Reply, rid, reply) {
             let fallback = Reply::Error(fs_err!(EIO, "reply does not fit in a frame: {e}"));
-            let _ = encode_frame(bytes, FrameKind::Reply, rid, &fallback);
+            let _ = encode_frame(&mut self.bytes, FrameKind::Reply, rid, &fallback);
         }
     }
+}
 
-    fn len(&self) -> usize {
-        match self {
-            Outgoing::Replies { bytes, .. } | Outgoing::Goodbye(bytes) => bytes.len(),
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        matches!(self, Outgoing::Replies { ops, .. } if ops.is_empty())
-    }
+enum Outgoing {
+    Replies(Replies),
+    Goodbye(Vec<u8>),
 }
 
 /// Serves one accepted connection until it closes or the server shuts down.
@@ -257,27 +245,11 @@ async fn read_loop(
             };
             let (shared, tx) = (shared.clone(), tx.clone());
             tokio::spawn(async move {
-                let started = Instant::now();
+                let mut group = Replies::new(Instant::now(), 1);
                 let op = req.op.index() as u8;
                 let (reply, lsn) = crate::filesvc::data_op(shared, client, req).await;
-                let ok = !matches!(reply, Reply::Error(_));
-                let mut bytes = Vec::new();
-                if let Err(e) = encode_frame(&mut bytes, FrameKind::Reply, rid, &reply) {
-                    let _ = encode_frame(
-                        &mut bytes,
-                        FrameKind::Reply,
-                        rid,
-                        &Reply::Error(fs_err!(EIO, "reply does not fit in a frame: {e}")),
-                    );
-                }
-                let _ = tx
-                    .send(Outgoing::Replies {
-                        lsn,
-                        bytes,
-                        started,
-                        ops: vec![(op, ok)],
-                    })
-                    .await;
+                group.add(rid, op, &reply, lsn);
+                let _ = tx.send(Outgoing::Replies(group)).await;
                 drop(permit);
             });
         }
@@ -287,14 +259,14 @@ async fn read_loop(
             // Two groups: replies that may leave now, and those waiting for the journal (so
             // a lookup does not wait for the fsync of a create that ran in the same batch).
             let durable = shared.journal.durable_lsn();
-            let mut now = Outgoing::replies(0, started, replies.len());
-            let mut later = Outgoing::replies(0, started, 0);
+            let mut now = Replies::new(started, replies.len());
+            let mut later = Replies::new(started, 0);
             for ((rid, reply, lsn), (_, req)) in replies.drain(..).zip(reqs.drain(..)) {
                 let group = if lsn <= durable { &mut now } else { &mut later };
                 group.add(rid, req.op.index() as u8, &reply, lsn);
             }
             for group in [now, later] {
-                if !group.is_empty() && tx.send(group).await.is_err() {
+                if !group.ops.is_empty() && tx.send(Outgoing::Replies(group)).await.is_err() {
                     return;
                 }
             }
@@ -322,12 +294,19 @@ async fn read_loop(
     }
 }
 
-/// Replies whose journal records are not durable yet.
-struct Waiting {
-    lsn: u64,
-    bytes: Vec<u8>,
-    started: Instant,
-    ops: Vec<(u8, bool)>,
+/// Takes one item for the writer; returns its size.
+fn accept(item: Outgoing, waiting: &mut Vec<Replies>, goodbye: &mut Option<Vec<u8>>) -> usize {
+    match item {
+        Outgoing::Replies(r) => {
+            let n = r.bytes.len();
+            waiting.push(r);
+            n
+        }
+        Outgoing::Goodbye(bytes) => {
+            *goodbye = Some(bytes);
+            0
+        }
+    }
 }
 
 /// Sends replies as soon as the journal holds every record each one could reflect; replies
@@ -341,26 +320,24 @@ async fn write_loop(
 ) {
     let mut durable = shared.journal.subscribe();
     let mut out = Vec::with_capacity(WRITE_BATCH_BYTES);
-    let mut waiting: Vec<Waiting> = Vec::new();
+    // Replies whose records are not durable yet.
+    let mut waiting: Vec<Replies> = Vec::new();
     let mut done: Vec<(Instant, Vec<(u8, bool)>)> = Vec::new();
     let mut goodbye: Option<Vec<u8>> = None;
     let mut open = true;
     loop {
         // Block for new replies when nothing waits for the journal; otherwise for whichever
         // comes first, a new reply or more of the journal on disk.
-        let mut arrived = Vec::new();
+        let mut taken = 0;
         if waiting.is_empty() {
-            if !open {
-                break;
-            }
             match rx.recv().await {
-                Some(item) => arrived.push(item),
-                None => open = false,
+                Some(item) => taken += accept(item, &mut waiting, &mut goodbye),
+                None => return,
             }
         } else if open && goodbye.is_none() {
             tokio::select! {
                 item = rx.recv() => match item {
-                    Some(item) => arrived.push(item),
+                    Some(item) => taken += accept(item, &mut waiting, &mut goodbye),
                     None => open = false,
                 },
                 r = tokio::time::timeout(Duration::from_secs(1), durable.changed()) => {
@@ -374,30 +351,12 @@ async fn write_loop(
         {
             return;
         }
-        let mut bytes = arrived.iter().map(Outgoing::len).sum::<usize>();
         while open
             && goodbye.is_none()
-            && bytes < WRITE_BATCH_BYTES
+            && taken < WRITE_BATCH_BYTES
             && let Ok(item) = rx.try_recv()
         {
-            bytes += item.len();
-            arrived.push(item);
-        }
-        for item in arrived {
-            match item {
-                Outgoing::Replies {
-                    lsn,
-                    bytes,
-                    started,
-                    ops,
-                } => waiting.push(Waiting {
-                    lsn,
-                    bytes,
-                    started,
-                    ops,
-                }),
-                Outgoing::Goodbye(bytes) => goodbye = Some(bytes),
-            }
+            taken += accept(item, &mut waiting, &mut goodbye);
         }
         if shared.journal.failed() {
             tracing::error!("journal failed; dropping connection from {peer} without replies");
@@ -405,18 +364,12 @@ async fn write_loop(
         }
         // Nothing leaves before the journal holds every record it could reflect.
         let on_disk = *durable.borrow_and_update();
-        let mut i = 0;
-        while i < waiting.len() {
-            if waiting[i].lsn <= on_disk {
-                let w = waiting.swap_remove(i);
-                out.extend_from_slice(&w.bytes);
-                done.push((w.started, w.ops));
-            } else {
-                i += 1;
-            }
+        for r in waiting.extract_if(.., |r| r.lsn <= on_disk) {
+            out.extend_from_slice(&r.bytes);
+            done.push((r.started, r.ops));
         }
-        let closing = goodbye.is_some() && waiting.is_empty();
-        if closing && let Some(bytes) = goodbye.take() {
+        let closing = waiting.is_empty() && goodbye.is_some();
+        if let Some(bytes) = goodbye.take_if(|_| closing) {
             out.extend_from_slice(&bytes);
         }
         if !out.is_empty() {
@@ -424,9 +377,7 @@ async fn write_loop(
                 return;
             }
             out.clear();
-            if out.capacity() > WRITE_BATCH_BYTES {
-                out.shrink_to(WRITE_BATCH_BYTES);
-            }
+            out.shrink_to(WRITE_BATCH_BYTES);
         }
         let now = Instant::now();
         for (started, ops) in done.drain(..) {

@@ -295,3 +295,12 @@ impl Drop for MountProc {
         force_unmount(&self.mnt);
     }
 }
+
+/// An errno's name for test logs and outcome comparisons ("errno N" for one the protocol
+/// has no name for).
+pub fn errno_name(code: i32) -> String {
+    match kochab_proto::Errno(code).name() {
+        "E?" => format!("errno {code}"),
+        name => name.to_string(),
+    }
+}
