@@ -772,6 +772,11 @@ impl Side {
         let _ = fs::remove_dir_all(&self.top);
     }
 
+    /// The descriptor open in `slot`, if any.
+    fn fd(&self, slot: usize) -> Option<i32> {
+        Some(self.fds[slot]).filter(|&fd| fd >= 0)
+    }
+
     fn apply(&mut self, op: &Op) -> Res {
         // SAFETY (all the libc calls below): valid NUL-terminated paths, descriptors this
         // side owns, and buffers at least as long as the lengths passed.
@@ -815,10 +820,9 @@ impl Side {
                 }
                 Op::Close { slot } => self.close_slot(*slot),
                 Op::Write { slot, len, fill } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     let buf = fill_bytes(*fill, *len);
                     ret(
                         libc::write(fd, buf.as_ptr().cast(), buf.len()) as i64,
@@ -831,10 +835,9 @@ impl Side {
                     len,
                     fill,
                 } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     let buf = fill_bytes(*fill, *len);
                     ret(
                         libc::pwrite(fd, buf.as_ptr().cast(), buf.len(), *off as i64) as i64,
@@ -842,10 +845,9 @@ impl Side {
                     )
                 }
                 Op::Read { slot, len } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     let mut buf = vec![0u8; *len];
                     let r = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
                     if r < 0 {
@@ -855,10 +857,9 @@ impl Side {
                     Res::Data(buf)
                 }
                 Op::Pread { slot, off, len } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     let mut buf = vec![0u8; *len];
                     let r = libc::pread(fd, buf.as_mut_ptr().cast(), buf.len(), *off as i64);
                     if r < 0 {
@@ -868,17 +869,15 @@ impl Side {
                     Res::Data(buf)
                 }
                 Op::Seek { slot, off, whence } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     ret(libc::lseek(fd, *off, *whence), "lseek")
                 }
                 Op::Ftruncate { slot, size } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     ret(libc::ftruncate(fd, *size) as i64, "ftruncate")
                 }
                 Op::Fallocate {
@@ -887,17 +886,15 @@ impl Side {
                     off,
                     len,
                 } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     ret(libc::fallocate(fd, *mode, *off, *len) as i64, "fallocate")
                 }
                 Op::Fstat { slot } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     let mut st: libc::stat = std::mem::zeroed();
                     if libc::fstat(fd, &mut st) < 0 {
                         return Res::Err("fstat", errno());
@@ -913,10 +910,9 @@ impl Side {
                     })
                 }
                 Op::Fsync { slot } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     ret(libc::fsync(fd) as i64, "fsync")
                 }
                 Op::Put {
@@ -1080,17 +1076,15 @@ impl Side {
                     ret(f(self.path(path).as_ptr(), *uid, *gid) as i64, "chown")
                 }
                 Op::Fchmod { slot, mode } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     ret(libc::fchmod(fd, *mode) as i64, "fchmod")
                 }
                 Op::Fchown { slot, uid, gid } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     ret(libc::fchown(fd, *uid, *gid) as i64, "fchown")
                 }
                 Op::FSetXattr {
@@ -1100,10 +1094,9 @@ impl Side {
                     fill,
                     flags,
                 } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     let value = fill_bytes(*fill, *len);
                     ret(
                         libc::fsetxattr(
@@ -1117,10 +1110,9 @@ impl Side {
                     )
                 }
                 Op::FGetXattr { slot, name } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     let mut buf = vec![0u8; 65536];
                     let r = libc::fgetxattr(
                         fd,
@@ -1140,20 +1132,18 @@ impl Side {
                     len,
                     fill,
                 } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     let data = fill_bytes(*fill, *len);
                     map_range(fd, *off, *len, true, |m| {
                         m.copy_from_slice(&data[..m.len()]);
                     })
                 }
                 Op::MmapRead { slot, off, len } => {
-                    let fd = self.fds[*slot];
-                    if fd < 0 {
+                    let Some(fd) = self.fd(*slot) else {
                         return Res::Skip;
-                    }
+                    };
                     let mut out = Vec::new();
                     match map_range(fd, *off, *len, false, |m| out = m.to_vec()) {
                         Res::Ok(_) => Res::Data(out),

@@ -117,20 +117,6 @@ pub fn to_dir(r: Reply) -> R<(Vec<DirEntry>, bool)> {
     }
 }
 
-fn is_read_only(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Lookup { .. }
-            | Op::GetAttr { .. }
-            | Op::Readlink { .. }
-            | Op::Readdir { .. }
-            | Op::GetXattr { .. }
-            | Op::ListXattr { .. }
-            | Op::Access { .. }
-            | Op::StatFs
-    )
-}
-
 fn n(name: impl AsRef<[u8]>) -> Vec<u8> {
     name.as_ref().to_vec()
 }
@@ -178,7 +164,7 @@ impl Fs {
         let mut out = Vec::new();
         let reply = self.e.execute(c, &op, self.now, &mut out);
         let failed = matches!(reply, Reply::Error(_) | Reply::WrongServer { .. });
-        if failed || is_read_only(&op) {
+        if failed || op.is_read_only() {
             assert!(
                 out.is_empty(),
                 "{op:?} -> {reply:?} emitted mutations {out:?}"
