@@ -316,12 +316,10 @@ impl Engine {
                 id,
                 generation,
                 from,
-                chunks,
             } => self.tables[i].put_reclaim(crate::table::Reclaim {
                 id: *id,
                 generation: *generation,
                 from: *from,
-                chunks: *chunks,
             }),
             Mutation::DropReclaim { id, generation } => {
                 self.tables[i].drop_reclaim(*id, *generation)

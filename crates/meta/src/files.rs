@@ -1,6 +1,6 @@
 //! The metadata side of file data: open and close (an unlinked file stays until its last
-//! close), the size and times a write leaves, the chunk high-water mark raised before new
-//! chunks are written, and the durable list of data to delete.
+//! close), the size and times a write leaves, the "may have data" mark set before a file's
+//! first chunk is written, and the durable list of data to delete.
 
 use crate::engine::{Engine, Fail, OpResult};
 use crate::mutation::Mutation;
@@ -8,7 +8,7 @@ use crate::perm::check_access;
 use crate::table::Reclaim;
 use kochab_proto::access::{R_OK, W_OK};
 use kochab_proto::mode::{S_ISGID, S_ISUID, S_IXGRP};
-use kochab_proto::{Attr, CHUNK_BYTES, Credentials, FileKind, InodeId, TimeNs, fs_err};
+use kochab_proto::{Attr, Credentials, FileKind, InodeId, TimeNs, fs_err};
 
 /// open(2) access-mode and flag bits the server looks at.
 pub mod open_flags {
@@ -30,11 +30,6 @@ pub fn writes(flags: u32) -> bool {
         flags & open_flags::O_ACCMODE,
         open_flags::O_WRONLY | open_flags::O_RDWR
     )
-}
-
-/// Chunks needed to hold `end` bytes.
-pub fn chunks_for(end: u64) -> u32 {
-    end.div_ceil(CHUNK_BYTES).min(u32::MAX as u64) as u32
 }
 
 impl Engine {
@@ -97,12 +92,11 @@ impl Engine {
             return Vec::new();
         }
         let mut muts = vec![Mutation::DropInode { id }];
-        if inode.is_regular() && inode.chunks > 0 {
+        if inode.is_regular() && inode.may_have_data {
             muts.push(Mutation::PutReclaim {
                 id,
                 generation: inode.btime as u64,
                 from: 0,
-                chunks: inode.chunks,
             });
         }
         self.apply_live(&muts);
@@ -122,9 +116,10 @@ impl Engine {
             .collect()
     }
 
-    /// Raises the chunk high-water mark of `id` to cover `end` bytes, before data is written
-    /// there. Returns the mutations to journal (none if already covered).
-    pub fn reserve_chunks(&mut self, id: InodeId, end: u64) -> OpResult<Vec<Mutation>> {
+    /// Marks `id` as possibly having data, before its first chunk object is created; the
+    /// caller waits until the returned mutations are durable (none if already marked), so
+    /// that deleting the file later can never miss an object. Once per file.
+    pub fn mark_data(&mut self, id: InodeId) -> OpResult<Vec<Mutation>> {
         let inode = self.get(id)?;
         if !inode.is_regular() {
             return Err(Fail::Fs(fs_err!(
@@ -132,16 +127,11 @@ impl Engine {
                 "inode {id:#x} is not a regular file"
             )));
         }
-        let need = chunks_for(end);
-        if need <= inode.chunks {
+        if inode.may_have_data {
             return Ok(Vec::new());
         }
         let mut i = inode.clone();
-        // Reserve ahead (doubling, at most 1 GiB ahead) so that a growing file waits for
-        // this journal record only a few times; reclaiming names a few absent chunks.
-        i.chunks = need
-            .max(inode.chunks.saturating_mul(2))
-            .min(need.saturating_add(256));
+        i.may_have_data = true;
         let muts = vec![Mutation::PutInode { id, inode: i }];
         self.apply_live(&muts);
         Ok(muts)
@@ -159,7 +149,6 @@ impl Engine {
         let inode = self.get(id)?;
         let mut i = inode.clone();
         i.size = i.size.max(end);
-        i.chunks = i.chunks.max(chunks_for(end));
         i.mtime = now;
         i.ctime = now;
         if !cred.is_root() {
@@ -175,12 +164,33 @@ impl Engine {
         Ok((muts, attr))
     }
 
-    /// Data waiting to be deleted, over all tables.
-    pub fn pending_reclaims(&self) -> Vec<Reclaim> {
-        self.tables()
+    /// Number of reclaim entries, over all tables.
+    pub fn pending_reclaim_count(&self) -> usize {
+        self.tables().iter().map(|t| t.reclaims().count()).sum()
+    }
+
+    /// Up to `max` reclaim entries after `after` (by id and generation), wrapping around to
+    /// the first ones: a caller that passes the last entry it got back visits every entry
+    /// in turn, so one that keeps failing cannot starve the others.
+    pub fn pending_reclaims(&self, after: (InodeId, u64), max: usize) -> Vec<Reclaim> {
+        let later = self
+            .tables()
             .iter()
-            .flat_map(|t| t.reclaims().copied())
-            .collect()
+            .filter(|t| t.hi > after.0)
+            .flat_map(|t| t.reclaims_after(after));
+        let earlier = self
+            .tables()
+            .iter()
+            .filter(|t| t.lo <= after.0)
+            .flat_map(|t| t.reclaims())
+            .take_while(|r| (r.id, r.generation) <= after);
+        later.chain(earlier).take(max).copied().collect()
+    }
+
+    /// The reclaim entry of one file generation (a pending trim or deletion), if any.
+    pub fn reclaim_of(&self, id: InodeId, generation: u64) -> Option<Reclaim> {
+        let i = self.table_index(id)?;
+        self.tables[i].reclaim(id, generation).copied()
     }
 
     /// Marks a reclaim entry done (its data is gone), unless it grew meanwhile: then the

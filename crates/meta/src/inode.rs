@@ -22,9 +22,11 @@ pub struct Inode {
     /// Birth time; doubles as the generation number (an id is never reused within a ns).
     pub btime: TimeNs,
     pub rdev: u32,
-    /// Regular files: data chunks that may exist (a high-water mark, raised before a chunk
-    /// is first written, so that reclaiming the file's data never misses an object).
-    pub chunks: u32,
+    /// Regular files: chunk objects may exist. Set durably (journaled and waited for)
+    /// before the file's first chunk object is created, and never cleared, so that a file
+    /// without it has no data to reclaim and one with it always gets a reclaim entry when
+    /// it goes: a crash can never leak objects. Which chunks exist is read from the store.
+    pub may_have_data: bool,
     pub extra: Option<Box<InodeExtra>>,
 }
 
@@ -63,7 +65,7 @@ impl Inode {
             ctime: now,
             btime: now,
             rdev: 0,
-            chunks: 0,
+            may_have_data: false,
             extra: None,
         }
     }

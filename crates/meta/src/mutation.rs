@@ -38,13 +38,12 @@ pub enum Mutation {
         name: Vec<u8>,
     },
     /// Data of inode `id` (generation `generation`) at and beyond byte `from` must be
-    /// deleted; its chunks below `chunks` may exist. Durable until the data is gone, so a
-    /// crash never leaks objects.
+    /// deleted (which chunks exist is read from the store). Durable until the data is gone,
+    /// so a crash never leaks objects.
     PutReclaim {
         id: InodeId,
         generation: u64,
         from: u64,
-        chunks: u32,
     },
     /// The data named by a reclaim entry is gone.
     DropReclaim { id: InodeId, generation: u64 },

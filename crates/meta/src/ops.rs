@@ -536,15 +536,14 @@ impl Engine {
         c.ctime = now;
         // An open file keeps its inode (and data) until its last close.
         if c.nlink == 0 && !open {
-            let (generation, chunks, regular) = (c.btime as u64, c.chunks, c.is_regular());
+            let (generation, data) = (c.btime as u64, c.is_regular() && c.may_have_data);
             ch.inodes.remove(&child);
             drops.push(Mutation::DropInode { id: child });
-            if regular && chunks > 0 {
+            if data {
                 drops.push(Mutation::PutReclaim {
                     id: child,
                     generation,
                     from: 0,
-                    chunks,
                 });
             }
         }
@@ -918,8 +917,11 @@ impl Engine {
             if !old.is_regular() {
                 return fs(fs_err!(EINVAL, "cannot truncate a non-regular file"));
             }
-            if size > i64::MAX as u64 {
-                return fs(fs_err!(EFBIG, "size {size} is too large"));
+            if size > FILE_BYTES_MAX {
+                return fs(fs_err!(
+                    EFBIG,
+                    "size {size} exceeds the largest file size {FILE_BYTES_MAX}"
+                ));
             }
             check_access(old, cred, W_OK)?;
         }
@@ -1009,14 +1011,17 @@ impl Engine {
         }
         i.ctime = set.ctime.unwrap_or(now);
         // Shrinking drops the data beyond the new end (and so zeros it, should the file
-        // grow again); the entry is durable with the size until the data is gone.
+        // grow again); the entry is durable with the size until the data is gone. A
+        // truncation to zero always drops everything (space fallocated past the end too,
+        // and the file's record of a failed fsync, see the server's data service).
         let trim = match set.size {
-            Some(size) if size < old.size && i.chunks > 0 => Some(Mutation::PutReclaim {
-                id,
-                generation: i.btime as u64,
-                from: size,
-                chunks: i.chunks,
-            }),
+            Some(size) if (size < old.size || size == 0) && i.may_have_data => {
+                Some(Mutation::PutReclaim {
+                    id,
+                    generation: i.btime as u64,
+                    from: size,
+                })
+            }
             _ => None,
         };
         let attr = i.attr(id);

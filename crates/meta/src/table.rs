@@ -84,13 +84,13 @@ pub struct DentryImage {
 }
 
 /// Data still to be deleted: everything of inode `id`'s generation `generation` at or
-/// beyond byte `from`, in chunks below `chunks`.
+/// beyond byte `from` (0 for a removed file). The chunks themselves are listed from the
+/// store, so reclaiming costs what exists, not what the largest offset was.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reclaim {
     pub id: InodeId,
     pub generation: u64,
     pub from: u64,
-    pub chunks: u32,
 }
 
 /// The full contents of one box at one moment: loading it replaces the box.
@@ -303,7 +303,6 @@ impl Table {
     pub fn put_reclaim(&mut self, r: Reclaim) {
         let e = self.reclaims.entry((r.id, r.generation)).or_insert(r);
         e.from = e.from.min(r.from);
-        e.chunks = e.chunks.max(r.chunks);
         self.dirty_reclaims = true;
     }
 
@@ -316,6 +315,19 @@ impl Table {
     /// Data waiting to be deleted.
     pub fn reclaims(&self) -> impl Iterator<Item = &Reclaim> + '_ {
         self.reclaims.values()
+    }
+
+    /// Reclaim entries after `(id, generation)` in key order.
+    pub fn reclaims_after(&self, after: (InodeId, u64)) -> impl Iterator<Item = &Reclaim> + '_ {
+        use std::ops::Bound::{Excluded, Unbounded};
+        self.reclaims
+            .range((Excluded(after), Unbounded))
+            .map(|(_, r)| r)
+    }
+
+    /// The reclaim entry of one file generation, if any.
+    pub fn reclaim(&self, id: InodeId, generation: u64) -> Option<&Reclaim> {
+        self.reclaims.get(&(id, generation))
     }
 
     /// Boxes changed since the last call; the table starts tracking afresh.

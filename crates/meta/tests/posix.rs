@@ -17,8 +17,8 @@ use kochab_proto::mode::*;
 use kochab_proto::rename_flags::{RENAME_EXCHANGE, RENAME_NOREPLACE, RENAME_WHITEOUT};
 use kochab_proto::xattr_flags::{XATTR_CREATE, XATTR_REPLACE};
 use kochab_proto::{
-    Errno as E, FileKind, InodeId, LINK_MAX, NAME_MAX, Op, Reply, SYMLINK_MAX, SetAttrs, TimeSet,
-    XATTR_SIZE_MAX,
+    Errno as E, FILE_BYTES_MAX, FileKind, InodeId, LINK_MAX, NAME_MAX, Op, Reply, SYMLINK_MAX,
+    SetAttrs, TimeSet, XATTR_SIZE_MAX,
 };
 use support::*;
 
@@ -400,7 +400,87 @@ fn truncate_of_non_regular_files() {
     assert_eq!(fs.truncate_as(&root(), p, 0), Err(E::EINVAL));
     assert_eq!(fs.truncate_as(&root(), l, 0), Err(E::EINVAL));
     assert_eq!(fs.truncate_as(&root(), f, u64::MAX), Err(E::EFBIG));
+    assert_eq!(
+        fs.truncate_as(&root(), f, FILE_BYTES_MAX + 1),
+        Err(E::EFBIG),
+        "one byte past the largest file"
+    );
+    assert_eq!(
+        fs.truncate_as(&root(), f, FILE_BYTES_MAX).unwrap().size,
+        FILE_BYTES_MAX
+    );
     assert_eq!(fs.truncate_as(&root(), f, 1 << 40).unwrap().size, 1 << 40);
+}
+
+#[test]
+fn data_reclaim_entries_follow_the_may_have_data_mark() {
+    let mut fs = Fs::new();
+    let r = fs.root();
+    // A file that never had data leaves nothing to reclaim.
+    let empty = fs.file(r, "empty");
+    fs.truncate_as(&root(), empty, 100).unwrap();
+    fs.truncate_as(&root(), empty, 0).unwrap();
+    fs.unlink(r, "empty").unwrap();
+    assert_eq!(fs.e.pending_reclaim_count(), 0);
+    // The mark is journaled once, before the first chunk.
+    let f = fs.file(r, "f");
+    let marked = fs.e.mark_data(f).unwrap();
+    assert_eq!(marked.len(), 1);
+    fs.log.extend(marked);
+    assert!(fs.e.mark_data(f).unwrap().is_empty(), "once per file");
+    let generation = fs.attr(f).generation;
+    fs.truncate_as(&root(), f, 1 << 50).unwrap();
+    assert_eq!(
+        fs.e.reclaim_of(f, generation),
+        None,
+        "growing trims nothing"
+    );
+    fs.truncate_as(&root(), f, 10).unwrap();
+    let trim = fs.e.reclaim_of(f, generation).expect("a trim");
+    assert_eq!(trim.from, 10);
+    // A lower cut widens the entry; finishing an outdated entry keeps the wider one.
+    fs.truncate_as(&root(), f, 5).unwrap();
+    assert!(fs.e.finish_reclaim(&trim).is_empty());
+    let wider = fs.e.reclaim_of(f, generation).unwrap();
+    assert_eq!(wider.from, 5);
+    let done = fs.e.finish_reclaim(&wider);
+    assert_eq!(done.len(), 1);
+    fs.log.extend(done);
+    // Truncating to zero always trims (preallocated space, a failed fsync's record).
+    fs.truncate_as(&root(), f, 0).unwrap();
+    fs.truncate_as(&root(), f, 0).unwrap();
+    assert_eq!(fs.e.reclaim_of(f, generation).map(|e| e.from), Some(0));
+    fs.unlink(r, "f").unwrap();
+    assert_eq!(fs.e.reclaim_of(f, generation).map(|e| e.from), Some(0));
+    fs.check();
+}
+
+#[test]
+fn pending_reclaims_are_visited_in_turn_from_a_cursor() {
+    let mut fs = Fs::new();
+    fs.check_unchanged = false;
+    let r = fs.root();
+    let mut files = Vec::new();
+    for i in 0..5 {
+        let f = fs.file(r, format!("f{i}"));
+        let marked = fs.e.mark_data(f).unwrap();
+        fs.log.extend(marked);
+        files.push((f, fs.attr(f).generation));
+        fs.unlink(r, format!("f{i}")).unwrap();
+    }
+    files.sort();
+    let keys = |v: Vec<kochab_meta::Reclaim>| -> Vec<(InodeId, u64)> {
+        v.iter().map(|e| (e.id, e.generation)).collect()
+    };
+    assert_eq!(fs.e.pending_reclaim_count(), 5);
+    assert_eq!(keys(fs.e.pending_reclaims((0, 0), 2)), files[..2]);
+    assert_eq!(keys(fs.e.pending_reclaims(files[1], 2)), files[2..4]);
+    // Past the last entry the visit wraps around to the first ones.
+    assert_eq!(
+        keys(fs.e.pending_reclaims(files[3], 3)),
+        vec![files[4], files[0], files[1]]
+    );
+    assert_eq!(keys(fs.e.pending_reclaims(files[4], 10)), files);
 }
 
 #[test]

@@ -68,6 +68,7 @@ errnos! {
     ETIMEDOUT = 110, "connection timed out";
     ECONNREFUSED = 111, "connection refused";
     ESTALE = 116, "stale file handle";
+    EDQUOT = 122, "disk quota exceeded";
 }
 
 impl fmt::Debug for Errno {
@@ -98,6 +99,28 @@ impl FsError {
     }
 }
 
+impl Errno {
+    /// The errno a storage error reaches clients as. The one place where I/O errors of
+    /// the store become client errors: a full store is ENOSPC, a quota EDQUOT, an object
+    /// too large EFBIG, and every other failure EIO (the caller cannot act on more detail).
+    pub fn of_io(e: &std::io::Error) -> Errno {
+        use std::io::ErrorKind;
+        match e.kind() {
+            ErrorKind::StorageFull => Errno::ENOSPC,
+            ErrorKind::QuotaExceeded => Errno::EDQUOT,
+            ErrorKind::FileTooLarge => Errno::EFBIG,
+            _ => Errno::EIO,
+        }
+    }
+}
+
+impl FsError {
+    /// A storage error as a client error (see [`Errno::of_io`]), with `what` failed.
+    pub fn from_io(what: &str, e: &std::io::Error) -> FsError {
+        FsError::new(Errno::of_io(e), format!("{what}: {e}"))
+    }
+}
+
 impl fmt::Debug for FsError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:?}: {}", self.errno, self.message)
@@ -121,4 +144,24 @@ macro_rules! fs_err {
     ($errno:ident, $($arg:tt)*) => {
         $crate::FsError::new($crate::Errno::$errno, format!($($arg)*))
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io;
+
+    #[test]
+    fn storage_errors_map_faithfully() {
+        let of = |raw| Errno::of_io(&io::Error::from_raw_os_error(raw));
+        assert_eq!(of(libc::ENOSPC), Errno::ENOSPC);
+        assert_eq!(of(libc::EDQUOT), Errno::EDQUOT);
+        assert_eq!(of(libc::EFBIG), Errno::EFBIG);
+        assert_eq!(of(libc::EIO), Errno::EIO);
+        assert_eq!(of(libc::EACCES), Errno::EIO);
+        assert_eq!(Errno::of_io(&io::Error::other("x")), Errno::EIO);
+        let e = FsError::from_io("write", &io::Error::from_raw_os_error(libc::ENOSPC));
+        assert_eq!(e.errno, Errno::ENOSPC);
+        assert!(e.message.starts_with("write: "));
+    }
 }

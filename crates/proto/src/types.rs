@@ -21,6 +21,12 @@ pub const XATTR_SIZE_MAX: usize = 65536;
 pub const XATTR_LIST_MAX: usize = 65536;
 /// Bytes per data chunk: a file's data is stored as objects named by (inode, chunk).
 pub const CHUNK_BYTES: u64 = 4 << 20;
+/// The largest file size, in bytes: the kernel's MAX_LFS_FILESIZE (file offsets are signed
+/// 64-bit), which FUSE uses as the mount's s_maxbytes. Rule: a write, truncation or
+/// fallocate whose end would pass it fails with EFBIG, and nothing beyond it is stored.
+/// Chunk numbers are u64 everywhere (at most `FILE_BYTES_MAX / CHUNK_BYTES`, 2^41 - 1), so
+/// they never wrap.
+pub const FILE_BYTES_MAX: u64 = i64::MAX as u64;
 
 /// Most hard links to one inode; ext4's limit, so programs see the same EMLINK.
 pub const LINK_MAX: u32 = 65000;

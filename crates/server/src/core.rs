@@ -121,8 +121,8 @@ pub struct Shared {
     pub connections: AtomicU64,
     /// File data.
     pub data: Arc<DataStore>,
-    /// Orders writes against truncation per inode (see `filesvc`).
-    pub stripes: Vec<tokio::sync::RwLock<()>>,
+    /// Orders writes against truncation, per file (see `filelocks`).
+    pub file_locks: crate::filelocks::FileLocks,
     /// How long a client may stay disconnected before its session ends.
     pub session_grace: std::time::Duration,
 }

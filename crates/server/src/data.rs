@@ -1,7 +1,12 @@
 //! File data in the object store: a file is cut into chunks of `CHUNK_BYTES`, each an
-//! object named by (inode, generation, chunk). Missing chunks and bytes past a chunk's end
-//! read as zeros, so sparse files and holes cost nothing. The generation in the name keeps
-//! a reused inode id from ever seeing an old file's data.
+//! object named by (inode, generation, chunk), and each file generation's chunks live in a
+//! folder of their own (`data/<id & 0xff>/<id>.<generation>/<chunk>`). Missing chunks and
+//! bytes past a chunk's end read as zeros, so sparse files and holes cost nothing. The
+//! generation in the name keeps a reused inode id from ever seeing an old file's data.
+//!
+//! Rule: every operation that deletes or changes many chunks (reclaim, hole punching,
+//! zeroing) lists the file's folder, so it costs what exists, never what the largest offset
+//! was; chunk numbers are u64 (see `FILE_BYTES_MAX`) and never wrap.
 //!
 //! Block-aligned pieces (all of a sequential stream's) go through direct I/O, bypassing
 //! the server's page cache: on this kind of VM, fresh page-cache pages are faults to the
@@ -16,30 +21,71 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io;
+use std::ops::RangeInclusive;
 use std::sync::Arc;
 
 /// Open chunk objects kept for reuse (each open is a syscall or several).
 const OPEN_CHUNKS_MAX: usize = 1024;
-/// Bytes of zeros written per call when punching holes.
-const ZERO_BLOCK: usize = 1 << 20;
+/// A range of at most this many chunks is probed chunk by chunk (an open each, mostly from
+/// the cache); a longer one lists the file's folder instead, so the cost is the smaller of
+/// the two.
+const PROBE_CHUNKS_MAX: u64 = 64;
 
 /// One chunk of one file generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ChunkKey {
     pub id: InodeId,
     pub generation: u64,
-    pub chunk: u32,
+    pub chunk: u64,
 }
 
-/// The object name of a chunk: spread over 256 folders by inode.
+/// The folder of a file generation's chunks; folders are spread over 256 shards by inode.
+pub fn file_folder(id: InodeId, generation: u64) -> String {
+    format!("{}/{id:016x}.{generation:016x}", shard_folder(id))
+}
+
+fn shard_folder(id: InodeId) -> String {
+    format!("data/{:02x}", id & 0xff)
+}
+
+/// The object name of a chunk.
 pub fn chunk_name(k: ChunkKey) -> String {
-    format!(
-        "data/{:02x}/{:016x}.{:016x}.{:08x}",
-        k.id & 0xff,
-        k.id,
-        k.generation,
-        k.chunk
-    )
+    format!("{}/{:016x}", file_folder(k.id, k.generation), k.chunk)
+}
+
+/// The chunk number of an object listed in a file's folder (`None` for anything else).
+fn parse_chunk(name: &str) -> Option<u64> {
+    let last = name.rsplit('/').next()?;
+    if last.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(last, 16).ok()
+}
+
+/// The chunks `[first, last]` that a byte range `[offset, offset + len)` touches (its
+/// first chunk if `len` is 0).
+pub fn chunk_span(offset: u64, len: u64) -> RangeInclusive<u64> {
+    let last = offset.saturating_add(len.max(1) - 1);
+    offset / CHUNK_BYTES..=last / CHUNK_BYTES
+}
+
+/// A byte range cut into consecutive parts of at most `chunks_max` whole chunks each (the
+/// first and last may be partial), so that work over a long range can be done in bounded
+/// calls.
+pub fn chunk_batches(offset: u64, len: u64, chunks_max: u64) -> impl Iterator<Item = (u64, u64)> {
+    let step = chunks_max.max(1).saturating_mul(CHUNK_BYTES);
+    let end = offset.saturating_add(len);
+    let mut pos = offset;
+    std::iter::from_fn(move || {
+        if pos >= end {
+            return None;
+        }
+        let boundary = (pos / step).saturating_add(1).saturating_mul(step);
+        let next = boundary.min(end);
+        let part = (pos, next - pos);
+        pos = next;
+        Some(part)
+    })
 }
 
 /// A chunk opened for buffered and (where the store can) direct I/O.
@@ -53,6 +99,15 @@ struct ChunkObjects {
 struct OpenCache {
     objects: FxHashMap<ChunkKey, ChunkObjects>,
     order: VecDeque<ChunkKey>,
+}
+
+/// What `sync` needs to know about one file generation.
+#[derive(Default)]
+struct SyncState {
+    /// Chunks written since their last sync.
+    dirty: FxHashSet<u64>,
+    /// A sync of this generation failed: its written data may be lost.
+    failed: bool,
 }
 
 /// Smallest read served by direct I/O; smaller ones profit from the page cache.
@@ -70,12 +125,13 @@ fn aligned(within: u64, n: usize) -> bool {
 pub struct DataStore {
     store: Arc<dyn ObjectStore>,
     open: Mutex<OpenCache>,
-    /// Chunks written since their last sync, per file generation.
-    dirty: Mutex<FxHashMap<(InodeId, u64), FxHashSet<u32>>>,
+    /// Per file generation with unsynced chunks or a failed sync; an entry goes when it
+    /// has neither, so this holds at most one entry per file that has data.
+    syncs: Mutex<FxHashMap<(InodeId, u64), SyncState>>,
 }
 
 /// The pieces of a byte range, chunk by chunk: (chunk, offset in chunk, length).
-fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u32, u64, usize)> {
+fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, u64, usize)> {
     let mut pos = offset;
     let end = offset.saturating_add(len);
     std::iter::from_fn(move || {
@@ -86,8 +142,14 @@ fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u32, u64, usize)> {
         let within = pos % CHUNK_BYTES;
         let n = (CHUNK_BYTES - within).min(end - pos);
         pos += n;
-        Some((chunk as u32, within, n as usize))
+        Some((chunk, within, n as usize))
     })
+}
+
+/// What a reclaim entry deletes, once the chunk holding its cut is cut.
+pub struct ReclaimPlan {
+    /// Chunks to delete, ascending.
+    pub chunks: Vec<u64>,
 }
 
 impl DataStore {
@@ -95,13 +157,8 @@ impl DataStore {
         DataStore {
             store,
             open: Mutex::new(OpenCache::default()),
-            dirty: Mutex::new(FxHashMap::default()),
+            syncs: Mutex::new(FxHashMap::default()),
         }
-    }
-
-    /// The chunk object, opened (and created if `create`); `None` if it does not exist.
-    fn object(&self, k: ChunkKey, create: bool) -> io::Result<Option<Arc<dyn Object>>> {
-        Ok(self.objects(k, create)?.map(|o| o.buffered))
     }
 
     fn objects(&self, k: ChunkKey, create: bool) -> io::Result<Option<ChunkObjects>> {
@@ -130,11 +187,62 @@ impl DataStore {
         Ok(Some(obj))
     }
 
-    fn forget(&self, id: InodeId, generation: u64, from_chunk: u32) {
+    /// The chunk object, opened (and created if `create`); `None` if it does not exist.
+    fn object(&self, k: ChunkKey, create: bool) -> io::Result<Option<Arc<dyn Object>>> {
+        Ok(self.objects(k, create)?.map(|o| o.buffered))
+    }
+
+    /// Forgets open objects of a generation's chunks in `chunks` (they are being deleted).
+    fn forget(&self, id: InodeId, generation: u64, chunks: RangeInclusive<u64>) {
         let mut cache = self.open.lock();
         let OpenCache { objects, order } = &mut *cache;
-        objects.retain(|k, _| !(k.id == id && k.generation == generation && k.chunk >= from_chunk));
+        objects.retain(|k, _| {
+            !(k.id == id && k.generation == generation && chunks.contains(&k.chunk))
+        });
         order.retain(|k| objects.contains_key(k));
+    }
+
+    fn mark_dirty(&self, id: InodeId, generation: u64, chunks: impl IntoIterator<Item = u64>) {
+        self.syncs
+            .lock()
+            .entry((id, generation))
+            .or_default()
+            .dirty
+            .extend(chunks);
+    }
+
+    /// Chunks of a generation that exist, ascending: probed one by one for a short range,
+    /// listed from the file's folder otherwise.
+    pub fn existing_chunks(
+        &self,
+        id: InodeId,
+        generation: u64,
+        span: RangeInclusive<u64>,
+    ) -> io::Result<Vec<u64>> {
+        let (first, last) = (*span.start(), *span.end());
+        if last.saturating_sub(first) < PROBE_CHUNKS_MAX {
+            let mut found = Vec::new();
+            for chunk in span {
+                let k = ChunkKey {
+                    id,
+                    generation,
+                    chunk,
+                };
+                if self.objects(k, false)?.is_some() {
+                    found.push(chunk);
+                }
+            }
+            return Ok(found);
+        }
+        let mut found: Vec<u64> = self
+            .store
+            .list(&file_folder(id, generation))?
+            .iter()
+            .filter_map(|n| parse_chunk(n))
+            .filter(|c| span.contains(c))
+            .collect();
+        found.sort_unstable();
+        Ok(found)
     }
 
     /// Reads `len` bytes at `offset` of a file of `size` bytes (short at the end).
@@ -180,7 +288,8 @@ impl DataStore {
         Ok(out)
     }
 
-    /// Writes `data` at `offset`.
+    /// Writes `data` at `offset`. The caller has made the file's "may have data" mark
+    /// durable first.
     pub fn write(&self, id: InodeId, generation: u64, offset: u64, data: &[u8]) -> io::Result<()> {
         let mut at = 0;
         let mut touched = Vec::new();
@@ -203,76 +312,169 @@ impl DataStore {
             touched.push(chunk);
             at += n;
         }
-        self.dirty
-            .lock()
-            .entry((id, generation))
-            .or_default()
-            .extend(touched);
+        self.mark_dirty(id, generation, touched);
         Ok(())
     }
 
-    /// Writes zeros over `[offset, offset + len)` (a punched hole reads as zeros).
-    pub fn zero(&self, id: InodeId, generation: u64, offset: u64, len: u64) -> io::Result<()> {
-        let zeros = vec![0u8; ZERO_BLOCK];
-        let mut pos = offset;
-        let end = offset.saturating_add(len);
-        while pos < end {
-            let n = (end - pos).min(ZERO_BLOCK as u64) as usize;
-            for (chunk, within, m) in pieces(pos, n as u64) {
-                if let Some(obj) = self.object(
-                    ChunkKey {
-                        id,
-                        generation,
-                        chunk,
-                    },
-                    false,
-                )? {
-                    obj.write_at(&zeros[..m], within)?;
-                    self.dirty
-                        .lock()
-                        .entry((id, generation))
-                        .or_default()
-                        .insert(chunk);
-                }
-            }
-            pos += n as u64;
+    /// Reserves the space of `[offset, offset + len)`, creating the chunks it needs: writes
+    /// there cannot then fail for lack of space. Costs one call per chunk of the range, so
+    /// callers bound the range (`chunk_batches`). The caller has made the "may have data"
+    /// mark durable first.
+    pub fn allocate(&self, id: InodeId, generation: u64, offset: u64, len: u64) -> io::Result<()> {
+        for (chunk, within, n) in pieces(offset, len) {
+            let k = ChunkKey {
+                id,
+                generation,
+                chunk,
+            };
+            let obj = self
+                .object(k, true)?
+                .ok_or_else(|| io::Error::other("chunk vanished while created"))?;
+            obj.allocate(within, n as u64)?;
+            self.mark_dirty(id, generation, [chunk]);
         }
         Ok(())
     }
 
-    /// Makes the file's written chunks durable.
+    /// Fails with the store's ENOSPC if reserving `[offset, offset + len)` surely cannot
+    /// succeed: the part not inside existing chunks is more than the store has free. (Near
+    /// the limit `allocate` finds out from the store itself.)
+    pub fn check_space(
+        &self,
+        id: InodeId,
+        generation: u64,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<()> {
+        let free = self.store.capacity()?.free_bytes;
+        if len <= free {
+            return Ok(());
+        }
+        let end = offset.saturating_add(len);
+        let covered: u64 = self
+            .existing_chunks(id, generation, chunk_span(offset, len))?
+            .iter()
+            .map(|c| {
+                let (lo, hi) = (c * CHUNK_BYTES, (c + 1) * CHUNK_BYTES);
+                hi.min(end) - lo.max(offset)
+            })
+            .sum();
+        if len - covered.min(len) > free {
+            return Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                format!("{len} bytes asked, {free} free in the store"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Makes `[offset, offset + len)` read as zeros in `chunks` (existing chunks of the
+    /// range, from `existing_chunks`; callers bound each call): a chunk the range covers
+    /// whole is deleted, others get a hole punched and, if `keep_allocated`, their space
+    /// reserved again (FALLOC_FL_ZERO_RANGE). The caller holds the file's exclusive lock (a
+    /// deleted chunk must not be written meanwhile).
+    pub fn zero(
+        &self,
+        id: InodeId,
+        generation: u64,
+        offset: u64,
+        len: u64,
+        keep_allocated: bool,
+        chunks: &[u64],
+    ) -> io::Result<()> {
+        let end = offset.saturating_add(len);
+        let mut deleted = false;
+        for &chunk in chunks {
+            let lo = chunk.saturating_mul(CHUNK_BYTES);
+            let hi = lo.saturating_add(CHUNK_BYTES);
+            if hi <= offset || end <= lo {
+                continue;
+            }
+            let k = ChunkKey {
+                id,
+                generation,
+                chunk,
+            };
+            if offset <= lo && hi <= end && !keep_allocated {
+                self.forget(id, generation, chunk..=chunk);
+                self.store.delete(&chunk_name(k))?;
+                deleted = true;
+                continue;
+            }
+            let Some(obj) = self.object(k, false)? else {
+                continue;
+            };
+            let (from, to) = (offset.max(lo) - lo, end.min(hi) - lo);
+            obj.punch_hole(from, to - from)?;
+            if keep_allocated {
+                obj.allocate(from, to - from)?;
+            }
+            self.mark_dirty(id, generation, [chunk]);
+        }
+        if deleted {
+            self.store.sync_dir(&file_folder(id, generation))?;
+        }
+        Ok(())
+    }
+
+    /// Makes the file generation's written chunks durable.
+    ///
+    /// Rule: after a failed sync, every later sync of that file generation fails with EIO
+    /// until the file is truncated to zero or deleted (`finish_reclaim` with `from == 0`).
+    /// A failed fdatasync may have dropped the dirty pages (Linux marks them clean), so a
+    /// retry could succeed although the data is lost; the error must not be "retried away".
     pub fn sync(&self, id: InodeId, generation: u64) -> io::Result<()> {
-        let chunks = self
-            .dirty
-            .lock()
-            .remove(&(id, generation))
-            .unwrap_or_default();
-        for chunk in &chunks {
+        let (chunks, failed_before) = {
+            let mut syncs = self.syncs.lock();
+            let Some(state) = syncs.get_mut(&(id, generation)) else {
+                return Ok(());
+            };
+            let chunks = std::mem::take(&mut state.dirty);
+            let failed = state.failed;
+            if !failed {
+                syncs.remove(&(id, generation));
+            }
+            (chunks, failed)
+        };
+        let mut result = Ok(());
+        for chunk in chunks {
             let key = ChunkKey {
                 id,
                 generation,
-                chunk: *chunk,
+                chunk,
             };
-            let Some(obj) = self.object(key, false)? else {
-                continue;
+            let synced = match self.object(key, false) {
+                Ok(Some(obj)) => obj.sync_data(),
+                Ok(None) => Ok(()),
+                Err(e) => Err(e),
             };
-            if let Err(e) = obj.sync_data() {
-                // Keep them dirty so a later fsync tries again.
-                self.dirty
-                    .lock()
-                    .entry((id, generation))
-                    .or_default()
-                    .extend(chunks.iter().copied());
-                return Err(e);
+            if let Err(e) = synced {
+                result = Err(e);
+                break;
             }
+        }
+        if let Err(e) = result {
+            self.syncs
+                .lock()
+                .entry((id, generation))
+                .or_default()
+                .failed = true;
+            return Err(e);
+        }
+        if failed_before {
+            return Err(io::Error::other(
+                "an earlier fsync of this file failed, so written data may be lost \
+                 (the error stays until the file is truncated to zero or deleted)",
+            ));
         }
         Ok(())
     }
 
-    /// Deletes a reclaim entry's data: the chunk holding `from` is cut there, later chunks
-    /// are deleted. Idempotent.
-    pub fn reclaim(&self, r: &Reclaim) -> io::Result<()> {
-        let first = (r.from / CHUNK_BYTES) as u32;
+    /// Starts a reclaim: cuts the chunk holding `from` there and lists the chunks to delete
+    /// (every existing chunk after it, or from it if `from` is on a chunk boundary). Costs
+    /// one listing of the file's folder. Idempotent.
+    pub fn reclaim_plan(&self, r: &Reclaim) -> io::Result<ReclaimPlan> {
+        let first = r.from / CHUNK_BYTES;
         let within = r.from % CHUNK_BYTES;
         let mut delete_from = first;
         if within != 0 {
@@ -289,39 +491,90 @@ impl DataStore {
             }
             delete_from = first + 1;
         }
-        self.forget(r.id, r.generation, delete_from);
-        for chunk in delete_from..r.chunks.max(delete_from) {
+        let mut chunks: Vec<u64> = self
+            .store
+            .list(&file_folder(r.id, r.generation))?
+            .iter()
+            .filter_map(|n| parse_chunk(n))
+            .filter(|&c| c >= delete_from)
+            .collect();
+        chunks.sort_unstable();
+        self.forget(r.id, r.generation, delete_from..=u64::MAX);
+        Ok(ReclaimPlan { chunks })
+    }
+
+    /// Deletes some of a reclaim plan's chunks (callers bound each call).
+    pub fn delete_chunks(&self, id: InodeId, generation: u64, chunks: &[u64]) -> io::Result<()> {
+        for &chunk in chunks {
             self.store.delete(&chunk_name(ChunkKey {
-                id: r.id,
-                generation: r.generation,
+                id,
+                generation,
                 chunk,
             }))?;
         }
-        if delete_from == 0 {
-            self.dirty.lock().remove(&(r.id, r.generation));
+        if let Some(state) = self.syncs.lock().get_mut(&(id, generation)) {
+            for c in chunks {
+                state.dirty.remove(c);
+            }
         }
         Ok(())
+    }
+
+    /// Ends a reclaim whose plan's chunks are all deleted: makes the deletions durable
+    /// (before the caller journals the entry as done) and, for a whole file (`from == 0`),
+    /// removes its folder and forgets its sync state, a failed sync included.
+    pub fn finish_reclaim(&self, r: &Reclaim, deleted_any: bool) -> io::Result<()> {
+        let folder = file_folder(r.id, r.generation);
+        if r.from == 0 {
+            self.store.delete_folder(&folder)?;
+            if deleted_any {
+                self.store.sync_dir(&shard_folder(r.id))?;
+            }
+            self.syncs.lock().remove(&(r.id, r.generation));
+        } else if deleted_any {
+            self.store.sync_dir(&folder)?;
+        }
+        Ok(())
+    }
+
+    /// Deletes a reclaim entry's data in one call (tests and small files).
+    pub fn reclaim(&self, r: &Reclaim) -> io::Result<()> {
+        let plan = self.reclaim_plan(r)?;
+        self.delete_chunks(r.id, r.generation, &plan.chunks)?;
+        self.finish_reclaim(r, !plan.chunks.is_empty())
     }
 
     /// Chunk objects present in the store (for leak checks in tests and fsck).
     pub fn count_objects(&self) -> io::Result<usize> {
         let mut n = 0;
-        for shard in 0..256 {
-            n += self.store.list(&format!("data/{shard:02x}"))?.len();
+        for shard in self.store.list("data")? {
+            for folder in self.store.list(&shard)? {
+                n += self.store.list(&folder)?.len();
+            }
         }
         Ok(n)
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kochab_store::LocalStore;
+    use kochab_proto::FILE_BYTES_MAX;
+    use kochab_store::{Capacity, LocalStore};
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     fn store() -> (tempfile::TempDir, DataStore) {
         let d = tempfile::tempdir().unwrap();
         let s: Arc<dyn ObjectStore> = Arc::new(LocalStore::open(d.path()).unwrap());
         (d, DataStore::new(s))
+    }
+
+    fn reclaim(ds: &DataStore, id: InodeId, generation: u64, from: u64) {
+        ds.reclaim(&Reclaim {
+            id,
+            generation,
+            from,
+        })
+        .unwrap();
     }
 
     #[test]
@@ -347,48 +600,222 @@ mod tests {
     }
 
     #[test]
+    fn huge_offsets_never_alias_low_chunks() {
+        // Chunk numbers used to be cut to 32 bits: 2^54 + 10 landed in chunk 0 at byte 10.
+        let (_d, ds) = store();
+        let far = [1u64 << 40, (1 << 54) + 10, FILE_BYTES_MAX - 16];
+        for (i, &off) in far.iter().enumerate() {
+            ds.write(7, 1, off, format!("HELLO{i}").as_bytes()).unwrap();
+        }
+        let size = FILE_BYTES_MAX;
+        assert_eq!(ds.read(7, 1, size, 0, 16).unwrap(), vec![0u8; 16]);
+        for (i, &off) in far.iter().enumerate() {
+            assert_eq!(
+                ds.read(7, 1, size, off, 6).unwrap(),
+                format!("HELLO{i}").as_bytes()
+            );
+        }
+        assert_eq!(ds.count_objects().unwrap(), 3);
+        // Reclaim lists what exists: three deletions, not 2^41.
+        reclaim(&ds, 7, 1, 0);
+        assert_eq!(ds.count_objects().unwrap(), 0);
+        assert!(
+            ds.store.list("data/07").unwrap().is_empty(),
+            "the file's folder goes with its data"
+        );
+    }
+
+    #[test]
     fn reclaim_cuts_and_deletes() {
         let (_d, ds) = store();
         ds.write(9, 1, 0, &vec![7u8; (CHUNK_BYTES + 10) as usize])
             .unwrap();
-        ds.reclaim(&Reclaim {
-            id: 9,
-            generation: 1,
-            from: 5,
-            chunks: 2,
-        })
-        .unwrap();
+        ds.write(9, 1, 1 << 50, b"far").unwrap();
+        reclaim(&ds, 9, 1, 5);
         assert_eq!(ds.count_objects().unwrap(), 1);
         // Growing again shows zeros, not the old bytes.
         assert_eq!(
             ds.read(9, 1, 20, 0, 20).unwrap(),
             [vec![7u8; 5], vec![0u8; 15]].concat()
         );
-        ds.reclaim(&Reclaim {
-            id: 9,
-            generation: 1,
-            from: 0,
-            chunks: 2,
-        })
-        .unwrap();
-        ds.reclaim(&Reclaim {
-            id: 9,
-            generation: 1,
-            from: 0,
-            chunks: 2,
-        })
-        .unwrap();
+        reclaim(&ds, 9, 1, 0);
+        reclaim(&ds, 9, 1, 0);
         assert_eq!(ds.count_objects().unwrap(), 0);
+        // A cut on a chunk boundary deletes that chunk too.
+        ds.write(9, 2, 0, &vec![1u8; (2 * CHUNK_BYTES) as usize])
+            .unwrap();
+        reclaim(&ds, 9, 2, CHUNK_BYTES);
+        assert_eq!(ds.count_objects().unwrap(), 1);
     }
 
     #[test]
-    fn zeroing_punches_holes() {
+    fn zeroing_punches_holes_only_where_chunks_exist() {
         let (_d, ds) = store();
         ds.write(3, 1, 0, &[1u8; 100]).unwrap();
-        ds.zero(3, 1, 10, 20).unwrap();
+        let zero = |offset, len, keep| {
+            let chunks = ds.existing_chunks(3, 1, chunk_span(offset, len)).unwrap();
+            ds.zero(3, 1, offset, len, keep, &chunks).unwrap();
+        };
+        zero(10, 20, false);
         let got = ds.read(3, 1, 100, 0, 100).unwrap();
         assert_eq!(&got[..10], &[1u8; 10]);
         assert_eq!(&got[10..30], &[0u8; 20]);
         assert_eq!(&got[30..], &[1u8; 70]);
+        zero(40, 10, true);
+        let got = ds.read(3, 1, 100, 0, 100).unwrap();
+        assert_eq!(&got[40..50], &[0u8; 10]);
+        assert_eq!(&got[50..], &[1u8; 50]);
+        // A range over the largest file: one listing, one chunk touched.
+        ds.write(3, 1, 3 * CHUNK_BYTES, b"x").unwrap();
+        zero(CHUNK_BYTES, FILE_BYTES_MAX - CHUNK_BYTES, false);
+        assert_eq!(
+            ds.count_objects().unwrap(),
+            1,
+            "the covered chunk is deleted"
+        );
+        assert_eq!(ds.read(3, 1, 100, 0, 100).unwrap()[50..], [1u8; 50]);
+    }
+
+    #[test]
+    fn batches_cover_a_range_in_bounded_parts() {
+        let parts: Vec<_> = chunk_batches(CHUNK_BYTES - 1, 3 * CHUNK_BYTES + 2, 2).collect();
+        assert_eq!(
+            parts,
+            vec![
+                (CHUNK_BYTES - 1, 1 + CHUNK_BYTES),
+                (2 * CHUNK_BYTES, CHUNK_BYTES * 2),
+                (4 * CHUNK_BYTES, 1)
+            ]
+        );
+        assert_eq!(chunk_batches(FILE_BYTES_MAX - 1, 1, 256).count(), 1);
+        assert_eq!(chunk_span(FILE_BYTES_MAX - 1, 1), {
+            let c = (FILE_BYTES_MAX - 1) / CHUNK_BYTES;
+            c..=c
+        });
+    }
+
+    #[test]
+    fn allocation_beyond_the_free_space_is_refused_up_front() {
+        let (_d, ds) = store();
+        let free = ds.store.capacity().unwrap().free_bytes;
+        let err = ds.check_space(4, 1, 0, free + (1 << 30)).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::StorageFull);
+        ds.check_space(4, 1, 0, 1 << 20).unwrap();
+        ds.allocate(4, 1, 0, 1 << 20).unwrap();
+        assert_eq!(ds.count_objects().unwrap(), 1);
+        // Nothing written yet: the reserved chunk reads as zeros.
+        assert_eq!(ds.read(4, 1, 1 << 20, 0, 8).unwrap(), vec![0u8; 8]);
+    }
+
+    /// A store whose objects' fsync fails while `fail` is set (a disk that lost writes).
+    struct FailingSync {
+        inner: LocalStore,
+        fail: Arc<AtomicBool>,
+    }
+
+    struct FailingObject {
+        inner: Arc<dyn Object>,
+        fail: Arc<AtomicBool>,
+    }
+
+    impl Object for FailingObject {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+            self.inner.read_at(buf, offset)
+        }
+        fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+            self.inner.write_at(data, offset)
+        }
+        fn sync_data(&self) -> io::Result<()> {
+            if self.fail.load(Ordering::SeqCst) {
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
+            self.inner.sync_data()
+        }
+        fn len(&self) -> io::Result<u64> {
+            self.inner.len()
+        }
+        fn set_len(&self, len: u64) -> io::Result<()> {
+            self.inner.set_len(len)
+        }
+        fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+            self.inner.allocate(offset, len)
+        }
+        fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+            self.inner.punch_hole(offset, len)
+        }
+    }
+
+    impl ObjectStore for FailingSync {
+        fn put(&self, name: &str, data: &[u8]) -> io::Result<()> {
+            self.inner.put(name, data)
+        }
+        fn get(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
+            self.inner.get(name)
+        }
+        fn delete(&self, name: &str) -> io::Result<()> {
+            self.inner.delete(name)
+        }
+        fn delete_folder(&self, prefix: &str) -> io::Result<()> {
+            self.inner.delete_folder(prefix)
+        }
+        fn list(&self, prefix: &str) -> io::Result<Vec<String>> {
+            self.inner.list(prefix)
+        }
+        fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+            self.inner.rename(from, to)
+        }
+        fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn Object>> {
+            Ok(Arc::new(FailingObject {
+                inner: self.inner.open(name, create)?,
+                fail: self.fail.clone(),
+            }))
+        }
+        fn open_sync_direct(&self, _name: &str) -> io::Result<Option<Arc<dyn Object>>> {
+            Ok(None)
+        }
+        fn open_direct(&self, _name: &str, _create: bool) -> io::Result<Option<Arc<dyn Object>>> {
+            Ok(None)
+        }
+        fn sync_dir(&self, prefix: &str) -> io::Result<()> {
+            self.inner.sync_dir(prefix)
+        }
+        fn capacity(&self) -> io::Result<Capacity> {
+            self.inner.capacity()
+        }
+    }
+
+    #[test]
+    fn a_failed_fsync_is_never_retried_into_a_false_success() {
+        let d = tempfile::tempdir().unwrap();
+        let fail = Arc::new(AtomicBool::new(false));
+        let ds = DataStore::new(Arc::new(FailingSync {
+            inner: LocalStore::open(d.path()).unwrap(),
+            fail: fail.clone(),
+        }));
+        ds.write(6, 1, 0, b"lost?").unwrap();
+        ds.write(6, 2, 0, b"other generation").unwrap();
+        fail.store(true, Ordering::SeqCst);
+        let first = ds.sync(6, 1).unwrap_err();
+        assert_eq!(kochab_proto::Errno::of_io(&first), kochab_proto::Errno::EIO);
+        // The disk works again, but the data of that first sync may be gone: every later
+        // fsync of this file generation still fails, new writes or not.
+        fail.store(false, Ordering::SeqCst);
+        for round in 0..3 {
+            if round == 1 {
+                ds.write(6, 1, 100, b"more").unwrap();
+            }
+            let again = ds.sync(6, 1).unwrap_err();
+            assert_eq!(kochab_proto::Errno::of_io(&again), kochab_proto::Errno::EIO);
+        }
+        ds.sync(6, 2).expect("other files are not affected");
+        // Truncation to zero (or deletion) clears it.
+        reclaim(&ds, 6, 1, 0);
+        ds.write(6, 1, 0, b"fresh").unwrap();
+        ds.sync(6, 1)
+            .expect("a fresh start after truncation to zero");
+        assert!(
+            ds.syncs.lock().is_empty(),
+            "sync state is not kept once clean"
+        );
     }
 }

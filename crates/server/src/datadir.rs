@@ -15,6 +15,12 @@ use std::sync::Arc;
 pub const KEY_FILE: &str = "cluster.key";
 /// Object holding the cluster description.
 const CLUSTER_OBJECT: &str = "cluster.json";
+/// The layout of the data directory this version reads and writes. Bumped whenever an
+/// older version's data would be misread; an older directory is refused, never guessed at.
+/// 2: a folder per file generation for its chunks (`data/<shard>/<id>.<generation>/<chunk>`,
+/// u64 chunk numbers), reclaim entries without a chunk count, inodes with a "may have
+/// data" mark instead of a chunk high-water mark.
+pub const DATA_FORMAT: u32 = 2;
 
 /// What never changes for the life of a cluster.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -101,7 +107,7 @@ impl DataDir {
                 let tables = initial_table_ranges(&policy, engine.primary_tables)
                     .map_err(io::Error::other)?;
                 let meta = ClusterMeta {
-                    format: 1,
+                    format: DATA_FORMAT,
                     cluster_id: random_u64()?,
                     server_id: random_u64()?,
                     engine,
@@ -112,10 +118,17 @@ impl DataDir {
                 (meta, true)
             }
         };
-        if meta.format != 1 {
+        if meta.format != DATA_FORMAT {
             return Err(io::Error::new(
                 ErrorKind::InvalidData,
-                format!("data format {} is not supported", meta.format),
+                format!(
+                    "{} holds data format {}, and this version of kochab reads only format \
+                     {DATA_FORMAT} (format 1 named chunks data/<shard>/<id>.<generation>.<chunk> \
+                     and is not converted); use the kochab version that wrote it, or start \
+                     with a new data directory",
+                    path.display(),
+                    meta.format
+                ),
             ));
         }
         Ok(DataDir {
@@ -125,5 +138,25 @@ impl DataDir {
             meta,
             created,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_older_data_format_is_refused_clearly() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = DataDir::open_or_create(d.path()).unwrap();
+        assert_eq!(dir.meta.format, DATA_FORMAT);
+        let mut meta = dir.meta.clone();
+        meta.format = 1;
+        dir.store
+            .put(CLUSTER_OBJECT, &serde_json::to_vec(&meta).unwrap())
+            .unwrap();
+        let err = DataDir::open_or_create(d.path()).err().expect("refused");
+        assert_eq!(err.kind(), ErrorKind::InvalidData);
+        assert!(err.to_string().contains("data format 1"), "{err}");
     }
 }

@@ -3,22 +3,25 @@
 //! Session operations (open, create, close, locks) run inside a batch under the core lock
 //! like any metadata operation. Data operations (read, write, fsync, fallocate, and
 //! truncation) run as their own tasks: the core lock is taken only for the metadata part,
-//! the chunk I/O runs on the blocking pool, and a per-inode stripe lock orders writes
-//! against truncation, so that a truncation's data trim can never destroy a later write.
+//! the chunk I/O runs on the blocking pool in bounded calls, and the file's own data lock
+//! (`filelocks`) orders writes against truncation, so that a truncation's data trim can
+//! never destroy a later write and only that file waits for it.
 
 use crate::core::{Core, Shared, journal_entry, note_modified, now_ns};
+use crate::data::chunk_batches;
+use crate::filelocks::FileGuard;
 use crate::session::OpenFile;
 use kochab_meta::files::{open_flags, reads, writes};
 use kochab_meta::{Mutation, Reclaim};
 use kochab_proto::*;
 use std::sync::Arc;
 
-/// Stripes of the per-inode data lock.
-pub const STRIPES: usize = 64;
 /// Largest read or write in one request (a FUSE request is at most 1 MiB).
 pub const IO_MAX: usize = 4 << 20;
-/// Largest file: offsets are signed in POSIX.
-const FILE_MAX: u64 = i64::MAX as u64;
+/// Chunks one blocking call of a long data operation (a reclaim's deletions, a fallocate's
+/// reservations) handles: a few to tens of milliseconds of work, so that shutdown and the
+/// blocking pool never wait long for one call, however large the file.
+pub const DATA_BATCH_CHUNKS: usize = 256;
 /// fallocate(2) modes served.
 const FALLOC_FL_KEEP_SIZE: u32 = 0x01;
 const FALLOC_FL_PUNCH_HOLE: u32 = 0x02;
@@ -243,13 +246,16 @@ fn register(core: &mut Core, client: u64, handle: u64, attr: &Attr, flags: u32) 
     }
 }
 
+/// Runs storage work on the blocking pool; a storage error reaches the client as its errno
+/// (`Errno::of_io`: ENOSPC stays ENOSPC, not EIO).
 async fn blocking<T: Send + 'static>(
+    what: &'static str,
     f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
 ) -> Result<T, FsError> {
     match tokio::task::spawn_blocking(f).await {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(fs_err!(EIO, "data I/O failed: {e}")),
-        Err(e) => Err(fs_err!(EIO, "data I/O task failed: {e}")),
+        Ok(Err(e)) => Err(FsError::from_io(what, &e)),
+        Err(e) => Err(fs_err!(EIO, "{what}: the I/O task failed: {e}")),
     }
 }
 
@@ -273,12 +279,13 @@ async fn run_data_op(
             len,
         } => {
             let of = shared.handle(client, handle, false)?;
-            let _stripe = shared.stripes[(of.id as usize) % STRIPES].read().await;
-            let size = current_size(shared, &of)?;
+            let (_file, size) = lock_file(shared, &of, false).await?;
             let data = shared.data.clone();
             let len = (len as usize).min(IO_MAX) as u32;
-            let bytes =
-                blocking(move || data.read(of.id, of.generation, size, offset, len)).await?;
+            let bytes = blocking("read", move || {
+                data.read(of.id, of.generation, size, offset, len)
+            })
+            .await?;
             let observed = shared.core.lock().observed(of.id);
             Ok((Reply::Bytes(bytes), observed))
         }
@@ -286,49 +293,7 @@ async fn run_data_op(
             handle,
             offset,
             data: bytes,
-        } => {
-            let of = shared.handle(client, handle, true)?;
-            if bytes.len() > IO_MAX {
-                return Err(fs_err!(
-                    EINVAL,
-                    "write of {} bytes exceeds {IO_MAX}",
-                    bytes.len()
-                ));
-            }
-            let end = offset
-                .checked_add(bytes.len() as u64)
-                .filter(|&e| e <= FILE_MAX)
-                .ok_or_else(|| fs_err!(EFBIG, "write past the largest file size"))?;
-            let _stripe = shared.stripes[(of.id as usize) % STRIPES].read().await;
-            // The chunk high-water mark is durable before a new chunk exists, so deleting
-            // the file later can never miss an object.
-            let lsn = {
-                let mut core = shared.core.lock();
-                current_generation(&core, &of)?;
-                let muts = core.engine.reserve_chunks(of.id, end).map_err(fail)?;
-                shared.journal_now(&mut core, client, &muts)
-            };
-            if lsn != 0 {
-                wait_durable(shared, lsn).await?;
-            }
-            if !bytes.is_empty() {
-                let data = shared.data.clone();
-                blocking(move || data.write(of.id, of.generation, offset, &bytes)).await?;
-            }
-            // Size and times: journaled, but a write is not durable before fsync anyway,
-            // so the reply does not wait for them.
-            let attr = {
-                let mut core = shared.core.lock();
-                current_generation(&core, &of)?;
-                let (muts, attr) = core
-                    .engine
-                    .write_done(&req.cred, of.id, end, now_ns())
-                    .map_err(fail)?;
-                shared.journal_now(&mut core, client, &muts);
-                attr
-            };
-            Ok((Reply::Attr(attr), 0))
-        }
+        } => write(shared, client, &req.cred, handle, offset, bytes).await,
         Op::Fsync { handle, .. } => {
             let of = shared
                 .core
@@ -337,93 +302,249 @@ async fn run_data_op(
                 .get(client, handle)
                 .ok_or_else(|| fs_err!(EBADF, "unknown file handle {handle}"))?;
             let data = shared.data.clone();
-            blocking(move || data.sync(of.id, of.generation)).await?;
+            blocking("fsync", move || data.sync(of.id, of.generation)).await?;
             Ok((Reply::Empty, shared.journal.last_lsn()))
         }
         Op::Fallocate {
             handle,
             offset,
             len,
-            mode: fmode,
-        } => {
-            let of = shared.handle(client, handle, true)?;
-            let end = offset
-                .checked_add(len)
-                .filter(|&e| e <= FILE_MAX)
-                .ok_or_else(|| fs_err!(EFBIG, "range past the largest file size"))?;
-            if len == 0 {
-                return Err(fs_err!(EINVAL, "fallocate of zero bytes"));
-            }
-            let keep_size = fmode & FALLOC_FL_KEEP_SIZE != 0;
-            let zeroing = fmode & (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE) != 0;
-            if fmode & !(FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE) != 0
-                || (fmode & FALLOC_FL_PUNCH_HOLE != 0 && !keep_size)
-            {
-                return Err(fs_err!(
-                    EOPNOTSUPP,
-                    "fallocate mode {fmode:#x} is not supported"
-                ));
-            }
-            let _stripe = shared.stripes[(of.id as usize) % STRIPES].read().await;
-            if zeroing {
-                let size = current_size(shared, &of)?;
-                let zero_end = end.min(size);
-                if zero_end > offset {
-                    let data = shared.data.clone();
-                    blocking(move || data.zero(of.id, of.generation, offset, zero_end - offset))
-                        .await?;
-                }
-            }
-            let mut core = shared.core.lock();
-            current_generation(&core, &of)?;
-            let size = core.engine.inode(of.id).map_or(0, |i| i.size);
-            let new_end = if keep_size || end <= size { size } else { end };
-            let changed = zeroing || new_end != size;
-            let lsn = if changed {
-                let (muts, _) = core
-                    .engine
-                    .write_done(&req.cred, of.id, new_end, now_ns())
-                    .map_err(fail)?;
-                shared.journal_now(&mut core, client, &muts)
-            } else {
-                0
-            };
-            Ok((Reply::Empty, lsn))
-        }
+            mode,
+        } => fallocate(shared, client, &req.cred, handle, offset, len, mode).await,
         Op::SetAttr { id, ref set } if set.size.is_some() => {
             // Truncation: no write of this file may run between the size change and the
             // trim of the data beyond it.
-            let _stripe = shared.stripes[(id as usize) % STRIPES].write().await;
-            let now = now_ns();
-            let (reply, trims) = {
+            let _file = shared.file_locks.exclusive(id).await;
+            let reply = {
                 let mut core = shared.core.lock();
-                let reply = shared.execute_traced(&mut core, client, &req, now);
-                let trims: Vec<Reclaim> = core
-                    .last_mutations()
-                    .iter()
-                    .filter_map(|m| match m {
-                        Mutation::PutReclaim { id, generation, .. } => core
-                            .engine
-                            .pending_reclaims()
-                            .into_iter()
-                            .find(|r| r.id == *id && r.generation == *generation),
-                        _ => None,
-                    })
-                    .collect();
-                (reply, trims)
+                shared.execute_traced(&mut core, client, &req, now_ns())
             };
             shared.journal.flush_now();
-            for r in trims {
-                let data = shared.data.clone();
-                blocking(move || data.reclaim(&r)).await?;
-                let mut core = shared.core.lock();
-                let muts = core.engine.finish_reclaim(&r);
-                shared.journal_now(&mut core, client, &muts);
+            // This truncation's trim, and any other of the file's left pending.
+            let pending = {
+                let core = shared.core.lock();
+                core.engine
+                    .inode(id)
+                    .and_then(|i| core.engine.reclaim_of(id, i.btime as u64))
+            };
+            if let Some(r) = pending {
+                run_reclaim(shared, r).await?;
             }
             Ok((reply, shared.journal.last_lsn()))
         }
         _ => Err(fs_err!(ENOSYS, "{} is not a data operation", req.op.name())),
     }
+}
+
+/// The end of `[offset, offset + len)`, if it stays within the largest file size.
+fn end_within_limit(offset: u64, len: u64) -> Result<u64, FsError> {
+    offset
+        .checked_add(len)
+        .filter(|&e| e <= FILE_BYTES_MAX)
+        .ok_or_else(|| {
+            fs_err!(
+                EFBIG,
+                "range at {offset} of {len} bytes passes the largest file size {FILE_BYTES_MAX}"
+            )
+        })
+}
+
+async fn write(
+    shared: &Arc<Shared>,
+    client: u64,
+    cred: &Credentials,
+    handle: u64,
+    offset: u64,
+    bytes: Vec<u8>,
+) -> Result<(Reply, u64), FsError> {
+    let of = shared.handle(client, handle, true)?;
+    if bytes.len() > IO_MAX {
+        return Err(fs_err!(
+            EINVAL,
+            "write of {} bytes exceeds {IO_MAX}",
+            bytes.len()
+        ));
+    }
+    let end = end_within_limit(offset, bytes.len() as u64)?;
+    let _file = lock_file(shared, &of, false).await?;
+    if !bytes.is_empty() {
+        mark_data(shared, client, &of).await?;
+        let data = shared.data.clone();
+        blocking("write", move || {
+            data.write(of.id, of.generation, offset, &bytes)
+        })
+        .await?;
+    }
+    // Size and times: journaled, but a write is not durable before fsync anyway, so the
+    // reply does not wait for them.
+    let attr = {
+        let mut core = shared.core.lock();
+        current_generation(&core, &of)?;
+        let (muts, attr) = core
+            .engine
+            .write_done(cred, of.id, end, now_ns())
+            .map_err(fail)?;
+        shared.journal_now(&mut core, client, &muts);
+        attr
+    };
+    Ok((Reply::Attr(attr), 0))
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn fallocate(
+    shared: &Arc<Shared>,
+    client: u64,
+    cred: &Credentials,
+    handle: u64,
+    offset: u64,
+    len: u64,
+    fmode: u32,
+) -> Result<(Reply, u64), FsError> {
+    let of = shared.handle(client, handle, true)?;
+    if len == 0 {
+        return Err(fs_err!(EINVAL, "fallocate of zero bytes"));
+    }
+    let keep_size = fmode & FALLOC_FL_KEEP_SIZE != 0;
+    let punch = fmode & FALLOC_FL_PUNCH_HOLE != 0;
+    let zero_range = fmode & FALLOC_FL_ZERO_RANGE != 0;
+    if fmode & !(FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE) != 0
+        || (punch && (!keep_size || zero_range))
+    {
+        return Err(fs_err!(
+            EOPNOTSUPP,
+            "fallocate mode {fmode:#x} is not supported"
+        ));
+    }
+    let end = end_within_limit(offset, len)?;
+    // Punching and zeroing delete or rewrite chunks: alone, like a truncation.
+    let (_file, _) = lock_file(shared, &of, punch || zero_range).await?;
+    let (id, generation) = (of.id, of.generation);
+    if punch || zero_range {
+        // Only the chunks that exist are touched; holes in the range stay holes (they read
+        // as zeros; a zeroed range's holes get no reservation).
+        let data = shared.data.clone();
+        let chunks = blocking("fallocate", move || {
+            data.existing_chunks(id, generation, crate::data::chunk_span(offset, len))
+        })
+        .await?;
+        for batch in chunks.chunks(DATA_BATCH_CHUNKS) {
+            let (data, batch) = (shared.data.clone(), batch.to_vec());
+            blocking("fallocate", move || {
+                data.zero(id, generation, offset, len, zero_range, &batch)
+            })
+            .await?;
+        }
+    } else {
+        // Reserve the space for real, so a later write there cannot fail for lack of it,
+        // and a range the store cannot hold is ENOSPC now (as statfs would predict).
+        let data = shared.data.clone();
+        blocking("fallocate", move || {
+            data.check_space(id, generation, offset, len)
+        })
+        .await?;
+        mark_data(shared, client, &of).await?;
+        for (part_offset, part_len) in chunk_batches(offset, len, DATA_BATCH_CHUNKS as u64) {
+            let data = shared.data.clone();
+            blocking("fallocate", move || {
+                data.allocate(id, generation, part_offset, part_len)
+            })
+            .await?;
+        }
+    }
+    let mut core = shared.core.lock();
+    current_generation(&core, &of)?;
+    let size = core.engine.inode(of.id).map_or(0, |i| i.size);
+    let new_end = if keep_size || end <= size { size } else { end };
+    let changed = punch || zero_range || new_end != size;
+    let lsn = if changed {
+        let (muts, _) = core
+            .engine
+            .write_done(cred, of.id, new_end, now_ns())
+            .map_err(fail)?;
+        shared.journal_now(&mut core, client, &muts)
+    } else {
+        0
+    };
+    Ok((Reply::Empty, lsn))
+}
+
+/// Takes the data lock of an open file (shared, or `exclusive`), checks that the handle's
+/// file generation still exists, and returns its size.
+///
+/// Rule: no data operation runs while its file generation has a pending trim (a
+/// truncation whose trim failed, or was cut short by a restart): the operation finishes
+/// the trim first, under the file's exclusive lock, so that bytes cut off never reappear
+/// and a late trim can never destroy a later write.
+async fn lock_file<'a>(
+    shared: &'a Shared,
+    of: &OpenFile,
+    exclusive: bool,
+) -> Result<(FileGuard<'a>, u64), FsError> {
+    let mut guard = if exclusive {
+        shared.file_locks.exclusive(of.id).await
+    } else {
+        shared.file_locks.shared(of.id).await
+    };
+    // A pending trim seen under a shared lock is finished under the exclusive one, and no
+    // new one can appear while that is held: three rounds always suffice.
+    for _ in 0..3 {
+        let (size, pending) = {
+            let core = shared.core.lock();
+            current_generation(&core, of)?;
+            let size = core.engine.inode(of.id).map_or(0, |i| i.size);
+            (size, core.engine.reclaim_of(of.id, of.generation))
+        };
+        match pending {
+            None => return Ok((guard, size)),
+            Some(r) if guard.is_exclusive() => run_reclaim(shared, r).await?,
+            Some(_) => {
+                drop(guard);
+                guard = shared.file_locks.exclusive(of.id).await;
+            }
+        }
+    }
+    Err(fs_err!(
+        EIO,
+        "the pending trim of inode {:#x} did not finish",
+        of.id
+    ))
+}
+
+/// Makes the file's "may have data" mark durable before its first chunk object exists,
+/// so that deleting the file can never miss an object (a no-op once the mark is set).
+async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), FsError> {
+    let lsn = {
+        let mut core = shared.core.lock();
+        current_generation(&core, of)?;
+        let muts = core.engine.mark_data(of.id).map_err(fail)?;
+        shared.journal_now(&mut core, client, &muts)
+    };
+    if lsn != 0 {
+        wait_durable(shared, lsn).await?;
+    }
+    Ok(())
+}
+
+/// Deletes a reclaim entry's data in bounded blocking calls (one listing of the file's
+/// folder, then at most `DATA_BATCH_CHUNKS` deletions per call), then journals the entry as
+/// done. The caller holds the file's exclusive lock if the file generation still exists.
+pub(crate) async fn run_reclaim(shared: &Shared, r: Reclaim) -> Result<(), FsError> {
+    let data = shared.data.clone();
+    let plan = blocking("reclaim", move || data.reclaim_plan(&r)).await?;
+    for batch in plan.chunks.chunks(DATA_BATCH_CHUNKS) {
+        let (data, batch) = (shared.data.clone(), batch.to_vec());
+        blocking("reclaim", move || {
+            data.delete_chunks(r.id, r.generation, &batch)
+        })
+        .await?;
+    }
+    let data = shared.data.clone();
+    let deleted_any = !plan.chunks.is_empty();
+    blocking("reclaim", move || data.finish_reclaim(&r, deleted_any)).await?;
+    let mut core = shared.core.lock();
+    let muts = core.engine.finish_reclaim(&r);
+    shared.journal_now(&mut core, 0, &muts);
+    Ok(())
 }
 
 fn fail(f: kochab_meta::Fail) -> FsError {
@@ -441,12 +562,6 @@ fn current_generation(core: &Core, of: &OpenFile) -> Result<(), FsError> {
     }
 }
 
-fn current_size(shared: &Shared, of: &OpenFile) -> Result<u64, FsError> {
-    let core = shared.core.lock();
-    current_generation(&core, of)?;
-    Ok(core.engine.inode(of.id).map_or(0, |i| i.size))
-}
-
 async fn wait_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {
     let mut rx = shared.journal.subscribe();
     while *rx.borrow_and_update() < lsn {
@@ -460,4 +575,174 @@ async fn wait_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::{ServerConfig, start};
+    use std::time::Duration;
+
+    const CLIENT: u64 = 7;
+
+    fn req(op: Op) -> Request {
+        Request {
+            cred: Credentials::root(),
+            seq: 0,
+            seq_floor: 0,
+            op,
+        }
+    }
+
+    async fn run(shared: &Arc<Shared>, op: Op) -> Reply {
+        data_op(shared.clone(), CLIENT, req(op)).await.0
+    }
+
+    /// A server with one open file of two chunks of 7s; returns its id, generation and
+    /// handle.
+    async fn server_with_file(dir: &std::path::Path) -> (crate::RunningServer, u64, u64, u64) {
+        let server = start(ServerConfig::new(dir, "127.0.0.1:0".parse().unwrap()))
+            .await
+            .unwrap();
+        let shared = server.shared().clone();
+        let root = server.root;
+        let handle = 1;
+        let mut replies = Vec::new();
+        let create = Op::Create {
+            parent: root,
+            name: b"f".to_vec(),
+            mode: 0o644,
+            flags: open_flags::O_RDWR,
+            handle,
+        };
+        shared.execute_batch(CLIENT, &[(1, req(create))], &mut replies);
+        let attr = match &replies[0].1 {
+            Reply::WithDirs { reply, .. } => match &**reply {
+                Reply::Entry(a) => a.clone(),
+                other => panic!("create: {other:?}"),
+            },
+            Reply::Entry(a) => a.clone(),
+            other => panic!("create: {other:?}"),
+        };
+        for chunk in 0..2 {
+            let write = Op::Write {
+                handle,
+                offset: chunk * CHUNK_BYTES,
+                data: vec![7u8; CHUNK_BYTES as usize],
+            };
+            let reply = run(&shared, write).await;
+            assert!(matches!(reply, Reply::Attr(_)), "{reply:?}");
+        }
+        (server, attr.id, attr.generation, handle)
+    }
+
+    /// What a restart in the middle of a truncation leaves: the size is cut and the trim
+    /// is pending, but the data beyond the cut is still in the store.
+    fn leave_trim_pending(shared: &Shared, id: InodeId, generation: u64, size: u64) {
+        let mut core = shared.core.lock();
+        let mut inode = core.engine.inode(id).unwrap().clone();
+        inode.size = size;
+        for m in [
+            Mutation::PutInode { id, inode },
+            Mutation::PutReclaim {
+                id,
+                generation,
+                from: size,
+            },
+        ] {
+            core.engine.apply(&m).unwrap();
+        }
+    }
+
+    fn read(shared: &Shared, id: InodeId, generation: u64, len: u32) -> Vec<u8> {
+        shared.data.read(id, generation, u64::MAX, 0, len).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_finishes_its_files_pending_trim_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, id, generation, handle) = server_with_file(dir.path()).await;
+        let shared = server.shared().clone();
+        leave_trim_pending(&shared, id, generation, 10);
+        let write = Op::Write {
+            handle,
+            offset: 20,
+            data: b"x".to_vec(),
+        };
+        let reply = run(&shared, write).await;
+        assert!(matches!(reply, Reply::Attr(_)), "{reply:?}");
+        assert_eq!(shared.core.lock().engine.reclaim_of(id, generation), None);
+        // The bytes cut off never come back, and the write after the trim survives it.
+        let got = read(&shared, id, generation, 21);
+        assert_eq!(got, [&[7u8; 10][..], &[0u8; 10], b"x"].concat());
+        assert_eq!(shared.data.count_objects().unwrap(), 1);
+        assert!(shared.file_locks.is_empty(), "lock entries go when unused");
+        server.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pending_trims_of_live_files_finish_in_the_background() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, id, generation, _) = server_with_file(dir.path()).await;
+        let shared = server.shared().clone();
+        leave_trim_pending(&shared, id, generation, CHUNK_BYTES);
+        for _ in 0..100 {
+            if shared
+                .core
+                .lock()
+                .engine
+                .reclaim_of(id, generation)
+                .is_none()
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(shared.core.lock().engine.reclaim_of(id, generation), None);
+        assert_eq!(shared.data.count_objects().unwrap(), 1);
+        server.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fallocate_and_punch_touch_only_what_exists() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, id, generation, handle) = server_with_file(dir.path()).await;
+        let shared = server.shared().clone();
+        // Punching a hole over the whole largest file: the two chunks go, nothing else is
+        // visited.
+        let punch = Op::Fallocate {
+            handle,
+            offset: 0,
+            len: FILE_BYTES_MAX,
+            mode: FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+        };
+        assert_eq!(run(&shared, punch).await, Reply::Empty);
+        assert_eq!(shared.data.count_objects().unwrap(), 0);
+        assert_eq!(read(&shared, id, generation, 8), vec![0u8; 8]);
+        let size = shared.core.lock().engine.inode(id).unwrap().size;
+        assert_eq!(size, 2 * CHUNK_BYTES, "KEEP_SIZE");
+        // Zeroing far beyond the data extends the file without creating chunks.
+        let zero = Op::Fallocate {
+            handle,
+            offset: 1 << 50,
+            len: 1 << 40,
+            mode: FALLOC_FL_ZERO_RANGE,
+        };
+        assert_eq!(run(&shared, zero).await, Reply::Empty);
+        assert_eq!(shared.data.count_objects().unwrap(), 0);
+        let size = shared.core.lock().engine.inode(id).unwrap().size;
+        assert_eq!(size, (1 << 50) + (1 << 40));
+        // Past the largest file size: EFBIG.
+        let beyond = Op::Fallocate {
+            handle,
+            offset: FILE_BYTES_MAX,
+            len: 1,
+            mode: 0,
+        };
+        let Reply::Error(e) = run(&shared, beyond).await else {
+            panic!("fallocate past the largest file size succeeded")
+        };
+        assert_eq!(e.errno, Errno::EFBIG);
+        server.shutdown().await;
+    }
 }

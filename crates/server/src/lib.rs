@@ -6,12 +6,15 @@
 //! - [`checkpoint`] / [`recovery`]: per-table incremental checkpoints and start-up.
 //! - [`replycache`]: answers to retried non-idempotent requests.
 //! - [`datadir`]: the cluster key and description; [`metrics`]: Prometheus endpoint.
+//! - [`data`]: file data as chunk objects; [`filesvc`]: open files, locks and data
+//!   operations; [`filelocks`]: the per-file lock that orders writes against truncation.
 
 pub mod checkpoint;
 pub mod conn;
 pub mod core;
 pub mod data;
 pub mod datadir;
+pub mod filelocks;
 pub mod filesvc;
 pub mod locks;
 pub mod metrics;

@@ -6,8 +6,8 @@ use crate::data::DataStore;
 use crate::datadir::DataDir;
 use crate::metrics::Metrics;
 use kochab_journal::{Journal, JournalObserver, JournalOptions};
-use kochab_proto::InodeId;
 use kochab_proto::auth::ClusterKey;
+use kochab_proto::{FsError, InodeId};
 use parking_lot::{Condvar, Mutex};
 use std::io;
 use std::net::SocketAddr;
@@ -85,6 +85,7 @@ pub struct RunningServer {
     accept_task: tokio::task::JoinHandle<()>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
     maintenance: tokio::task::JoinHandle<()>,
+    reclaimer: tokio::task::JoinHandle<()>,
     checkpointer: Option<JoinHandle<()>>,
     stopper: Arc<Stopper>,
 }
@@ -141,25 +142,13 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
     }
     let root = engine.root();
     let data = Arc::new(DataStore::new(dir.store.clone()));
-    // Data deletions and trims left over from before the restart finish before anyone
-    // can write again.
-    let pending = engine.pending_reclaims();
-    if !pending.is_empty() {
-        let mut muts = Vec::new();
-        for r in &pending {
-            data.reclaim(r)?;
-            muts.extend(engine.finish_reclaim(r));
-        }
-        let lsn = journal_entry(&journal, 0, 0, 0, None, &muts);
-        journal.flush_now();
-        if !journal.wait_durable(lsn) {
-            return Err(io::Error::other(
-                "journal failed while finishing data reclaims",
-            ));
-        }
+    // Data deletions and trims left over from before the restart run in the background
+    // (`reclaim_loop`): serving never waits for bulk deletion, and a data operation on a
+    // file with a pending trim finishes that trim first (see `filesvc::lock_file`).
+    let pending = engine.pending_reclaim_count();
+    if pending > 0 {
         tracing::info!(
-            "finished {} data reclaims left from before the restart",
-            pending.len()
+            "{pending} data reclaims pending from before the restart; finishing them in the background"
         );
     }
     // Open-unlinked files outlive a restart only if a client reopens them in time.
@@ -174,12 +163,11 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         started: Instant::now(),
         connections: AtomicU64::new(0),
         data,
-        stripes: (0..crate::filesvc::STRIPES)
-            .map(|_| tokio::sync::RwLock::new(()))
-            .collect(),
+        file_locks: Default::default(),
         session_grace: config.session_grace,
     });
     let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
+    let reclaimer = tokio::spawn(reclaim_loop(shared.clone()));
 
     let stopper = Arc::new(Stopper {
         stop: Mutex::new(false),
@@ -225,6 +213,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         accept_task,
         metrics_task,
         maintenance,
+        reclaimer,
         checkpointer: Some(checkpointer),
         stopper,
     })
@@ -258,8 +247,8 @@ async fn accept_loop(
     }
 }
 
-/// Ends sessions of clients gone longer than the grace period, drops open-unlinked files
-/// nobody reopened after a restart, and deletes the data of removed files.
+/// Ends sessions of clients gone longer than the grace period and drops open-unlinked files
+/// nobody reopened after a restart.
 async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
     let orphan_deadline = Instant::now() + shared.session_grace;
     let mut tick = tokio::time::interval(Duration::from_millis(250));
@@ -283,37 +272,78 @@ async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
                 shared.journal_now(&mut core, 0, &muts);
             }
         }
-        reclaim_dropped(&shared).await;
     }
 }
 
-/// Deletes the data of files that no longer exist (their reclaim entries).
-async fn reclaim_dropped(shared: &Arc<Shared>) {
-    let pending: Vec<kochab_meta::Reclaim> = {
-        let core = shared.core.lock();
-        core.engine
-            .pending_reclaims()
-            .into_iter()
-            .filter(|r| {
-                core.engine
-                    .inode(r.id)
-                    .is_none_or(|i| i.btime as u64 != r.generation)
-            })
-            .collect()
-    };
-    for r in pending {
-        let data = shared.data.clone();
-        let done = tokio::task::spawn_blocking(move || data.reclaim(&r).map(|_| r)).await;
-        match done {
-            Ok(Ok(r)) => {
-                let mut core = shared.core.lock();
-                let muts = core.engine.finish_reclaim(&r);
-                shared.journal_now(&mut core, 0, &muts);
+/// Reclaim entries one pass takes (each costs one listing of its file's folder plus its
+/// deletions, in bounded calls); a full pass is followed at once by the next.
+const RECLAIMS_PER_PASS: usize = 64;
+/// How often an idle reclaimer looks for new entries: data of a removed file goes within
+/// about this long.
+const RECLAIM_INTERVAL: Duration = Duration::from_millis(250);
+/// The pause after a pass in which a reclaim failed, so a failing store is not hammered
+/// (the entries stay and are retried).
+const RECLAIM_RETRY: Duration = Duration::from_secs(5);
+
+/// Deletes the data of removed files and finishes trims left pending (by a restart or a
+/// failed truncation), in the background. Each entry costs what its file has in the store
+/// (a listing, then deletions), so entries whose chunks are already gone finish at once:
+/// the loop never spins on them. Entries are visited in turn from a cursor, so one that
+/// keeps failing cannot starve the others.
+async fn reclaim_loop(shared: Arc<Shared>) {
+    let mut cursor = (0, 0);
+    loop {
+        let batch = shared
+            .core
+            .lock()
+            .engine
+            .pending_reclaims(cursor, RECLAIMS_PER_PASS);
+        let full = batch.len() == RECLAIMS_PER_PASS;
+        let mut failed = false;
+        for r in batch {
+            cursor = (r.id, r.generation);
+            if let Err(e) = reclaim_one(&shared, r).await {
+                tracing::warn!(
+                    "cannot delete data of {:#x} (generation {:#x}): {e} (will retry)",
+                    r.id,
+                    r.generation
+                );
+                failed = true;
             }
-            Ok(Err(e)) => tracing::warn!("cannot delete data of {:#x}: {e} (will retry)", r.id),
-            Err(e) => tracing::warn!("data reclaim task failed: {e}"),
         }
+        let pause = if failed {
+            RECLAIM_RETRY
+        } else if full {
+            Duration::ZERO
+        } else {
+            RECLAIM_INTERVAL
+        };
+        tokio::time::sleep(pause).await;
     }
+}
+
+/// Runs one reclaim entry. A trim of a live file runs under the file's exclusive lock; for
+/// a removed file the lock is only a barrier: it waits out writes that checked the file's
+/// generation before the removal (later ones fail with ESTALE before creating a chunk).
+async fn reclaim_one(shared: &Shared, r: kochab_meta::Reclaim) -> Result<(), FsError> {
+    let file = shared.file_locks.exclusive(r.id).await;
+    let (entry, live) = {
+        let core = shared.core.lock();
+        (
+            core.engine.reclaim_of(r.id, r.generation),
+            core.engine
+                .inode(r.id)
+                .is_some_and(|i| i.btime as u64 == r.generation),
+        )
+    };
+    // Finished or changed meanwhile (by a truncation): the entry as it is now.
+    let Some(entry) = entry else {
+        return Ok(());
+    };
+    if !live {
+        drop(file);
+    }
+    crate::filesvc::run_reclaim(shared, entry).await
 }
 
 fn checkpoint_loop(
@@ -372,6 +402,9 @@ impl RunningServer {
             t.abort();
         }
         self.maintenance.abort();
+        // Pending reclaims stay durable and resume after the next start; the one blocking
+        // call in flight is short (`DATA_BATCH_CHUNKS`).
+        self.reclaimer.abort();
         // Give connection tasks a moment to send what is durable.
         for _ in 0..50 {
             if self.shared.connections.load(Ordering::Relaxed) == 0 {

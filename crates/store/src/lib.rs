@@ -30,6 +30,13 @@ pub trait Object: Send + Sync {
     }
     /// Truncates or extends (with zeros) to `len` bytes.
     fn set_len(&self, len: u64) -> io::Result<()>;
+    /// Reserves space for `[offset, offset + len)` without changing the length
+    /// (fallocate(2) with FALLOC_FL_KEEP_SIZE), so that writes there cannot fail for lack
+    /// of space; fails with the store's ENOSPC if it cannot.
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Makes `[offset, offset + len)` read as zeros and frees its space where the store can
+    /// (FALLOC_FL_PUNCH_HOLE), keeping the length.
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()>;
 }
 
 /// Alignment of offsets, lengths and buffers for objects opened with `open_sync_direct`.
@@ -51,6 +58,9 @@ pub trait ObjectStore: Send + Sync {
     fn get(&self, name: &str) -> io::Result<Option<Vec<u8>>>;
     /// Removes an object; removing a missing object is not an error.
     fn delete(&self, name: &str) -> io::Result<()>;
+    /// Removes the folder `prefix` (made when an object was created in it), which must hold
+    /// no objects; removing a missing folder is not an error.
+    fn delete_folder(&self, prefix: &str) -> io::Result<()>;
     /// Names of the objects directly under `prefix` (a folder name such as "journal"),
     /// sorted.
     fn list(&self, prefix: &str) -> io::Result<Vec<String>>;
@@ -135,6 +145,51 @@ impl Object for LocalObject {
     fn set_len(&self, len: u64) -> io::Result<()> {
         self.file.set_len(len)
     }
+
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        fallocate(&self.file, libc::FALLOC_FL_KEEP_SIZE, offset, len)
+    }
+
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        match fallocate(&self.file, mode, offset, len) {
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                // A file system without hole punching: write the zeros (bytes past the end
+                // already read as zeros).
+                let end = offset.saturating_add(len).min(self.len()?);
+                let zeros = vec![0u8; ZERO_WRITE_BYTES.min(end.saturating_sub(offset) as usize)];
+                let mut pos = offset;
+                while pos < end {
+                    let n = (end - pos).min(zeros.len() as u64) as usize;
+                    self.file.write_all_at(&zeros[..n], pos)?;
+                    pos += n as u64;
+                }
+                Ok(())
+            }
+            other => other,
+        }
+    }
+}
+
+/// Bytes of zeros written per call where holes cannot be punched.
+const ZERO_WRITE_BYTES: usize = 1 << 20;
+
+/// fallocate(2), retried on EINTR.
+fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return Err(io::Error::from_raw_os_error(libc::EFBIG));
+    };
+    loop {
+        // SAFETY: fallocate on a descriptor this object owns; no memory is passed.
+        if unsafe { libc::fallocate(file.as_raw_fd(), mode, offset, len) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
 }
 
 impl LocalStore {
@@ -192,6 +247,14 @@ impl ObjectStore for LocalStore {
 
     fn delete(&self, name: &str) -> io::Result<()> {
         match fs::remove_file(self.path(name)?) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn delete_folder(&self, prefix: &str) -> io::Result<()> {
+        match fs::remove_dir(self.path(prefix)?) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e),
@@ -330,6 +393,29 @@ mod tests {
         assert_eq!(&buf[..15], b"\0\0\0\0\0\0\0\0\0\0hello");
         o.set_len(12).unwrap();
         assert_eq!(o.len().unwrap(), 12);
+        o.allocate(0, 1 << 20).unwrap();
+        assert_eq!(o.len().unwrap(), 12, "allocation keeps the length");
+        o.punch_hole(2, 4).unwrap();
+        let mut buf = [1u8; 12];
+        o.read_at(&mut buf, 0).unwrap();
+        assert_eq!(&buf, b"\0\0\0\0\0\0\0\0\0\0he");
+        o.write_at(b"abcdefgh", 0).unwrap();
+        o.punch_hole(2, 4).unwrap();
+        o.read_at(&mut buf, 0).unwrap();
+        assert_eq!(&buf[..8], b"ab\0\0\0\0gh");
+        assert_eq!(o.len().unwrap(), 12);
+    }
+
+    #[test]
+    fn folders_go_when_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path()).unwrap();
+        s.open("d/f/1", true).unwrap();
+        assert!(s.delete_folder("d/f").is_err(), "not empty");
+        s.delete("d/f/1").unwrap();
+        s.delete_folder("d/f").unwrap();
+        s.delete_folder("d/f").unwrap();
+        assert!(s.list("d").unwrap().is_empty());
     }
 
     #[test]
