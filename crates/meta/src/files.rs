@@ -166,7 +166,7 @@ impl Engine {
 
     /// Number of reclaim entries, over all tables.
     pub fn pending_reclaim_count(&self) -> usize {
-        self.tables().iter().map(|t| t.reclaims().count()).sum()
+        self.tables().iter().map(|t| t.reclaim_count()).sum()
     }
 
     /// Up to `max` reclaim entries after `after` (by id and generation), wrapping around to

@@ -317,6 +317,11 @@ impl Table {
         self.reclaims.values()
     }
 
+    /// Number of reclaim entries.
+    pub fn reclaim_count(&self) -> usize {
+        self.reclaims.len()
+    }
+
     /// Reclaim entries after `(id, generation)` in key order.
     pub fn reclaims_after(&self, after: (InodeId, u64)) -> impl Iterator<Item = &Reclaim> + '_ {
         use std::ops::Bound::{Excluded, Unbounded};

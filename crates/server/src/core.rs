@@ -324,6 +324,8 @@ impl Shared {
         m.connections
             .set(self.connections.load(Ordering::Relaxed) as i64);
         let core = self.core.lock();
+        m.data_reclaims_pending
+            .set(core.engine.pending_reclaim_count() as i64);
         for t in core.engine.tables() {
             let label = crate::metrics::TableLabel {
                 table: format!("{:016x}", t.lo),

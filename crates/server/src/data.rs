@@ -420,7 +420,7 @@ impl DataStore {
     /// Makes the file generation's written chunks durable.
     ///
     /// Rule: after a failed sync, every later sync of that file generation fails with EIO
-    /// until the file is truncated to zero or deleted (`finish_reclaim` with `from == 0`).
+    /// until the file is truncated to zero or deleted (`end_reclaim` with `from == 0`).
     /// A failed fdatasync may have dropped the dirty pages (Linux marks them clean), so a
     /// retry could succeed although the data is lost; the error must not be "retried away".
     pub fn sync(&self, id: InodeId, generation: u64) -> io::Result<()> {
@@ -520,28 +520,47 @@ impl DataStore {
         Ok(())
     }
 
-    /// Ends a reclaim whose plan's chunks are all deleted: makes the deletions durable
-    /// (before the caller journals the entry as done) and, for a whole file (`from == 0`),
-    /// removes its folder and forgets its sync state, a failed sync included.
-    pub fn finish_reclaim(&self, r: &Reclaim, deleted_any: bool) -> io::Result<()> {
-        let folder = file_folder(r.id, r.generation);
+    /// Ends a reclaim whose plan's chunks are all deleted: for a whole file (`from == 0`),
+    /// removes its folder and forgets its sync state, a failed sync included. Its deletions
+    /// are durable once `durable_dir` is synced, which the caller does before it journals
+    /// the entry as done (else a crash could bring deleted chunks back, and with them bytes
+    /// a truncation cut off).
+    pub fn end_reclaim(&self, r: &Reclaim) -> io::Result<()> {
         if r.from == 0 {
-            self.store.delete_folder(&folder)?;
-            if deleted_any {
-                self.store.sync_dir(&shard_folder(r.id))?;
-            }
+            self.store.delete_folder(&file_folder(r.id, r.generation))?;
             self.syncs.lock().remove(&(r.id, r.generation));
-        } else if deleted_any {
-            self.store.sync_dir(&folder)?;
         }
         Ok(())
     }
 
-    /// Deletes a reclaim entry's data in one call (tests and small files).
+    /// The folder whose sync makes a reclaim's deletions durable: the file's shard for a
+    /// whole file (its folder is gone), the file's folder for a trim.
+    pub fn durable_dir(r: &Reclaim) -> String {
+        if r.from == 0 {
+            shard_folder(r.id)
+        } else {
+            file_folder(r.id, r.generation)
+        }
+    }
+
+    /// Syncs folders named by `durable_dir` (each once).
+    pub fn sync_dirs<'a>(&self, dirs: impl IntoIterator<Item = &'a String>) -> io::Result<()> {
+        let dirs: std::collections::BTreeSet<&String> = dirs.into_iter().collect();
+        for dir in dirs {
+            self.store.sync_dir(dir)?;
+        }
+        Ok(())
+    }
+
+    /// Deletes a reclaim entry's data in one call, durably (tests and small files).
     pub fn reclaim(&self, r: &Reclaim) -> io::Result<()> {
         let plan = self.reclaim_plan(r)?;
         self.delete_chunks(r.id, r.generation, &plan.chunks)?;
-        self.finish_reclaim(r, !plan.chunks.is_empty())
+        self.end_reclaim(r)?;
+        if !plan.chunks.is_empty() {
+            self.sync_dirs([&Self::durable_dir(r)])?;
+        }
+        Ok(())
     }
 
     /// Chunk objects present in the store (for leak checks in tests and fsck).

@@ -279,7 +279,8 @@ async fn run_data_op(
             len,
         } => {
             let of = shared.handle(client, handle, false)?;
-            let (_file, size) = lock_file(shared, &of, false).await?;
+            let (_file, file) = lock_file(shared, &of, false).await?;
+            let size = file.size;
             let data = shared.data.clone();
             let len = (len as usize).min(IO_MAX) as u32;
             let bytes = blocking("read", move || {
@@ -366,9 +367,11 @@ async fn write(
         ));
     }
     let end = end_within_limit(offset, bytes.len() as u64)?;
-    let _file = lock_file(shared, &of, false).await?;
+    let (_file, file) = lock_file(shared, &of, false).await?;
     if !bytes.is_empty() {
-        mark_data(shared, client, &of).await?;
+        if !file.may_have_data {
+            mark_data(shared, client, &of).await?;
+        }
         let data = shared.data.clone();
         blocking("write", move || {
             data.write(of.id, of.generation, offset, &bytes)
@@ -468,8 +471,14 @@ async fn fallocate(
     Ok((Reply::Empty, lsn))
 }
 
+/// What a data operation needs to know of its file, read when it takes the file's lock.
+struct FileState {
+    size: u64,
+    may_have_data: bool,
+}
+
 /// Takes the data lock of an open file (shared, or `exclusive`), checks that the handle's
-/// file generation still exists, and returns its size.
+/// file generation still exists, and returns its state.
 ///
 /// Rule: no data operation runs while its file generation has a pending trim (a
 /// truncation whose trim failed, or was cut short by a restart): the operation finishes
@@ -479,7 +488,7 @@ async fn lock_file<'a>(
     shared: &'a Shared,
     of: &OpenFile,
     exclusive: bool,
-) -> Result<(FileGuard<'a>, u64), FsError> {
+) -> Result<(FileGuard<'a>, FileState), FsError> {
     let mut guard = if exclusive {
         shared.file_locks.exclusive(of.id).await
     } else {
@@ -488,14 +497,23 @@ async fn lock_file<'a>(
     // A pending trim seen under a shared lock is finished under the exclusive one, and no
     // new one can appear while that is held: three rounds always suffice.
     for _ in 0..3 {
-        let (size, pending) = {
+        let (state, pending) = {
             let core = shared.core.lock();
             current_generation(&core, of)?;
-            let size = core.engine.inode(of.id).map_or(0, |i| i.size);
-            (size, core.engine.reclaim_of(of.id, of.generation))
+            let state = core.engine.inode(of.id).map_or(
+                FileState {
+                    size: 0,
+                    may_have_data: false,
+                },
+                |i| FileState {
+                    size: i.size,
+                    may_have_data: i.may_have_data,
+                },
+            );
+            (state, core.engine.reclaim_of(of.id, of.generation))
         };
         match pending {
-            None => return Ok((guard, size)),
+            None => return Ok((guard, state)),
             Some(r) if guard.is_exclusive() => run_reclaim(shared, r).await?,
             Some(_) => {
                 drop(guard);
@@ -525,10 +543,26 @@ async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), Fs
     Ok(())
 }
 
-/// Deletes a reclaim entry's data in bounded blocking calls (one listing of the file's
-/// folder, then at most `DATA_BATCH_CHUNKS` deletions per call), then journals the entry as
-/// done. The caller holds the file's exclusive lock if the file generation still exists.
+/// Deletes a reclaim entry's data and journals the entry as done, its deletions durable
+/// first. The caller holds the file's exclusive lock if the file generation still exists.
 pub(crate) async fn run_reclaim(shared: &Shared, r: Reclaim) -> Result<(), FsError> {
+    if let Some(dir) = delete_reclaimed(shared, r).await? {
+        let data = shared.data.clone();
+        blocking("reclaim", move || data.sync_dirs([&dir])).await?;
+    }
+    let mut core = shared.core.lock();
+    let muts = core.engine.finish_reclaim(&r);
+    shared.journal_now(&mut core, 0, &muts);
+    Ok(())
+}
+
+/// Deletes a reclaim entry's data in bounded blocking calls (one listing of the file's
+/// folder, then at most `DATA_BATCH_CHUNKS` deletions per call); returns the folder to sync
+/// before the entry is journaled as done, if anything was deleted.
+pub(crate) async fn delete_reclaimed(
+    shared: &Shared,
+    r: Reclaim,
+) -> Result<Option<String>, FsError> {
     let data = shared.data.clone();
     let plan = blocking("reclaim", move || data.reclaim_plan(&r)).await?;
     for batch in plan.chunks.chunks(DATA_BATCH_CHUNKS) {
@@ -539,12 +573,8 @@ pub(crate) async fn run_reclaim(shared: &Shared, r: Reclaim) -> Result<(), FsErr
         .await?;
     }
     let data = shared.data.clone();
-    let deleted_any = !plan.chunks.is_empty();
-    blocking("reclaim", move || data.finish_reclaim(&r, deleted_any)).await?;
-    let mut core = shared.core.lock();
-    let muts = core.engine.finish_reclaim(&r);
-    shared.journal_now(&mut core, 0, &muts);
-    Ok(())
+    blocking("reclaim", move || data.end_reclaim(&r)).await?;
+    Ok((!plan.chunks.is_empty()).then(|| crate::data::DataStore::durable_dir(&r)))
 }
 
 fn fail(f: kochab_meta::Fail) -> FsError {

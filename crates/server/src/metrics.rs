@@ -48,6 +48,7 @@ pub struct Metrics {
     pub journal_bytes: Gauge,
     pub connections: Gauge,
     pub replay_records: Gauge<u64, AtomicU64>,
+    pub data_reclaims_pending: Gauge,
 }
 
 impl Metrics {
@@ -145,6 +146,12 @@ impl Metrics {
             "Journal records replayed at the last start",
             replay_records.clone(),
         );
+        let data_reclaims_pending = Gauge::default();
+        registry.register(
+            "data_reclaims_pending",
+            "Data reclaims not yet done (removed files' data, trims of truncated files)",
+            data_reclaims_pending.clone(),
+        );
         Metrics {
             registry,
             ops_ok,
@@ -161,6 +168,7 @@ impl Metrics {
             journal_bytes,
             connections,
             replay_records,
+            data_reclaims_pending,
         }
     }
 

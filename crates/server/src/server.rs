@@ -6,8 +6,8 @@ use crate::data::DataStore;
 use crate::datadir::DataDir;
 use crate::metrics::Metrics;
 use kochab_journal::{Journal, JournalObserver, JournalOptions};
+use kochab_proto::InodeId;
 use kochab_proto::auth::ClusterKey;
-use kochab_proto::{FsError, InodeId};
 use parking_lot::{Condvar, Mutex};
 use std::io;
 use std::net::SocketAddr;
@@ -299,18 +299,10 @@ async fn reclaim_loop(shared: Arc<Shared>) {
             .engine
             .pending_reclaims(cursor, RECLAIMS_PER_PASS);
         let full = batch.len() == RECLAIMS_PER_PASS;
-        let mut failed = false;
-        for r in batch {
-            cursor = (r.id, r.generation);
-            if let Err(e) = reclaim_one(&shared, r).await {
-                tracing::warn!(
-                    "cannot delete data of {:#x} (generation {:#x}): {e} (will retry)",
-                    r.id,
-                    r.generation
-                );
-                failed = true;
-            }
+        if let Some(last) = batch.last() {
+            cursor = (last.id, last.generation);
         }
+        let failed = reclaim_pass(&shared, batch).await;
         let pause = if failed {
             RECLAIM_RETRY
         } else if full {
@@ -322,28 +314,74 @@ async fn reclaim_loop(shared: Arc<Shared>) {
     }
 }
 
-/// Runs one reclaim entry. A trim of a live file runs under the file's exclusive lock; for
-/// a removed file the lock is only a barrier: it waits out writes that checked the file's
-/// generation before the removal (later ones fail with ESTALE before creating a chunk).
-async fn reclaim_one(shared: &Shared, r: kochab_meta::Reclaim) -> Result<(), FsError> {
-    let file = shared.file_locks.exclusive(r.id).await;
-    let (entry, live) = {
-        let core = shared.core.lock();
-        (
-            core.engine.reclaim_of(r.id, r.generation),
-            core.engine
-                .inode(r.id)
-                .is_some_and(|i| i.btime as u64 == r.generation),
-        )
-    };
-    // Finished or changed meanwhile (by a truncation): the entry as it is now.
-    let Some(entry) = entry else {
-        return Ok(());
-    };
-    if !live {
-        drop(file);
+/// Runs one pass of reclaim entries; true if any failed. A trim of a live file runs under
+/// the file's exclusive lock, start to end. For a removed file the lock is only a barrier:
+/// it waits out writes that checked the file's generation before the removal (later ones
+/// fail with ESTALE before creating a chunk). Removed files' deletions are made durable
+/// together (one sync per folder touched), then journaled done in one record.
+async fn reclaim_pass(shared: &Shared, batch: Vec<kochab_meta::Reclaim>) -> bool {
+    let mut failed = false;
+    let mut done = Vec::new();
+    let mut dirs = Vec::new();
+    for r in batch {
+        let file = shared.file_locks.exclusive(r.id).await;
+        let (entry, live) = {
+            let core = shared.core.lock();
+            (
+                core.engine.reclaim_of(r.id, r.generation),
+                core.engine
+                    .inode(r.id)
+                    .is_some_and(|i| i.btime as u64 == r.generation),
+            )
+        };
+        // Finished or changed meanwhile (by a truncation): the entry as it is now.
+        let Some(entry) = entry else { continue };
+        let result = if live {
+            crate::filesvc::run_reclaim(shared, entry).await
+        } else {
+            drop(file);
+            crate::filesvc::delete_reclaimed(shared, entry)
+                .await
+                .map(|dir| {
+                    dirs.extend(dir);
+                    done.push(entry);
+                })
+        };
+        if let Err(e) = result {
+            tracing::warn!(
+                "cannot delete data of {:#x} (generation {:#x}): {e} (will retry)",
+                r.id,
+                r.generation
+            );
+            failed = true;
+        }
     }
-    crate::filesvc::run_reclaim(shared, entry).await
+    if done.is_empty() {
+        return failed;
+    }
+    let data = shared.data.clone();
+    match tokio::task::spawn_blocking(move || data.sync_dirs(&dirs)).await {
+        Ok(Ok(())) => {
+            let mut core = shared.core.lock();
+            let muts: Vec<_> = done
+                .iter()
+                .flat_map(|r| core.engine.finish_reclaim(r))
+                .collect();
+            shared.journal_now(&mut core, 0, &muts);
+            failed
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(
+                "cannot sync the data folders of {} reclaims: {e} (will retry)",
+                done.len()
+            );
+            true
+        }
+        Err(e) => {
+            tracing::warn!("data folder sync task failed: {e}");
+            true
+        }
+    }
 }
 
 fn checkpoint_loop(
