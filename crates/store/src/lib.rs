@@ -1,5 +1,6 @@
 //! The object store: named byte objects that hold journal segments, table checkpoints and
-//! (later) file data. Servers are soft state; everything durable lives here.
+//! file data chunks, grouped in folders. Servers are soft state; everything durable lives
+//! here.
 //!
 //! [`LocalStore`] keeps objects as files under one directory (the embedded default). Object
 //! storage servers implement the same trait later.
