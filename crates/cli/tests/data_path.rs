@@ -29,8 +29,9 @@ fn files_under(dir: &Path) -> usize {
         .sum()
 }
 
-/// Folders two levels under `data/` (one per file generation with data).
-fn file_folders(data: &Path) -> usize {
+/// Entries of the shard folders under `data/` (a file's chunk 0, the folder of its other
+/// chunks): none once every file's data is gone.
+fn shard_entries(data: &Path) -> usize {
     let Ok(rd) = fs::read_dir(data) else { return 0 };
     rd.filter_map(Result::ok)
         .filter_map(|shard| fs::read_dir(shard.path()).ok())
@@ -180,7 +181,7 @@ fn a_huge_sparse_file_is_deleted_at_the_cost_of_its_data_and_shutdown_does_not_w
     let deadline = Instant::now() + Duration::from_secs(10);
     let pending = "kochab_data_reclaims_pending";
     while files_under(&chunk_dir(&c)) > 0
-        || file_folders(&chunk_dir(&c)) > 0
+        || shard_entries(&chunk_dir(&c)) > 0
         || metric(&c.server, pending) != Some(0.0)
     {
         assert!(

@@ -1,7 +1,8 @@
 //! File data in the object store: a file is cut into chunks of `CHUNK_BYTES`, each an
-//! object named by (inode, generation, chunk), and each file generation's chunks live in a
-//! folder of their own (`data/<id & 0xff>/<id>.<generation>/<chunk>`). Missing chunks and
-//! bytes past a chunk's end read as zeros, so sparse files and holes cost nothing. The
+//! object named by (inode, generation, chunk). Chunk 0 is `data/<id & 0xff>/<id>.<generation>`
+//! (most files have no other, and then cost no folder); every other chunk lives in the file
+//! generation's own folder, `data/<id & 0xff>/<id>.<generation>.d/<chunk>`. Missing chunks
+//! and bytes past a chunk's end read as zeros, so sparse files and holes cost nothing. The
 //! generation in the name keeps a reused inode id from ever seeing an old file's data.
 //!
 //! Rule: every operation that deletes or changes many chunks (reclaim, hole punching,
@@ -39,9 +40,10 @@ pub struct ChunkKey {
     pub chunk: u64,
 }
 
-/// The folder of a file generation's chunks; folders are spread over 256 shards by inode.
+/// The folder of a file generation's chunks after chunk 0; files are spread over 256 shard
+/// folders by inode.
 pub fn file_folder(id: InodeId, generation: u64) -> String {
-    format!("{}/{id:016x}.{generation:016x}", shard_folder(id))
+    format!("{}/{id:016x}.{generation:016x}.d", shard_folder(id))
 }
 
 fn shard_folder(id: InodeId) -> String {
@@ -50,7 +52,20 @@ fn shard_folder(id: InodeId) -> String {
 
 /// The object name of a chunk.
 pub fn chunk_name(k: ChunkKey) -> String {
-    format!("{}/{:016x}", file_folder(k.id, k.generation), k.chunk)
+    if k.chunk == 0 {
+        format!("{}/{:016x}.{:016x}", shard_folder(k.id), k.id, k.generation)
+    } else {
+        format!("{}/{:016x}", file_folder(k.id, k.generation), k.chunk)
+    }
+}
+
+/// The folder whose sync makes the creation or removal of a chunk's object durable.
+fn chunk_folder(k: ChunkKey) -> String {
+    if k.chunk == 0 {
+        shard_folder(k.id)
+    } else {
+        file_folder(k.id, k.generation)
+    }
 }
 
 /// The chunk number of an object listed in a file's folder (`None` for anything else).
@@ -234,13 +249,33 @@ impl DataStore {
             }
             return Ok(found);
         }
+        self.listed_chunks(id, generation, first, last)
+    }
+
+    /// Chunks of a generation in `[first, last]` that exist, ascending: chunk 0 probed, the
+    /// others listed from the file's folder. Costs what the file has.
+    fn listed_chunks(
+        &self,
+        id: InodeId,
+        generation: u64,
+        first: u64,
+        last: u64,
+    ) -> io::Result<Vec<u64>> {
         let mut found: Vec<u64> = self
             .store
             .list(&file_folder(id, generation))?
             .iter()
             .filter_map(|n| parse_chunk(n))
-            .filter(|c| span.contains(c))
+            .filter(|c| (first.max(1)..=last).contains(c))
             .collect();
+        let zero = ChunkKey {
+            id,
+            generation,
+            chunk: 0,
+        };
+        if first == 0 && self.objects(zero, false)?.is_some() {
+            found.push(0);
+        }
         found.sort_unstable();
         Ok(found)
     }
@@ -383,7 +418,7 @@ impl DataStore {
         chunks: &[u64],
     ) -> io::Result<()> {
         let end = offset.saturating_add(len);
-        let mut deleted = false;
+        let mut deleted_in = std::collections::BTreeSet::new();
         for &chunk in chunks {
             let lo = chunk.saturating_mul(CHUNK_BYTES);
             let hi = lo.saturating_add(CHUNK_BYTES);
@@ -398,7 +433,7 @@ impl DataStore {
             if offset <= lo && hi <= end && !keep_allocated {
                 self.forget(id, generation, chunk..=chunk);
                 self.store.delete(&chunk_name(k))?;
-                deleted = true;
+                deleted_in.insert(chunk_folder(k));
                 continue;
             }
             let Some(obj) = self.object(k, false)? else {
@@ -411,8 +446,8 @@ impl DataStore {
             }
             self.mark_dirty(id, generation, [chunk]);
         }
-        if deleted {
-            self.store.sync_dir(&file_folder(id, generation))?;
+        for dir in deleted_in {
+            self.store.sync_dir(&dir)?;
         }
         Ok(())
     }
@@ -491,14 +526,7 @@ impl DataStore {
             }
             delete_from = first + 1;
         }
-        let mut chunks: Vec<u64> = self
-            .store
-            .list(&file_folder(r.id, r.generation))?
-            .iter()
-            .filter_map(|n| parse_chunk(n))
-            .filter(|&c| c >= delete_from)
-            .collect();
-        chunks.sort_unstable();
+        let chunks = self.listed_chunks(r.id, r.generation, delete_from, u64::MAX)?;
         self.forget(r.id, r.generation, delete_from..=u64::MAX);
         Ok(ReclaimPlan { chunks })
     }
@@ -520,23 +548,27 @@ impl DataStore {
         Ok(())
     }
 
-    /// Ends a reclaim whose plan's chunks are all deleted: for a whole file (`from == 0`),
-    /// removes its folder and forgets its sync state, a failed sync included. Its deletions
+    /// Ends a reclaim whose plan's chunks are all deleted: when only chunk 0 can be left
+    /// (`from` is in it), removes the file's folder, and for a whole file (`from == 0`)
+    /// forgets its sync state, a failed sync included. Its deletions
     /// are durable once `durable_dir` is synced, which the caller does before it journals
     /// the entry as done (else a crash could bring deleted chunks back, and with them bytes
     /// a truncation cut off).
     pub fn end_reclaim(&self, r: &Reclaim) -> io::Result<()> {
-        if r.from == 0 {
+        if r.from < CHUNK_BYTES {
             self.store.delete_folder(&file_folder(r.id, r.generation))?;
+        }
+        if r.from == 0 {
             self.syncs.lock().remove(&(r.id, r.generation));
         }
         Ok(())
     }
 
-    /// The folder whose sync makes a reclaim's deletions durable: the file's shard for a
-    /// whole file (its folder is gone), the file's folder for a trim.
+    /// The folder whose sync makes a reclaim's deletions durable: the shard when the cut is
+    /// in chunk 0 (chunk 0, if deleted, and the file's folder went from it), else the
+    /// file's folder.
     pub fn durable_dir(r: &Reclaim) -> String {
-        if r.from == 0 {
+        if r.from < CHUNK_BYTES {
             shard_folder(r.id)
         } else {
             file_folder(r.id, r.generation)
@@ -567,8 +599,12 @@ impl DataStore {
     pub fn count_objects(&self) -> io::Result<usize> {
         let mut n = 0;
         for shard in self.store.list("data")? {
-            for folder in self.store.list(&shard)? {
-                n += self.store.list(&folder)?.len();
+            for name in self.store.list(&shard)? {
+                n += if name.ends_with(".d") {
+                    self.store.list(&name)?.len()
+                } else {
+                    1
+                };
             }
         }
         Ok(n)
@@ -650,8 +686,18 @@ mod tests {
         ds.write(9, 1, 0, &vec![7u8; (CHUNK_BYTES + 10) as usize])
             .unwrap();
         ds.write(9, 1, 1 << 50, b"far").unwrap();
+        let names = |ds: &DataStore| ds.store.list("data/09").unwrap();
+        assert_eq!(
+            names(&ds),
+            vec![
+                "data/09/0000000000000009.0000000000000001",
+                "data/09/0000000000000009.0000000000000001.d"
+            ],
+            "chunk 0 beside the folder of the others"
+        );
         reclaim(&ds, 9, 1, 5);
         assert_eq!(ds.count_objects().unwrap(), 1);
+        assert_eq!(names(&ds).len(), 1, "a cut in chunk 0 removes the folder");
         // Growing again shows zeros, not the old bytes.
         assert_eq!(
             ds.read(9, 1, 20, 0, 20).unwrap(),
@@ -660,11 +706,17 @@ mod tests {
         reclaim(&ds, 9, 1, 0);
         reclaim(&ds, 9, 1, 0);
         assert_eq!(ds.count_objects().unwrap(), 0);
+        assert!(names(&ds).is_empty());
         // A cut on a chunk boundary deletes that chunk too.
-        ds.write(9, 2, 0, &vec![1u8; (2 * CHUNK_BYTES) as usize])
+        ds.write(9, 2, 0, &vec![1u8; (3 * CHUNK_BYTES) as usize])
             .unwrap();
         reclaim(&ds, 9, 2, CHUNK_BYTES);
         assert_eq!(ds.count_objects().unwrap(), 1);
+        // A small file has no folder.
+        ds.write(9, 3, 0, b"small").unwrap();
+        assert_eq!(names(&ds).len(), 3);
+        reclaim(&ds, 9, 3, 0);
+        assert_eq!(names(&ds).len(), 2);
     }
 
     #[test]
