@@ -17,9 +17,10 @@ pub const KEY_FILE: &str = "cluster.key";
 const CLUSTER_OBJECT: &str = "cluster.json";
 /// The layout of the data directory this version reads and writes. Bumped whenever an
 /// older version's data would be misread; an older directory is refused, never guessed at.
-/// 2: a folder per file generation for its chunks (`data/<shard>/<id>.<generation>/<chunk>`,
-/// u64 chunk numbers), reclaim entries without a chunk count, inodes with a "may have
-/// data" mark instead of a chunk high-water mark.
+/// 2: chunk 0 at `data/<shard>/<id>.<generation>`, the others in a folder per file
+/// generation (`data/<shard>/<id>.<generation>.d/<chunk>`, u64 chunk numbers), reclaim
+/// entries without a chunk count, inodes with a "may have data" mark instead of a chunk
+/// high-water mark.
 pub const DATA_FORMAT: u32 = 2;
 
 /// What never changes for the life of a cluster.
