@@ -102,13 +102,15 @@ impl FsError {
 impl Errno {
     /// The errno a storage error reaches clients as. The one place where I/O errors of
     /// the store become client errors: a full store is ENOSPC, a quota EDQUOT, an object
-    /// too large EFBIG, and every other failure EIO (the caller cannot act on more detail).
+    /// too large EFBIG, something the store cannot do EOPNOTSUPP, and every other failure
+    /// EIO (the caller cannot act on more detail).
     pub fn of_io(e: &std::io::Error) -> Errno {
         use std::io::ErrorKind;
         match e.kind() {
             ErrorKind::StorageFull => Errno::ENOSPC,
             ErrorKind::QuotaExceeded => Errno::EDQUOT,
             ErrorKind::FileTooLarge => Errno::EFBIG,
+            ErrorKind::Unsupported => Errno::EOPNOTSUPP,
             _ => Errno::EIO,
         }
     }
@@ -158,6 +160,7 @@ mod tests {
         assert_eq!(of(libc::EDQUOT), Errno::EDQUOT);
         assert_eq!(of(libc::EFBIG), Errno::EFBIG);
         assert_eq!(of(libc::EIO), Errno::EIO);
+        assert_eq!(of(libc::EOPNOTSUPP), Errno::EOPNOTSUPP);
         assert_eq!(of(libc::EACCES), Errno::EIO);
         assert_eq!(Errno::of_io(&io::Error::other("x")), Errno::EIO);
         let e = FsError::from_io("write", &io::Error::from_raw_os_error(libc::ENOSPC));

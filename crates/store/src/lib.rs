@@ -33,11 +33,32 @@ pub trait Object: Send + Sync {
     fn set_len(&self, len: u64) -> io::Result<()>;
     /// Reserves space for `[offset, offset + len)` without changing the length
     /// (fallocate(2) with FALLOC_FL_KEEP_SIZE), so that writes there cannot fail for lack
-    /// of space; fails with the store's ENOSPC if it cannot.
-    fn allocate(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// of space; fails with the store's ENOSPC if it cannot (`Unsupported` by default).
+    fn allocate(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Err(io::Error::new(
+            ErrorKind::Unsupported,
+            "this store cannot reserve space",
+        ))
+    }
     /// Makes `[offset, offset + len)` read as zeros and frees its space where the store can
-    /// (FALLOC_FL_PUNCH_HOLE), keeping the length.
-    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// (FALLOC_FL_PUNCH_HOLE), keeping the length. By default it writes the zeros.
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        zero_by_writing(self, offset, len)
+    }
+}
+
+/// Writes zeros over `[offset, offset + len)` up to the object's end (bytes past it read
+/// as zeros already).
+fn zero_by_writing<O: Object + ?Sized>(o: &O, offset: u64, len: u64) -> io::Result<()> {
+    let end = offset.saturating_add(len).min(o.len()?);
+    let zeros = vec![0u8; ZERO_WRITE_BYTES.min(end.saturating_sub(offset) as usize)];
+    let mut pos = offset;
+    while pos < end {
+        let n = (end - pos).min(zeros.len() as u64) as usize;
+        o.write_at(&zeros[..n], pos)?;
+        pos += n as u64;
+    }
+    Ok(())
 }
 
 /// Alignment of offsets, lengths and buffers for objects opened with `open_sync_direct`.
@@ -60,8 +81,11 @@ pub trait ObjectStore: Send + Sync {
     /// Removes an object; removing a missing object is not an error.
     fn delete(&self, name: &str) -> io::Result<()>;
     /// Removes the folder `prefix` (made when an object was created in it), which must hold
-    /// no objects; removing a missing folder is not an error.
-    fn delete_folder(&self, prefix: &str) -> io::Result<()>;
+    /// no objects; removing a missing folder is not an error. A store without folders has
+    /// nothing to do.
+    fn delete_folder(&self, _prefix: &str) -> io::Result<()> {
+        Ok(())
+    }
     /// Names of the objects directly under `prefix` (a folder name such as "journal"),
     /// sorted.
     fn list(&self, prefix: &str) -> io::Result<Vec<String>>;
@@ -154,18 +178,9 @@ impl Object for LocalObject {
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
         let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
         match fallocate(&self.file, mode, offset, len) {
+            // A file system without hole punching: write the zeros instead.
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
-                // A file system without hole punching: write the zeros (bytes past the end
-                // already read as zeros).
-                let end = offset.saturating_add(len).min(self.len()?);
-                let zeros = vec![0u8; ZERO_WRITE_BYTES.min(end.saturating_sub(offset) as usize)];
-                let mut pos = offset;
-                while pos < end {
-                    let n = (end - pos).min(zeros.len() as u64) as usize;
-                    self.file.write_all_at(&zeros[..n], pos)?;
-                    pos += n as u64;
-                }
-                Ok(())
+                zero_by_writing(self, offset, len)
             }
             other => other,
         }
