@@ -15,15 +15,39 @@ use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 /// The locks of the files in use.
 #[derive(Default)]
 pub struct FileLocks {
-    files: Mutex<FxHashMap<InodeId, Arc<RwLock<()>>>>,
+    files: Mutex<FxHashMap<InodeId, Entry>>,
+}
+
+struct Entry {
+    lock: Arc<RwLock<()>>,
+    /// Guards held and waits under way (a wait that is cancelled counts down too).
+    users: usize,
+}
+
+/// One holder or waiter of a file's lock: counted in while it lives.
+struct User<'a> {
+    locks: &'a FileLocks,
+    id: InodeId,
+}
+
+impl Drop for User<'_> {
+    fn drop(&mut self) {
+        let mut files = self.locks.files.lock();
+        if let Some(e) = files.get_mut(&self.id) {
+            e.users -= 1;
+            if e.users == 0 {
+                files.remove(&self.id);
+            }
+        }
+    }
 }
 
 /// A held file lock, shared or exclusive; dropping it releases the lock and, if nobody
 /// else holds or waits for it, the file's entry.
 pub struct FileGuard<'a> {
-    held: Option<Held>,
-    locks: &'a FileLocks,
-    id: InodeId,
+    // Fields drop in order: the lock is released before the user counts out.
+    held: Held,
+    _user: User<'a>,
 }
 
 enum Held {
@@ -32,27 +56,31 @@ enum Held {
 }
 
 impl FileLocks {
-    fn entry(&self, id: InodeId) -> Arc<RwLock<()>> {
-        self.files.lock().entry(id).or_default().clone()
+    fn enter(&self, id: InodeId) -> (Arc<RwLock<()>>, User<'_>) {
+        let mut files = self.files.lock();
+        let e = files.entry(id).or_insert_with(|| Entry {
+            lock: Arc::default(),
+            users: 0,
+        });
+        e.users += 1;
+        (e.lock.clone(), User { locks: self, id })
     }
 
     /// Shares the lock of `id` (reads, writes, fallocate).
     pub async fn shared(&self, id: InodeId) -> FileGuard<'_> {
-        let held = Held::Shared(self.entry(id).read_owned().await);
+        let (lock, user) = self.enter(id);
         FileGuard {
-            held: Some(held),
-            locks: self,
-            id,
+            held: Held::Shared(lock.read_owned().await),
+            _user: user,
         }
     }
 
     /// Takes the lock of `id` alone (truncation, hole punching, trims).
     pub async fn exclusive(&self, id: InodeId) -> FileGuard<'_> {
-        let held = Held::Exclusive(self.entry(id).write_owned().await);
+        let (lock, user) = self.enter(id);
         FileGuard {
-            held: Some(held),
-            locks: self,
-            id,
+            held: Held::Exclusive(lock.write_owned().await),
+            _user: user,
         }
     }
 
@@ -70,23 +98,7 @@ impl FileLocks {
 impl FileGuard<'_> {
     /// True if the lock is held alone.
     pub fn is_exclusive(&self) -> bool {
-        matches!(self.held, Some(Held::Exclusive(_)))
-    }
-}
-
-impl Drop for FileGuard<'_> {
-    fn drop(&mut self) {
-        // Release first: the guard holds a reference to the entry.
-        self.held = None;
-        let mut files = self.locks.files.lock();
-        // Entries are cloned only under this mutex, so a count of one (the map's) means
-        // nobody holds or waits for the lock, and nobody can start to before we remove it.
-        if files
-            .get(&self.id)
-            .is_some_and(|l| Arc::strong_count(l) == 1)
-        {
-            files.remove(&self.id);
-        }
+        matches!(self.held, Held::Exclusive(_))
     }
 }
 
@@ -114,6 +126,12 @@ mod tests {
         assert!(!waiter.is_exclusive());
         drop((b, b2));
         assert_eq!(locks.len(), 1);
+        // A wait given up (its task cancelled) leaves nothing behind either.
+        {
+            let fut = locks.exclusive(1);
+            tokio::pin!(fut);
+            assert!(futures_poll_once(fut.as_mut()).await.is_none());
+        }
         drop(waiter);
         assert!(locks.is_empty());
     }
