@@ -293,6 +293,20 @@ fn a_full_store_is_enospc_and_fallocate_reserves_what_statfs_reports() {
             .open(c.mnt.join(name))
             .unwrap()
     };
+    // Nearly all that statfs reports can be reserved; deleting the file gives it back.
+    let c_file = open("almost all");
+    assert_eq!(fallocate(&c_file, 0, 0, free - (4 << 20)), Ok(()));
+    assert!(
+        free_bytes(&c.mnt) < 8 << 20,
+        "statfs counts the reservation"
+    );
+    drop(c_file);
+    fs::remove_file(c.mnt.join("almost all")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while free_bytes(&c.mnt) < free - (1 << 20) {
+        assert!(Instant::now() < deadline, "the space did not come back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // More than statfs reports: refused, and nothing changes.
     let a = open("reserved");
     assert_eq!(fallocate(&a, 0, 0, free + (8 << 20)), Err("ENOSPC".into()));
