@@ -168,6 +168,7 @@ pub struct ReclaimPlan {
 }
 
 impl DataStore {
+    /// A data store over `store`'s `data/` folder.
     pub fn new(store: Arc<dyn ObjectStore>) -> DataStore {
         DataStore {
             store,
