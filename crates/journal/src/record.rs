@@ -12,8 +12,30 @@
 pub const RECORD_HEADER_BYTES: usize = 16;
 
 /// Largest payload of one record. One operation is one record; the largest operations
-/// (a 64 KiB xattr value plus inode images) stay far below this.
+/// (a 64 KiB xattr value plus inode images) stay far below this, and a server splits its
+/// own multi-item work (closing a session's handles, removing orphans) into bounded
+/// records. Recovery treats a longer length field as damage.
 pub const MAX_RECORD_BYTES: usize = 4 << 20;
+
+/// A record whose payload exceeds the limit it was encoded against. Never written: the
+/// caller's bytes are left as they were before the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordTooLarge {
+    pub payload_bytes: usize,
+    pub limit: usize,
+}
+
+impl std::fmt::Display for RecordTooLarge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "journal record of {} bytes exceeds the limit of {} bytes",
+            self.payload_bytes, self.limit
+        )
+    }
+}
+
+impl std::error::Error for RecordTooLarge {}
 
 /// CRC of a record: over its length field, LSN and payload.
 fn record_crc(len_bytes: &[u8], lsn_bytes: &[u8], payload: &[u8]) -> u32 {
@@ -22,32 +44,39 @@ fn record_crc(len_bytes: &[u8], lsn_bytes: &[u8], payload: &[u8]) -> u32 {
     crc32c::crc32c_append(c, payload)
 }
 
-/// Appends a record whose payload `write_payload` appends to `out`.
+/// Appends a record whose payload `write_payload` appends to `out`, if the payload is at
+/// most `limit` (itself at most [`MAX_RECORD_BYTES`]) bytes; otherwise `out` is restored and
+/// the size is reported. Returns the record's total length.
 pub fn encode_record_with(
     out: &mut Vec<u8>,
     lsn: u64,
+    limit: usize,
     write_payload: impl FnOnce(&mut Vec<u8>),
-) -> usize {
+) -> Result<usize, RecordTooLarge> {
+    let limit = limit.min(MAX_RECORD_BYTES);
     let start = out.len();
     out.extend_from_slice(&[0u8; RECORD_HEADER_BYTES]);
     write_payload(out);
     let payload_len = out.len() - start - RECORD_HEADER_BYTES;
-    assert!(
-        payload_len <= MAX_RECORD_BYTES,
-        "journal record of {payload_len} bytes exceeds the limit"
-    );
+    if payload_len > limit {
+        out.truncate(start);
+        return Err(RecordTooLarge {
+            payload_bytes: payload_len,
+            limit,
+        });
+    }
     let len_bytes = (payload_len as u32).to_le_bytes();
     let lsn_bytes = lsn.to_le_bytes();
     let crc = record_crc(&len_bytes, &lsn_bytes, &out[start + RECORD_HEADER_BYTES..]);
     out[start..start + 4].copy_from_slice(&len_bytes);
     out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
     out[start + 8..start + 16].copy_from_slice(&lsn_bytes);
-    out.len() - start
+    Ok(out.len() - start)
 }
 
-/// Appends a record carrying `payload`.
-pub fn encode_record(out: &mut Vec<u8>, lsn: u64, payload: &[u8]) -> usize {
-    encode_record_with(out, lsn, |o| o.extend_from_slice(payload))
+/// Appends a record carrying `payload` (at most [`MAX_RECORD_BYTES`]).
+pub fn encode_record(out: &mut Vec<u8>, lsn: u64, payload: &[u8]) -> Result<usize, RecordTooLarge> {
+    encode_record_with(out, lsn, MAX_RECORD_BYTES, |o| o.extend_from_slice(payload))
 }
 
 /// Total length of the record starting at `buf[0]`, from its header (no checks).
@@ -132,9 +161,9 @@ mod tests {
     #[test]
     fn round_trip_and_every_torn_prefix_is_detected() {
         let mut buf = Vec::new();
-        encode_record(&mut buf, 7, b"hello world");
+        encode_record(&mut buf, 7, b"hello world").unwrap();
         let n = buf.len();
-        encode_record(&mut buf, 8, b"second");
+        encode_record(&mut buf, 8, b"second").unwrap();
         match scan(&buf, 7) {
             Scan::Record { lsn, payload, len } => {
                 assert_eq!((lsn, payload, len), (7, &b"hello world"[..], n));
@@ -166,6 +195,30 @@ mod tests {
             scan(&buf, 9),
             Scan::Stale { lsn: 7 },
             "left over in a recycled segment"
+        );
+    }
+
+    #[test]
+    fn an_oversized_record_is_refused_and_leaves_the_buffer_as_it_was() {
+        // The old code asserted here, which with panic=abort took the whole server down.
+        let mut buf = Vec::new();
+        encode_record(&mut buf, 1, b"kept").unwrap();
+        let before = buf.clone();
+        let big = vec![1u8; MAX_RECORD_BYTES + 1];
+        assert_eq!(
+            encode_record(&mut buf, 2, &big),
+            Err(RecordTooLarge {
+                payload_bytes: MAX_RECORD_BYTES + 1,
+                limit: MAX_RECORD_BYTES
+            })
+        );
+        assert_eq!(buf, before);
+        // A caller's smaller limit applies too.
+        assert!(encode_record_with(&mut buf, 2, 3, |o| o.extend_from_slice(b"four")).is_err());
+        assert_eq!(buf, before);
+        assert_eq!(
+            encode_record_with(&mut buf, 2, 4, |o| o.extend_from_slice(b"four")),
+            Ok(RECORD_HEADER_BYTES + 4)
         );
     }
 }

@@ -1,8 +1,15 @@
 //! Recovery: read the segments in LSN order, hand every record after the checkpoints to the
-//! caller, and cut a torn or corrupt tail (report it, zero it out, never replay it).
+//! caller, and cut a torn tail (report it, zero it out, never replay it).
+//!
+//! A torn tail is the one kind of damage a crash makes: the last write of the last segment
+//! in use, cut short, which nothing was acknowledged from. Everything else that breaks the
+//! chain of records (a corrupt record with more records after it, a segment shorter than it
+//! was created, an LSN gap) may have eaten acknowledged operations, so recovery refuses.
+//! [`inspect`] says where such damage is and what follows it, without changing anything;
+//! [`repair_accept_loss`] drops it, for an operator who accepts the loss.
 
 use crate::record::{Scan, scan};
-use crate::segment::{self, Header, SEGMENT_DATA_START, SEGMENT_HEADER_BYTES, decode_header};
+use crate::segment::{self, BLOCK, Header, SEGMENT_DATA_START, decode_header};
 use kochab_store::ObjectStore;
 use std::fmt;
 
@@ -61,57 +68,148 @@ impl From<std::io::Error> for RecoveryError {
     }
 }
 
-/// Reads the whole journal and calls `apply(lsn, payload)` for every record with an LSN
-/// above `replay_after`, in order. A damaged record in the last non-empty segment is a torn
-/// tail: it and everything after it are zeroed and reported in `cut`. Damage anywhere else,
-/// or a gap in the LSNs the caller needs, is an error (acknowledged operations would be
-/// lost, so the server must not start silently).
-pub fn recover(
+/// Where the journal stops being one valid chain of records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Damage {
+    pub segment: String,
+    /// Offset in `segment` where its valid records end.
+    pub offset: u64,
+    pub reason: String,
+    /// A record or header torn by a crash during its write, at the very end of the journal:
+    /// nothing after it was acknowledged, so recovery cuts it by itself.
+    pub torn_tail: bool,
+}
+
+impl fmt::Display for Damage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} at offset {}: {}",
+            self.segment, self.offset, self.reason
+        )
+    }
+}
+
+/// One segment as found in the store, before its records are read.
+struct Facts {
+    name: String,
+    name_lsn: u64,
+    len: u64,
+    header: Header,
+    /// The header block is zeros and so is everything after it: never used.
+    unused: bool,
+}
+
+fn gather(store: &dyn ObjectStore) -> std::io::Result<Vec<Facts>> {
+    let mut out = Vec::new();
+    for (name_lsn, name) in segment::list_segments(store)? {
+        let obj = store.open(&name, false)?;
+        let len = obj.len()?;
+        let mut head = vec![0u8; BLOCK.min(len as usize)];
+        let n = obj.read_at(&mut head, 0)?;
+        head.truncate(n);
+        let header = decode_header(&head);
+        // A zero header whose segment holds records after it is damage, not an unused
+        // segment; reading it whole is rare (a crash between rename and header write).
+        let unused = len >= SEGMENT_DATA_START
+            && header == Header::Empty
+            && store.get(&name)?.is_some_and(|d| d.iter().all(|&b| b == 0));
+        out.push(Facts {
+            name,
+            name_lsn,
+            len,
+            header,
+            unused,
+        });
+    }
+    Ok(out)
+}
+
+/// The valid chain of records and where it ends.
+struct Walked {
+    report: RecoveryReport,
+    /// First LSN of the first segment in use.
+    first_lsn: Option<u64>,
+    /// The LSN the chain's next record would have.
+    next_lsn: Option<u64>,
+    damage: Option<Damage>,
+}
+
+/// Reads the segments in order and calls `apply` for every valid record above
+/// `replay_after`, stopping at the first damage (reported, never acted on here).
+fn walk(
     store: &dyn ObjectStore,
     replay_after: u64,
-    mut apply: impl FnMut(u64, &[u8]) -> Result<(), String>,
-) -> Result<RecoveryReport, RecoveryError> {
-    let segs = segment::list_segments(store)?;
-    let mut report = RecoveryReport {
-        segments: segs.len() as u64,
-        ..Default::default()
+    apply: &mut dyn FnMut(u64, &[u8]) -> Result<(), String>,
+) -> Result<Walked, RecoveryError> {
+    let facts = gather(store)?;
+    let last_used = facts.iter().rposition(|f| !f.unused);
+    let mut w = Walked {
+        report: RecoveryReport {
+            segments: facts.len() as u64,
+            ..Default::default()
+        },
+        first_lsn: None,
+        next_lsn: None,
+        damage: None,
     };
-    let mut expect: Option<u64> = None;
-    for (idx, (name_lsn, name)) in segs.iter().enumerate() {
-        let data = store.get(name)?.unwrap_or_default();
-        let is_last = segs[idx + 1..]
-            .iter()
-            .all(|(_, later)| segment_is_empty(store, later));
-        let first = match decode_header(&data) {
-            Header::Valid { first_lsn } if first_lsn == *name_lsn => first_lsn,
-            Header::Valid { first_lsn } => {
-                return Err(RecoveryError::Damaged(format!(
-                    "{name} says it starts at LSN {first_lsn}"
-                )));
-            }
-            Header::Empty => continue,
-            Header::Corrupt(why) if is_last => {
-                cut_tail(store, name, 0, data.len() as u64, &why, &mut report)?;
+    for (idx, f) in facts.iter().enumerate() {
+        let is_last = Some(idx) == last_used;
+        let damage = |offset: u64, reason: String, torn_tail: bool| {
+            Some(Damage {
+                segment: f.name.clone(),
+                offset,
+                reason,
+                torn_tail,
+            })
+        };
+        if f.unused {
+            continue;
+        }
+        if f.len < SEGMENT_DATA_START {
+            w.damage = damage(
+                0,
+                format!(
+                    "the segment is {} bytes, shorter than its header block: truncated",
+                    f.len
+                ),
+                false,
+            );
+            break;
+        }
+        let (first, created_bytes) = match &f.header {
+            Header::Valid {
+                first_lsn,
+                segment_bytes,
+            } if *first_lsn == f.name_lsn => (*first_lsn, *segment_bytes),
+            Header::Valid { first_lsn, .. } => {
+                w.damage = damage(
+                    0,
+                    format!("its header says it starts at LSN {first_lsn}"),
+                    false,
+                );
                 break;
             }
-            Header::Corrupt(why) => return Err(RecoveryError::Damaged(format!("{name}: {why}"))),
+            Header::Empty => {
+                w.damage = damage(0, "its header is zeros but records follow".into(), false);
+                break;
+            }
+            Header::Corrupt(why) => {
+                w.damage = damage(0, format!("header: {why}"), is_last);
+                break;
+            }
         };
-        match expect {
-            Some(e) if e != first => {
-                return Err(RecoveryError::Damaged(format!(
-                    "{name} starts at LSN {first}, expected {e}"
-                )));
-            }
-            None if first > replay_after + 1 => {
-                return Err(RecoveryError::Damaged(format!(
-                    "oldest segment starts at LSN {first} but records after {replay_after} are needed"
-                )));
-            }
-            _ => {}
+        if let Some(e) = w.next_lsn
+            && e != first
+        {
+            w.damage = damage(0, format!("it starts at LSN {first}, expected {e}"), false);
+            break;
         }
+        w.first_lsn.get_or_insert(first);
+        let data = store.get(&f.name)?.unwrap_or_default();
         let mut lsn = first;
         let mut off = (SEGMENT_DATA_START as usize).min(data.len());
-        loop {
+        let stopped = loop {
             match scan(&data[off..], lsn) {
                 Scan::Record {
                     lsn: l,
@@ -121,37 +219,65 @@ pub fn recover(
                     if l > replay_after {
                         apply(l, payload)
                             .map_err(|error| RecoveryError::Apply { lsn: l, error })?;
-                        report.replayed += 1;
+                        w.report.replayed += 1;
                     } else {
-                        report.skipped += 1;
+                        w.report.skipped += 1;
                     }
-                    report.last_lsn = l;
+                    w.report.last_lsn = l;
                     lsn += 1;
                     off += len;
                 }
-                Scan::End | Scan::Stale { .. } => break,
-                Scan::Corrupt { reason } if is_last => {
-                    cut_tail(
-                        store,
-                        name,
-                        off as u64,
-                        data.len() as u64 - off as u64,
-                        &reason,
-                        &mut report,
-                    )?;
-                    break;
-                }
-                Scan::Corrupt { reason } => {
-                    return Err(RecoveryError::Damaged(format!(
-                        "{name} at offset {off}: {reason}"
-                    )));
-                }
+                Scan::End | Scan::Stale { .. } => break None,
+                Scan::Corrupt { reason } => break Some(reason),
             }
-        }
-        expect = Some(lsn);
-        if report.cut.is_some() {
+        };
+        w.next_lsn = Some(lsn);
+        if let Some(created) = created_bytes
+            && f.len < created
+        {
+            // Whatever the records up to here say, the bytes after the end are gone.
+            w.damage = damage(
+                off as u64,
+                format!(
+                    "the segment is {} bytes but was created with {created}: truncated, \
+                     records after LSN {} may be lost",
+                    f.len,
+                    lsn - 1
+                ),
+                false,
+            );
             break;
         }
+        if let Some(reason) = stopped {
+            w.damage = damage(off as u64, reason, is_last);
+            break;
+        }
+    }
+    Ok(w)
+}
+
+/// Reads the whole journal and calls `apply(lsn, payload)` for every record with an LSN
+/// above `replay_after`, in order. A torn tail (see the module) is zeroed and reported in
+/// `cut`. Any other damage, or a gap in the LSNs the caller needs, is an error (acknowledged
+/// operations would be lost, so the server must not start silently).
+pub fn recover(
+    store: &dyn ObjectStore,
+    replay_after: u64,
+    mut apply: impl FnMut(u64, &[u8]) -> Result<(), String>,
+) -> Result<RecoveryReport, RecoveryError> {
+    let w = walk(store, replay_after, &mut apply)?;
+    if let Some(first) = w.first_lsn
+        && first > replay_after + 1
+    {
+        return Err(RecoveryError::Damaged(format!(
+            "oldest segment starts at LSN {first} but records after {replay_after} are needed"
+        )));
+    }
+    let mut report = w.report;
+    match w.damage {
+        Some(d) if d.torn_tail => cut_tail(store, &d, &mut report)?,
+        Some(d) => return Err(RecoveryError::Damaged(d.to_string())),
+        None => {}
     }
     if report.last_lsn == 0 && replay_after > 0 {
         // Everything is in checkpoints and the journal was trimmed to nothing: continue after them.
@@ -166,25 +292,31 @@ pub fn recover(
     Ok(report)
 }
 
-fn segment_is_empty(store: &dyn ObjectStore, name: &str) -> bool {
-    let Ok(obj) = store.open(name, false) else {
-        return true;
-    };
-    let mut h = [0u8; SEGMENT_HEADER_BYTES];
-    matches!(obj.read_at(&mut h, 0), Ok(n) if n < SEGMENT_HEADER_BYTES || h.iter().all(|&b| b == 0))
-}
-
-/// Zeroes `bytes` bytes of segment `name` from `offset`, durably, and records the cut.
+/// Zeroes segment `d.segment` from `d.offset` to its end, durably, and records the cut.
 fn cut_tail(
     store: &dyn ObjectStore,
-    name: &str,
-    offset: u64,
-    bytes: u64,
-    reason: &str,
+    d: &Damage,
     report: &mut RecoveryReport,
 ) -> Result<(), RecoveryError> {
-    tracing::warn!("journal {name}: cutting {bytes} bytes at offset {offset}: {reason}");
-    let obj = store.open(name, false)?;
+    let obj = store.open(&d.segment, false)?;
+    let bytes = obj.len()?.saturating_sub(d.offset);
+    tracing::warn!(
+        "journal {}: cutting {bytes} bytes at offset {}: {}",
+        d.segment,
+        d.offset,
+        d.reason
+    );
+    zero_from(obj.as_ref(), d.offset, bytes)?;
+    report.cut = Some(Cut {
+        segment: d.segment.clone(),
+        offset: d.offset,
+        bytes,
+        reason: d.reason.clone(),
+    });
+    Ok(())
+}
+
+fn zero_from(obj: &dyn kochab_store::Object, offset: u64, bytes: u64) -> std::io::Result<()> {
     let zeros = vec![0u8; 1 << 20];
     let mut done = 0;
     while done < bytes {
@@ -192,12 +324,140 @@ fn cut_tail(
         obj.write_at(&zeros[..n], offset + done)?;
         done += n as u64;
     }
-    obj.sync_data()?;
-    report.cut = Some(Cut {
-        segment: name.to_string(),
-        offset,
-        bytes,
-        reason: reason.to_string(),
-    });
-    Ok(())
+    obj.sync_data()
+}
+
+/// One segment as a read-only pass sees it on its own (not as part of the chain).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentSummary {
+    pub name: String,
+    /// Length of the object.
+    pub bytes: u64,
+    /// Valid records from the segment's start, and the LSNs of the first and last.
+    pub records: u64,
+    pub lsns: Option<(u64, u64)>,
+}
+
+fn summarize(store: &dyn ObjectStore, name: &str) -> std::io::Result<SegmentSummary> {
+    let data = store.get(name)?.unwrap_or_default();
+    let mut s = SegmentSummary {
+        name: name.to_string(),
+        bytes: data.len() as u64,
+        records: 0,
+        lsns: None,
+    };
+    if let Header::Valid { first_lsn, .. } = decode_header(&data) {
+        let mut off = (SEGMENT_DATA_START as usize).min(data.len());
+        let mut lsn = first_lsn;
+        while let Scan::Record { len, .. } = scan(&data[off..], lsn) {
+            s.records += 1;
+            s.lsns = Some((first_lsn, lsn));
+            off += len;
+            lsn += 1;
+        }
+    }
+    Ok(s)
+}
+
+/// What a read-only pass over the journal found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inspection {
+    /// Every segment, each read on its own.
+    pub segments: Vec<SegmentSummary>,
+    /// The last LSN of the valid chain (0 if there is none).
+    pub chain_end: u64,
+    /// Where the chain breaks, if it does.
+    pub damage: Option<Damage>,
+}
+
+/// Reads the journal without changing it: where its valid chain of records ends and what
+/// damage, if any, stops it.
+pub fn inspect(store: &dyn ObjectStore) -> Result<Inspection, RecoveryError> {
+    let w = walk(store, u64::MAX, &mut |_, _| Ok(()))?;
+    let mut segments = Vec::new();
+    for (_, name) in segment::list_segments(store)? {
+        segments.push(summarize(store, &name)?);
+    }
+    let chain_end = match (&w.next_lsn, &w.damage) {
+        (Some(next), _) => next - 1,
+        // Broken before any segment in use: the chain ends before the damaged one.
+        (None, Some(d)) => segment::parse_segment_name(&d.segment).map_or(0, |l| l - 1),
+        (None, None) => 0,
+    };
+    Ok(Inspection {
+        segments,
+        chain_end,
+        damage: w.damage,
+    })
+}
+
+/// What [`repair_accept_loss`] dropped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Repair {
+    /// The damage that was found (none: nothing was changed).
+    pub damage: Option<Damage>,
+    /// The journal now ends after this LSN; records after it are gone.
+    pub kept_through: u64,
+    /// Bytes zeroed at the end of the damaged segment, if it kept any records.
+    pub cut: Option<Cut>,
+    /// Segments deleted whole (the damaged one if it kept no records, and every later one).
+    pub deleted: Vec<SegmentSummary>,
+}
+
+/// Drops everything from the first damage on: the rest of the damaged segment is zeroed
+/// (or the segment deleted, if none of its records are kept), every later segment is
+/// deleted, so that the journal is again one valid chain that ends at the last record before
+/// the damage. For an operator who accepts losing those records; the returned report lists
+/// exactly what went. A torn tail is cut the same way.
+pub fn repair_accept_loss(store: &dyn ObjectStore) -> Result<Repair, RecoveryError> {
+    let ins = inspect(store)?;
+    let Some(d) = ins.damage.clone() else {
+        return Ok(Repair {
+            damage: None,
+            kept_through: ins.chain_end,
+            cut: None,
+            deleted: Vec::new(),
+        });
+    };
+    let mut repair = Repair {
+        damage: Some(d.clone()),
+        kept_through: ins.chain_end,
+        cut: None,
+        deleted: Vec::new(),
+    };
+    let mut later = false;
+    for s in &ins.segments {
+        if s.name == d.segment {
+            later = true;
+            if d.offset <= SEGMENT_DATA_START {
+                store.delete(&s.name)?;
+                repair.deleted.push(s.clone());
+            } else {
+                let obj = store.open(&s.name, false)?;
+                let bytes = s.bytes.saturating_sub(d.offset);
+                zero_from(obj.as_ref(), d.offset, bytes)?;
+                // A truncated segment gets its length back (as zeros), so it is whole again.
+                if let Header::Valid {
+                    segment_bytes: Some(created),
+                    ..
+                } = decode_header(&store.get(&s.name)?.unwrap_or_default())
+                    && s.bytes < created
+                {
+                    obj.set_len(created)?;
+                    obj.sync_data()?;
+                }
+                repair.cut = Some(Cut {
+                    segment: s.name.clone(),
+                    offset: d.offset,
+                    bytes,
+                    reason: d.reason.clone(),
+                });
+            }
+        } else if later {
+            store.delete(&s.name)?;
+            repair.deleted.push(s.clone());
+        }
+    }
+    store.sync_dir(segment::JOURNAL_DIR)?;
+    Ok(repair)
 }

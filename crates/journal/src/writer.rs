@@ -13,7 +13,7 @@
 //! (Two flushers with overlapping writes were measured too: equal throughput on this
 //! machine, where every direct write costs a VM exit, and each flush then needs padding.)
 
-use crate::record::{encode_record_with, record_len};
+use crate::record::{MAX_RECORD_BYTES, encode_record_with, record_len};
 use crate::segment::{
     self, BLOCK, SEGMENT_DATA_START, SEGMENT_HEADER_BYTES, SPARE_NAME, encode_header, segment_name,
 };
@@ -70,10 +70,42 @@ struct Shared {
     durable_cv: Condvar,
     durable_tx: watch::Sender<u64>,
     failed: AtomicBool,
+    /// Why the journal failed (the first reason), for everyone who must stop.
+    failure_tx: watch::Sender<Option<String>>,
     bytes: AtomicU64,
     segments: AtomicU64,
     store: Arc<dyn ObjectStore>,
     options: JournalOptions,
+}
+
+impl Shared {
+    /// Puts the journal into its failed state: nothing appended from now on becomes
+    /// durable, waiters are woken, and subscribers learn why. The first reason sticks.
+    fn fail(&self, why: String) {
+        tracing::error!("journal failed: {why}; no further operation will be acknowledged");
+        self.failure_tx.send_if_modified(|f| {
+            if f.is_some() {
+                return false;
+            }
+            *f = Some(why);
+            true
+        });
+        self.failed.store(true, Ordering::Release);
+        // Taking each lock before notifying means no waiter can miss the flag.
+        drop(self.state.lock());
+        self.wake_flusher.notify_all();
+        let _g = self.durable_lock.lock();
+        self.durable_cv.notify_all();
+    }
+
+    /// Largest record payload this journal takes: a record must fit in one segment.
+    fn record_limit(&self) -> usize {
+        let room = self
+            .options
+            .segment_bytes
+            .saturating_sub(SEGMENT_DATA_START);
+        (room as usize).min(MAX_RECORD_BYTES)
+    }
 }
 
 /// The journal of one server.
@@ -102,11 +134,18 @@ impl Journal {
         options: JournalOptions,
         observer: Option<Arc<dyn JournalObserver>>,
     ) -> io::Result<Journal> {
-        assert!(next_lsn >= 1, "LSNs start at 1");
-        assert!(
-            options.segment_bytes >= 1 << 16 && options.segment_bytes.is_multiple_of(BLOCK as u64),
-            "segments are whole blocks, at least 64 KiB"
-        );
+        if next_lsn == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "LSNs start at 1",
+            ));
+        }
+        if options.segment_bytes < 1 << 16 || !options.segment_bytes.is_multiple_of(BLOCK as u64) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "journal segments are whole blocks, at least 64 KiB",
+            ));
+        }
         store.sync_dir(segment::JOURNAL_DIR)?;
         let existing = segment::list_segments(store.as_ref())?
             .into_iter()
@@ -130,6 +169,7 @@ impl Journal {
             durable_cv: Condvar::new(),
             durable_tx,
             failed: AtomicBool::new(false),
+            failure_tx: watch::channel(None).0,
             bytes: AtomicU64::new(existing * options.segment_bytes + SEGMENT_DATA_START),
             segments: AtomicU64::new(existing + 1),
             store,
@@ -148,6 +188,12 @@ impl Journal {
     /// Appends one record whose payload `write_payload` produces and returns its LSN.
     /// Records become durable in LSN order; callers that need order across threads (the
     /// engine) call this while holding their own lock.
+    ///
+    /// A payload larger than [`Journal::record_limit`] is not written: the journal fails
+    /// (see [`Journal::failure`]), so that neither it nor any later record is ever
+    /// acknowledged. Callers whose state already reflects the record (the engine applies
+    /// before it journals) must therefore keep every record within the limit by
+    /// construction; reaching it is a bug that stops the server cleanly.
     pub fn append_with(&self, write_payload: impl FnOnce(&mut Vec<u8>)) -> u64 {
         let lsn = self.append_deferred(write_payload);
         self.flush_now();
@@ -160,10 +206,32 @@ impl Journal {
         let mut st = self.shared.state.lock();
         let lsn = st.next_lsn;
         st.next_lsn += 1;
-        encode_record_with(&mut st.active, lsn, write_payload);
-        st.active_records += 1;
-        st.active_last = lsn;
+        if self.failed() {
+            // Nothing will be written any more: buffering would only grow memory.
+            return lsn;
+        }
+        match encode_record_with(
+            &mut st.active,
+            lsn,
+            self.shared.record_limit(),
+            write_payload,
+        ) {
+            Ok(_) => {
+                st.active_records += 1;
+                st.active_last = lsn;
+            }
+            Err(e) => {
+                drop(st);
+                self.shared.fail(format!("record {lsn} was refused: {e}"));
+            }
+        }
         lsn
+    }
+
+    /// Largest record payload this journal accepts (at most
+    /// [`crate::record::MAX_RECORD_BYTES`], and what fits in one segment).
+    pub fn record_limit(&self) -> usize {
+        self.shared.record_limit()
     }
 
     /// Wakes the flusher if it is idle and records are waiting.
@@ -194,6 +262,17 @@ impl Journal {
     /// True once a write failed; the server must stop acknowledging.
     pub fn failed(&self) -> bool {
         self.shared.failed.load(Ordering::Acquire)
+    }
+
+    /// Why the journal failed, once it has.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure_tx.borrow().clone()
+    }
+
+    /// A channel that carries the reason once the journal fails (a write, sync or segment
+    /// error, or a refused record): the server stops serving when it changes.
+    pub fn subscribe_failure(&self) -> watch::Receiver<Option<String>> {
+        self.shared.failure_tx.subscribe()
     }
 
     /// Blocks until `lsn` is durable. False if the journal failed first.
@@ -264,8 +343,9 @@ impl Drop for Journal {
 
 /// Opens the segment that starts at `first_lsn` (the pre-zeroed spare if it is ready,
 /// else a new zero-filled object) and writes its header block. Zeros matter: a block no
-/// write reached reads as a clean end. The rename is made durable before any record in the
-/// segment can be acknowledged.
+/// write reached reads as a clean end. Either way the object gets its segment name only
+/// once it is zero-filled to full length, so a short segment is always damage. The rename
+/// is made durable before any record in the segment can be acknowledged.
 fn open_segment(
     store: &dyn ObjectStore,
     first_lsn: u64,
@@ -281,7 +361,8 @@ fn open_segment(
     if spare_ready {
         store.rename(SPARE_NAME, &name)?;
     } else {
-        segment::write_zeroed(store, &name, options.segment_bytes)?;
+        segment::write_zeroed(store, NEXT_TMP_NAME, options.segment_bytes)?;
+        store.rename(NEXT_TMP_NAME, &name)?;
     }
     store.sync_dir(segment::JOURNAL_DIR)?;
     let obj = store.open(&name, false)?;
@@ -297,11 +378,16 @@ fn open_segment(
         tail: Vec::new(),
     };
     let mut header = vec![0u8; BLOCK];
-    header[..SEGMENT_HEADER_BYTES].copy_from_slice(&encode_header(first_lsn));
+    header[..SEGMENT_HEADER_BYTES]
+        .copy_from_slice(&encode_header(first_lsn, options.segment_bytes));
     write_blocks(&seg, aligned.fill(&header), 0, options.fsync)?;
     seg.pos = SEGMENT_DATA_START;
     Ok(seg)
 }
+
+/// Where a segment is zero-filled when no spare is ready (never at the same time as the
+/// spare's own temporary: the flusher waits for the spare's preparation first).
+const NEXT_TMP_NAME: &str = "journal/next.tmp";
 
 /// Prepares the zero-filled spare in the background so that a rollover rarely waits.
 fn prepare_spare(store: Arc<dyn ObjectStore>, bytes: u64) -> JoinHandle<()> {
@@ -374,10 +460,10 @@ fn flusher_loop(
     loop {
         let (last, records) = {
             let mut st = shared.state.lock();
-            while st.active.is_empty() && !st.shutdown {
+            while st.active.is_empty() && !st.shutdown && !shared.failed.load(Ordering::Acquire) {
                 shared.wake_flusher.wait(&mut st);
             }
-            if st.active.is_empty() {
+            if st.active.is_empty() || shared.failed.load(Ordering::Acquire) {
                 break;
             }
             std::mem::swap(&mut st.active, &mut flushing);
@@ -437,12 +523,10 @@ fn flusher_loop(
             }
         }
         if let Err(e) = result {
-            // A journal that cannot write must not acknowledge anything more.
-            tracing::error!("journal write failed: {e}; no further operation will be acknowledged");
-            shared.failed.store(true, Ordering::Release);
-            let _g = shared.durable_lock.lock();
-            shared.durable_cv.notify_all();
-            return;
+            // A journal that cannot write must not acknowledge anything more (fail-stop:
+            // the server tells its clients and exits).
+            shared.fail(format!("write failed: {e}"));
+            break;
         }
         if let Some(o) = &observer {
             o.on_commit(records, written, started.elapsed().as_secs_f64());

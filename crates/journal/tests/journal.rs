@@ -205,3 +205,259 @@ fn records_after_an_unwritten_block_are_not_replayed() {
     );
     assert_eq!(rep.last_lsn, 2);
 }
+
+/// Shortens segment `first` of the store in `dir` to `len` bytes, as a lost write-back or a
+/// careless copy would.
+fn truncate_segment(dir: &std::path::Path, first: u64, len: u64) {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join(segment_name(first)))
+        .unwrap();
+    f.set_len(len).unwrap();
+}
+
+#[test]
+fn a_segment_truncated_at_a_record_boundary_is_damage_not_a_clean_end() {
+    // The old recovery read the zeros after a truncation at a record boundary as the clean
+    // end of the journal: records 6..=10, acknowledged, vanished without a word.
+    let (dir, s) = store();
+    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let mut ends = Vec::new();
+    for i in 1..=10 {
+        j.append(&payload(i));
+        assert!(j.wait_durable(i));
+        ends.push(4096 + (1..=i).map(|k| 16 + payload(k).len() as u64).sum::<u64>());
+    }
+    drop(j);
+    truncate_segment(dir.path(), 1, ends[4]);
+    let err = recover(s.as_ref(), 0, |_, _| Ok(())).unwrap_err();
+    assert!(
+        err.to_string().contains("truncated"),
+        "refused with a clear reason: {err}"
+    );
+    // Nothing was changed by the refusal.
+    let path = dir.path().join(segment_name(1));
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), ends[4]);
+}
+
+#[test]
+fn a_segment_truncated_inside_a_record_is_damage_not_a_torn_tail() {
+    // The old recovery cut this as a torn tail and started, having lost records 4..=10.
+    let (dir, s) = store();
+    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    for i in 1..=10 {
+        j.append(&payload(i));
+    }
+    assert!(j.wait_durable(10));
+    drop(j);
+    truncate_segment(dir.path(), 1, 4096 + 200);
+    assert!(matches!(
+        recover(s.as_ref(), 0, |_, _| Ok(())),
+        Err(kochab_journal::RecoveryError::Damaged(_))
+    ));
+}
+
+#[test]
+fn an_emptied_later_segment_is_damage() {
+    // A later segment cut to nothing: the old recovery took it for an unused one.
+    let (dir, s) = store();
+    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    for i in 1..=2000 {
+        j.append(&payload(i));
+    }
+    assert!(j.wait_durable(2000));
+    drop(j);
+    let segs = list_segments(s.as_ref()).unwrap();
+    assert!(segs.len() >= 3);
+    let (last_first, _) = segs[segs.len() - 1];
+    truncate_segment(dir.path(), last_first, 0);
+    let err = recover(s.as_ref(), 0, |_, _| Ok(())).unwrap_err();
+    assert!(err.to_string().contains("shorter than its header"), "{err}");
+}
+
+#[test]
+fn repair_accept_loss_drops_exactly_what_follows_the_damage() {
+    let (dir, s) = store();
+    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    for i in 1..=2000 {
+        j.append(&payload(i));
+    }
+    assert!(j.wait_durable(2000));
+    drop(j);
+    let segs = list_segments(s.as_ref()).unwrap();
+    assert!(segs.len() >= 3, "{segs:?}");
+    // Cut the second segment in the middle of its records.
+    let (second, _) = segs[1];
+    let (third, _) = segs[2];
+    let before = kochab_journal::inspect(s.as_ref()).unwrap();
+    assert!(before.damage.is_none());
+    assert_eq!(before.chain_end, 2000);
+    truncate_segment(dir.path(), second, 20_000);
+    let ins = kochab_journal::inspect(s.as_ref()).unwrap();
+    let damage = ins.damage.clone().expect("damage found");
+    assert!(!damage.torn_tail);
+    assert_eq!(damage.segment, segment_name(second));
+    let kept = ins.chain_end;
+    assert!(kept > second && kept < third, "{kept}");
+
+    let repair = kochab_journal::repair_accept_loss(s.as_ref()).unwrap();
+    assert_eq!(repair.kept_through, kept);
+    let cut = repair
+        .cut
+        .expect("the damaged segment keeps its first records");
+    assert_eq!(cut.segment, segment_name(second));
+    let deleted: Vec<_> = repair.deleted.iter().map(|d| d.name.clone()).collect();
+    assert_eq!(
+        deleted,
+        segs[2..].iter().map(|(_, n)| n.clone()).collect::<Vec<_>>(),
+        "every later segment goes, and only those"
+    );
+    assert_eq!(repair.deleted[0].lsns.map(|l| l.0), Some(third));
+    assert_eq!(repair.deleted.last().unwrap().lsns.map(|l| l.1), Some(2000));
+
+    // The journal is one valid chain again, ending where the report says.
+    let (got, rep) = collect(s.as_ref(), 0);
+    assert_eq!(rep.last_lsn, kept);
+    assert_eq!(got.len() as u64, kept);
+    for (l, p) in &got {
+        assert_eq!(p, &payload(*l));
+    }
+    let j = Journal::start(s.clone(), kept + 1, small(), None).unwrap();
+    j.append(b"after the repair");
+    assert!(j.wait_durable(kept + 1));
+    drop(j);
+    let (got, _) = collect(s.as_ref(), kept);
+    assert_eq!(got, vec![(kept + 1, b"after the repair".to_vec())]);
+    // A second repair finds nothing to do.
+    assert!(
+        kochab_journal::repair_accept_loss(s.as_ref())
+            .unwrap()
+            .damage
+            .is_none()
+    );
+}
+
+#[test]
+fn an_oversized_record_fails_the_journal_instead_of_aborting() {
+    // The old code asserted in the encoder (panic=abort in release: the whole server died,
+    // and died again on every start if the input survived).
+    let (_d, s) = store();
+    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let mut failure = j.subscribe_failure();
+    let ok = j.append(b"fine");
+    assert!(j.wait_durable(ok));
+    let big = vec![0u8; j.record_limit() + 1];
+    let l = j.append(&big);
+    assert!(!j.wait_durable(l), "an oversized record is never durable");
+    assert!(j.failed());
+    assert!(failure.has_changed().unwrap());
+    let why = failure.borrow_and_update().clone().expect("a reason");
+    assert!(why.contains("exceeds the limit"), "{why}");
+    let after = j.append(b"later");
+    assert!(
+        !j.wait_durable(after),
+        "nothing after a failure is acknowledged"
+    );
+    drop(j);
+    let (got, _) = collect(s.as_ref(), 0);
+    assert_eq!(got, vec![(1, b"fine".to_vec())]);
+}
+
+/// A store whose writes start failing when told to, as a disk that returns EIO would.
+struct FailingStore {
+    inner: Arc<dyn ObjectStore>,
+    fail: Arc<std::sync::atomic::AtomicBool>,
+}
+
+struct FailingObject {
+    inner: Arc<dyn kochab_store::Object>,
+    fail: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl kochab_store::Object for FailingObject {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
+        if self.fail.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(std::io::Error::from_raw_os_error(libc_eio()));
+        }
+        self.inner.write_at(data, offset)
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.inner.sync_data()
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.inner.set_len(len)
+    }
+}
+
+fn libc_eio() -> i32 {
+    5
+}
+
+impl ObjectStore for FailingStore {
+    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+        self.inner.put(name, data)
+    }
+    fn get(&self, name: &str) -> std::io::Result<Option<Vec<u8>>> {
+        self.inner.get(name)
+    }
+    fn delete(&self, name: &str) -> std::io::Result<()> {
+        self.inner.delete(name)
+    }
+    fn list(&self, prefix: &str) -> std::io::Result<Vec<String>> {
+        self.inner.list(prefix)
+    }
+    fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
+        self.inner.rename(from, to)
+    }
+    fn open(&self, name: &str, create: bool) -> std::io::Result<Arc<dyn kochab_store::Object>> {
+        Ok(Arc::new(FailingObject {
+            inner: self.inner.open(name, create)?,
+            fail: self.fail.clone(),
+        }))
+    }
+    fn open_sync_direct(
+        &self,
+        _name: &str,
+    ) -> std::io::Result<Option<Arc<dyn kochab_store::Object>>> {
+        Ok(None)
+    }
+    fn open_direct(
+        &self,
+        _name: &str,
+        _create: bool,
+    ) -> std::io::Result<Option<Arc<dyn kochab_store::Object>>> {
+        Ok(None)
+    }
+    fn sync_dir(&self, prefix: &str) -> std::io::Result<()> {
+        self.inner.sync_dir(prefix)
+    }
+    fn capacity(&self) -> std::io::Result<kochab_store::Capacity> {
+        self.inner.capacity()
+    }
+}
+
+#[test]
+fn a_write_error_fails_the_journal_and_says_why() {
+    let (_d, inner) = store();
+    let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s: Arc<dyn ObjectStore> = Arc::new(FailingStore {
+        inner,
+        fail: fail.clone(),
+    });
+    let j = Journal::start(s, 1, small(), None).unwrap();
+    let failure = j.subscribe_failure();
+    assert!(j.wait_durable(j.append(b"before")));
+    fail.store(true, std::sync::atomic::Ordering::Relaxed);
+    let l = j.append(b"lost");
+    assert!(!j.wait_durable(l));
+    let why = j.failure().expect("a reason");
+    assert!(why.contains("write failed"), "{why}");
+    assert!(failure.has_changed().unwrap());
+    assert_eq!(j.durable_lsn(), 1);
+}

@@ -77,6 +77,13 @@ fn image_name(lo: u64, seq: u64) -> String {
     format!("{}/{seq:010}.img", table_dir(lo))
 }
 
+/// Replaces a table's manifest (atomically). For offline repair; a running server's
+/// checkpointer writes its own.
+pub fn put_manifest(store: &dyn ObjectStore, m: &Manifest) -> io::Result<()> {
+    let json = serde_json::to_vec(m).map_err(io::Error::other)?;
+    store.put(&manifest_name(m.lo), &json)
+}
+
 /// Reads a table's manifest (an empty one if the table was never checkpointed).
 pub fn read_manifest(store: &dyn ObjectStore, lo: u64, hi: u64) -> io::Result<Manifest> {
     match store.get(&manifest_name(lo))? {
@@ -215,6 +222,12 @@ impl Checkpointer {
             // Nothing changed since the last image: only the replay point moves, and only
             // when that lets the journal be trimmed.
             if start_lsn > self.manifests[i].replay_from {
+                // The replay point may only pass records that are durable: a manifest ahead
+                // of the journal would make the next start refuse (or, after a journal
+                // failure, skip records that were never written).
+                if !shared.journal.wait_durable(start_lsn) {
+                    return Err(io::Error::other("journal failed; checkpoint abandoned"));
+                }
                 let mut m = self.manifests[i].clone();
                 m.replay_from = start_lsn;
                 self.write_manifest(shared, i, m, Vec::new())?;
@@ -280,7 +293,11 @@ impl Checkpointer {
                 scratch = postcard::to_extend(&img, std::mem::take(&mut scratch))
                     .map_err(io::Error::other)?;
                 n += 1;
-                encode_record(&mut buf, n, &scratch);
+                // A box too large for one record is refused (the checkpoint fails and is
+                // retried), never an abort: inode boxes stay below the limit by the xattr
+                // bound (kochab_meta::XATTR_TOTAL_MAX); a dentry box of a directory with
+                // millions of long names per 1/1024 of its hash range could exceed it.
+                encode_record(&mut buf, n, &scratch).map_err(io::Error::other)?;
                 copied += 1;
             }
             drop(core);
