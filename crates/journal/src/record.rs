@@ -45,15 +45,15 @@ fn record_crc(len_bytes: &[u8], lsn_bytes: &[u8], payload: &[u8]) -> u32 {
 }
 
 /// Appends a record whose payload `write_payload` appends to `out`, if the payload is at
-/// most `limit` (itself at most [`MAX_RECORD_BYTES`]) bytes; otherwise `out` is restored and
-/// the size is reported. Returns the record's total length.
+/// most `limit` bytes (the journal's is at most [`MAX_RECORD_BYTES`]; readers must accept
+/// the same limit, see [`scan_limited`]); otherwise `out` is restored and the size is
+/// reported. Returns the record's total length.
 pub fn encode_record_with(
     out: &mut Vec<u8>,
     lsn: u64,
     limit: usize,
     write_payload: impl FnOnce(&mut Vec<u8>),
 ) -> Result<usize, RecordTooLarge> {
-    let limit = limit.min(MAX_RECORD_BYTES);
     let start = out.len();
     out.extend_from_slice(&[0u8; RECORD_HEADER_BYTES]);
     write_payload(out);
@@ -103,8 +103,15 @@ pub enum Scan<'a> {
     Corrupt { reason: String },
 }
 
-/// Reads the record at the start of `buf`, expecting `expect_lsn`.
+/// Reads the record at the start of `buf`, expecting `expect_lsn` (a journal record: at
+/// most [`MAX_RECORD_BYTES`]).
 pub fn scan(buf: &[u8], expect_lsn: u64) -> Scan<'_> {
+    scan_limited(buf, expect_lsn, MAX_RECORD_BYTES)
+}
+
+/// [`scan`] for records written with a payload limit of `limit` bytes; a longer length
+/// field is damage.
+pub fn scan_limited(buf: &[u8], expect_lsn: u64, limit: usize) -> Scan<'_> {
     if buf.len() < RECORD_HEADER_BYTES {
         return if buf.iter().all(|&b| b == 0) {
             Scan::End
@@ -123,9 +130,9 @@ pub fn scan(buf: &[u8], expect_lsn: u64) -> Scan<'_> {
     let mut lsn_bytes = [0u8; 8];
     lsn_bytes.copy_from_slice(&buf[8..16]);
     let lsn = u64::from_le_bytes(lsn_bytes);
-    if len > MAX_RECORD_BYTES {
+    if len > limit {
         return Scan::Corrupt {
-            reason: format!("record length {len} exceeds {MAX_RECORD_BYTES}"),
+            reason: format!("record length {len} exceeds {limit}"),
         };
     }
     if buf.len() < RECORD_HEADER_BYTES + len {

@@ -135,12 +135,15 @@ struct Walked {
     damage: Option<Damage>,
 }
 
+/// What recovery hands each record to: `(lsn, payload)`, or why the record is refused.
+type Apply<'a> = dyn FnMut(u64, &[u8]) -> Result<(), String> + 'a;
+
 /// Reads the segments in order and calls `apply` for every valid record above
 /// `replay_after`, stopping at the first damage (reported, never acted on here).
 fn walk(
     store: &dyn ObjectStore,
     replay_after: u64,
-    apply: &mut dyn FnMut(u64, &[u8]) -> Result<(), String>,
+    apply: &mut Apply<'_>,
 ) -> Result<Walked, RecoveryError> {
     let facts = gather(store)?;
     let last_used = facts.iter().rposition(|f| !f.unused);
