@@ -84,7 +84,8 @@ fn kind_char(k: FileKind) -> char {
 
 fn mode_string(a: &Attr) -> String {
     let mut s = String::new();
-    s.push(kind_char(a.kind()));
+    // '?' for a mode without a type, as ls prints one.
+    s.push(a.kind().map_or('?', kind_char));
     for shift in [6, 3, 0] {
         let bits = (a.mode >> shift) & 7;
         s.push(if bits & 4 != 0 { 'r' } else { '-' });
@@ -96,7 +97,7 @@ fn mode_string(a: &Attr) -> String {
 
 fn attr_json(a: &Attr, name: Option<&[u8]>) -> serde_json::Value {
     let mut v = serde_json::json!({
-        "id": a.id, "mode": format!("{:o}", a.mode), "kind": format!("{:?}", a.kind()).to_lowercase(),
+        "id": a.id, "mode": format!("{:o}", a.mode), "kind": a.kind().map_or("unknown".to_string(), |k| format!("{k:?}").to_lowercase()),
         "nlink": a.nlink, "uid": a.uid, "gid": a.gid, "size": a.size,
         "atime_ns": a.atime, "mtime_ns": a.mtime, "ctime_ns": a.ctime, "btime_ns": a.btime,
     });
@@ -115,7 +116,7 @@ pub async fn run(client: &Client, cmd: FsCommand) -> Result<(), String> {
     match cmd {
         FsCommand::Ls { path, long, json } => {
             let a = client.resolve(&cred, &path, true).await.map_err(err)?;
-            let entries: Vec<(Vec<u8>, Attr)> = if a.kind() == FileKind::Dir {
+            let entries: Vec<(Vec<u8>, Attr)> = if a.kind() == Some(FileKind::Dir) {
                 let mut v: Vec<_> = client
                     .readdir_all(&cred, a.id, true)
                     .await
@@ -200,7 +201,7 @@ pub async fn run(client: &Client, cmd: FsCommand) -> Result<(), String> {
         FsCommand::Rm { path, recursive } => {
             let (p, name) = client.resolve_parent(&cred, &path).await.map_err(err)?;
             let a = client.lookup(&cred, p.id, &name).await.map_err(err)?;
-            if a.kind() == FileKind::Dir {
+            if a.kind() == Some(FileKind::Dir) {
                 if !recursive {
                     return Err(format!("{path}: is a directory (use -r)"));
                 }
@@ -213,7 +214,7 @@ pub async fn run(client: &Client, cmd: FsCommand) -> Result<(), String> {
         FsCommand::Mv { from, to } => {
             let (p, name) = client.resolve_parent(&cred, &from).await.map_err(err)?;
             let (np, new_name) = match client.resolve(&cred, &to, true).await {
-                Ok(a) if a.kind() == FileKind::Dir => (a, name.clone()),
+                Ok(a) if a.kind() == Some(FileKind::Dir) => (a, name.clone()),
                 _ => client.resolve_parent(&cred, &to).await.map_err(err)?,
             };
             client

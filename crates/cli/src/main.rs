@@ -42,11 +42,9 @@ enum Command {
     },
     /// Mount a cluster with FUSE.
     Mount(MountArgs),
-    /// Check the namespace invariants (no orphans, no cycles, nlink = names).
-    Fsck {
-        #[command(flatten)]
-        conn: ConnArgs,
-    },
+    /// Check the namespace invariants (no orphans, no cycles, nlink = names) of a running
+    /// cluster; with --data, check (or repair) a stopped server's data directory instead.
+    Fsck(FsckArgs),
     /// A small file-system shell over the native client.
     Fs {
         #[command(flatten)]
@@ -89,6 +87,23 @@ struct UpArgs {
     /// Bytes per journal segment (tests set it low).
     #[arg(long, hide = true)]
     segment_bytes: Option<u64>,
+}
+
+#[derive(Args)]
+struct FsckArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    /// Check this data directory offline (its server must be stopped): journal damage and
+    /// whether a start would refuse. Changes nothing unless --repair is given.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// With --data: make a directory whose journal is damaged start again.
+    #[arg(long, requires = "data")]
+    repair: bool,
+    /// With --repair: agree to lose every journal record from the damage on (the command
+    /// lists exactly which).
+    #[arg(long, requires = "repair")]
+    accept_loss: bool,
 }
 
 #[derive(Args)]
@@ -214,7 +229,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
         config.checkpoint_records = n.max(1);
     }
     if let Some(b) = args.segment_bytes {
-        config.segment_bytes = (b.max(1 << 16) / 4096) * 4096;
+        config.segment_bytes = (b.max(kochab_server::server::SEGMENT_BYTES_MIN) / 4096) * 4096;
     }
     config.session_grace =
         std::time::Duration::from_secs_f64(args.session_grace.clamp(0.0, 3600.0));
@@ -249,15 +264,29 @@ async fn up(args: UpArgs) -> Result<(), String> {
         None => None,
     };
     println!("kochab: cluster ready at {}", server.addr);
-    match mount {
-        Some(session) => {
-            mount::wait(session).await;
+    // Fail-stop: a server whose journal fails has told its clients (EIO) and stops here,
+    // with an error, rather than stay up looking healthy.
+    let journal_failure = server.journal_failure();
+    tokio::pin!(journal_failure);
+    let failed = match mount {
+        Some(session) => mount::wait(session, &mut journal_failure).await,
+        None => tokio::select! {
+            _ = wait_for_signal() => None,
+            why = &mut journal_failure => Some(why),
+        },
+    };
+    match failed {
+        Some(why) => {
+            eprintln!("kochab: the journal failed ({why}); stopping without acknowledging more");
+            server.shutdown().await;
+            Err(format!("stopped: the journal failed: {why}"))
         }
-        None => wait_for_signal().await,
+        None => {
+            eprintln!("kochab: shutting down");
+            server.shutdown().await;
+            Ok(())
+        }
     }
-    eprintln!("kochab: shutting down");
-    server.shutdown().await;
-    Ok(())
 }
 
 pub(crate) async fn wait_for_signal() {
@@ -372,6 +401,29 @@ async fn status(conn: ConnArgs, json: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// `kochab fsck --data DIR [--repair --accept-loss]`: offline, on a stopped server's directory.
+fn fsck_offline(dir: &std::path::Path, repair: bool, accept_loss: bool) -> Result<(), String> {
+    let report = if repair {
+        if !accept_loss {
+            return Err("--repair drops journal records after damage; \
+                 say so with --accept-loss (run without --repair first to see what is damaged)"
+                .to_string());
+        }
+        kochab_server::recovery::repair_accept_loss(dir)
+    } else {
+        kochab_server::recovery::check_offline(dir)
+    }
+    .map_err(|e| format!("{}: {e}", dir.display()))?;
+    for line in &report.lines {
+        println!("{line}");
+    }
+    if report.refuses_to_start {
+        return Err(format!("{} does not start as it is", dir.display()));
+    }
+    println!("kochab fsck: {} starts", dir.display());
+    Ok(())
+}
+
 async fn fsck(conn: ConnArgs) -> Result<(), String> {
     let client = connect(&conn).await?;
     let problems = client.fsck().await.map_err(|e| e.to_string())?;
@@ -421,9 +473,12 @@ fn main() -> ExitCode {
                 mount::background(&args)
             }
         }
-        Command::Fsck { conn } => {
+        Command::Fsck(args) => {
             init_logging("warn");
-            runtime(Some(1)).and_then(|rt| rt.block_on(fsck(conn)))
+            match &args.data {
+                Some(dir) => fsck_offline(dir, args.repair, args.accept_loss),
+                None => runtime(Some(1)).and_then(|rt| rt.block_on(fsck(args.conn))),
+            }
         }
         Command::Fs { conn, cmd } => {
             init_logging("warn");

@@ -41,26 +41,31 @@ fn set_read_ahead(dir: &Path) {
     }
 }
 
-/// Waits until SIGINT/SIGTERM (then unmounts) or until someone unmounts the file system.
-pub async fn wait(session: fuser::BackgroundSession) {
+/// Waits until SIGINT/SIGTERM or `stop` resolves (then unmounts), or until someone
+/// unmounts the file system. Returns what `stop` gave, if it ended the wait.
+pub async fn wait<T>(
+    session: fuser::BackgroundSession,
+    stop: impl std::future::Future<Output = T> + Unpin,
+) -> Option<T> {
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     let signal = wait_for_signal();
     tokio::pin!(signal);
-    loop {
+    let mut stop = stop;
+    let stopped = loop {
         tokio::select! {
-            _ = &mut signal => {
-                let _ = tokio::task::spawn_blocking(move || session.umount_and_join()).await;
-                return;
-            }
+            _ = &mut signal => break None,
+            why = &mut stop => break Some(why),
             _ = tick.tick() => {
                 if session.guard.is_finished() {
                     // Unmounted from outside (fusermount3 -u): the session has ended.
                     let _ = tokio::task::spawn_blocking(move || session.join()).await;
-                    return;
+                    return None;
                 }
             }
         }
-    }
+    };
+    let _ = tokio::task::spawn_blocking(move || session.umount_and_join()).await;
+    stopped
 }
 
 /// `kochab mount --foreground`.
@@ -78,7 +83,7 @@ pub async fn foreground(args: MountArgs) -> Result<(), String> {
         args.cluster,
         args.mountpoint.display()
     );
-    wait(session).await;
+    wait(session, std::future::pending::<()>()).await;
     Ok(())
 }
 

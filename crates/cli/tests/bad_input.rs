@@ -109,7 +109,7 @@ fn assert_serving(server: &mut ServerProc) {
             .await
             .expect("getattr root")
     });
-    assert_eq!(root.kind(), FileKind::Dir);
+    assert_eq!(root.kind(), Some(FileKind::Dir));
 }
 
 #[test]

@@ -209,6 +209,14 @@ fn fail_all(pending: &Pending, alive: &AtomicBool, why: &str) {
     }
 }
 
+fn refuse_all(pending: &Pending, alive: &AtomicBool, why: &FsError) {
+    alive.store(false, Ordering::Release);
+    let waiters: Vec<_> = pending.lock().drain().collect();
+    for (_, tx) in waiters {
+        let _ = tx.send(Err(ConnError::Refused(why.clone())));
+    }
+}
+
 async fn write_loop(
     mut wr: OwnedWriteHalf,
     mut rx: mpsc::Receiver<Vec<u8>>,
@@ -270,11 +278,15 @@ async fn read_loop(
                             }
                         }
                         FrameKind::Goodbye => {
-                            let why = match decode_payload::<FsError>(payload) {
-                                Ok(e) => format!("server closed the connection: {e}"),
-                                Err(_) => "server closed the connection".to_string(),
-                            };
-                            fail_all(&pending, &alive, &why);
+                            match decode_payload::<FsError>(payload) {
+                                // The server said why it closes (EIO: its journal failed):
+                                // that is every waiting caller's answer, not a reason to
+                                // retry against a server that is stopping.
+                                Ok(e) => refuse_all(&pending, &alive, &e),
+                                Err(_) => {
+                                    fail_all(&pending, &alive, "server closed the connection")
+                                }
+                            }
                             return;
                         }
                         k => {

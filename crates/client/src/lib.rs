@@ -166,7 +166,9 @@ impl Client {
             ticket,
             dirs: Vec::new(),
         };
-        match self.call_once(cred, op).await? {
+        let reply = self.call_once(cred, op).await?;
+        reply.check_attrs()?;
+        match reply {
             Reply::WithDirs { reply, dirs } => {
                 guard.dirs = dirs;
                 Ok(*reply)
@@ -767,7 +769,7 @@ impl Client {
                 }
                 continue;
             }
-            if cur.kind() != FileKind::Dir {
+            if cur.kind() != Some(FileKind::Dir) {
                 return Err(fs_err!(
                     ENOTDIR,
                     "a component of {path:?} is not a directory"
@@ -775,7 +777,7 @@ impl Client {
             }
             let attr = self.lookup(cred, cur.id, &comp).await?;
             let last = pending.is_empty();
-            if attr.kind() == FileKind::Symlink && (!last || follow_last) {
+            if attr.kind() == Some(FileKind::Symlink) && (!last || follow_last) {
                 follows += 1;
                 if follows > SYMLINK_FOLLOW_MAX {
                     return Err(fs_err!(ELOOP, "too many symlinks in {path:?}"));
@@ -813,7 +815,7 @@ impl Client {
         let parent = self
             .resolve(cred, &String::from_utf8_lossy(&parent_path), true)
             .await?;
-        if parent.kind() != FileKind::Dir {
+        if parent.kind() != Some(FileKind::Dir) {
             return Err(fs_err!(ENOTDIR, "parent of {path:?} is not a directory"));
         }
         Ok((parent, name))

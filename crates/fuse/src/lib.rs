@@ -237,7 +237,9 @@ impl Inner {
             mtime: time(a.mtime),
             ctime: time(a.ctime),
             crtime: time(a.btime),
-            kind: file_type(a.kind()),
+            // Never a guess: the client answers EIO for attributes without a file type
+            // (Reply::check_attrs), so only typed ones reach here.
+            kind: a.kind().map_or(FileType::RegularFile, file_type),
             perm: (a.mode & 0o7777) as u16,
             nlink: a.nlink,
             uid: a.uid,
@@ -379,7 +381,7 @@ impl Filesystem for KochabFs {
         size: Option<u64>,
         atime: Option<TimeOrNow>,
         mtime: Option<TimeOrNow>,
-        ctime: Option<SystemTime>,
+        _ctime: Option<SystemTime>,
         _fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
         _chgtime: Option<SystemTime>,
@@ -398,7 +400,10 @@ impl Filesystem for KochabFs {
             size,
             atime: atime.map(conv),
             mtime: mtime.map(conv),
-            ctime: ctime.map(ns_of),
+            // The server sets ctime to its own time on every setattr and refuses an explicit
+            // one (no Linux call can set it). The kernel sends one only in writeback-cache
+            // mode, which this mount does not use; it would be "now" anyway.
+            ctime: None,
         };
         self.spawn(req, move |fs, cred| async move {
             match fs.client.setattr(&cred, fs.id(ino), set).await {
@@ -704,7 +709,17 @@ impl Filesystem for KochabFs {
                             Some(a) => a,
                             None => match fs.client.getattr(&cred, e.id).await {
                                 Ok(a) => a,
-                                Err(_) => continue,
+                                // Removed since the listing: the entry is gone, leave it out.
+                                Err(ge)
+                                    if matches!(
+                                        ge.errno,
+                                        kochab_proto::Errno::ENOENT | kochab_proto::Errno::ESTALE
+                                    ) =>
+                                {
+                                    continue;
+                                }
+                                // Anything else is the caller's error, not a hidden entry.
+                                Err(ge) => return reply.error(errno(&ge)),
                             },
                         };
                         let dot = e.name == b"." || e.name == b"..";

@@ -58,6 +58,15 @@ impl From<FsError> for Fail {
     }
 }
 
+/// The answer for an id that no table holds. WRONG_SERVER is for an id whose table the
+/// delegation map gives to another server; until a coordinator and its map exist, every
+/// table of the cluster is hosted here, so an id outside them is no file anywhere: stale,
+/// as NFS answers a handle that can never be valid (never a redirection the client would
+/// chase).
+pub fn not_in_any_table(id: InodeId) -> FsError {
+    fs_err!(ESTALE, "inode {id:#x} lies in no table of this cluster")
+}
+
 /// Result of engine internals.
 pub type OpResult<T> = Result<T, Fail>;
 
@@ -288,6 +297,14 @@ impl Engine {
             .table_index(key)
             .ok_or_else(|| format!("mutation for {key:#x}, whose table is not hosted"))?;
         match m {
+            // Every stored inode has a type (operations create none without), so that
+            // `Inode::kind` never has to guess; a record that says otherwise is damage.
+            Mutation::PutInode { inode, .. } if FileKind::from_mode(inode.mode).is_none() => {
+                return Err(format!(
+                    "inode {key:#x} with mode {:o}, which names no file type",
+                    inode.mode
+                ));
+            }
             Mutation::PutInode { id, inode } => self.tables[i].put_inode(*id, inode.clone()),
             Mutation::DropInode { id } => self.tables[i].drop_inode(*id),
             Mutation::PutDentry {
@@ -380,7 +397,7 @@ impl Engine {
                 out.truncate(start);
                 match fail {
                     Fail::Fs(e) => Reply::Error(e),
-                    Fail::NotHosted(_) => Reply::WrongServer { epoch: self.epoch },
+                    Fail::NotHosted(id) => Reply::Error(not_in_any_table(id)),
                 }
             }
         }
@@ -506,5 +523,31 @@ impl Engine {
             }
         }
         problems
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_inode_without_a_file_type_is_never_stored() {
+        let mut e = Engine::new_cluster(EngineConfig::with_key([1, 2])).unwrap();
+        let id = e.root() + 5;
+        let typeless = Mutation::PutInode {
+            id,
+            inode: Inode::new(0o644, 0, 0, 1),
+        };
+        assert!(
+            e.apply(&typeless).is_err(),
+            "a replayed record like this is damage"
+        );
+        assert!(e.inode(id).is_none());
+        let typed = Mutation::PutInode {
+            id,
+            inode: Inode::new(mode::S_IFREG | 0o644, 0, 0, 1),
+        };
+        e.apply(&typed).unwrap();
+        assert_eq!(e.inode(id).map(|i| i.kind()), Some(FileKind::File));
     }
 }

@@ -70,7 +70,8 @@ impl Inode {
         }
     }
 
-    /// The file type.
+    /// The file type. Every inode in a table has one: operations create none without, and
+    /// `Engine::apply` and checkpoint loading refuse one (the fallback is never taken).
     pub fn kind(&self) -> FileKind {
         FileKind::from_mode(self.mode).unwrap_or(FileKind::File)
     }

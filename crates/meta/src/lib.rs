@@ -19,7 +19,7 @@ pub mod ops;
 pub mod perm;
 pub mod table;
 
-pub use engine::{Engine, EngineConfig, Fail, initial_table_ranges};
+pub use engine::{Engine, EngineConfig, Fail, initial_table_ranges, not_in_any_table};
 pub use idpolicy::{IdPolicy, IdPolicyConfig, Region};
 pub use inode::Inode;
 pub use mutation::Mutation;

@@ -17,8 +17,17 @@ use std::collections::BTreeMap;
 
 /// Most entries one readdir reply carries; bounds the reply frame.
 pub const READDIR_MAX_ENTRIES: u32 = 4096;
-/// Total bytes of names and values of one inode's extended attributes.
-pub const XATTR_TOTAL_MAX: usize = 1 << 20;
+/// Bytes of extended attributes one inode may hold: each attribute counts its name, its
+/// value and [`XATTR_ENTRY_OVERHEAD`]. Room for one value of the largest size Linux allows
+/// (XATTR_SIZE_MAX, 64 KiB) and as much again in others (ext4 holds about 4 KiB, XFS far
+/// more). They live in memory with the inode and are written whole with its checkpoint box,
+/// so this bounds both: 64 inodes at the limit stay within the checkpoint's box-image limit
+/// (`kochab_server::checkpoint::BOX_IMAGE_BYTES_MAX`, checked by a test there).
+pub const XATTR_TOTAL_MAX: usize = 128 << 10;
+/// What each attribute counts towards [`XATTR_TOTAL_MAX`] beyond its name and value (its
+/// share of the map and of the encoded lengths), so that many tiny attributes cannot weigh
+/// more than they are charged.
+pub const XATTR_ENTRY_OVERHEAD: usize = 16;
 
 fn fs<T>(e: FsError) -> OpResult<T> {
     Err(Fail::Fs(e))
@@ -905,6 +914,13 @@ impl Engine {
         out: &mut Vec<Mutation>,
     ) -> OpResult<Reply> {
         let old = self.get(id)?;
+        // The change time records when the server changed the inode; nobody may set it, root
+        // included: Linux offers no call that does (notify_change always sets it to the
+        // current time) and a FUSE kernel asks only in writeback-cache mode, which the mount
+        // does not use (and the mount drops it anyway: every setattr sets ctime to now).
+        if set.ctime.is_some() {
+            return fs(fs_err!(EPERM, "the change time cannot be set"));
+        }
         let owner = is_owner(old, cred);
         if set.mode.is_some() && old.mode & S_IFMT == S_IFLNK {
             // notify_change refuses mode changes of symlinks (Linux 6.6+), before any other check.
@@ -963,9 +979,6 @@ impl Engine {
         if touch && !owner {
             check_access(old, cred, W_OK)?;
         }
-        if set.ctime.is_some() && !owner {
-            return fs(fs_err!(EPERM, "only the owner may set the change time"));
-        }
 
         let mut i = old.clone();
         if let Some(uid) = set.uid {
@@ -1009,7 +1022,7 @@ impl Engine {
         if let Some(t) = set.mtime {
             i.mtime = resolve(t);
         }
-        i.ctime = set.ctime.unwrap_or(now);
+        i.ctime = now;
         // Shrinking drops the data beyond the new end (and so zeros it, should the file
         // grow again); the entry is durable with the size until the data is gone. A
         // truncation to zero always drops everything (space fallocated past the end too,
@@ -1190,10 +1203,13 @@ impl Engine {
             x.iter()
                 .filter(|(k, _)| k.as_slice() != name)
                 .fold((0, 0), |(t, l), (k, v)| {
-                    (t + k.len() + v.len(), l + k.len() + 1)
+                    (
+                        t + k.len() + v.len() + XATTR_ENTRY_OVERHEAD,
+                        l + k.len() + 1,
+                    )
                 })
         });
-        total += name.len() + value.len();
+        total += name.len() + value.len() + XATTR_ENTRY_OVERHEAD;
         list += name.len() + 1;
         if total > XATTR_TOTAL_MAX || list > XATTR_LIST_MAX {
             return fs(fs_err!(

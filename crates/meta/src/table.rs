@@ -471,6 +471,12 @@ impl Table {
                         return Err(format!("inode slot {} out of range", img.slot));
                     }
                     let id = lo | img.slot as u64;
+                    if FileKind::from_mode(img.inode.mode).is_none() {
+                        return Err(format!(
+                            "inode {id:#x} has mode {:o}, no file type",
+                            img.inode.mode
+                        ));
+                    }
                     if !img.xattrs.is_empty() {
                         let x = self.xattrs.entry(id).or_default();
                         for (k, v) in img.xattrs {

@@ -44,7 +44,7 @@ fn lookup_resolves_names_dot_and_dotdot() {
     assert_eq!(fs.lookup(d, "..").unwrap().id, r);
     let a = fs.lookup(d, "f").unwrap();
     assert_eq!(a, fs.attr(f), "lookup returns the inode's attributes");
-    assert_eq!(a.kind(), FileKind::File);
+    assert_eq!(a.kind(), Some(FileKind::File));
     assert_eq!(fs.lookup(d, "..").unwrap(), fs.attr(r));
     fs.check();
 }
@@ -647,6 +647,55 @@ fn every_setattr_updates_ctime_only() {
 }
 
 #[test]
+fn an_explicit_ctime_is_refused_for_everyone() {
+    // The old engine let the owner (and root) set any change time, which no Linux call can.
+    let mut fs = Fs::new();
+    let r = fs.root();
+    let f = fs.file(r, "f");
+    fs.chown_as(&root(), f, Some(ALICE), None).unwrap();
+    let b = fs.attr(f);
+    for cred in [root(), usr(ALICE)] {
+        let set = SetAttrs {
+            ctime: Some(12345),
+            ..Default::default()
+        };
+        assert_eq!(fs.setattr_as(&cred, f, set), Err(E::EPERM));
+    }
+    let set = SetAttrs {
+        mode: Some(0o600),
+        ctime: Some(12345),
+        ..Default::default()
+    };
+    assert_eq!(
+        fs.setattr_as(&root(), f, set),
+        Err(E::EPERM),
+        "nothing else changes either"
+    );
+    assert_eq!(fs.attr(f), b);
+    fs.check();
+}
+
+#[test]
+fn ids_outside_every_table_are_stale_not_a_redirection() {
+    // The old engine answered WRONG_SERVER, which sends a client to look for another server
+    // that does not exist: with every table of the cluster hosted here, such an id is no file.
+    let mut fs = Fs::new();
+    let r = fs.root();
+    let nowhere = u64::MAX;
+    assert_eq!(fs.getattr(nowhere), Err(E::ESTALE));
+    assert_eq!(
+        fs.setattr_as(&root(), nowhere, SetAttrs::default()),
+        Err(E::ESTALE)
+    );
+    assert_eq!(
+        fs.getattr(r + 12345),
+        Err(E::ENOENT),
+        "a hosted id that is free"
+    );
+    fs.check();
+}
+
+#[test]
 fn setattr_of_a_missing_inode() {
     let mut fs = Fs::new();
     let r = fs.root();
@@ -676,7 +725,7 @@ fn mknod_creates_files_fifos_and_sockets() {
         let t = fs.now;
         assert_eq!(
             (a.kind(), a.mode, a.rdev),
-            (kind, expect, 0),
+            (Some(kind), expect, 0),
             "{name}: rdev only for devices"
         );
         assert_eq!((a.uid, a.gid, a.nlink), (ALICE, ALICE, 1));
@@ -700,11 +749,11 @@ fn device_nodes_need_root() {
     let c = fs
         .mknod_as(&root(), r, "null", S_IFCHR | 0o666, 0x0103, true)
         .unwrap();
-    assert_eq!((c.kind(), c.rdev), (FileKind::CharDev, 0x0103));
+    assert_eq!((c.kind(), c.rdev), (Some(FileKind::CharDev), 0x0103));
     let b = fs
         .mknod_as(&root(), r, "sda", S_IFBLK | 0o660, 0x0800, true)
         .unwrap();
-    assert_eq!((b.kind(), b.rdev), (FileKind::BlockDev, 0x0800));
+    assert_eq!((b.kind(), b.rdev), (Some(FileKind::BlockDev), 0x0800));
     let alice = usr(ALICE);
     assert_eq!(
         fs.mknod_as(&alice, r, "c", S_IFCHR | 0o666, 1, true),
@@ -1809,7 +1858,7 @@ fn symlink_and_readlink() {
 // ------------------------------------------------------------------------------------------
 
 fn kind_of(fs: &mut Fs, id: InodeId) -> FileKind {
-    fs.attr(id).kind()
+    fs.attr(id).kind().expect("a typed inode")
 }
 
 #[test]

@@ -437,6 +437,28 @@ impl Reply {
         Reply::Error(e)
     }
 
+    /// Checks that every attribute set in the reply names a file type: attributes come from
+    /// the network, and a mode without a type would otherwise have to be guessed at.
+    pub fn check_attrs(&self) -> Result<(), FsError> {
+        let bad = |a: &Attr| a.kind().is_none();
+        let found = match self {
+            Reply::Entry(a) | Reply::Attr(a) => bad(a),
+            Reply::Dir { entries, .. } => entries.iter().filter_map(|e| e.attr.as_ref()).any(bad),
+            Reply::WithDirs { reply, dirs } => {
+                reply.check_attrs()?;
+                dirs.iter().any(bad)
+            }
+            _ => false,
+        };
+        if found {
+            return Err(crate::fs_err!(
+                EIO,
+                "the server sent attributes whose mode names no file type"
+            ));
+        }
+        Ok(())
+    }
+
     /// The reply without the directory attributes a namespace change adds.
     pub fn without_dirs(self) -> Reply {
         match self {
@@ -473,4 +495,61 @@ pub struct StatusReport {
     pub rss_bytes: u64,
     pub connections: u64,
     pub durable_mode: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Errno;
+
+    fn attr(mode: u32) -> Attr {
+        Attr {
+            id: 7,
+            generation: 1,
+            mode,
+            nlink: 1,
+            uid: 0,
+            gid: 0,
+            size: 0,
+            blocks: 0,
+            atime: 0,
+            mtime: 0,
+            ctime: 0,
+            btime: 0,
+            rdev: 0,
+            blksize: 4096,
+        }
+    }
+
+    #[test]
+    fn attributes_without_a_file_type_are_refused_not_guessed() {
+        // The old Attr::kind called any mode without type bits a regular file.
+        assert_eq!(attr(0o644).kind(), None);
+        assert_eq!(attr(mode::S_IFDIR | 0o755).kind(), Some(FileKind::Dir));
+        let bad = attr(0o644);
+        let good = attr(mode::S_IFREG | 0o644);
+        assert!(Reply::Attr(good.clone()).check_attrs().is_ok());
+        assert_eq!(
+            Reply::Entry(bad.clone()).check_attrs().map_err(|e| e.errno),
+            Err(Errno::EIO)
+        );
+        let entry = |a: Option<Attr>| DirEntry {
+            cookie: 3,
+            name: b"x".to_vec(),
+            id: 7,
+            kind: FileKind::File,
+            attr: a,
+        };
+        let dir = |a| Reply::Dir {
+            entries: vec![entry(a)],
+            eof: true,
+        };
+        assert!(dir(None).check_attrs().is_ok(), "no attributes is explicit");
+        assert!(dir(Some(bad.clone())).check_attrs().is_err());
+        let with = Reply::WithDirs {
+            reply: Box::new(Reply::Entry(good)),
+            dirs: vec![bad],
+        };
+        assert!(with.check_attrs().is_err());
+    }
 }

@@ -163,9 +163,11 @@ pub struct Attr {
 }
 
 impl Attr {
-    /// The file type, from the mode bits.
-    pub fn kind(&self) -> FileKind {
-        FileKind::from_mode(self.mode).unwrap_or(FileKind::File)
+    /// The file type, from the mode bits; `None` if they name none. A server never sends
+    /// such attributes and the client refuses them (EIO, see [`crate::Reply::check_attrs`]),
+    /// so no caller has to guess a type.
+    pub fn kind(&self) -> Option<FileKind> {
+        FileKind::from_mode(self.mode)
     }
 }
 
@@ -231,6 +233,8 @@ pub struct SetAttrs {
     pub size: Option<u64>,
     pub atime: Option<TimeSet>,
     pub mtime: Option<TimeSet>,
+    /// Always refused (EPERM): only the server sets the change time. Kept so that a request
+    /// asking for it gets a clear error rather than a silent ignore.
     pub ctime: Option<TimeNs>,
 }
 
@@ -243,7 +247,9 @@ pub struct DirEntry {
     pub name: Vec<u8>,
     pub id: InodeId,
     pub kind: FileKind,
-    /// Present for readdirplus.
+    /// Readdirplus: the child's attributes when the caller may search the directory (as a
+    /// stat of the entry would need) and this server holds the child. `None` means exactly
+    /// that: ask for them with a getattr; it never stands for default attributes.
     pub attr: Option<Attr>,
 }
 

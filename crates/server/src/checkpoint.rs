@@ -10,13 +10,19 @@
 //! and deltas; when the deltas outgrow the base, the next checkpoint is a full one.
 
 use crate::core::Shared;
-use kochab_journal::record::{Scan, encode_record, scan};
+use kochab_journal::record::{Scan, encode_record_with, scan_limited};
 use kochab_meta::{BoxImage, BoxSet, Table};
 use kochab_store::ObjectStore;
 use serde::{Deserialize, Serialize};
 use std::io;
 use std::time::Instant;
 
+/// Largest image of one box. An inode box is at most 64 inodes (each under 5 KiB with a
+/// symlink target) with their extended attributes (at most `kochab_meta::ops::XATTR_TOTAL_MAX`
+/// = 128 KiB each): about 8.3 MiB; the test below checks it. A dentry box holds 1/1024 of a
+/// directory's names (a directory would need about 60 million long names to pass this); a
+/// box that does fails its checkpoint with an error, which is retried, never an abort.
+pub const BOX_IMAGE_BYTES_MAX: usize = 16 << 20;
 /// Boxes copied per lock acquisition: short enough that operations barely notice.
 const BOXES_PER_LOCK: usize = 256;
 /// Image bytes buffered before they are written out.
@@ -131,7 +137,7 @@ pub fn load_table(
         let mut off = 0;
         let mut n = 1;
         loop {
-            match scan(&bytes[off..], n) {
+            match scan_limited(&bytes[off..], n, BOX_IMAGE_BYTES_MAX) {
                 Scan::Record { payload, len, .. } => {
                     let image: BoxImage = postcard::from_bytes(payload).map_err(|e| {
                         io::Error::new(io::ErrorKind::InvalidData, format!("{name}: box {n}: {e}"))
@@ -293,11 +299,11 @@ impl Checkpointer {
                 scratch = postcard::to_extend(&img, std::mem::take(&mut scratch))
                     .map_err(io::Error::other)?;
                 n += 1;
-                // A box too large for one record is refused (the checkpoint fails and is
-                // retried), never an abort: inode boxes stay below the limit by the xattr
-                // bound (kochab_meta::XATTR_TOTAL_MAX); a dentry box of a directory with
-                // millions of long names per 1/1024 of its hash range could exceed it.
-                encode_record(&mut buf, n, &scratch).map_err(io::Error::other)?;
+                // See BOX_IMAGE_BYTES_MAX: a larger box fails this round, never the server.
+                encode_record_with(&mut buf, n, BOX_IMAGE_BYTES_MAX, |o| {
+                    o.extend_from_slice(&scratch)
+                })
+                .map_err(io::Error::other)?;
                 copied += 1;
             }
             drop(core);
@@ -347,5 +353,93 @@ impl Checkpointer {
         shared.core.lock().engine.tables_mut()[i].replay_from = m.replay_from;
         self.manifests[i] = m;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kochab_meta::{Engine, EngineConfig};
+    use kochab_proto::{Credentials, Op, Reply};
+
+    /// Fills `id`'s extended attributes until the engine refuses more.
+    fn fill_xattrs(engine: &mut Engine, id: u64) {
+        let mut out = Vec::new();
+        let mut k = 0;
+        for size in [65536, 8192, 1024, 64, 0] {
+            loop {
+                k += 1;
+                let op = Op::SetXattr {
+                    id,
+                    name: format!("trusted.x{k}").into_bytes(),
+                    value: vec![7u8; size],
+                    flags: 0,
+                };
+                match engine.execute(&Credentials::root(), &op, 1, &mut out) {
+                    Reply::Empty => {}
+                    Reply::Error(e) if e.errno == kochab_proto::Errno::ENOSPC => break,
+                    other => panic!("setxattr: {other:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_box_of_inodes_with_full_xattrs_fits_one_image_record() {
+        // The old per-inode bound (1 MiB) made such a box a 64 MiB image record, far over
+        // the 4 MiB record limit: the checkpointer's assert aborted the server, and again
+        // after every restart.
+        let mut engine = Engine::new_cluster(EngineConfig::with_key([1, 2])).unwrap();
+        let mut out = Vec::new();
+        for m in engine.bootstrap(1) {
+            engine.apply(&m).unwrap();
+        }
+        let root = engine.root();
+        let mut ids = Vec::new();
+        for i in 0..130 {
+            let op = Op::Mknod {
+                parent: root,
+                name: format!("f{i}").into_bytes(),
+                mode: 0o100644,
+                rdev: 0,
+                exclusive: true,
+            };
+            match engine.execute(&Credentials::root(), &op, 1, &mut out) {
+                Reply::Entry(a) => ids.push(a.id),
+                other => panic!("mknod: {other:?}"),
+            }
+        }
+        // A box whose 64 slots are all files.
+        let boxno = ids
+            .iter()
+            .map(|id| id >> kochab_meta::table::BOX_SHIFT)
+            .find(|b| {
+                ids.iter()
+                    .filter(|id| *id >> kochab_meta::table::BOX_SHIFT == *b)
+                    .count()
+                    == 64
+            })
+            .expect("a full box");
+        for &id in ids
+            .iter()
+            .filter(|id| *id >> kochab_meta::table::BOX_SHIFT == boxno)
+        {
+            fill_xattrs(&mut engine, id);
+        }
+        let t = engine
+            .table_index(boxno << kochab_meta::table::BOX_SHIFT)
+            .unwrap();
+        let img = engine.tables()[t].image_inode_box(boxno);
+        let bytes = postcard::to_allocvec(&img).unwrap();
+        assert!(
+            bytes.len() > 64 * kochab_meta::ops::XATTR_TOTAL_MAX * 9 / 10,
+            "the box is full: {} bytes",
+            bytes.len()
+        );
+        assert!(
+            bytes.len() <= BOX_IMAGE_BYTES_MAX,
+            "box image of {} bytes",
+            bytes.len()
+        );
     }
 }

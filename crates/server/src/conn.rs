@@ -222,6 +222,7 @@ async fn read_loop(
     peer: SocketAddr,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut journal_failure = shared.journal.subscribe_failure();
     let mut reqs = Vec::new();
     let mut replies = Vec::new();
     let data_slots = Arc::new(Semaphore::new(DATA_OPS_IN_FLIGHT));
@@ -290,6 +291,14 @@ async fn read_loop(
                 }
             },
             _ = shutdown.changed() => return,
+            // Fail-stop: the client learns why the server stops instead of waiting on
+            // replies that will never come.
+            _ = journal_failure.changed() => {
+                let why = shared.journal.failure().unwrap_or_default();
+                let bye = goodbye(Errno::EIO, &format!("the server is stopping: its journal failed: {why}"));
+                let _ = tx.send(Outgoing::Goodbye(bye)).await;
+                return;
+            }
         }
     }
 }
@@ -359,7 +368,21 @@ async fn write_loop(
             taken += accept(item, &mut waiting, &mut goodbye);
         }
         if shared.journal.failed() {
-            tracing::error!("journal failed; dropping connection from {peer} without replies");
+            // What is durable may still leave; the rest never will. Then the Goodbye (EIO).
+            let on_disk = *durable.borrow_and_update();
+            for r in waiting.extract_if(.., |r| r.lsn <= on_disk) {
+                out.extend_from_slice(&r.bytes);
+            }
+            let why = shared.journal.failure().unwrap_or_default();
+            out.extend_from_slice(&goodbye.take().unwrap_or_else(|| {
+                self::goodbye(
+                    Errno::EIO,
+                    &format!("the server is stopping: its journal failed: {why}"),
+                )
+            }));
+            tracing::error!("journal failed; closing the connection from {peer}");
+            let _ = wr.write_all(&out).await;
+            let _ = wr.shutdown().await;
             return;
         }
         // Nothing leaves before the journal holds every record it could reflect.

@@ -9,7 +9,7 @@ use crate::data::DataStore;
 use crate::locks::LockTable;
 use crate::metrics::Metrics;
 use crate::replycache::{Outcome, ReplyCache};
-use crate::session::Sessions;
+use crate::session::{EndedHandles, Sessions};
 use kochab_journal::Journal;
 use kochab_meta::{Engine, Mutation};
 use kochab_proto::*;
@@ -17,6 +17,7 @@ use kochab_store::ObjectStore;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -42,6 +43,24 @@ pub struct JournalEntry {
     pub muts: Vec<Mutation>,
 }
 
+/// Items of internal cleanup done per journal record and per hold of the core lock. Each
+/// item emits at most two small mutations (`DropInode` and a `PutReclaim`, under 64 bytes
+/// encoded), so a batch's record stays under 64 KiB, far below the journal's record limit
+/// in any segment size the server accepts; and a batch holds the lock for about a
+/// millisecond, so other clients are served between batches. (One record for a whole
+/// session of 500,000 open-unlinked files would be ~20 MiB: over the limit.)
+pub const CLEANUP_ITEMS_PER_RECORD: usize = 1024;
+
+/// Internal work that may cover any number of inodes, done [`CLEANUP_ITEMS_PER_RECORD`]
+/// items at a time. Each batch is one record, atomic for what it covers; a crash between
+/// batches leaves unnamed inodes that the next start removes as orphans.
+pub enum Cleanup {
+    /// The handles of an ended session (still counted as open until closed here).
+    Closes(EndedHandles),
+    /// Inodes that had no name at start-up: removed unless a client reopened them.
+    Orphans(std::vec::IntoIter<InodeId>),
+}
+
 /// What the lock protects.
 pub struct Core {
     pub engine: Engine,
@@ -52,6 +71,8 @@ pub struct Core {
     /// changed since about the last durable point: a reply must wait only until what it
     /// observed is durable, not for unrelated operations in flight.
     pub modified: FxHashMap<InodeId, u64>,
+    /// Cleanup still to do, oldest first (see [`Shared::cleanup_batch`]).
+    pub cleanup: VecDeque<Cleanup>,
     scratch: Vec<Mutation>,
 }
 
@@ -73,6 +94,7 @@ impl Core {
             sessions: Sessions::default(),
             locks: LockTable::default(),
             modified: FxHashMap::default(),
+            cleanup: VecDeque::new(),
             scratch: Vec::with_capacity(16),
         }
     }
@@ -125,6 +147,8 @@ pub struct Shared {
     pub file_locks: crate::filelocks::FileLocks,
     /// How long a client may stay disconnected before its session ends.
     pub session_grace: std::time::Duration,
+    /// Wakes the task that works through `Core::cleanup`.
+    pub cleanup_wake: tokio::sync::Notify,
 }
 
 /// Nanoseconds since the epoch from the system clock.
@@ -171,6 +195,48 @@ fn outcome_of(reply: &Reply) -> Outcome {
 }
 
 impl Shared {
+    /// Runs at most [`CLEANUP_ITEMS_PER_RECORD`] items of queued cleanup and journals their
+    /// mutations as one record; the caller holds the core lock (and releases it before the
+    /// next batch). True if more is queued.
+    pub fn cleanup_batch(&self, core: &mut Core) -> bool {
+        let mut muts = Vec::new();
+        let mut left = CLEANUP_ITEMS_PER_RECORD;
+        while left > 0 {
+            let Some(work) = core.cleanup.front_mut() else {
+                break;
+            };
+            let taken = left;
+            match work {
+                Cleanup::Closes(handles) => {
+                    for of in handles.by_ref().take(taken) {
+                        muts.extend(core.engine.close_ref(of.id));
+                        left -= 1;
+                    }
+                }
+                Cleanup::Orphans(ids) => {
+                    for id in ids.by_ref().take(taken) {
+                        muts.extend(core.engine.drop_if_orphan(id));
+                        left -= 1;
+                    }
+                }
+            }
+            if left > 0 {
+                // This item ran dry before the batch was full.
+                core.cleanup.pop_front();
+            }
+        }
+        self.journal_now(core, 0, &muts);
+        !core.cleanup.is_empty()
+    }
+
+    /// Works through the cleanup queue one batch per hold of the core lock, until it is
+    /// empty.
+    pub async fn run_cleanup(&self) {
+        while self.cleanup_batch(&mut self.core.lock()) {
+            tokio::task::yield_now().await;
+        }
+    }
+
     /// Runs a batch of requests of one client; returns each reply with the LSN that must
     /// be durable before it is sent.
     pub fn execute_batch(
@@ -351,7 +417,7 @@ fn with_changed_dirs(engine: &Engine, op: &Op, reply: Reply) -> Reply {
         .into_iter()
         .flatten()
         .filter_map(|d| engine.inode(d).map(|i| i.attr(d)))
-        .filter(|a| a.kind() == FileKind::Dir)
+        .filter(|a| a.kind() == Some(FileKind::Dir))
         .collect();
     if dirs.is_empty() {
         return reply;
@@ -375,5 +441,111 @@ fn retry_reply(engine: &Engine, op: &Op, outcome: Outcome) -> Reply {
             }
         }
         _ => Reply::Empty,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kochab_meta::EngineConfig;
+
+    fn encoded(muts: &[Mutation]) -> usize {
+        let entry = JournalEntryRef {
+            client: u64::MAX,
+            seq: u64::MAX,
+            seq_floor: u64::MAX,
+            outcome: Some(u64::MAX),
+            muts,
+        };
+        postcard::to_allocvec(&entry).unwrap().len()
+    }
+
+    fn engine() -> Engine {
+        let mut e = Engine::new_cluster(EngineConfig::with_key([3, 4])).unwrap();
+        for m in e.bootstrap(1) {
+            e.apply(&m).unwrap();
+        }
+        e
+    }
+
+    /// The room a record has in the smallest segment a server uses.
+    fn segment_room() -> usize {
+        (crate::server::SEGMENT_BYTES_MIN - kochab_journal::segment::SEGMENT_DATA_START) as usize
+    }
+
+    #[test]
+    fn the_largest_client_record_fits_the_smallest_segment_twice() {
+        // Client input is bounded where it enters (names: NAME_MAX, symlink targets:
+        // SYMLINK_MAX, xattr values: XATTR_SIZE_MAX, a handful of inodes per operation), so
+        // the journal's refusal of an oversized record can never be reached from a client.
+        let mut e = engine();
+        let root = e.root();
+        let cred = Credentials::root();
+        let mut out = Vec::new();
+        let target = vec![b't'; SYMLINK_MAX];
+        let name = vec![b'n'; NAME_MAX];
+        let op = Op::Symlink {
+            parent: root,
+            name: name.clone(),
+            target,
+        };
+        let Reply::Entry(link) = e.execute(&cred, &op, 1, &mut out) else {
+            panic!("symlink");
+        };
+        assert!(encoded(&out) < 16 << 10);
+        out.clear();
+        let mut xname = b"trusted.".to_vec();
+        xname.resize(XATTR_NAME_MAX, b'x');
+        let op = Op::SetXattr {
+            id: link.id,
+            name: xname,
+            value: vec![7; XATTR_SIZE_MAX],
+            flags: 0,
+        };
+        assert_eq!(e.execute(&cred, &op, 2, &mut out), Reply::Empty);
+        let setxattr = encoded(&out);
+        assert!(setxattr > XATTR_SIZE_MAX);
+        assert!(
+            2 * setxattr <= segment_room(),
+            "setxattr record of {setxattr} bytes"
+        );
+    }
+
+    #[test]
+    fn a_cleanup_batch_is_one_small_record() {
+        let mut e = engine();
+        let root = e.root();
+        let cred = Credentials::root();
+        let mut ids = Vec::new();
+        for i in 0..CLEANUP_ITEMS_PER_RECORD {
+            let mut out = Vec::new();
+            let op = Op::Mknod {
+                parent: root,
+                name: format!("file-{i:08}").into_bytes(),
+                mode: mode::S_IFREG | 0o644,
+                rdev: 0,
+                exclusive: true,
+            };
+            let Reply::Entry(a) = e.execute(&cred, &op, 1, &mut out) else {
+                panic!("mknod");
+            };
+            e.reserve_chunks(a.id, 1 << 40).unwrap();
+            e.open_ref(a.id);
+            let op = Op::Unlink {
+                parent: root,
+                name: format!("file-{i:08}").into_bytes(),
+            };
+            e.execute(&cred, &op, 1, &mut out);
+            ids.push(a.id);
+        }
+        let muts: Vec<Mutation> = ids.into_iter().flat_map(|id| e.close_ref(id)).collect();
+        assert_eq!(
+            muts.len(),
+            2 * CLEANUP_ITEMS_PER_RECORD,
+            "a drop and a reclaim each"
+        );
+        let bytes = encoded(&muts);
+        assert!(bytes < 64 << 10, "a batch of {bytes} bytes");
+        assert!(bytes <= segment_room());
     }
 }

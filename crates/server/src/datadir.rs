@@ -13,6 +13,9 @@ use std::sync::Arc;
 
 /// File name of the cluster key inside the data directory.
 pub const KEY_FILE: &str = "cluster.key";
+/// File whose lock a server (or an offline repair) holds for as long as it uses the data
+/// directory; it holds the holder's pid, for the message the next one gets.
+pub const LOCK_FILE: &str = "kochab.lock";
 /// Object holding the cluster description.
 const CLUSTER_OBJECT: &str = "cluster.json";
 /// The layout of the data directory this version reads and writes. Bumped whenever an
@@ -22,6 +25,57 @@ const CLUSTER_OBJECT: &str = "cluster.json";
 /// entries without a chunk count, inodes with a "may have data" mark instead of a chunk
 /// high-water mark.
 pub const DATA_FORMAT: u32 = 2;
+
+/// An exclusive lock on a data directory (flock on [`LOCK_FILE`]), held until dropped. The
+/// kernel releases it when the process dies, however it dies, so a crash never leaves a
+/// stale lock behind.
+pub struct DataDirLock {
+    _file: fs::File,
+}
+
+impl DataDirLock {
+    /// Locks `path` (created with mode 0700 if missing), or fails with `ResourceBusy`
+    /// naming the pid of the process that holds it.
+    pub fn acquire(path: &Path) -> io::Result<DataDirLock> {
+        use std::os::unix::fs::DirBuilderExt;
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(path)?;
+        let lock_path = path.join(LOCK_FILE);
+        // Not truncated before the lock is ours: it names the current holder.
+        let mut file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&lock_path)?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => {
+                let holder = fs::read_to_string(&lock_path).unwrap_or_default();
+                let holder = match holder.trim() {
+                    "" => "another process".to_string(),
+                    pid => format!("process {pid}"),
+                };
+                return Err(io::Error::new(
+                    ErrorKind::ResourceBusy,
+                    format!(
+                        "data directory {} is in use by {holder} (it holds the lock on {}); \
+                         two servers on one directory would destroy each other's journal",
+                        path.display(),
+                        lock_path.display()
+                    ),
+                ));
+            }
+            Err(fs::TryLockError::Error(e)) => return Err(e),
+        }
+        file.set_len(0)?;
+        file.write_all(format!("{}\n", std::process::id()).as_bytes())?;
+        Ok(DataDirLock { _file: file })
+    }
+}
 
 /// What never changes for the life of a cluster.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -76,6 +130,24 @@ fn create_key_file(path: &Path) -> io::Result<ClusterKey> {
 }
 
 impl DataDir {
+    /// Opens the cluster in `path`, which must hold one (for offline tools: nothing is
+    /// created). The caller holds the directory's [`DataDirLock`].
+    pub fn open_existing(path: &Path) -> io::Result<DataDir> {
+        for needed in [path.join(KEY_FILE), path.join("store").join(CLUSTER_OBJECT)] {
+            if !needed.exists() {
+                return Err(io::Error::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "{} holds no Kochab cluster ({} is missing)",
+                        path.display(),
+                        needed.display()
+                    ),
+                ));
+            }
+        }
+        DataDir::open_or_create(path)
+    }
+
     /// Opens `path`, creating a new cluster there if it holds none.
     pub fn open_or_create(path: &Path) -> io::Result<DataDir> {
         fs::create_dir_all(path)?;

@@ -7,10 +7,10 @@
 //! (`filelocks`) orders writes against truncation, so that a truncation's data trim can
 //! never destroy a later write and only that file waits for it.
 
-use crate::core::{Core, Shared, journal_entry, note_modified, now_ns};
+use crate::core::{Cleanup, Core, Shared, journal_entry, note_modified, now_ns};
 use crate::data::chunk_batches;
 use crate::filelocks::FileGuard;
-use crate::session::OpenFile;
+use crate::session::{OpenFile, Registered};
 use kochab_meta::files::{open_flags, reads, writes};
 use kochab_meta::{Mutation, Reclaim};
 use kochab_proto::*;
@@ -55,14 +55,14 @@ impl Shared {
         match &req.op {
             Op::Open { id, flags, handle } => {
                 match core.engine.check_open(&req.cred, *id, *flags) {
-                    Ok(attr) => {
-                        register(core, client, *handle, &attr, *flags);
-                        Reply::Entry(attr)
-                    }
-                    Err(kochab_meta::Fail::Fs(e)) => Reply::Error(e),
-                    Err(kochab_meta::Fail::NotHosted(_)) => Reply::WrongServer {
-                        epoch: core.engine.epoch,
+                    Ok(attr) => match register(core, client, *handle, &attr, *flags) {
+                        Ok(()) => Reply::Entry(attr),
+                        Err(e) => Reply::Error(e),
                     },
+                    Err(kochab_meta::Fail::Fs(e)) => Reply::Error(e),
+                    Err(kochab_meta::Fail::NotHosted(id)) => {
+                        Reply::Error(kochab_meta::not_in_any_table(id))
+                    }
                 }
             }
             Op::Create {
@@ -130,14 +130,19 @@ impl Shared {
         handle: u64,
         now: TimeNs,
     ) -> Reply {
+        // open(2) takes its descriptor before it creates anything: a client at its handle
+        // limit gets EMFILE and no new file.
+        if !core.sessions.may_open(client, handle) {
+            return Reply::Error(too_many_handles(core.sessions.handle_limit()));
+        }
         let cached = req.seq != 0;
         if cached && let Some(Some(id)) = core.replies.get(client, req.seq) {
             // A retry: the first attempt created (and opened) it.
             return match core.engine.inode(id).map(|i| i.attr(id)) {
-                Some(attr) => {
-                    register(core, client, handle, &attr, flags);
-                    Reply::Entry(attr)
-                }
+                Some(attr) => match register(core, client, handle, &attr, flags) {
+                    Ok(()) => Reply::Entry(attr),
+                    Err(e) => Reply::Error(e),
+                },
                 None => Reply::Error(fs_err!(
                     ESTALE,
                     "created by the first attempt, removed before this retry"
@@ -156,7 +161,7 @@ impl Shared {
         let Reply::Entry(attr) = reply else {
             return reply;
         };
-        if attr.kind() != FileKind::File {
+        if attr.kind() != Some(FileKind::File) {
             return Reply::Error(fs_err!(
                 EEXIST,
                 "{:?} exists and is not a regular file",
@@ -184,18 +189,24 @@ impl Shared {
                 core.replies.insert(client, req.seq, Some(attr.id));
             }
         }
-        register(core, client, handle, &attr, flags);
-        Reply::Entry(attr)
+        match register(core, client, handle, &attr, flags) {
+            Ok(()) => Reply::Entry(attr),
+            Err(e) => Reply::Error(e),
+        }
     }
 
     /// Closes every handle of a client and releases its locks (explicit end or expiry).
+    /// The closes go through the bounded cleanup queue: a small session ends within this
+    /// call, a large one (any number of open-unlinked files) one bounded record per hold of
+    /// the core lock, with other clients served in between.
     pub fn end_session(&self, core: &mut Core, client: u64) {
-        let mut muts = Vec::new();
-        for of in core.sessions.end(client) {
-            muts.extend(core.engine.close_ref(of.id));
-        }
         core.locks.release_client(client);
-        self.journal_now(core, client, &muts);
+        if let Some(handles) = core.sessions.end(client) {
+            core.cleanup.push_back(Cleanup::Closes(handles));
+            if self.cleanup_batch(core) {
+                self.cleanup_wake.notify_one();
+            }
+        }
     }
 
     /// The open handle `handle` of `client`, checked for the access it needs.
@@ -234,15 +245,33 @@ impl Shared {
     }
 }
 
-/// Registers a handle, counting the open once.
-fn register(core: &mut Core, client: u64, handle: u64, attr: &Attr, flags: u32) {
+fn too_many_handles(limit: usize) -> FsError {
+    fs_err!(
+        EMFILE,
+        "this client holds {limit} open files, the most a client may"
+    )
+}
+
+/// Registers a handle, counting the open once; EMFILE past the client's handle limit.
+fn register(
+    core: &mut Core,
+    client: u64,
+    handle: u64,
+    attr: &Attr,
+    flags: u32,
+) -> Result<(), FsError> {
     let file = OpenFile {
         id: attr.id,
         generation: attr.generation,
         flags: flags & (open_flags::O_ACCMODE | open_flags::O_TRUNC),
     };
-    if core.sessions.open(client, handle, file) == crate::session::Registered::Opened {
-        core.engine.open_ref(attr.id);
+    match core.sessions.open(client, handle, file) {
+        Registered::Opened => {
+            core.engine.open_ref(attr.id);
+            Ok(())
+        }
+        Registered::Known => Ok(()),
+        Registered::TooMany => Err(too_many_handles(core.sessions.handle_limit())),
     }
 }
 
@@ -580,7 +609,7 @@ pub(crate) async fn delete_reclaimed(
 fn fail(f: kochab_meta::Fail) -> FsError {
     match f {
         kochab_meta::Fail::Fs(e) => e,
-        kochab_meta::Fail::NotHosted(id) => fs_err!(ESTALE, "inode {id:#x} is not served here"),
+        kochab_meta::Fail::NotHosted(id) => kochab_meta::not_in_any_table(id),
     }
 }
 

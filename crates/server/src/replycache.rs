@@ -3,7 +3,8 @@
 //! journal record carries the client, sequence number and outcome of its operation).
 //!
 //! Clients acknowledge replies with a sequence floor, so a well-behaved client's entries
-//! are just its requests in flight; the caps below only bound misbehaving ones.
+//! are just its requests in flight; the caps below only bound misbehaving ones (and many
+//! clients at once: the cache as a whole is bounded in bytes, oldest clients go first).
 
 use kochab_proto::InodeId;
 use rustc_hash::FxHashMap;
@@ -13,6 +14,21 @@ use std::collections::VecDeque;
 pub const PER_CLIENT_MAX: usize = 16384;
 /// Clients remembered. Beyond this the least recently active client is forgotten.
 pub const CLIENTS_MAX: usize = 16384;
+/// Memory the whole cache may take, as counted by [`ENTRY_BYTES`] and [`CLIENT_BYTES`].
+/// Beyond it the least recently active clients are forgotten (a retry of theirs would run
+/// again: the cost of a bound). 64 MiB is a million entries: a thousand clients with a
+/// thousand requests in flight each, far more than well-behaved clients keep (their
+/// entries are only requests in flight), while the per-client caps alone allowed
+/// 16384 x 16384 entries, many GiB.
+pub const BYTES_MAX: usize = 64 << 20;
+/// What one entry costs: its slot in the hash map (key, outcome, control byte, spare
+/// capacity) and in the order queue.
+pub const ENTRY_BYTES: usize = 64;
+/// What one client costs besides its entries (its map slot and the empty structures).
+pub const CLIENT_BYTES: usize = 192;
+/// When over [`BYTES_MAX`], clients are forgotten until the cache is this fraction of it
+/// (in percent), so that one pass over the clients pays for many inserts.
+const EVICT_TO_PERCENT: usize = 90;
 
 /// The outcome of a completed non-idempotent operation: the inode it created or linked.
 pub type Outcome = Option<InodeId>;
@@ -39,13 +55,36 @@ impl ClientEntries {
 }
 
 /// All clients' remembered outcomes.
-#[derive(Default)]
 pub struct ReplyCache {
     clients: FxHashMap<u64, ClientEntries>,
     tick: u64,
+    /// Entries over all clients.
+    entries: usize,
+    bytes_max: usize,
+}
+
+impl Default for ReplyCache {
+    fn default() -> ReplyCache {
+        ReplyCache::with_bytes_max(BYTES_MAX)
+    }
 }
 
 impl ReplyCache {
+    /// A cache bounded to `bytes_max` (tests use small ones).
+    pub fn with_bytes_max(bytes_max: usize) -> ReplyCache {
+        ReplyCache {
+            clients: FxHashMap::default(),
+            tick: 0,
+            entries: 0,
+            bytes_max,
+        }
+    }
+
+    /// Memory the cache takes, as it counts it.
+    pub fn bytes(&self) -> usize {
+        self.entries * ENTRY_BYTES + self.clients.len() * CLIENT_BYTES
+    }
+
     /// The outcome of `(client, seq)` if it already ran.
     pub fn get(&self, client: u64, seq: u64) -> Option<Outcome> {
         self.clients.get(&client)?.by_seq.get(&seq).copied()
@@ -57,7 +96,9 @@ impl ReplyCache {
             && floor > c.floor
         {
             c.floor = floor;
+            let before = c.by_seq.len();
             c.trim();
+            self.entries -= before - c.by_seq.len();
         }
     }
 
@@ -72,15 +113,44 @@ impl ReplyCache {
         if seq < c.floor {
             return;
         }
+        let before = c.by_seq.len();
         if c.by_seq.insert(seq, outcome).is_none() {
             c.order.push_back(seq);
         }
         c.trim();
+        self.entries = self.entries + c.by_seq.len() - before;
+        if self.bytes() > self.bytes_max {
+            self.evict_to(self.bytes_max / 100 * EVICT_TO_PERCENT, client);
+        }
     }
 
     fn evict_oldest(&mut self) {
         if let Some((&id, _)) = self.clients.iter().min_by_key(|(_, c)| c.last_active) {
-            self.clients.remove(&id);
+            self.forget(id);
+        }
+    }
+
+    /// Forgets the least recently active clients (never `keep`, the one being served)
+    /// until the cache takes at most `target` bytes.
+    fn evict_to(&mut self, target: usize, keep: u64) {
+        let mut by_age: Vec<(u64, u64)> = self
+            .clients
+            .iter()
+            .filter(|(id, _)| **id != keep)
+            .map(|(&id, c)| (c.last_active, id))
+            .collect();
+        by_age.sort_unstable();
+        for (_, id) in by_age {
+            if self.bytes() <= target {
+                break;
+            }
+            self.forget(id);
+        }
+    }
+
+    fn forget(&mut self, client: u64) {
+        if let Some(c) = self.clients.remove(&client) {
+            self.entries -= c.by_seq.len();
         }
     }
 
@@ -91,7 +161,7 @@ impl ReplyCache {
 
     /// Number of entries over all clients.
     pub fn entries(&self) -> usize {
-        self.clients.values().map(|c| c.by_seq.len()).sum()
+        self.entries
     }
 }
 
@@ -116,5 +186,32 @@ mod tests {
         }
         assert_eq!(c.get(1, 11), None, "oldest entries fall out at the cap");
         assert!(c.entries() <= PER_CLIENT_MAX);
+        assert_eq!(
+            c.entries(),
+            c.clients.values().map(|e| e.by_seq.len()).sum::<usize>()
+        );
+    }
+
+    #[test]
+    fn the_whole_cache_is_bounded_in_bytes_and_forgets_the_oldest_clients() {
+        // Many clients each at their own cap: the old cache kept every one of them
+        // (16384 clients x 16384 entries), so memory grew with the number of clients.
+        let mut c = ReplyCache::default();
+        let clients = BYTES_MAX / (PER_CLIENT_MAX * ENTRY_BYTES) * 2;
+        for client in 0..clients as u64 {
+            for s in 0..PER_CLIENT_MAX as u64 {
+                c.insert(client, 1 + s, Some(s));
+            }
+        }
+        let counted = c.entries() * ENTRY_BYTES + c.clients() * CLIENT_BYTES;
+        assert!(counted <= BYTES_MAX, "{counted} bytes");
+        assert_eq!(c.bytes(), counted);
+        assert_eq!(
+            c.entries(),
+            c.clients.values().map(|e| e.by_seq.len()).sum::<usize>()
+        );
+        let newest = clients as u64 - 1;
+        assert_eq!(c.get(newest, 7), Some(Some(6)), "the active client is kept");
+        assert_eq!(c.get(0, 7), None, "the oldest client was forgotten");
     }
 }

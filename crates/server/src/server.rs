@@ -1,9 +1,9 @@
 //! Starting, running and stopping one metadata server.
 
 use crate::checkpoint::Checkpointer;
-use crate::core::{Core, Shared, journal_entry, now_ns};
+use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
 use crate::data::DataStore;
-use crate::datadir::DataDir;
+use crate::datadir::{DataDir, DataDirLock};
 use crate::metrics::Metrics;
 use kochab_journal::{Journal, JournalObserver, JournalOptions};
 use kochab_proto::InodeId;
@@ -21,6 +21,11 @@ use tokio::sync::watch;
 
 /// Most simultaneous client connections; more are refused with EAGAIN.
 const MAX_CONNECTIONS: u64 = 4096;
+
+/// Smallest journal segment a server uses: a record must fit in one segment, and the largest
+/// a client can cause (a 64 KiB xattr value with its inode, see `core::tests`) and the
+/// largest internal one (a cleanup batch, under 64 KiB) fit with room to spare.
+pub const SEGMENT_BYTES_MIN: u64 = 256 << 10;
 
 /// How a server runs.
 #[derive(Clone, Debug)]
@@ -81,11 +86,14 @@ pub struct RunningServer {
     pub root: InodeId,
     pub data_dir: PathBuf,
     shared: Arc<Shared>,
+    /// Held for the life of the server: no second server may use the directory.
+    _lock: DataDirLock,
     shutdown_tx: watch::Sender<bool>,
     accept_task: tokio::task::JoinHandle<()>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
     maintenance: tokio::task::JoinHandle<()>,
     reclaimer: tokio::task::JoinHandle<()>,
+    cleanup: tokio::task::JoinHandle<()>,
     checkpointer: Option<JoinHandle<()>>,
     stopper: Arc<Stopper>,
 }
@@ -93,10 +101,13 @@ pub struct RunningServer {
 /// Recovers the data directory and starts serving.
 pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
     let dir_path = config.data_dir.clone();
-    let (dir, recovered) = tokio::task::spawn_blocking(move || -> io::Result<_> {
+    let (lock, dir, recovered) = tokio::task::spawn_blocking(move || -> io::Result<_> {
+        // Before anything is read: two servers on one directory would overwrite each
+        // other's journal.
+        let lock = DataDirLock::acquire(&dir_path)?;
         let dir = DataDir::open_or_create(&dir_path)?;
         let recovered = crate::recovery::recover(&dir)?;
-        Ok((dir, recovered))
+        Ok((lock, dir, recovered))
     })
     .await
     .map_err(io::Error::other)??;
@@ -119,7 +130,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
     let metrics = Arc::new(Metrics::new());
     metrics.replay_records.set(report.replayed);
     let options = JournalOptions {
-        segment_bytes: config.segment_bytes,
+        segment_bytes: config.segment_bytes.max(SEGMENT_BYTES_MIN),
         fsync: config.fsync,
     };
     let journal = Journal::start(
@@ -165,9 +176,11 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         data,
         file_locks: Default::default(),
         session_grace: config.session_grace,
+        cleanup_wake: tokio::sync::Notify::new(),
     });
     let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
     let reclaimer = tokio::spawn(reclaim_loop(shared.clone()));
+    let cleanup = tokio::spawn(cleanup_loop(shared.clone()));
 
     let stopper = Arc::new(Stopper {
         stop: Mutex::new(false),
@@ -186,7 +199,13 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
     let listener = TcpListener::bind(config.listen).await?;
     let addr = listener.local_addr()?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    let accept_task = tokio::spawn(accept_loop(listener, shared.clone(), dir.key, shutdown_rx));
+    let accept_task = tokio::spawn(accept_loop(
+        listener,
+        shared.clone(),
+        dir.key,
+        shutdown_rx,
+        shared.journal.subscribe_failure(),
+    ));
     let (metrics_task, metrics_addr) = match config.metrics_listen {
         Some(a) => {
             let l = crate::metrics::bind(a).await?;
@@ -209,11 +228,13 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         root,
         data_dir: dir.path,
         shared,
+        _lock: lock,
         shutdown_tx,
         accept_task,
         metrics_task,
         maintenance,
         reclaimer,
+        cleanup,
         checkpointer: Some(checkpointer),
         stopper,
     })
@@ -224,9 +245,12 @@ async fn accept_loop(
     shared: Arc<Shared>,
     key: ClusterKey,
     mut shutdown: watch::Receiver<bool>,
+    mut journal_failure: watch::Receiver<Option<String>>,
 ) {
     loop {
         tokio::select! {
+            // A server whose journal failed takes no new clients (fail-stop).
+            _ = journal_failure.changed() => return,
             r = listener.accept() => match r {
                 Ok((sock, peer)) => {
                     if shared.connections.load(Ordering::Relaxed) >= MAX_CONNECTIONS {
@@ -265,13 +289,20 @@ async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
                 shared.end_session(&mut core, client);
             }
             if !orphans.is_empty() && now >= orphan_deadline {
-                let mut muts = Vec::new();
-                for id in orphans.drain(..) {
-                    muts.extend(core.engine.drop_if_orphan(id));
-                }
-                shared.journal_now(&mut core, 0, &muts);
+                // However many there are, in bounded records (see `Cleanup`).
+                let ids = std::mem::take(&mut orphans);
+                core.cleanup.push_back(Cleanup::Orphans(ids.into_iter()));
+                shared.cleanup_wake.notify_one();
             }
         }
+    }
+}
+
+/// Works through the cleanup queue whenever something is added to it.
+async fn cleanup_loop(shared: Arc<Shared>) {
+    loop {
+        shared.cleanup_wake.notified().await;
+        shared.run_cleanup().await;
     }
 }
 
@@ -399,6 +430,13 @@ fn checkpoint_loop(
             }
             *g
         };
+        if shared.journal.failed() {
+            // Nothing written from here on would count: the server is stopping.
+            if stop {
+                return;
+            }
+            continue;
+        }
         let lsn = shared.journal.last_lsn();
         // Records a restart would replay now.
         let behind = lsn.saturating_sub(ckpt.replay_from());
@@ -431,6 +469,24 @@ impl RunningServer {
         &self.shared
     }
 
+    /// Resolves, with the reason, once the journal has failed. The server has then stopped
+    /// acknowledging and told its clients (a Goodbye with EIO on every connection); its
+    /// owner should shut it down and exit with an error (fail-stop: a server that cannot
+    /// make operations durable must not look alive).
+    pub fn journal_failure(&self) -> impl std::future::Future<Output = String> + Send + 'static {
+        let mut rx = self.shared.journal.subscribe_failure();
+        async move {
+            loop {
+                if let Some(why) = rx.borrow_and_update().clone() {
+                    return why;
+                }
+                if rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        }
+    }
+
     /// Stops accepting, closes connections, takes a final checkpoint (so the next start
     /// replays nothing) and flushes the journal.
     pub async fn shutdown(mut self) {
@@ -443,6 +499,7 @@ impl RunningServer {
         // Pending reclaims stay durable and resume after the next start; the one blocking
         // call in flight is short (`DATA_BATCH_CHUNKS`).
         self.reclaimer.abort();
+        self.cleanup.abort();
         // Give connection tasks a moment to send what is durable.
         for _ in 0..50 {
             if self.shared.connections.load(Ordering::Relaxed) == 0 {

@@ -7,7 +7,9 @@ use kochab_proto::InodeId;
 use rustc_hash::FxHashMap;
 use std::time::{Duration, Instant};
 
-/// Handles one client may hold open (like a large RLIMIT_NOFILE).
+/// Handles one client may hold open (like a large RLIMIT_NOFILE): each costs about 40
+/// bytes of session memory here and keeps its inode alive, so one client (a mount serves a
+/// whole machine) may not grow them without end. Past it an open fails with EMFILE.
 pub const HANDLES_PER_CLIENT_MAX: usize = 1 << 20;
 
 /// One open handle.
@@ -33,13 +35,42 @@ struct ClientSession {
     gone_since: Option<Instant>,
 }
 
+/// The handles of an ended session, to be closed a bounded number at a time.
+pub type EndedHandles = std::collections::hash_map::IntoValues<u64, OpenFile>;
+
 /// Every client's session.
-#[derive(Default)]
 pub struct Sessions {
     clients: FxHashMap<u64, ClientSession>,
+    handles_max: usize,
+}
+
+impl Default for Sessions {
+    fn default() -> Sessions {
+        Sessions::with_handle_limit(HANDLES_PER_CLIENT_MAX)
+    }
 }
 
 impl Sessions {
+    /// Sessions whose clients may each hold `handles_max` handles (tests use small ones).
+    pub fn with_handle_limit(handles_max: usize) -> Sessions {
+        Sessions {
+            clients: FxHashMap::default(),
+            handles_max,
+        }
+    }
+
+    /// Handles one client may hold.
+    pub fn handle_limit(&self) -> usize {
+        self.handles_max
+    }
+
+    /// True if `open(client, handle, ..)` would not be refused for the handle limit.
+    pub fn may_open(&self, client: u64, handle: u64) -> bool {
+        self.clients
+            .get(&client)
+            .is_none_or(|c| c.handles.len() < self.handles_max || c.handles.contains_key(&handle))
+    }
+
     /// A connection of `client` authenticated.
     pub fn connect(&mut self, client: u64) {
         let c = self.clients.entry(client).or_default();
@@ -64,7 +95,7 @@ impl Sessions {
         if c.handles.contains_key(&handle) {
             return Registered::Known;
         }
-        if c.handles.len() >= HANDLES_PER_CLIENT_MAX {
+        if c.handles.len() >= self.handles_max {
             return Registered::TooMany;
         }
         c.handles.insert(handle, file);
@@ -88,12 +119,12 @@ impl Sessions {
             .collect()
     }
 
-    /// Ends a session, returning the handles it still held.
-    pub fn end(&mut self, client: u64) -> Vec<OpenFile> {
-        match self.clients.remove(&client) {
-            Some(c) => c.handles.into_values().collect(),
-            None => Vec::new(),
-        }
+    /// Ends a session, returning the handles it still held (in O(1): the caller closes
+    /// them a bounded number at a time).
+    pub fn end(&mut self, client: u64) -> Option<EndedHandles> {
+        self.clients
+            .remove(&client)
+            .map(|c| c.handles.into_values())
     }
 
     /// Sessions known (connected or within their grace period).
@@ -165,7 +196,26 @@ mod tests {
                 .is_empty(),
             "reconnected"
         );
-        assert_eq!(s.end(1).len(), 1);
+        assert_eq!(s.end(1).map(|h| h.count()), Some(1));
         assert!(s.is_empty());
+    }
+
+    #[test]
+    fn the_handle_limit_refuses_new_handles_only() {
+        let mut s = Sessions::with_handle_limit(2);
+        let f = |id| OpenFile {
+            id,
+            generation: 1,
+            flags: 0,
+        };
+        assert_eq!(s.open(1, 10, f(5)), Registered::Opened);
+        assert_eq!(s.open(1, 11, f(6)), Registered::Opened);
+        assert!(!s.may_open(1, 12));
+        assert_eq!(s.open(1, 12, f(7)), Registered::TooMany);
+        assert!(s.may_open(1, 11), "a known handle is no new one");
+        assert_eq!(s.open(1, 11, f(6)), Registered::Known);
+        assert!(s.may_open(2, 10), "the limit is per client");
+        s.close(1, 10);
+        assert_eq!(s.open(1, 12, f(7)), Registered::Opened);
     }
 }

@@ -469,7 +469,7 @@ impl Model {
                     "new inode {:#x} reuses a live id",
                     a.id
                 );
-                assert_eq!(a.kind(), kind);
+                assert_eq!(a.kind(), Some(kind));
                 let node = Node {
                     kind,
                     nlink: 1,
@@ -569,7 +569,7 @@ fn compare(fs: &mut Fs, model: &Model) {
     for id in ids {
         let node = model.nodes[&id].clone();
         let a = fs.attr(id);
-        assert_eq!(a.kind(), node.kind, "kind of {id:#x}");
+        assert_eq!(a.kind(), Some(node.kind), "kind of {id:#x}");
         assert_eq!(a.nlink, model.nlink(id), "nlink of {id:#x}");
         if node.kind != FileKind::Dir {
             continue;
