@@ -263,17 +263,20 @@ async fn up(args: UpArgs) -> Result<(), String> {
         }
         None => None,
     };
+    let signal = wait_for_signal();
     println!("kochab: cluster ready at {}", server.addr);
     // Fail-stop: a server whose journal fails has told its clients (EIO) and stops here,
     // with an error, rather than stay up looking healthy.
     let journal_failure = server.journal_failure();
-    tokio::pin!(journal_failure);
+    let stop = async move {
+        tokio::select! {
+            _ = signal => None,
+            why = journal_failure => Some(why),
+        }
+    };
     let failed = match mount {
-        Some(session) => mount::wait(session, &mut journal_failure).await,
-        None => tokio::select! {
-            _ = wait_for_signal() => None,
-            why = &mut journal_failure => Some(why),
-        },
+        Some(session) => mount::wait(session, Box::pin(stop)).await.flatten(),
+        None => stop.await,
     };
     match failed {
         Some(why) => {
@@ -289,19 +292,25 @@ async fn up(args: UpArgs) -> Result<(), String> {
     }
 }
 
-pub(crate) async fn wait_for_signal() {
+/// Resolves at SIGINT or SIGTERM. The handlers are installed when this is called, not when
+/// the future is first polled: a signal that arrives right after "cluster ready" is printed
+/// must stop the server cleanly, not kill it with the default action.
+pub(crate) fn wait_for_signal() -> impl std::future::Future<Output = ()> + Send {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut int), Ok(mut term)) = (
+    let handlers = (
         signal(SignalKind::interrupt()),
         signal(SignalKind::terminate()),
-    ) else {
-        // Without signal handlers there is nothing to wait for but the end of time.
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = int.recv() => {},
-        _ = term.recv() => {},
+    );
+    async move {
+        let (Ok(mut int), Ok(mut term)) = handlers else {
+            // Without signal handlers there is nothing to wait for but the end of time.
+            std::future::pending::<()>().await;
+            return;
+        };
+        tokio::select! {
+            _ = int.recv() => {},
+            _ = term.recv() => {},
+        }
     }
 }
 

@@ -41,19 +41,16 @@ fn set_read_ahead(dir: &Path) {
     }
 }
 
-/// Waits until SIGINT/SIGTERM or `stop` resolves (then unmounts), or until someone
-/// unmounts the file system. Returns what `stop` gave, if it ended the wait.
+/// Waits until `stop` resolves (then unmounts) or until someone unmounts the file system.
+/// Returns what `stop` gave, if it ended the wait.
 pub async fn wait<T>(
     session: fuser::BackgroundSession,
     stop: impl std::future::Future<Output = T> + Unpin,
 ) -> Option<T> {
     let mut tick = tokio::time::interval(Duration::from_millis(200));
-    let signal = wait_for_signal();
-    tokio::pin!(signal);
     let mut stop = stop;
     let stopped = loop {
         tokio::select! {
-            _ = &mut signal => break None,
             why = &mut stop => break Some(why),
             _ = tick.tick() => {
                 if session.guard.is_finished() {
@@ -83,7 +80,7 @@ pub async fn foreground(args: MountArgs) -> Result<(), String> {
         args.cluster,
         args.mountpoint.display()
     );
-    wait(session, std::future::pending::<()>()).await;
+    wait(session, Box::pin(wait_for_signal())).await;
     Ok(())
 }
 

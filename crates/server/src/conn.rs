@@ -281,6 +281,7 @@ async fn read_loop(
         }
         buf.drain(..start);
         kochab_proto::net::reserve_for_frame(&mut buf);
+        let mut stopping = false;
         tokio::select! {
             r = rd.read_buf(&mut buf) => match r {
                 Ok(0) => return,
@@ -290,15 +291,22 @@ async fn read_loop(
                     return;
                 }
             },
-            _ = shutdown.changed() => return,
-            // Fail-stop: the client learns why the server stops instead of waiting on
-            // replies that will never come.
-            _ = journal_failure.changed() => {
-                let why = shared.journal.failure().unwrap_or_default();
-                let bye = goodbye(Errno::EIO, &format!("the server is stopping: its journal failed: {why}"));
-                let _ = tx.send(Outgoing::Goodbye(bye)).await;
-                return;
-            }
+            _ = shutdown.changed() => stopping = true,
+            _ = journal_failure.changed() => stopping = true,
+        }
+        // Fail-stop: the client learns why the server stops instead of waiting on replies
+        // that will never come (the shutdown that follows a failure says so too).
+        if shared.journal.failed() {
+            let why = shared.journal.failure().unwrap_or_default();
+            let bye = goodbye(
+                Errno::EIO,
+                &format!("the server is stopping: its journal failed: {why}"),
+            );
+            let _ = tx.send(Outgoing::Goodbye(bye)).await;
+            return;
+        }
+        if stopping {
+            return;
         }
     }
 }
