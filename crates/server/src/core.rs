@@ -529,7 +529,7 @@ mod tests {
             let Reply::Entry(a) = e.execute(&cred, &op, 1, &mut out) else {
                 panic!("mknod");
             };
-            e.reserve_chunks(a.id, 1 << 40).unwrap();
+            e.mark_data(a.id).unwrap();
             e.open_ref(a.id);
             let op = Op::Unlink {
                 parent: root,
