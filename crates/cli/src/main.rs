@@ -256,7 +256,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
             let client = Client::connect(cfg)
                 .await
                 .map_err(|e| format!("cannot connect the mount: {e}"))?;
-            let session = mount::mount(client, dir)
+            let session = mount::mount(client, &server.addr.to_string(), dir)
                 .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
             eprintln!("kochab: mounted at {}", dir.display());
             Some(session)

@@ -6,14 +6,19 @@ use kochab_fuse::{KochabFs, MountConfig};
 use std::path::Path;
 use std::time::Duration;
 
-/// Mounts `client`'s cluster at `dir`, served from the current tokio runtime.
-pub fn mount(client: Client, dir: &Path) -> std::io::Result<fuser::BackgroundSession> {
+/// Mounts `client`'s cluster (`source`, its address) at `dir`, served from the current
+/// tokio runtime.
+pub fn mount(
+    client: Client,
+    source: &str,
+    dir: &Path,
+) -> std::io::Result<fuser::BackgroundSession> {
     std::fs::create_dir_all(dir)?;
-    let fs = KochabFs::new(
-        client,
-        tokio::runtime::Handle::current(),
-        MountConfig::default(),
-    );
+    let config = MountConfig {
+        source: source.to_string(),
+        ..MountConfig::default()
+    };
+    let fs = KochabFs::new(client, tokio::runtime::Handle::current(), config);
     let config = fs.fuse_config();
     let handle = fs.clone();
     let session = fuser::spawn_mount(fs, dir, &config)?;
@@ -73,7 +78,7 @@ pub async fn foreground(args: MountArgs) -> Result<(), String> {
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", args.cluster))?;
-    let session = mount(client, &args.mountpoint)
+    let session = mount(client, &args.cluster, &args.mountpoint)
         .map_err(|e| format!("cannot mount {}: {e}", args.mountpoint.display()))?;
     eprintln!(
         "kochab: {} mounted at {}",

@@ -703,3 +703,53 @@ fn random_requests_never_hurt_the_server() {
     let problems = runtime().block_on(async { server.client(1).await.fsck().await.expect("fsck") });
     assert!(problems.is_empty(), "seed {seed}: {problems:?}");
 }
+
+/// As fcntl(2) on Linux: a record write lock needs a handle open for writing and a read
+/// lock one open for reading (EBADF); flock locks any handle. The kernel checks this for
+/// the mount; the server checks it for every client.
+#[test]
+fn record_locks_need_a_handle_open_for_their_kind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = ServerProc::start(&tmp.path().join("d"), &[]);
+    runtime().block_on(async {
+        let c = server.client(3).await;
+        let cred = Credentials::root();
+        let (a, w) = c
+            .create_open(&cred, c.root(), b"f", 0o644, libc::O_WRONLY as u32)
+            .await
+            .unwrap();
+        let (_, r) = c.open(&cred, a.id, libc::O_RDONLY as u32).await.unwrap();
+        let lock = |owner, kind, flock| LockSpec {
+            owner,
+            start: 0,
+            end: u64::MAX,
+            kind,
+            pid: 1,
+            flock,
+        };
+        let errno = |r: FsResult<()>| r.err().map(|e| e.errno);
+        assert_eq!(
+            errno(c.setlk(&cred, r, lock(1, LockKind::Write, false)).await),
+            Some(Errno::EBADF),
+            "write lock through a read-only handle"
+        );
+        assert_eq!(
+            errno(c.setlk(&cred, w, lock(2, LockKind::Read, false)).await),
+            Some(Errno::EBADF),
+            "read lock through a write-only handle"
+        );
+        assert_eq!(
+            errno(c.setlk(&cred, r, lock(1, LockKind::Read, false)).await),
+            None
+        );
+        assert_eq!(
+            errno(c.setlk(&cred, w, lock(2, LockKind::Unlock, false)).await),
+            None
+        );
+        assert_eq!(
+            errno(c.setlk(&cred, r, lock(3, LockKind::Write, true)).await),
+            None,
+            "flock locks any handle"
+        );
+    });
+}

@@ -14,14 +14,17 @@
 //! Together this gives close-to-open consistency between mounts.
 
 mod creds;
+mod interrupts;
 
 use creds::GroupCache;
 use fuser::{
     AccessFlags, Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
     INodeNo, InitFlags, KernelConfig, LockOwner, MountOption, OpenFlags, RenameFlags, ReplyAttr,
     ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLock,
-    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, SessionACL, TimeOrNow, WriteFlags,
+    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, RequestId, SessionACL, TimeOrNow,
+    WriteFlags,
 };
+use interrupts::Interrupts;
 use kochab_client::Client;
 use kochab_proto::{
     Attr, Credentials, FileKind, FsError, InodeId, LockKind, LockSpec, SetAttrs, TimeNs, TimeSet,
@@ -50,6 +53,9 @@ pub struct MountConfig {
     pub entry_ttl: Duration,
     /// Threads reading requests from /dev/fuse (each hands requests to the runtime).
     pub threads: usize,
+    /// The mount's source as /proc/mounts shows it: the cluster's address, so that tools
+    /// (findmnt -S, xfstests) find the mount by what was mounted.
+    pub source: String,
 }
 
 impl Default for MountConfig {
@@ -58,6 +64,7 @@ impl Default for MountConfig {
             attr_ttl: Duration::from_secs(1),
             entry_ttl: Duration::from_secs(1),
             threads: 2,
+            source: "kochab".into(),
         }
     }
 }
@@ -80,6 +87,17 @@ struct Inner {
     /// Sends invalidations to the kernel (set once the session is mounted).
     notifier: std::sync::OnceLock<fuser::Notifier>,
     groups: GroupCache,
+    /// Waiting lock requests, which a signal to their caller interrupts.
+    interrupts: Interrupts,
+    /// Open handles per inode, and which handles bypass the page cache: a direct write
+    /// must drop the pages other handles of the inode may have cached.
+    opens: Mutex<Opens>,
+}
+
+#[derive(Default)]
+struct Opens {
+    per_inode: FxHashMap<InodeId, u32>,
+    direct: rustc_hash::FxHashSet<u64>,
 }
 
 /// The file system the kernel talks to.
@@ -175,6 +193,8 @@ impl KochabFs {
                 notifier: std::sync::OnceLock::new(),
                 privileged: Mutex::new(Default::default()),
                 groups: GroupCache::default(),
+                interrupts: Interrupts::default(),
+                opens: Mutex::new(Opens::default()),
             }),
         }
     }
@@ -188,7 +208,7 @@ impl KochabFs {
     pub fn fuse_config(&self) -> Config {
         let mut c = Config::default();
         c.mount_options = vec![
-            MountOption::FSName("kochab".into()),
+            MountOption::FSName(self.inner.config.source.clone()),
             MountOption::Subtype("kochab".into()),
             MountOption::DefaultPermissions,
             MountOption::Dev,
@@ -280,7 +300,7 @@ impl Inner {
     /// Write-only handles (and O_DIRECT ones) bypass the page cache: nothing is read through
     /// them, writes go straight to the servers as they would anyway, and large writes are
     /// sent as several requests at once (async direct I/O).
-    fn open_flags(&self, a: &Attr, flags: i32) -> FopenFlags {
+    fn open_flags(&self, a: &Attr, flags: i32, handle: u64) -> FopenFlags {
         let mut f = FopenFlags::empty();
         // Not for setuid/setgid files: on a direct write the kernel leaves killing those
         // bits to the servers (FUSE_WRITE_KILL_SUIDGID) and keeps showing, and exec'ing
@@ -298,7 +318,31 @@ impl Inner {
         if self.seen_at_open.lock().insert(a.id, now) == Some(now) {
             f |= FopenFlags::FOPEN_KEEP_CACHE;
         }
+        let mut opens = self.opens.lock();
+        *opens.per_inode.entry(a.id).or_insert(0) += 1;
+        if f.contains(FopenFlags::FOPEN_DIRECT_IO) {
+            opens.direct.insert(handle);
+        }
         f
+    }
+
+    /// Forgets a closed handle.
+    fn closed(&self, id: InodeId, handle: u64) {
+        let mut opens = self.opens.lock();
+        opens.direct.remove(&handle);
+        if let Some(n) = opens.per_inode.get_mut(&id) {
+            *n -= 1;
+            if *n == 0 {
+                opens.per_inode.remove(&id);
+            }
+        }
+    }
+
+    /// True if a write through `handle` bypassed the kernel's page cache while another
+    /// handle of the inode is open on this mount (and may have pages of it cached).
+    fn direct_write_beside_others(&self, id: InodeId, handle: u64) -> bool {
+        let opens = self.opens.lock();
+        opens.direct.contains(&handle) && opens.per_inode.get(&id).is_some_and(|&n| n > 1)
     }
 }
 
@@ -319,6 +363,9 @@ impl Filesystem for KochabFs {
             InitFlags::FUSE_MAX_PAGES,
             InitFlags::FUSE_BIG_WRITES,
             InitFlags::FUSE_ASYNC_DIO,
+            // Shared mappings of files opened with O_DIRECT (FOPEN_DIRECT_IO); the kernel
+            // then writes back and drops mapped pages around each direct I/O.
+            InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP,
         ] {
             if config.add_capabilities(cap).is_err() {
                 tracing::info!("kernel lacks FUSE capability {cap:?}");
@@ -542,7 +589,10 @@ impl Filesystem for KochabFs {
         let flags = flags.0;
         self.spawn(req, move |fs, cred| async move {
             match fs.client.open(&cred, fs.id(ino), flags as u32).await {
-                Ok((a, handle)) => reply.opened(FileHandle(handle), fs.open_flags(&a, flags)),
+                Ok((a, handle)) => {
+                    let open = fs.open_flags(&a, flags, handle);
+                    reply.opened(FileHandle(handle), open)
+                }
                 Err(e) => reply.error(errno_of_inode(&e)),
             }
         });
@@ -593,6 +643,21 @@ impl Filesystem for KochabFs {
                             let _ = n.inval_inode(ino, -1, 0);
                         }
                     }
+                    if fs.direct_write_beside_others(a.id, fh.0) {
+                        // A direct write leaves the page cache alone, and the kernel drops
+                        // the range only when it *sends* an asynchronous one, so a
+                        // buffered read on another descriptor may have cached the old
+                        // bytes again meanwhile (generic/451). Drop them (and the cached
+                        // size and mtime) before the write completes: the kernel waits
+                        // for reads in flight on those pages, so every read after the
+                        // completion reads the new bytes.
+                        if let Some(n) = fs.notifier.get().cloned() {
+                            let _ = tokio::task::spawn_blocking(move || {
+                                n.inval_inode(ino, offset as i64, i64::from(len))
+                            })
+                            .await;
+                        }
+                    }
                     reply.written(len)
                 }
                 Err(e) => reply.error(errno(&e)),
@@ -624,16 +689,14 @@ impl Filesystem for KochabFs {
         ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
-        lock_owner: Option<LockOwner>,
+        _lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let locked = self.inner.locked.lock().contains(&self.inner.id(ino));
+        // The last close of an open file description: the server's Close ends its flock
+        // and OFD locks (the locks taken through this handle).
+        self.inner.closed(self.inner.id(ino), fh.0);
         self.spawn(req, move |fs, cred| async move {
-            if let Some(owner) = lock_owner.filter(|_| locked) {
-                // The last close of an open file description drops its flock.
-                let _ = fs.client.release_locks(&cred, fh.0, owner.0).await;
-            }
             let r = fs.client.close(&cred, fh.0).await;
             fs.empty(reply, r);
         });
@@ -854,7 +917,7 @@ impl Filesystem for KochabFs {
             {
                 Ok((a, handle)) => {
                     fs.looked_up(a.id);
-                    let open = fs.open_flags(&a, flags);
+                    let open = fs.open_flags(&a, flags, handle);
                     reply.created(
                         &fs.config.entry_ttl,
                         &fs.file_attr(&a),
@@ -886,6 +949,8 @@ impl Filesystem for KochabFs {
             end,
             kind: lock_kind(typ),
             pid,
+            // The kernel asks only about fcntl locks.
+            flock: false,
         };
         self.spawn(req, move |fs, cred| async move {
             match fs.client.getlk(&cred, fh.0, want).await {
@@ -906,6 +971,7 @@ impl Filesystem for KochabFs {
         typ: i32,
         pid: u32,
         sleep: bool,
+        flock: bool,
         reply: ReplyEmpty,
     ) {
         let want = LockSpec {
@@ -914,17 +980,33 @@ impl Filesystem for KochabFs {
             end,
             kind: lock_kind(typ),
             pid,
+            flock,
         };
         if want.kind != LockKind::Unlock {
             self.inner.locked.lock().insert(self.inner.id(ino));
         }
+        // Watch before the task starts: the interrupt may be handled by another thread.
+        let watch = sleep.then(|| self.inner.interrupts.watch(req.unique().0));
         self.spawn(req, move |fs, cred| async move {
-            // The server never blocks; a waiting lock is retried here with backoff.
+            // The server never blocks; a waiting lock is retried here with backoff until it
+            // is granted or its caller gets a signal (FUSE_INTERRUPT): then EINTR, which
+            // the kernel turns into a restart or EINTR as the signal's handler says, and a
+            // SIGKILL kills the process. The interrupt is looked at only between attempts,
+            // so a lock is never granted to a caller that was told EINTR.
             let mut pause = Duration::from_millis(2);
             loop {
                 match fs.client.setlk(&cred, fh.0, want).await {
                     Err(e) if sleep && e.errno == kochab_proto::Errno::EAGAIN => {
-                        tokio::time::sleep(pause).await;
+                        let interrupted = async {
+                            match &watch {
+                                Some(w) => w.interrupted().await,
+                                None => std::future::pending().await,
+                            }
+                        };
+                        tokio::select! {
+                            () = tokio::time::sleep(pause) => {}
+                            () = interrupted => return reply.error(Errno::EINTR),
+                        }
                         pause = (pause * 2).min(LOCK_POLL_MAX);
                     }
                     Ok(()) if want.kind != LockKind::Unlock => {
@@ -939,6 +1021,11 @@ impl Filesystem for KochabFs {
                 }
             }
         });
+    }
+
+    fn interrupt(&self, _req: &Request, unique: RequestId) -> Result<(), Errno> {
+        self.inner.interrupts.interrupt(unique.0);
+        Ok(())
     }
 
     fn fallocate(

@@ -236,7 +236,7 @@ pub enum Op {
         handle: u64,
         lock: LockSpec,
     },
-    /// Takes or releases a POSIX (or flock) lock; never waits (EAGAIN on conflict).
+    /// Takes or releases a record lock or an flock; never waits (EAGAIN on conflict).
     SetLk {
         handle: u64,
         lock: LockSpec,
@@ -251,8 +251,8 @@ pub enum Op {
 }
 
 /// A byte-range lock: `[start, end]` inclusive (`end == u64::MAX` means to the end of the
-/// file), held by `owner` (the kernel's lock owner: a process's file table for fcntl locks,
-/// an open file description for flock).
+/// file), held by `owner` (the kernel's lock owner: a process's file table for POSIX
+/// fcntl locks, an open file description for OFD locks and flock).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LockSpec {
     pub owner: u64,
@@ -260,6 +260,9 @@ pub struct LockSpec {
     pub end: u64,
     pub kind: LockKind,
     pub pid: u32,
+    /// True for flock(2), false for fcntl(2) record locks: as on Linux the two never
+    /// conflict with each other.
+    pub flock: bool,
 }
 
 /// Lock types, as F_RDLCK, F_WRLCK, F_UNLCK.

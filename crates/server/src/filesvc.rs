@@ -76,6 +76,9 @@ impl Shared {
             ),
             Op::Close { handle } => {
                 if let Some(of) = core.sessions.close(client, *handle) {
+                    // The last close of an open file description: its OFD locks and its
+                    // flock end with it.
+                    core.locks.release_handle(client, of.id, *handle);
                     let muts = core.engine.close_ref(of.id);
                     self.journal_now(core, client, &muts);
                 }
@@ -92,9 +95,9 @@ impl Shared {
             },
             Op::SetLk { handle, lock } => match core.sessions.get(client, *handle) {
                 None => bad_handle(*handle),
-                // No access-mode check: flock locks any descriptor, and for fcntl the
-                // kernel has checked the descriptor already; the locks are advisory.
-                Some(of) => match core.locks.set(client, of.id, lock) {
+                Some(of) => match lock_access(&of, *handle, lock)
+                    .and_then(|()| core.locks.set(client, of.id, *handle, lock))
+                {
                     Ok(()) => Reply::Empty,
                     Err(e) => Reply::Error(e),
                 },
@@ -242,6 +245,28 @@ impl Shared {
         note_modified(&mut core.modified, muts, lsn);
         self.journal.flush_now();
         lsn
+    }
+}
+
+/// As fcntl(2) on Linux: a read lock needs a handle open for reading, a write lock one
+/// open for writing (EBADF). flock locks any handle.
+fn lock_access(of: &OpenFile, handle: u64, lock: &LockSpec) -> Result<(), FsError> {
+    let (ok, what) = match lock.kind {
+        _ if lock.flock => (true, ""),
+        LockKind::Read => (
+            reads(of.flags),
+            "a read lock needs a handle open for reading",
+        ),
+        LockKind::Write => (
+            writes(of.flags),
+            "a write lock needs a handle open for writing",
+        ),
+        LockKind::Unlock => (true, ""),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(fs_err!(EBADF, "handle {handle}: {what}"))
     }
 }
 

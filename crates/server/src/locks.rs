@@ -1,21 +1,36 @@
-//! POSIX advisory locks (fcntl byte ranges; flock arrives as whole-file ranges with the open
-//! file description as owner), held on the server so that every mount sees them. Pure
-//! state: the caller serializes access and decides about waiting.
+//! Advisory locks held on the server so that every mount sees them: fcntl record locks
+//! (POSIX locks, owned by a process, and OFD locks, owned by an open file description) and
+//! flock (whole file, owned by an open file description). As on Linux, flock and fcntl
+//! locks live in separate spaces and never conflict with each other; POSIX and OFD locks
+//! share one space and differ only in their owner. Every lock remembers the handle it was
+//! taken through, so the last close of an open file description (the handle's `Close`)
+//! drops its OFD locks and its flock; POSIX locks go earlier, when their process closes
+//! any descriptor of the file (`release_owner`). Pure state: the caller serializes access
+//! and decides about waiting.
 
 use kochab_proto::{Errno, FsError, InodeId, LockKind, LockSpec, fs_err};
 use rustc_hash::FxHashMap;
 
-/// Locks one inode may carry; bounds what one client can make the server hold.
+/// Lock ranges one inode may carry, counted after splitting (unlocking the middle of a
+/// range makes two): bounds the server memory and the work of every lock request on the
+/// inode. Past it a request that would add ranges fails with ENOLCK, as Linux's does when
+/// it cannot allocate a lock.
 pub const LOCKS_PER_INODE_MAX: usize = 4096;
+/// Lock ranges one client may hold over all inodes: one client must not fill the server's
+/// memory with locks on many files (64k ranges are a few MiB).
+pub const LOCKS_PER_CLIENT_MAX: usize = 65_536;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Held {
     client: u64,
     owner: u64,
+    /// The client's handle the lock was taken through.
+    handle: u64,
     start: u64,
     /// Inclusive.
     end: u64,
     write: bool,
+    flock: bool,
     pid: u32,
 }
 
@@ -24,8 +39,8 @@ impl Held {
         self.start <= end && start <= self.end
     }
 
-    fn same_owner(&self, client: u64, owner: u64) -> bool {
-        self.client == client && self.owner == owner
+    fn same_owner(&self, client: u64, owner: u64, flock: bool) -> bool {
+        self.client == client && self.owner == owner && self.flock == flock
     }
 }
 
@@ -33,6 +48,8 @@ impl Held {
 #[derive(Default)]
 pub struct LockTable {
     by_inode: FxHashMap<InodeId, Vec<Held>>,
+    /// Ranges held per client (for [`LOCKS_PER_CLIENT_MAX`]).
+    per_client: FxHashMap<u64, usize>,
 }
 
 impl LockTable {
@@ -46,7 +63,8 @@ impl LockTable {
             .get(&id)?
             .iter()
             .find(|h| {
-                !h.same_owner(client, want.owner)
+                h.flock == want.flock
+                    && !h.same_owner(client, want.owner, want.flock)
                     && h.overlaps(want.start, want.end)
                     && (write || h.write)
             })
@@ -60,12 +78,21 @@ impl LockTable {
                     LockKind::Read
                 },
                 pid: h.pid,
+                flock: h.flock,
             })
     }
 
-    /// Takes, changes or releases a lock (F_SETLK). A conflict is EAGAIN; the caller
-    /// retries for F_SETLKW.
-    pub fn set(&mut self, client: u64, id: InodeId, spec: &LockSpec) -> Result<(), FsError> {
+    /// Takes, changes or releases a lock (F_SETLK, flock with LOCK_NB) taken through
+    /// `handle`. A conflict is EAGAIN (the caller retries for a waiting lock); more ranges
+    /// than [`LOCKS_PER_INODE_MAX`] or [`LOCKS_PER_CLIENT_MAX`] allow is ENOLCK, and the
+    /// locks stay as they were.
+    pub fn set(
+        &mut self,
+        client: u64,
+        id: InodeId,
+        handle: u64,
+        spec: &LockSpec,
+    ) -> Result<(), FsError> {
         if spec.start > spec.end {
             return Err(fs_err!(
                 EINVAL,
@@ -80,57 +107,62 @@ impl LockTable {
                 "the range is locked by another owner",
             ));
         }
-        let list = self.by_inode.entry(id).or_default();
-        // Cut the owner's existing locks out of the range (POSIX: a new lock replaces what
-        // the same owner held there, splitting ranges as needed).
-        let mut kept = Vec::with_capacity(list.len() + 2);
-        for h in list.drain(..) {
-            if !h.same_owner(client, spec.owner) || !h.overlaps(spec.start, spec.end) {
-                kept.push(h);
-                continue;
+        let list = self.by_inode.get(&id).map_or(&[][..], Vec::as_slice);
+        let (kept, delta) = replace_range(list, client, handle, spec);
+        if kept.len() > list.len() {
+            if kept.len() > LOCKS_PER_INODE_MAX {
+                return Err(fs_err!(
+                    ENOLCK,
+                    "more than {LOCKS_PER_INODE_MAX} lock ranges on inode {id:#x}"
+                ));
             }
-            if h.start < spec.start {
-                kept.push(Held {
-                    end: spec.start - 1,
-                    ..h
-                });
-            }
-            if h.end > spec.end {
-                kept.push(Held {
-                    start: spec.end + 1,
-                    ..h
-                });
+            let held = self.per_client.get(&client).copied().unwrap_or(0);
+            if held + delta.max(0) as usize > LOCKS_PER_CLIENT_MAX {
+                return Err(fs_err!(
+                    ENOLCK,
+                    "this client holds {held} lock ranges, the most allowed is {LOCKS_PER_CLIENT_MAX}"
+                ));
             }
         }
-        if spec.kind != LockKind::Unlock {
-            if kept.len() >= LOCKS_PER_INODE_MAX {
-                *list = kept;
-                return Err(fs_err!(ENOLCK, "too many locks on inode {id:#x}"));
-            }
-            kept.push(Held {
-                client,
-                owner: spec.owner,
-                start: spec.start,
-                end: spec.end,
-                write: spec.kind == LockKind::Write,
-                pid: spec.pid,
-            });
-        }
+        self.count(client, delta);
         if kept.is_empty() {
             self.by_inode.remove(&id);
         } else {
-            *list = kept;
+            self.by_inode.insert(id, kept);
         }
         Ok(())
     }
 
-    /// Releases every lock of `owner` on `id` (a descriptor was closed).
+    /// Releases every fcntl lock of `owner` on `id` (its process closed a descriptor of
+    /// the file: POSIX semantics).
     pub fn release_owner(&mut self, client: u64, id: InodeId, owner: u64) {
-        if let Some(list) = self.by_inode.get_mut(&id) {
-            list.retain(|h| !h.same_owner(client, owner));
-            if list.is_empty() {
-                self.by_inode.remove(&id);
+        self.release_where(id, |h| h.same_owner(client, owner, false));
+    }
+
+    /// Releases every lock taken through `handle` on `id`: the last close of an open file
+    /// description ends its OFD locks and its flock (its process's POSIX locks went with
+    /// the close's flush already).
+    pub fn release_handle(&mut self, client: u64, id: InodeId, handle: u64) {
+        self.release_where(id, |h| h.client == client && h.handle == handle);
+    }
+
+    fn release_where(&mut self, id: InodeId, gone: impl Fn(&Held) -> bool) {
+        let Some(list) = self.by_inode.get_mut(&id) else {
+            return;
+        };
+        let mut released: Vec<u64> = Vec::new();
+        list.retain(|h| {
+            let drop = gone(h);
+            if drop {
+                released.push(h.client);
             }
+            !drop
+        });
+        if list.is_empty() {
+            self.by_inode.remove(&id);
+        }
+        for client in released {
+            self.count(client, -1);
         }
     }
 
@@ -140,9 +172,18 @@ impl LockTable {
             list.retain(|h| h.client != client);
             !list.is_empty()
         });
+        self.per_client.remove(&client);
     }
 
-    /// Locks held, over all inodes.
+    fn count(&mut self, client: u64, delta: isize) {
+        let n = self.per_client.entry(client).or_insert(0);
+        *n = n.saturating_add_signed(delta);
+        if *n == 0 {
+            self.per_client.remove(&client);
+        }
+    }
+
+    /// Lock ranges held, over all inodes.
     pub fn len(&self) -> usize {
         self.by_inode.values().map(Vec::len).sum()
     }
@@ -150,6 +191,49 @@ impl LockTable {
     pub fn is_empty(&self) -> bool {
         self.by_inode.is_empty()
     }
+}
+
+/// The inode's locks after `spec` (POSIX rules: a new lock replaces what the same owner
+/// held in its range, splitting ranges as needed; an unlock cuts the range out), and the
+/// change in the number of ranges `client` holds.
+fn replace_range(list: &[Held], client: u64, handle: u64, spec: &LockSpec) -> (Vec<Held>, isize) {
+    let mut kept = Vec::with_capacity(list.len() + 2);
+    let mut delta = 0isize;
+    for h in list {
+        if !h.same_owner(client, spec.owner, spec.flock) || !h.overlaps(spec.start, spec.end) {
+            kept.push(*h);
+            continue;
+        }
+        delta -= 1;
+        if h.start < spec.start {
+            kept.push(Held {
+                end: spec.start - 1,
+                ..*h
+            });
+            delta += 1;
+        }
+        if h.end > spec.end {
+            kept.push(Held {
+                start: spec.end + 1,
+                ..*h
+            });
+            delta += 1;
+        }
+    }
+    if spec.kind != LockKind::Unlock {
+        kept.push(Held {
+            client,
+            owner: spec.owner,
+            handle,
+            start: spec.start,
+            end: spec.end,
+            write: spec.kind == LockKind::Write,
+            flock: spec.flock,
+            pid: spec.pid,
+        });
+        delta += 1;
+    }
+    (kept, delta)
 }
 
 #[cfg(test)]
@@ -163,22 +247,23 @@ mod tests {
             end,
             kind,
             pid: owner as u32,
+            flock: false,
         }
     }
 
     #[test]
     fn readers_share_writers_exclude() {
         let mut t = LockTable::default();
-        t.set(1, 7, &lock(10, 0, 99, LockKind::Read)).unwrap();
-        t.set(2, 7, &lock(20, 50, 149, LockKind::Read)).unwrap();
+        t.set(1, 7, 0, &lock(10, 0, 99, LockKind::Read)).unwrap();
+        t.set(2, 7, 0, &lock(20, 50, 149, LockKind::Read)).unwrap();
         assert_eq!(
-            t.set(2, 7, &lock(20, 90, 95, LockKind::Write))
+            t.set(2, 7, 0, &lock(20, 90, 95, LockKind::Write))
                 .unwrap_err()
                 .errno,
             Errno::EAGAIN
         );
         assert!(
-            t.set(2, 7, &lock(20, 100, 149, LockKind::Write)).is_ok(),
+            t.set(2, 7, 0, &lock(20, 100, 149, LockKind::Write)).is_ok(),
             "no overlap with client 1"
         );
         let c = t.conflict(3, 7, &lock(30, 0, 0, LockKind::Write)).unwrap();
@@ -193,8 +278,8 @@ mod tests {
     #[test]
     fn unlocking_the_middle_splits_and_owners_never_conflict_with_themselves() {
         let mut t = LockTable::default();
-        t.set(1, 7, &lock(10, 0, 99, LockKind::Write)).unwrap();
-        t.set(1, 7, &lock(10, 40, 59, LockKind::Unlock)).unwrap();
+        t.set(1, 7, 0, &lock(10, 0, 99, LockKind::Write)).unwrap();
+        t.set(1, 7, 0, &lock(10, 40, 59, LockKind::Unlock)).unwrap();
         assert_eq!(t.len(), 2);
         assert!(
             t.conflict(2, 7, &lock(20, 40, 59, LockKind::Write))
@@ -205,27 +290,106 @@ mod tests {
                 .is_some()
         );
         // The same owner converts its own lock in place (write -> read).
-        t.set(1, 7, &lock(10, 0, 99, LockKind::Read)).unwrap();
+        t.set(1, 7, 0, &lock(10, 0, 99, LockKind::Read)).unwrap();
         assert_eq!(t.len(), 1);
         assert!(t.conflict(2, 7, &lock(20, 0, 99, LockKind::Read)).is_none());
         // Same owner number from another client is another owner.
-        assert!(t.set(2, 7, &lock(10, 0, 0, LockKind::Write)).is_err());
+        assert!(t.set(2, 7, 0, &lock(10, 0, 0, LockKind::Write)).is_err());
     }
 
     #[test]
     fn releases() {
         let mut t = LockTable::default();
-        t.set(1, 7, &lock(10, 0, 9, LockKind::Write)).unwrap();
-        t.set(1, 8, &lock(11, 0, 9, LockKind::Write)).unwrap();
-        t.set(2, 7, &lock(20, 10, 19, LockKind::Write)).unwrap();
+        t.set(1, 7, 0, &lock(10, 0, 9, LockKind::Write)).unwrap();
+        t.set(1, 8, 0, &lock(11, 0, 9, LockKind::Write)).unwrap();
+        t.set(2, 7, 0, &lock(20, 10, 19, LockKind::Write)).unwrap();
         t.release_owner(1, 7, 10);
         assert!(t.conflict(3, 7, &lock(30, 0, 9, LockKind::Write)).is_none());
         assert!(t.conflict(3, 8, &lock(30, 0, 9, LockKind::Write)).is_some());
         t.release_client(1);
         assert_eq!(t.len(), 1);
         assert!(
-            t.set(1, 7, &lock(10, 5, 4, LockKind::Read)).is_err(),
+            t.set(1, 7, 0, &lock(10, 5, 4, LockKind::Read)).is_err(),
             "empty range"
         );
+    }
+
+    #[test]
+    fn ranges_are_counted_after_splits() {
+        let mut t = LockTable::default();
+        t.set(1, 7, 0, &lock(10, 0, u64::MAX, LockKind::Write))
+            .unwrap();
+        // Every other byte unlocked: each unlock splits one range into two.
+        let mut refused = None;
+        for i in 0..(LOCKS_PER_INODE_MAX as u64 + 10) {
+            if let Err(e) = t.set(1, 7, 0, &lock(10, 2 * i + 1, 2 * i + 1, LockKind::Unlock)) {
+                refused = Some((i, e.errno));
+                break;
+            }
+        }
+        assert_eq!(
+            refused,
+            Some((LOCKS_PER_INODE_MAX as u64 - 1, Errno::ENOLCK)),
+            "the split past the bound is refused"
+        );
+        assert_eq!(t.len(), LOCKS_PER_INODE_MAX);
+        // Unlocking whole ranges never adds one, so it is always allowed.
+        t.set(1, 7, 0, &lock(10, 0, u64::MAX, LockKind::Unlock))
+            .unwrap();
+        assert!(t.is_empty());
+        assert!(t.per_client.is_empty());
+    }
+
+    #[test]
+    fn a_client_is_bounded_over_all_inodes() {
+        let mut t = LockTable::default();
+        for id in 0..LOCKS_PER_CLIENT_MAX as u64 {
+            t.set(1, id, 0, &lock(10, 0, 0, LockKind::Read)).unwrap();
+        }
+        let e = t
+            .set(1, u64::MAX, 0, &lock(10, 0, 0, LockKind::Read))
+            .unwrap_err();
+        assert_eq!(e.errno, Errno::ENOLCK);
+        assert!(
+            t.set(2, u64::MAX, 0, &lock(10, 0, 0, LockKind::Read))
+                .is_ok()
+        );
+        t.release_owner(1, 5, 10);
+        assert!(
+            t.set(1, u64::MAX, 0, &lock(10, 0, 0, LockKind::Read))
+                .is_ok()
+        );
+        t.release_client(1);
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn flock_and_fcntl_locks_never_conflict_and_handles_release_theirs() {
+        let mut t = LockTable::default();
+        let flock = LockSpec {
+            flock: true,
+            ..lock(10, 0, u64::MAX, LockKind::Write)
+        };
+        t.set(1, 7, 100, &flock).unwrap();
+        // Another owner's fcntl write lock on the whole file: another lock space.
+        t.set(1, 7, 101, &lock(20, 0, u64::MAX, LockKind::Write))
+            .unwrap();
+        assert!(t.conflict(2, 7, &lock(30, 0, 0, LockKind::Read)).is_some());
+        let other_flock = LockSpec { owner: 30, ..flock };
+        assert_eq!(
+            t.set(2, 7, 200, &other_flock).unwrap_err().errno,
+            Errno::EAGAIN
+        );
+        // A flush (fcntl semantics) never ends an flock, even of the same owner value; the
+        // close of the handle it was taken through does.
+        t.release_owner(1, 7, 10);
+        assert!(
+            t.set(2, 7, 200, &other_flock).is_err(),
+            "flock survives a flush"
+        );
+        t.release_handle(1, 7, 100);
+        t.set(2, 7, 200, &other_flock).unwrap();
+        t.release_handle(1, 7, 101);
+        assert_eq!(t.len(), 1);
     }
 }

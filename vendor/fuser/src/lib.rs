@@ -893,13 +893,23 @@ pub trait Filesystem: Send + Sync + 'static {
         typ: i32,
         pid: u32,
         sleep: bool,
+        flock: bool,
         reply: ReplyEmpty,
     ) {
         warn!(
             "[Not Implemented] setlk(ino: {ino:#x?}, fh: {fh}, lock_owner: {lock_owner}, \
-            start: {start}, end: {end}, typ: {typ}, pid: {pid}, sleep: {sleep})"
+            start: {start}, end: {end}, typ: {typ}, pid: {pid}, sleep: {sleep}, flock: {flock})"
         );
         reply.error(Errno::ENOSYS);
+    }
+
+    /// The kernel asks to interrupt request `unique` (its caller got a signal). A file
+    /// system that honours it answers that request with EINTR (if it has not answered
+    /// it yet) and returns Ok; an error is sent as the interrupt's reply (ENOSYS: the
+    /// kernel stops sending interrupts; EAGAIN: requeue it, the request was not seen
+    /// yet). Kochab patch: fuser 0.18 answered every interrupt with ENOSYS.
+    fn interrupt(&self, _req: &Request, _unique: RequestId) -> Result<(), Errno> {
+        Err(Errno::ENOSYS)
     }
 
     /// Map block index within file to block index within device.

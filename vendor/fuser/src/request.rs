@@ -114,9 +114,12 @@ impl<'a> RequestWithSender<'a> {
                 return Err(Errno::EIO);
             }
 
-            ll::Operation::Interrupt(_) => {
-                // TODO: handle FUSE_INTERRUPT
-                return Err(Errno::ENOSYS);
+            ll::Operation::Interrupt(x) => {
+                // Kochab patch: interrupts reach the file system, which answers the
+                // original request (with EINTR) if it honours them; an interrupt gets no
+                // reply of its own unless the file system returns an error.
+                filesystem.interrupt(self.request_header(), x.unique())?;
+                return Ok(None);
             }
 
             ll::Operation::Lookup(x) => {
@@ -409,6 +412,7 @@ impl<'a> RequestWithSender<'a> {
                     x.lock().typ,
                     x.lock().pid,
                     x.sleep(),
+                    x.flock(),
                     self.reply(),
                 );
             }

@@ -1205,6 +1205,11 @@ mod op {
         pub(crate) fn sleep(&self) -> bool {
             self.wait
         }
+        /// True for a lock taken with flock(2) (FUSE_LK_FLOCK), false for fcntl(2)
+        /// (POSIX or OFD record locks). Kochab patch.
+        pub(crate) fn flock(&self) -> bool {
+            self.arg.lk_flags & crate::ll::fuse_abi::consts::FUSE_LK_FLOCK != 0
+        }
     }
 
     /// Check file access permissions.

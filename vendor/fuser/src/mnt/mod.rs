@@ -205,9 +205,13 @@ fn is_mounted(fuse_device: &DevFuse) -> bool {
     loop {
         let mut poll_fd = PollFd::new(fuse_device.as_fd(), PollFlags::empty());
         let res = poll(slice::from_mut(&mut poll_fd), PollTimeout::ZERO);
+        // Kochab patch: POLLERR means the connection is gone (unmounted or aborted), as
+        // in libfuse's fuse_kern_unmount; fuser 0.18 read it the other way round, so a
+        // session that ended because someone unmounted it unmounted the path again,
+        // removing whatever had been mounted there since.
         break match res {
             Ok(0) => true,
-            Ok(1) => poll_fd
+            Ok(1) => !poll_fd
                 .revents()
                 .is_some_and(|r| r.contains(PollFlags::POLLERR)),
             Ok(_) => unreachable!(),

@@ -1,0 +1,472 @@
+//! What xfstests found through the mount, checked without xfstests: a mount process never
+//! unmounts a mount it did not make; flock, POSIX and OFD locks behave as on Linux (kept
+//! apart, released at the right close, a waiting lock ended by a signal); a completed
+//! direct write is what every later read sees.
+//!
+//! Lock steps run on a local directory first (ext4 on the CI machines, the reference) and
+//! then on the mount, so a wrong expectation fails on the local side.
+
+mod common;
+
+use common::{Cluster, MountProc, errno_name, force_unmount, is_mounted};
+use std::ffi::CString;
+use std::fs;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn open_rw(p: &Path) -> fs::File {
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(p)
+        .unwrap()
+}
+
+fn errno_of(r: libc::c_int) -> String {
+    if r == 0 {
+        "ok".into()
+    } else {
+        errno_name(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+    }
+}
+
+/// fcntl(fd, cmd, {typ, whole file}): "ok" or the errno's name.
+fn fcntl_lock(fd: RawFd, cmd: i32, typ: i32) -> String {
+    let fl = libc::flock {
+        l_type: typ as i16,
+        l_whence: libc::SEEK_SET as i16,
+        l_start: 0,
+        l_len: 0,
+        l_pid: 0,
+    };
+    // SAFETY: a lock command with a valid descriptor and an initialized struct flock.
+    errno_of(unsafe { libc::fcntl(fd, cmd, &fl) })
+}
+
+fn flock(fd: RawFd, op: i32) -> String {
+    // SAFETY: flock(2) on a valid descriptor.
+    errno_of(unsafe { libc::flock(fd, op) })
+}
+
+/// Runs `steps` on a local directory and on the mount; both must give `want`.
+fn on_both(c: &Cluster, tmp: &Path, want: &[&str], steps: impl Fn(&Path) -> Vec<String>) {
+    let local = tmp.join("local");
+    fs::create_dir_all(&local).unwrap();
+    assert_eq!(steps(&local), want, "local (reference) side");
+    assert_eq!(steps(&c.mnt), want, "mount");
+}
+
+// ---------------------------------------------------------------------------------------
+// Defect 1: a mount process unmounts only the mount it made.
+
+/// The old mount is unmounted lazily while a file on it stays open, so its process lives
+/// on; a new mount is made at the same path; then the file is closed, the old connection
+/// ends and its process exits. The new mount must still be there (fuser 0.18 unmounted the
+/// path on the way out, removing the new mount, and the next writer wrote into the local
+/// directory underneath).
+#[test]
+fn an_exiting_mount_process_leaves_a_new_mount_at_its_path_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    let dir = tmp.path().join("shared-path");
+    let key = c.server.data.join("cluster.key");
+    let mut old = MountProc::start(c.server.addr, &key, &dir);
+    let held = fs::File::create(dir.join("held")).unwrap();
+    assert!(
+        Command::new("umount")
+            .arg("-l")
+            .arg(&dir)
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert!(!is_mounted(&dir));
+    let new = MountProc::start(c.server.addr, &key, &dir);
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while matches!(old.child.try_wait(), Ok(None)) {
+        assert!(
+            Instant::now() < deadline,
+            "the old mount process did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Give a wrong unmount every chance to happen.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(is_mounted(&dir), "the new mount was removed");
+    fs::write(dir.join("after"), b"on the cluster").unwrap();
+    assert_eq!(
+        fs::read(c.mnt.join("after")).unwrap(),
+        b"on the cluster",
+        "the write reached the cluster, not the directory under the mount"
+    );
+    drop(new);
+    force_unmount(&dir);
+    let _ = old.child.wait();
+}
+
+// ---------------------------------------------------------------------------------------
+// Defect 2: locks.
+
+/// An OFD lock belongs to its open file description: a dup'ed descriptor keeps it, the
+/// last close ends it.
+#[test]
+fn ofd_locks_end_with_the_last_close_of_their_description() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    on_both(&c, tmp.path(), &["ok", "EAGAIN", "EAGAIN", "ok"], |dir| {
+        let p = dir.join("ofd");
+        let a = open_rw(&p);
+        let b = open_rw(&p);
+        let mut out = vec![fcntl_lock(a.as_raw_fd(), libc::F_OFD_SETLK, libc::F_WRLCK)];
+        let a2 = a.try_clone().unwrap();
+        out.push(fcntl_lock(b.as_raw_fd(), libc::F_OFD_SETLK, libc::F_WRLCK));
+        drop(a);
+        out.push(fcntl_lock(b.as_raw_fd(), libc::F_OFD_SETLK, libc::F_WRLCK));
+        drop(a2);
+        out.push(fcntl_lock(b.as_raw_fd(), libc::F_OFD_SETLK, libc::F_WRLCK));
+        out
+    });
+}
+
+/// A POSIX lock belongs to the process: closing any descriptor of the file ends it (seen
+/// from an OFD lock of the same process, which conflicts with it as another owner).
+#[test]
+fn posix_locks_end_when_their_process_closes_any_descriptor_of_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    on_both(&c, tmp.path(), &["ok", "EAGAIN", "ok"], |dir| {
+        let p = dir.join("posix");
+        let a = open_rw(&p);
+        let other = fs::File::open(&p).unwrap();
+        let ofd = open_rw(&p);
+        let mut out = vec![fcntl_lock(a.as_raw_fd(), libc::F_SETLK, libc::F_WRLCK)];
+        out.push(fcntl_lock(
+            ofd.as_raw_fd(),
+            libc::F_OFD_SETLK,
+            libc::F_RDLCK,
+        ));
+        drop(other);
+        out.push(fcntl_lock(
+            ofd.as_raw_fd(),
+            libc::F_OFD_SETLK,
+            libc::F_RDLCK,
+        ));
+        out
+    });
+}
+
+/// flock and fcntl locks are independent on Linux: an exclusive flock and a whole-file
+/// fcntl write lock coexist, and each still conflicts within its own kind.
+#[test]
+fn flock_and_fcntl_locks_do_not_conflict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    let other = c.mount_again(&tmp.path().join("mnt2"));
+    on_both(
+        &c,
+        tmp.path(),
+        &["ok", "ok", "ok", "EAGAIN", "EAGAIN"],
+        |dir| {
+            let p = dir.join("both");
+            let a = open_rw(&p);
+            let b = open_rw(&p);
+            let c2 = open_rw(&p);
+            let d = open_rw(&p);
+            vec![
+                flock(a.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB),
+                fcntl_lock(b.as_raw_fd(), libc::F_SETLK, libc::F_WRLCK),
+                fcntl_lock(c2.as_raw_fd(), libc::F_OFD_SETLK, libc::F_UNLCK),
+                fcntl_lock(c2.as_raw_fd(), libc::F_OFD_SETLK, libc::F_WRLCK),
+                flock(d.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB),
+            ]
+        },
+    );
+    // Across mounts too: the flock taken on the first mount still holds on the second.
+    let a = open_rw(&c.mnt.join("x"));
+    let b = open_rw(&other.mnt.join("x"));
+    assert_eq!(flock(a.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB), "ok");
+    assert_eq!(
+        fcntl_lock(b.as_raw_fd(), libc::F_SETLK, libc::F_WRLCK),
+        "ok"
+    );
+    assert_eq!(
+        flock(b.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB),
+        "EAGAIN"
+    );
+}
+
+extern "C" fn ignore_signal(_: libc::c_int) {}
+
+/// Forks a child that waits for an OFD write lock on `path` (F_OFD_SETLKW) and writes the
+/// errno it ended with (0: granted) into a pipe. SIGUSR1 has a handler without SA_RESTART,
+/// so an interrupted wait returns EINTR. The child only makes async-signal-safe calls, and
+/// first closes every descriptor it inherited (they share open file descriptions with
+/// this process, whose last close would then never come).
+fn fork_waiter(path: &Path) -> (libc::pid_t, OwnedFd) {
+    let cpath = CString::new(path.as_os_str().as_bytes()).unwrap();
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) into a two-element array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: the child calls only async-signal-safe functions and leaves with _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: async-signal-safe calls on valid arguments, in the forked child.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = ignore_signal as *const () as usize;
+            libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut());
+            let out = 3;
+            libc::dup2(fds[1], out);
+            libc::syscall(libc::SYS_close_range, out + 1, u32::MAX, 0);
+            let fd = libc::open(cpath.as_ptr(), libc::O_RDWR);
+            let fl = libc::flock {
+                l_type: libc::F_WRLCK as i16,
+                l_whence: libc::SEEK_SET as i16,
+                l_start: 0,
+                l_len: 0,
+                l_pid: 0,
+            };
+            let r = libc::fcntl(fd, libc::F_OFD_SETLKW, &fl);
+            let err: i32 = if r == 0 { 0 } else { *libc::__errno_location() };
+            libc::write(out, (&err as *const i32).cast(), 4);
+            libc::_exit(0);
+        }
+    }
+    // SAFETY: both ends are ours; the parent keeps the read end.
+    unsafe {
+        libc::close(fds[1]);
+        (pid, OwnedFd::from_raw_fd(fds[0]))
+    }
+}
+
+/// Waits up to `limit` for the waiter's errno.
+fn waiter_result(pipe: &OwnedFd, limit: Duration) -> Option<i32> {
+    let mut pfd = libc::pollfd {
+        fd: pipe.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll(2) on one valid descriptor.
+    let n = unsafe { libc::poll(&mut pfd, 1, limit.as_millis() as i32) };
+    if n != 1 {
+        return None;
+    }
+    let mut err = 0i32;
+    // SAFETY: reads at most 4 bytes into an i32.
+    let got = unsafe { libc::read(pipe.as_raw_fd(), (&mut err as *mut i32).cast(), 4) };
+    (got == 4).then_some(err)
+}
+
+/// Waits up to `limit` for the child to end; its wait status.
+fn reap(pid: libc::pid_t, limit: Duration) -> Option<i32> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid on our own child.
+        if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A waiting OFD lock ends with EINTR when its process gets a signal, and a SIGKILL kills
+/// the process promptly (fuser 0.18 answered the kernel's FUSE_INTERRUPT with ENOSYS, so
+/// the wait ignored both until the lock was free).
+#[test]
+fn a_waiting_lock_is_interrupted_by_a_signal_and_killed_by_sigkill() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    let p = c.mnt.join("contended");
+    let holder = open_rw(&p);
+    assert_eq!(
+        fcntl_lock(holder.as_raw_fd(), libc::F_OFD_SETLK, libc::F_WRLCK),
+        "ok"
+    );
+    let prompt = Duration::from_secs(5);
+
+    let (pid, pipe) = fork_waiter(&p);
+    assert_eq!(
+        waiter_result(&pipe, Duration::from_millis(300)),
+        None,
+        "the waiter waits"
+    );
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(pid, libc::SIGUSR1) };
+    let interrupted = waiter_result(&pipe, prompt);
+    let (pid2, pipe2) = fork_waiter(&p);
+    assert_eq!(waiter_result(&pipe2, Duration::from_millis(300)), None);
+    // SAFETY: as above.
+    unsafe { libc::kill(pid2, libc::SIGKILL) };
+    let killed = reap(pid2, prompt);
+    // Whatever happened, free the lock so no child is left behind.
+    drop(holder);
+    let _ = reap(pid, prompt);
+    let _ = reap(pid2, prompt);
+    assert_eq!(
+        interrupted,
+        Some(libc::EINTR),
+        "SIGUSR1 ends the wait with EINTR"
+    );
+    let status = killed.expect("SIGKILL did not end the waiting process");
+    assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL);
+    drop(pipe2);
+    // A lock freed while someone waits is granted to the waiter.
+    let holder = open_rw(&p);
+    assert_eq!(
+        fcntl_lock(holder.as_raw_fd(), libc::F_OFD_SETLK, libc::F_WRLCK),
+        "ok"
+    );
+    let (pid3, pipe3) = fork_waiter(&p);
+    assert_eq!(waiter_result(&pipe3, Duration::from_millis(200)), None);
+    drop(holder);
+    assert_eq!(waiter_result(&pipe3, prompt), Some(0));
+    assert!(reap(pid3, prompt).is_some());
+}
+
+// ---------------------------------------------------------------------------------------
+// Defect 3: a completed write is what every later read sees.
+
+const IOCB_CMD_PWRITE: u16 = 1;
+
+/// The kernel's struct iocb (linux/aio_abi.h, little-endian layout).
+#[repr(C)]
+#[derive(Default)]
+struct Iocb {
+    aio_data: u64,
+    aio_key: u32,
+    aio_rw_flags: i32,
+    aio_lio_opcode: u16,
+    aio_reqprio: i16,
+    aio_fildes: u32,
+    aio_buf: u64,
+    aio_nbytes: u64,
+    aio_offset: i64,
+    aio_reserved2: u64,
+    aio_flags: u32,
+    aio_resfd: u32,
+}
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct IoEvent {
+    data: u64,
+    obj: u64,
+    res: i64,
+    res2: i64,
+}
+
+/// One asynchronous O_DIRECT write through Linux AIO (io_submit), waited for.
+fn aio_write(ctx: u64, fd: RawFd, buf: &[u8], offset: i64) -> i64 {
+    let mut cb = Iocb {
+        aio_lio_opcode: IOCB_CMD_PWRITE,
+        aio_fildes: fd as u32,
+        aio_buf: buf.as_ptr() as u64,
+        aio_nbytes: buf.len() as u64,
+        aio_offset: offset,
+        ..Iocb::default()
+    };
+    let mut list = [&mut cb as *mut Iocb];
+    // SAFETY: io_submit with a live context and one initialized iocb whose buffer outlives
+    // the wait below.
+    let n = unsafe { libc::syscall(libc::SYS_io_submit, ctx, 1i64, list.as_mut_ptr()) };
+    assert_eq!(n, 1, "io_submit: {}", std::io::Error::last_os_error());
+    let mut ev = [IoEvent::default()];
+    // SAFETY: waits for the one event into a one-element array.
+    let got = unsafe {
+        libc::syscall(
+            libc::SYS_io_getevents,
+            ctx,
+            1i64,
+            1i64,
+            ev.as_mut_ptr(),
+            std::ptr::null_mut::<libc::timespec>(),
+        )
+    };
+    assert_eq!(got, 1);
+    ev[0].res
+}
+
+/// A page-aligned buffer for O_DIRECT.
+struct Aligned(Vec<u8>, usize);
+
+impl Aligned {
+    fn new(len: usize, byte: u8) -> Aligned {
+        let mut v = vec![byte; len + 4096];
+        let skip = v.as_ptr().align_offset(4096);
+        v[skip..skip + len].fill(byte);
+        Aligned(v, skip)
+    }
+    fn bytes(&self, len: usize) -> &[u8] {
+        &self.0[self.1..self.1 + len]
+    }
+}
+
+/// Readers that keep the file's pages cached (as generic/451 does) while asynchronous
+/// direct writes land: once a write completed, a buffered read on another descriptor of
+/// the same mount returns its bytes, never the old ones from the page cache.
+#[test]
+fn a_completed_direct_write_is_seen_by_buffered_reads() {
+    const LEN: usize = 16 << 10;
+    const ROUNDS: u8 = 200;
+    let tmp = tempfile::tempdir().unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    let p = c.mnt.join("dio");
+    fs::write(&p, vec![0u8; 4 * LEN]).unwrap();
+    let direct = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&p)
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (p, stop) = (p.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let f = fs::File::open(&p).unwrap();
+            let mut buf = vec![0u8; LEN];
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = f.read_at(&mut buf, 0);
+            }
+        })
+    };
+    let mut ctx = 0u64;
+    // SAFETY: io_setup into a u64 context.
+    assert_eq!(
+        unsafe { libc::syscall(libc::SYS_io_setup, 8i64, &mut ctx as *mut u64) },
+        0
+    );
+    let check = fs::File::open(&p).unwrap();
+    let mut stale = Vec::new();
+    for round in 1..=ROUNDS {
+        let buf = Aligned::new(LEN, round);
+        assert_eq!(
+            aio_write(ctx, direct.as_raw_fd(), buf.bytes(LEN), 0),
+            LEN as i64
+        );
+        let mut back = vec![0u8; LEN];
+        check.read_exact_at(&mut back, 0).unwrap();
+        if back.iter().any(|&b| b != round) {
+            stale.push((round, back[0]));
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    reader.join().unwrap();
+    // SAFETY: destroys the context made above.
+    unsafe { libc::syscall(libc::SYS_io_destroy, ctx) };
+    assert!(
+        stale.is_empty(),
+        "rounds whose completed write was not read back (round, first byte read): {stale:?}"
+    );
+}
