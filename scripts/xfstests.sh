@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Runs the generic tests of xfstests' quick group through a Kochab mount and prints the
+# pass / fail / not-run counts.
+#
+#   scripts/xfstests.sh XFSTESTS_DIR [TEST...]
+#
+# XFSTESTS_DIR is an xfstests tree that is already built (`make` in a checkout of
+# kdave/xfstests, with its Debian build packages); this script never builds or ships it.
+# With TEST arguments (e.g. generic/257) only those run, otherwise `-g quick`. The script
+# starts two fresh clusters (test and scratch) from target/release/kochab on loopback ports,
+# installs the mount helper xfstests needs (`mount -t fuse.kochab` runs
+# /sbin/mount.fuse.kochab, which runs `kochab mount`), runs `check`, and removes all of it
+# again. Needs root (mounts, /sbin). Takes about an hour on 2 cores.
+#
+# Environment: KOCHAB_XFSTESTS_WORK (default a new directory under /tmp) holds the
+# clusters' data, the logs and the xfstests results; it is removed at the end unless
+# KOCHAB_XFSTESTS_KEEP=1. KOCHAB_XFSTESTS_EXCLUDE names a file of tests to skip (one per
+# line, as `check -E` takes it); by default the list below is used.
+set -euo pipefail
+
+xfstests=${1:?usage: scripts/xfstests.sh XFSTESTS_DIR [TEST...]}
+shift
+xfstests=$(cd "$xfstests" && pwd)
+[ -x "$xfstests/check" ] && [ -x "$xfstests/ltp/fsstress" ] || {
+    echo "xfstests.sh: $xfstests is not a built xfstests tree (run make there first)" >&2
+    exit 2
+}
+[ "$(id -u)" = 0 ] || { echo "xfstests.sh: must run as root (mounts)" >&2; exit 2; }
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+bin=$root/target/release/kochab
+if [ ! -x "$bin" ]; then
+    (cd "$root" && cargo build --release --locked -p kochab)
+fi
+helper=/sbin/mount.fuse.kochab
+marker="# written by kochab scripts/xfstests.sh"
+if [ -e "$helper" ] && ! grep -qF "$marker" "$helper"; then
+    echo "xfstests.sh: $helper exists and is not ours; move it away first" >&2
+    exit 2
+fi
+
+work=${KOCHAB_XFSTESTS_WORK:-$(mktemp -d /tmp/kochab-xfstests.XXXXXX)}
+mkdir -p "$work"
+test_dir=$work/test
+scratch_mnt=$work/scratch
+mkdir -p "$test_dir" "$scratch_mnt"
+pids=()
+
+cleanup() {
+    set +e
+    for d in "$test_dir" "$scratch_mnt"; do
+        if findmnt -rn "$d" > /dev/null 2>&1; then umount -l "$d"; fi
+    done
+    for p in "${pids[@]}"; do
+        kill -TERM "$p" 2> /dev/null
+    done
+    for p in "${pids[@]}"; do
+        for _ in $(seq 100); do kill -0 "$p" 2> /dev/null || break; sleep 0.1; done
+        kill -KILL "$p" 2> /dev/null
+        wait "$p" 2> /dev/null
+    done
+    if [ -e "$helper" ] && grep -qF "$marker" "$helper"; then rm -f "$helper"; fi
+    if [ "${KOCHAB_XFSTESTS_KEEP:-0}" != 1 ]; then rm -rf "$work"; fi
+}
+trap cleanup EXIT
+
+# start_cluster NAME: runs `kochab up` on a free loopback port; sets $addr.
+start_cluster() {
+    local name=$1 out=$work/$1.out
+    : > "$out"
+    "$bin" up --data "$work/$name-data" --port 0 > "$out" 2> "$work/$name.log" &
+    pids+=($!)
+    for _ in $(seq 600); do
+        addr=$(sed -n 's/^kochab: cluster ready at //p' "$out")
+        [ -n "$addr" ] && return 0
+        sleep 0.1
+    done
+    echo "xfstests.sh: the $name cluster did not start; see $work/$name.log" >&2
+    exit 1
+}
+start_cluster test
+test_addr=$addr
+start_cluster scratch
+scratch_addr=$addr
+
+# mount(8) runs the helper as `mount.fuse.kochab SOURCE DIR [-o OPTIONS]`; the source is
+# the cluster's address, which names its key file here.
+cat > "$helper" << EOF
+#!/bin/sh
+$marker
+src=\$1
+dir=\$2
+case "\$src" in
+$test_addr) key=$work/test-data/cluster.key ;;
+$scratch_addr) key=$work/scratch-data/cluster.key ;;
+*) echo "mount.fuse.kochab: unknown cluster \$src" >&2; exit 32 ;;
+esac
+exec $bin mount "\$src" "\$dir" --key-file "\$key" --log "$work/mount-\$(date +%s%N).log"
+EOF
+chmod 755 "$helper"
+
+# Tests left out, each with its reason (see docs/ARCHITECTURE.md, "Known differences").
+default_exclude=$work/exclude
+cat > "$default_exclude" << 'EOF'
+EOF
+exclude=${KOCHAB_XFSTESTS_EXCLUDE:-$default_exclude}
+
+cat > "$work/local.config" << EOF
+export FSTYP=fuse
+export FUSE_SUBTYP=.kochab
+export TEST_DEV=$test_addr
+export TEST_DIR=$test_dir
+export SCRATCH_DEV=$scratch_addr
+export SCRATCH_MNT=$scratch_mnt
+export RESULT_BASE=$work/results
+EOF
+
+if [ $# -gt 0 ]; then
+    tests=("$@")
+else
+    tests=(-g quick)
+fi
+set +e
+(cd "$xfstests" && HOST_OPTIONS=$work/local.config ./check -E "$exclude" "${tests[@]}") \
+    2>&1 | tee "$work/check.out"
+set -e
+
+# check's summary: "Ran: a b c", "Not run: d e", "Failures: f g" (each may be absent).
+list() { sed -n "s/^$1: //p" "$work/check.out" | tail -1; }
+ran=$(list Ran)
+not_run=$(list "Not run")
+failures=$(list Failures)
+count() { wc -w <<< "$1" | tr -d ' '; }
+n_ran=$(count "$ran")
+n_not_run=$(count "$not_run")
+n_failed=$(count "$failures")
+echo
+echo "xfstests not run: ${not_run:-none}"
+echo "xfstests failures: ${failures:-none}"
+echo "xfstests: $((n_ran - n_failed)) passed, $n_failed failed, $n_not_run not run"
