@@ -2,8 +2,9 @@
 //!
 //! Ordering by hash (as ext4's htree does) gives readdir cookies that stay valid while the
 //! directory changes: an entry's cookie is its hash bucket plus its slot in the bucket, so
-//! inserting or removing other names never moves it. Buckets hold names whose 60-bit hashes
-//! collide (in practice never more than one).
+//! inserting or removing other names never moves it. Name hashes are 63 bits wide, so every
+//! cookie is a valid, positive directory offset (loff_t) for lseek/seekdir/telldir. Buckets
+//! hold names whose 59-bit hashes collide (in practice never more than one).
 
 use crate::name::Name;
 use kochab_proto::{FileKind, InodeId};
@@ -19,9 +20,14 @@ pub const BUCKET_SLOTS: usize = 16;
 const SLOT_MASK: u64 = BUCKET_SLOTS as u64 - 1;
 /// Bucket keys start here so that cookies 0..=2 stay free for start, "." and "..".
 const FIRST_BUCKET: u64 = 16;
+/// Name hashes (and so cookies) are below this: directory offsets are signed 64-bit.
+pub const HASH_LIMIT: u64 = 1 << 63;
 /// Checkpoint boxes split a directory into 2^10 hash ranges, so that a checkpoint of a huge
 /// directory rewrites only the ranges that changed.
-pub const DENTRY_BOX_SHIFT: u32 = 54;
+pub const DENTRY_BOX_SHIFT: u32 = 53;
+/// The box shift of checkpoint images written before hashes were cut to 63 bits (format 1:
+/// 64-bit hashes, 2^10 boxes); such images are loaded and rehashed (`Table::load_image`).
+pub const LEGACY_DENTRY_BOX_SHIFT: u32 = 54;
 
 /// One directory entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -171,8 +177,16 @@ impl DirEntries {
 
     /// Entries whose hash falls in checkpoint box `boxno`, with their cookies.
     pub fn iter_box(&self, boxno: u16) -> impl Iterator<Item = (u64, &Dentry)> + '_ {
-        let lo = (boxno as u64) << DENTRY_BOX_SHIFT;
-        let hi = lo.checked_add(1u64 << DENTRY_BOX_SHIFT);
+        self.iter_box_shifted(boxno, DENTRY_BOX_SHIFT)
+    }
+
+    fn iter_box_shifted(
+        &self,
+        boxno: u16,
+        shift: u32,
+    ) -> impl Iterator<Item = (u64, &Dentry)> + '_ {
+        let lo = (boxno as u64) << shift;
+        let hi = lo.checked_add(1u64 << shift);
         let upper = match hi {
             Some(h) => Bound::Excluded(h),
             None => Bound::Unbounded,
@@ -201,7 +215,19 @@ impl DirEntries {
 
     /// Drops every entry whose hash falls in box `boxno` (before loading that box's image).
     pub fn clear_box(&mut self, boxno: u16) {
-        let keys: Vec<u64> = self.iter_box(boxno).map(|(c, _)| c & !SLOT_MASK).collect();
+        self.clear_box_shifted(boxno, DENTRY_BOX_SHIFT);
+    }
+
+    /// `clear_box` for the boxes of format-1 images.
+    pub fn clear_legacy_box(&mut self, boxno: u16) {
+        self.clear_box_shifted(boxno, LEGACY_DENTRY_BOX_SHIFT);
+    }
+
+    fn clear_box_shifted(&mut self, boxno: u16, shift: u32) {
+        let keys: Vec<u64> = self
+            .iter_box_shifted(boxno, shift)
+            .map(|(c, _)| c & !SLOT_MASK)
+            .collect();
         for k in keys {
             if let Some(b) = self.buckets.remove(&k) {
                 self.len -= match b {

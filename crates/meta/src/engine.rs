@@ -244,12 +244,21 @@ impl Engine {
         Ok(inode)
     }
 
-    /// The keyed hash that orders a directory's entries.
+    /// The keyed hash that orders a directory's entries: 63 bits, so that the readdir
+    /// cookies made of it are positive directory offsets.
     pub fn name_hash(&self, name: &[u8]) -> u64 {
-        let [k0, k1] = self.config.name_hash_key;
-        let mut h = SipHasher13::new_with_keys(k0, k1);
-        h.write(name);
-        h.finish()
+        name_hash(self.config.name_hash_key, name)
+    }
+
+    /// Rehashes the directories loaded from format-1 checkpoint images (64-bit hashes)
+    /// before the journal is replayed on top; returns how many entries moved.
+    pub fn rehash_legacy_dentries(&mut self) -> Result<u64, String> {
+        let key = self.config.name_hash_key;
+        let mut moved = 0;
+        for t in self.tables_mut() {
+            moved += t.rehash_legacy(|name| name_hash(key, name))?;
+        }
+        Ok(moved)
     }
 
     /// The entry `dir/name`, if any.
@@ -524,6 +533,12 @@ impl Engine {
         }
         problems
     }
+}
+
+fn name_hash([k0, k1]: [u64; 2], name: &[u8]) -> u64 {
+    let mut h = SipHasher13::new_with_keys(k0, k1);
+    h.write(name);
+    h.finish() >> 1
 }
 
 #[cfg(test)]

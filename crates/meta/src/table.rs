@@ -100,7 +100,9 @@ pub enum BoxImage {
         boxno: u64,
         inodes: Vec<InodeImage>,
     },
-    Dentries {
+    /// Format 1 (64-bit name hashes, boxes of `LEGACY_DENTRY_BOX_SHIFT`): still read, never
+    /// written; a table that loads one rehashes it and writes a full checkpoint next.
+    DentriesV1 {
         dir: InodeId,
         boxno: u16,
         entries: Vec<DentryImage>,
@@ -108,6 +110,12 @@ pub enum BoxImage {
     /// The table's whole reclaim list.
     Reclaims {
         entries: Vec<Reclaim>,
+    },
+    /// A directory's entries in one box (63-bit name hashes).
+    Dentries {
+        dir: InodeId,
+        boxno: u16,
+        entries: Vec<DentryImage>,
     },
 }
 
@@ -147,6 +155,10 @@ pub struct Table {
     /// Journal records with a higher LSN are not yet in this table's checkpoint and are
     /// replayed on top of it.
     pub replay_from: u64,
+    /// Directories loaded from format-1 images, until `rehash_legacy` moves them in.
+    legacy_dirs: FxHashMap<InodeId, DirEntries>,
+    /// The next checkpoint must be a full one (format-1 images are still referenced).
+    needs_full: bool,
 }
 
 impl Table {
@@ -166,7 +178,41 @@ impl Table {
             inodes: 0,
             dentries: 0,
             replay_from: 0,
+            legacy_dirs: FxHashMap::default(),
+            needs_full: false,
         }
+    }
+
+    /// Moves the directories of format-1 images in, each entry at the cookie of its name's
+    /// new hash, and asks for a full checkpoint (which replaces every old image). Returns
+    /// how many entries moved.
+    pub fn rehash_legacy(&mut self, hash: impl Fn(&[u8]) -> u64) -> Result<u64, String> {
+        let mut moved = 0;
+        for (dir, old) in std::mem::take(&mut self.legacy_dirs) {
+            let e = self.dirs.entry(dir).or_default();
+            for (_, d) in old.iter() {
+                let h = hash(d.name.as_bytes());
+                if e.insert(h, d.clone()).map_err(|_| {
+                    format!("directory {dir:#x}: too many names share one hash bucket")
+                })? {
+                    self.dentries += 1;
+                }
+                self.dirty_dentries.insert((dir, crate::dir::box_of(h)));
+                moved += 1;
+            }
+            self.needs_full = true;
+        }
+        Ok(moved)
+    }
+
+    /// True once if the next checkpoint must be full.
+    pub fn take_needs_full(&mut self) -> bool {
+        std::mem::take(&mut self.needs_full)
+    }
+
+    /// Asks for a full checkpoint again (the one that took the request failed).
+    pub fn set_needs_full(&mut self) {
+        self.needs_full = true;
     }
 
     pub fn contains(&self, id: InodeId) -> bool {
@@ -491,6 +537,39 @@ impl Table {
                     self.boxes.insert(boxno, b);
                 }
             }
+            BoxImage::DentriesV1 {
+                dir,
+                boxno,
+                entries,
+            } => {
+                if !self.contains(dir) {
+                    return Err(format!(
+                        "entries of {dir:#x} outside table {:#x}..{:#x}",
+                        self.lo, self.hi
+                    ));
+                }
+                let e = self.legacy_dirs.entry(dir).or_default();
+                e.clear_legacy_box(boxno);
+                for img in entries {
+                    if (img.cookie >> crate::dir::LEGACY_DENTRY_BOX_SHIFT) as u16 != boxno {
+                        return Err(format!(
+                            "entry cookie {:#x} outside box {boxno}",
+                            img.cookie
+                        ));
+                    }
+                    e.insert_at(
+                        img.cookie,
+                        Dentry {
+                            name: img.name,
+                            child: img.child,
+                            kind: img.kind,
+                        },
+                    );
+                }
+                if e.is_empty() {
+                    self.legacy_dirs.remove(&dir);
+                }
+            }
             BoxImage::Dentries {
                 dir,
                 boxno,
@@ -611,5 +690,34 @@ mod tests {
             })
             .is_err()
         );
+    }
+
+    /// Format-1 images (64-bit hashes, so cookies up to 2^64) still load: their entries
+    /// move to their names' new 63-bit hashes, and the table asks for a full checkpoint.
+    #[test]
+    fn format_1_dentry_images_are_rehashed() {
+        let mut t = Table::new(0, 1 << 20);
+        let old_cookie = 0xfedc_ba98_7654_3210 & !0xf;
+        let legacy = BoxImage::DentriesV1 {
+            dir: 2,
+            boxno: (old_cookie >> crate::dir::LEGACY_DENTRY_BOX_SHIFT) as u16,
+            entries: vec![DentryImage {
+                cookie: old_cookie,
+                name: Name::new(b"old"),
+                child: 7,
+                kind: FileKind::File,
+            }],
+        };
+        // The postcard encoding of format 1 is unchanged (same variant index).
+        let bytes = postcard::to_allocvec(&legacy).unwrap();
+        assert_eq!(bytes[0], 1);
+        t.load_image(postcard::from_bytes(&bytes).unwrap()).unwrap();
+        let hash = |name: &[u8]| name.len() as u64 * 0x1000_0000_0000;
+        assert_eq!(t.rehash_legacy(hash).unwrap(), 1);
+        let (cookie, d) = t.iter_dirs().next().unwrap().1.iter().next().unwrap();
+        assert_eq!((cookie, d.child), (hash(b"old"), 7));
+        assert!(cookie < crate::dir::HASH_LIMIT);
+        assert!(t.take_needs_full());
+        assert!(!t.take_needs_full());
     }
 }

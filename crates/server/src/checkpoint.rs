@@ -215,14 +215,15 @@ impl Checkpointer {
 
     fn checkpoint_table(&mut self, shared: &Shared, i: usize) -> io::Result<(usize, u64)> {
         let started = Instant::now();
-        let full = self.manifests[i].wants_full();
-        let (start_lsn, set) = {
+        let (start_lsn, set, full) = {
             let mut core = shared.core.lock();
             let lsn = shared.journal.last_lsn();
             let t = &mut core.engine.tables_mut()[i];
+            // A table loaded from format-1 images replaces all of them at once.
+            let full = t.take_needs_full() || self.manifests[i].wants_full();
             let dirty = t.take_dirty();
             let set = if full { t.all_boxes() } else { dirty };
-            (lsn, set)
+            (lsn, set, full)
         };
         if set.is_empty() {
             // Nothing changed since the last image: only the replay point moves, and only
@@ -251,7 +252,12 @@ impl Checkpointer {
             }
             Err(e) => {
                 // The boxes are still unsaved: track them again for the next round.
-                shared.core.lock().engine.tables_mut()[i].mark_dirty(&set);
+                let mut core = shared.core.lock();
+                let t = &mut core.engine.tables_mut()[i];
+                t.mark_dirty(&set);
+                if full {
+                    t.set_needs_full();
+                }
                 Err(e)
             }
         }

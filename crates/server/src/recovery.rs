@@ -76,6 +76,15 @@ pub fn recover(dir: &DataDir) -> io::Result<Recovered> {
         }
         Ok(())
     })?;
+    let rehashed = engine
+        .rehash_legacy_dentries()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    if rehashed > 0 {
+        tracing::info!(
+            "rehashed {rehashed} directory entries of format-1 checkpoints (63-bit cookies); \
+             the next checkpoint rewrites their tables in full"
+        );
+    }
     let load_time = started.elapsed();
 
     let started = Instant::now();
