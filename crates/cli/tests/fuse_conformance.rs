@@ -559,3 +559,44 @@ fn telldir_positions_are_valid_and_stable_offsets() {
     }
     assert!(checked > 100);
 }
+
+// ---------------------------------------------------------------------------------------
+// Execute-only programs.
+
+/// A program whose mode gives the caller x but not r runs (execve needs execute
+/// permission only; the server used to ask for read permission too: exit status 126).
+#[test]
+fn execute_only_programs_run() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let tmp = tempfile::tempdir().unwrap();
+    fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    let truth = ["/usr/bin/true", "/bin/true"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("true(1)");
+    let nobody = 65534;
+    // (mode, owner, group): the caller is the owner, in the group, or someone else.
+    for (mode, uid, gid) in [(0o100, nobody, 0), (0o010, 0, nobody), (0o001, 0, 0)] {
+        let p = c.mnt.join(format!("prog{mode:03o}"));
+        fs::copy(truth, &p).unwrap();
+        std::os::unix::fs::chown(&p, Some(uid), Some(gid)).unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(mode)).unwrap();
+        let ran = Command::new(&p).uid(nobody).gid(nobody).status();
+        assert!(
+            matches!(ran, Ok(s) if s.success()),
+            "mode {mode:03o}: {ran:?}"
+        );
+        // Reading it is still refused.
+        let read = Command::new("cat")
+            .arg(&p)
+            .uid(nobody)
+            .gid(nobody)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(!read.success(), "mode {mode:03o} is not readable");
+    }
+}

@@ -6,7 +6,7 @@ use crate::engine::{Engine, Fail, OpResult};
 use crate::mutation::Mutation;
 use crate::perm::check_access;
 use crate::table::Reclaim;
-use kochab_proto::access::{R_OK, W_OK};
+use kochab_proto::access::{R_OK, W_OK, X_OK};
 use kochab_proto::mode::{S_ISGID, S_ISUID, S_IXGRP};
 use kochab_proto::{Attr, Credentials, FileKind, InodeId, TimeNs, fs_err};
 
@@ -17,6 +17,9 @@ pub mod open_flags {
     pub const O_WRONLY: u32 = 0o1;
     pub const O_RDWR: u32 = 0o2;
     pub const O_TRUNC: u32 = 0o1000;
+    /// The kernel's __FMODE_EXEC: the open of execve(2), which needs execute permission
+    /// only (a mode 0111 program runs); the kernel then reads the program through it.
+    pub const FMODE_EXEC: u32 = 0o40;
 }
 
 /// True if `flags` allow reading.
@@ -38,7 +41,12 @@ impl Engine {
     pub fn check_open(&self, cred: &Credentials, id: InodeId, flags: u32) -> OpResult<Attr> {
         let inode = self.get(id)?;
         let mut mask = 0;
-        if reads(flags) {
+        if flags & open_flags::FMODE_EXEC != 0 {
+            if inode.kind() != FileKind::File {
+                return Err(Fail::Fs(fs_err!(EACCES, "only regular files are executed")));
+            }
+            mask |= X_OK;
+        } else if reads(flags) {
             mask |= R_OK;
         }
         if writes(flags) || flags & open_flags::O_TRUNC != 0 {
