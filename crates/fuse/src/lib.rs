@@ -366,6 +366,10 @@ impl Filesystem for KochabFs {
             // Shared mappings of files opened with O_DIRECT (FOPEN_DIRECT_IO); the kernel
             // then writes back and drops mapped pages around each direct I/O.
             InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP,
+            // File handles (name_to_handle_at, NFS export): the kernel finds an inode it
+            // no longer caches by looking up "." (and a directory's parent by "..") in its
+            // id; a reused id has another generation, so an old handle is ESTALE.
+            InitFlags::FUSE_EXPORT_SUPPORT,
         ] {
             if config.add_capabilities(cap).is_err() {
                 tracing::info!("kernel lacks FUSE capability {cap:?}");
@@ -388,7 +392,14 @@ impl Filesystem for KochabFs {
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
-            let r = fs.client.lookup(&cred, fs.id(parent), &name).await;
+            let r = if name == b"." {
+                // Only file handles (open_by_handle_at, NFS export) look up "." and "..":
+                // the VFS resolves them itself on paths. "." is the inode of any id, ".."
+                // the parent of a directory id (the server answers that lookup).
+                fs.client.getattr(&cred, fs.id(parent)).await
+            } else {
+                fs.client.lookup(&cred, fs.id(parent), &name).await
+            };
             fs.entry(reply, r);
         });
     }
