@@ -686,3 +686,55 @@ fn file_handles_open_files_and_directories_on_any_mount() {
         Some("ESTALE".to_string())
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Open objects live until their last close (generic/035).
+
+fn nlink_of(fd: &impl AsRawFd) -> Result<u64, String> {
+    // SAFETY: fstat into a zeroed struct stat.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd.as_raw_fd(), &mut st) == 0 {
+            Ok(st.st_nlink)
+        } else {
+            Err(errno_name(
+                std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+            ))
+        }
+    }
+}
+
+/// A directory that is open when it is renamed over or removed still answers fstat, with
+/// nlink 0, as does a file (the directory used to vanish: ESTALE).
+#[test]
+fn open_directories_and_files_outlive_their_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    let sides: Vec<_> = [tmp.path().join("local"), c.mnt.clone()]
+        .iter()
+        .map(|base| {
+            fs::create_dir_all(base.join("d1")).unwrap();
+            fs::create_dir_all(base.join("d2")).unwrap();
+            fs::create_dir_all(base.join("d3")).unwrap();
+            fs::write(base.join("f1"), b"1").unwrap();
+            fs::write(base.join("f2"), b"2").unwrap();
+            let d2 = fs::File::open(base.join("d2")).unwrap();
+            let d3 = fs::File::open(base.join("d3")).unwrap();
+            let f2 = fs::File::open(base.join("f2")).unwrap();
+            fs::rename(base.join("d1"), base.join("d2")).unwrap();
+            fs::remove_dir(base.join("d3")).unwrap();
+            fs::rename(base.join("f1"), base.join("f2")).unwrap();
+            // Past the mount's attribute cache, so the servers are asked.
+            std::thread::sleep(Duration::from_millis(1100));
+            let out = vec![nlink_of(&d2), nlink_of(&d3), nlink_of(&f2)];
+            // Nothing can be made in a removed directory.
+            let made = fs::write(format!("/proc/self/fd/{}/x", d3.as_raw_fd()), b"")
+                .map_err(|e| errno_name(e.raw_os_error().unwrap_or(0)));
+            (out, made)
+        })
+        .collect();
+    let (want, got) = (&sides[0], &sides[1]);
+    assert_eq!(want.0, vec![Ok(0), Ok(0), Ok(0)], "local reference");
+    assert_eq!(got.0, want.0, "mount");
+    assert_eq!(got.1, want.1, "creating in a removed directory");
+}

@@ -727,8 +727,16 @@ impl Filesystem for KochabFs {
         });
     }
 
-    fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        reply.opened(FileHandle(0), FopenFlags::empty());
+    fn opendir(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        // A server-side handle, so that a directory removed (or renamed over) while open
+        // lives on with nlink 0 until its last close, as on a local file system.
+        let flags = flags.0 as u32;
+        self.spawn(req, move |fs, cred| async move {
+            match fs.client.open(&cred, fs.id(ino), flags).await {
+                Ok((_, handle)) => reply.opened(FileHandle(handle), FopenFlags::empty()),
+                Err(e) => reply.error(errno_of_inode(&e)),
+            }
+        });
     }
 
     fn readdir(
@@ -822,13 +830,18 @@ impl Filesystem for KochabFs {
 
     fn releasedir(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
+        // Nothing waits for this close (closedir cannot fail), so it goes after the reply;
+        // a removal that overtakes it only keeps the dead directory a moment longer.
         reply.ok();
+        self.spawn(req, move |fs, cred| async move {
+            let _ = fs.client.close(&cred, fh.0).await;
+        });
     }
 
     fn fsyncdir(

@@ -482,6 +482,10 @@ impl Engine {
         for t in &self.tables {
             for (id, inode) in t.iter_inodes() {
                 let n = names.get(&id).copied().unwrap_or(0);
+                if inode.is_dir() && inode.nlink == 0 && n == 0 && !subdirs.contains_key(&id) {
+                    // Removed while open: lives until its last close.
+                    continue;
+                }
                 if inode.is_dir() {
                     let expect = 2 + subdirs.get(&id).copied().unwrap_or(0);
                     let saturated = inode.nlink == 1 && expect >= kochab_proto::LINK_MAX;
@@ -514,7 +518,7 @@ impl Engine {
         // Parent links lead to the root without a cycle.
         for t in &self.tables {
             for (id, inode) in t.iter_inodes() {
-                if !inode.is_dir() {
+                if !inode.is_dir() || inode.nlink == 0 {
                     continue;
                 }
                 let mut cur = id;

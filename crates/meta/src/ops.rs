@@ -559,6 +559,19 @@ impl Engine {
         Ok(())
     }
 
+    /// The removal of an empty directory's inode whose last name went: an open directory
+    /// lives on with nlink 0 (no entries can be made in it) until its last close, as any
+    /// open object does; `close_ref` then drops it.
+    fn remove_dir_inode(&self, dir: InodeId, now: TimeNs) -> OpResult<Mutation> {
+        if self.open_count(dir) == 0 {
+            return Ok(Mutation::DropInode { id: dir });
+        }
+        let mut inode = self.get(dir)?.clone();
+        inode.nlink = 0;
+        inode.ctime = now;
+        Ok(Mutation::PutInode { id: dir, inode })
+    }
+
     /// After the last entry of `dir` goes, its file allocator restarts at the beginning of
     /// its own range, so ids of deleted files are reused.
     fn maybe_rewind_allocator(&self, dir_id: InodeId, dir: &mut Inode, entries_left: u64) {
@@ -661,7 +674,7 @@ impl Engine {
             parent,
             name: Name::new(name),
         });
-        out.push(Mutation::DropInode { id: child });
+        out.push(self.remove_dir_inode(child, now)?);
         out.push(Mutation::PutInode {
             id: parent,
             inode: p,
@@ -873,7 +886,7 @@ impl Engine {
             if let Some((d, _)) = dst {
                 if dst_is_dir {
                     ch.inodes.remove(&d);
-                    drops.push(Mutation::DropInode { id: d });
+                    drops.push(self.remove_dir_inode(d, now)?);
                     dec_dir_nlink(ch.load(self, new_parent)?);
                 } else {
                     Self::unlink_inode(&mut ch, self, d, now, &mut drops)?;
