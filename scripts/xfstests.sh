@@ -8,8 +8,8 @@
 # kdave/xfstests, with its Debian build packages); this script never builds or ships it.
 # With TEST arguments (e.g. generic/257) only those run, otherwise `-g quick`. The script
 # starts two fresh clusters (test and scratch) from target/release/kochab on loopback ports,
-# installs the mount helper xfstests needs (`mount -t fuse.kochab` runs
-# /sbin/mount.fuse.kochab, which runs `kochab mount`), runs `check`, and removes all of it
+# installs the mount helper xfstests needs (`mount -t fuse.kochab-PID` runs
+# /sbin/mount.fuse.kochab-PID, which runs `kochab mount`), runs `check`, and removes all of it
 # again. Needs root (mounts, /sbin). Takes about an hour on 2 cores.
 #
 # Environment: KOCHAB_XFSTESTS_WORK (default a new directory under /tmp) holds the
@@ -32,12 +32,11 @@ bin=$root/target/release/kochab
 if [ ! -x "$bin" ]; then
     (cd "$root" && cargo build --release --locked -p kochab)
 fi
-helper=/sbin/mount.fuse.kochab
+# A helper of its own per run (mount -t fuse.kochab-PID runs /sbin/mount.fuse.kochab-PID),
+# so that two runs never share one.
+subtype=kochab-$$
+helper=/sbin/mount.fuse.$subtype
 marker="# written by kochab scripts/xfstests.sh"
-if [ -e "$helper" ] && ! grep -qF "$marker" "$helper"; then
-    echo "xfstests.sh: $helper exists and is not ours; move it away first" >&2
-    exit 2
-fi
 
 work=${KOCHAB_XFSTESTS_WORK:-$(mktemp -d /tmp/kochab-xfstests.XXXXXX)}
 mkdir -p "$work"
@@ -83,31 +82,45 @@ test_addr=$addr
 start_cluster scratch
 scratch_addr=$addr
 
-# mount(8) runs the helper as `mount.fuse.kochab SOURCE DIR [-o OPTIONS]`; the source is
-# the cluster's address, which names its key file here.
+# mount(8) runs the helper as `mount.fuse.kochab-PID SOURCE DIR [-sfnv] [-o OPTIONS]`; the
+# source is the cluster's address, which names its key file here; the options (atime
+# rules) go to `kochab mount -o`.
 cat > "$helper" << EOF
 #!/bin/sh
 $marker
 src=\$1
 dir=\$2
+shift 2
+opts=
+while [ \$# -gt 0 ]; do
+    case "\$1" in
+    -o) opts=\$2; shift 2 ;;
+    *) shift ;;
+    esac
+done
 case "\$src" in
 $test_addr) key=$work/test-data/cluster.key ;;
 $scratch_addr) key=$work/scratch-data/cluster.key ;;
-*) echo "mount.fuse.kochab: unknown cluster \$src" >&2; exit 32 ;;
+*) echo "mount.fuse.$subtype: unknown cluster \$src" >&2; exit 32 ;;
 esac
-exec $bin mount "\$src" "\$dir" --key-file "\$key" --log "$work/mount-\$(date +%s%N).log"
+exec $bin mount "\$src" "\$dir" --key-file "\$key" -o "rw,\$opts" \\
+    --log "$work/mount-\$(date +%s%N).log"
 EOF
 chmod 755 "$helper"
 
 # Tests left out, each with its reason (see docs/ARCHITECTURE.md, "Known differences").
 default_exclude=$work/exclude
 cat > "$default_exclude" << 'EOF'
+# 3 million 4-byte O_APPEND writes, each a round trip to the servers (about 2,500/s on a
+# quiet 2-core machine): 20 minutes and more. Small writes need the mount's write-behind
+# (issue 10). It passes when it is given the time.
+generic/069
 EOF
 exclude=${KOCHAB_XFSTESTS_EXCLUDE:-$default_exclude}
 
 cat > "$work/local.config" << EOF
 export FSTYP=fuse
-export FUSE_SUBTYP=.kochab
+export FUSE_SUBTYP=.$subtype
 export TEST_DEV=$test_addr
 export TEST_DIR=$test_dir
 export SCRATCH_DEV=$scratch_addr

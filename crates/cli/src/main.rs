@@ -120,6 +120,10 @@ struct MountArgs {
     /// Where the background mount writes its log.
     #[arg(long)]
     log: Option<PathBuf>,
+    /// Mount options, comma-separated (as mount(8) passes them to mount.fuse.kochab):
+    /// relatime (default), noatime, strictatime; others are accepted and ignored.
+    #[arg(short = 'o', value_name = "OPTIONS")]
+    options: Option<String>,
 }
 
 /// How a client finds the cluster key.
@@ -256,8 +260,13 @@ async fn up(args: UpArgs) -> Result<(), String> {
             let client = Client::connect(cfg)
                 .await
                 .map_err(|e| format!("cannot connect the mount: {e}"))?;
-            let session = mount::mount(client, &server.addr.to_string(), dir)
-                .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
+            let session = mount::mount(
+                client,
+                &server.addr.to_string(),
+                dir,
+                kochab_proto::AtimeRule::Relative,
+            )
+            .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
             eprintln!("kochab: mounted at {}", dir.display());
             Some(session)
         }

@@ -3,8 +3,24 @@
 use crate::{MountArgs, wait_for_signal};
 use kochab_client::{Client, ClientConfig, resolve_addr};
 use kochab_fuse::{KochabFs, MountConfig};
+use kochab_proto::AtimeRule;
 use std::path::Path;
 use std::time::Duration;
+
+/// The access-time rule of a mount's `-o` options (the last atime option wins, as in
+/// mount(8)); other options are left to mount(8) and the kernel.
+pub fn atime_rule(options: Option<&str>) -> AtimeRule {
+    let mut rule = AtimeRule::Relative;
+    for o in options.unwrap_or("").split(',') {
+        match o.trim() {
+            "noatime" => rule = AtimeRule::Never,
+            "relatime" | "atime" => rule = AtimeRule::Relative,
+            "strictatime" => rule = AtimeRule::Always,
+            _ => {}
+        }
+    }
+    rule
+}
 
 /// Mounts `client`'s cluster (`source`, its address) at `dir`, served from the current
 /// tokio runtime.
@@ -12,10 +28,12 @@ pub fn mount(
     client: Client,
     source: &str,
     dir: &Path,
+    atime: AtimeRule,
 ) -> std::io::Result<fuser::BackgroundSession> {
     std::fs::create_dir_all(dir)?;
     let config = MountConfig {
         source: source.to_string(),
+        atime,
         ..MountConfig::default()
     };
     let fs = KochabFs::new(client, tokio::runtime::Handle::current(), config);
@@ -78,7 +96,8 @@ pub async fn foreground(args: MountArgs) -> Result<(), String> {
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", args.cluster))?;
-    let session = mount(client, &args.cluster, &args.mountpoint)
+    let atime = atime_rule(args.options.as_deref());
+    let session = mount(client, &args.cluster, &args.mountpoint, atime)
         .map_err(|e| format!("cannot mount {}: {e}", args.mountpoint.display()))?;
     eprintln!(
         "kochab: {} mounted at {}",
@@ -121,6 +140,9 @@ pub fn background(args: &MountArgs) -> Result<(), String> {
         .arg("--foreground")
         .arg("--key-file")
         .arg(&args.key.key_file);
+    if let Some(o) = &args.options {
+        cmd.arg("-o").arg(o);
+    }
     if let Some(k) = &args.key.key {
         cmd.env("KOCHAB_KEY", k);
     }
@@ -153,4 +175,17 @@ pub fn background(args: &MountArgs) -> Result<(), String> {
         args.mountpoint.display(),
         log_path.display()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atime_options() {
+        assert_eq!(atime_rule(None), AtimeRule::Relative);
+        assert_eq!(atime_rule(Some("rw,noatime")), AtimeRule::Never);
+        assert_eq!(atime_rule(Some("strictatime,nodev")), AtimeRule::Always);
+        assert_eq!(atime_rule(Some("noatime,relatime")), AtimeRule::Relative);
+    }
 }

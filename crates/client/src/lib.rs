@@ -636,18 +636,32 @@ impl Client {
         offset: u64,
         len: u32,
     ) -> FsResult<Vec<u8>> {
-        as_bytes(
-            self.with_handle(
-                cred,
-                handle,
-                Op::Read {
-                    handle,
-                    offset,
-                    len,
-                },
-            )
-            .await?,
-        )
+        Ok(self
+            .read_atime(cred, handle, offset, len, AtimeRule::Relative)
+            .await?
+            .0)
+    }
+
+    /// Reads with the given access-time rule; also says whether the read set the file's
+    /// access time (attributes cached before it are then out of date).
+    pub async fn read_atime(
+        &self,
+        cred: &Credentials,
+        handle: u64,
+        offset: u64,
+        len: u32,
+        atime: AtimeRule,
+    ) -> FsResult<(Vec<u8>, bool)> {
+        let op = Op::Read {
+            handle,
+            offset,
+            len,
+            atime,
+        };
+        match self.with_handle(cred, handle, op).await? {
+            Reply::ReadAtime(b) => Ok((b, true)),
+            r => Ok((as_bytes(r)?, false)),
+        }
     }
 
     /// Writes `data` at `offset`; returns the attributes after the write.

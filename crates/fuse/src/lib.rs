@@ -27,7 +27,8 @@ use fuser::{
 use interrupts::Interrupts;
 use kochab_client::Client;
 use kochab_proto::{
-    Attr, Credentials, FileKind, FsError, InodeId, LockKind, LockSpec, SetAttrs, TimeNs, TimeSet,
+    AtimeRule, Attr, Credentials, FileKind, FsError, InodeId, LockKind, LockSpec, SetAttrs, TimeNs,
+    TimeSet,
 };
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -56,6 +57,8 @@ pub struct MountConfig {
     /// The mount's source as /proc/mounts shows it: the cluster's address, so that tools
     /// (findmnt -S, xfstests) find the mount by what was mounted.
     pub source: String,
+    /// When reads set access times (the atime mount options; relatime by default).
+    pub atime: AtimeRule,
 }
 
 impl Default for MountConfig {
@@ -65,6 +68,7 @@ impl Default for MountConfig {
             entry_ttl: Duration::from_secs(1),
             threads: 2,
             source: "kochab".into(),
+            atime: AtimeRule::Relative,
         }
     }
 }
@@ -213,9 +217,12 @@ impl KochabFs {
             MountOption::DefaultPermissions,
             MountOption::Dev,
             MountOption::Suid,
-            // Reads do not update atime on the servers; say so instead of claiming relatime.
-            MountOption::NoAtime,
         ];
+        // The kernel leaves access times to FUSE file systems; the servers set them on
+        // reads as the rule says (relatime, the kernel's default, or strictatime).
+        if self.inner.config.atime == AtimeRule::Never {
+            c.mount_options.push(MountOption::NoAtime);
+        }
         // Every user may use the mount; permissions are checked by the kernel (default
         // permissions) and again by the servers.
         c.acl = SessionACL::All;
@@ -315,7 +322,9 @@ impl Inner {
             f |= FopenFlags::FOPEN_DIRECT_IO;
         }
         let now = (a.mtime, a.size);
-        if self.seen_at_open.lock().insert(a.id, now) == Some(now) {
+        // strictatime: every read must reach the servers to set the access time.
+        let strict = self.config.atime == AtimeRule::Always;
+        if self.seen_at_open.lock().insert(a.id, now) == Some(now) && !strict {
             f |= FopenFlags::FOPEN_KEEP_CACHE;
         }
         let mut opens = self.opens.lock();
@@ -612,7 +621,7 @@ impl Filesystem for KochabFs {
     fn read(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -621,8 +630,16 @@ impl Filesystem for KochabFs {
         reply: ReplyData,
     ) {
         self.spawn(req, move |fs, cred| async move {
-            match fs.client.read(&cred, fh.0, offset, size).await {
-                Ok(b) => reply.data(&b),
+            let rule = fs.config.atime;
+            match fs.client.read_atime(&cred, fh.0, offset, size, rule).await {
+                Ok((b, atime_set)) => {
+                    if atime_set && let Some(n) = fs.notifier.get() {
+                        // The kernel's cached access time is old now (attributes only:
+                        // offset -1 leaves the pages alone).
+                        let _ = n.inval_inode(ino, -1, 0);
+                    }
+                    reply.data(&b)
+                }
                 Err(e) => reply.error(errno(&e)),
             }
         });

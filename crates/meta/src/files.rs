@@ -8,7 +8,7 @@ use crate::perm::check_access;
 use crate::table::Reclaim;
 use kochab_proto::access::{R_OK, W_OK, X_OK};
 use kochab_proto::mode::{S_ISGID, S_ISUID, S_IXGRP};
-use kochab_proto::{Attr, Credentials, FileKind, InodeId, TimeNs, fs_err};
+use kochab_proto::{AtimeRule, Attr, Credentials, FileKind, InodeId, TimeNs, fs_err};
 
 /// open(2) access-mode and flag bits the server looks at.
 pub mod open_flags {
@@ -34,6 +34,9 @@ pub fn writes(flags: u32) -> bool {
         open_flags::O_WRONLY | open_flags::O_RDWR
     )
 }
+
+/// relatime sets an access time at least this old on the next read, as Linux does.
+const RELATIME_MAX_AGE_NS: i64 = 24 * 3600 * 1_000_000_000;
 
 impl Engine {
     /// Checks that `cred` may open `id` with `flags` (may_open): read and write permission
@@ -63,6 +66,33 @@ impl Engine {
         }
         check_access(inode, cred, mask)?;
         Ok(inode.attr(id))
+    }
+
+    /// Sets the access time of `id` for a read under `rule`; true if it changed. This is
+    /// not journaled: the change is made in memory and the inode's box marked dirty, so
+    /// the next checkpoint (or the inode's next journaled change, which carries its whole
+    /// post-image) keeps it. A crash may lose access times set since, as with lazytime;
+    /// a read never waits for a journal write.
+    pub fn touch_atime(&mut self, id: InodeId, rule: AtimeRule, now: TimeNs) -> bool {
+        let Some(inode) = self.inode(id) else {
+            return false;
+        };
+        let due = match rule {
+            AtimeRule::Never => false,
+            AtimeRule::Always => inode.atime != now,
+            AtimeRule::Relative => {
+                inode.atime <= inode.mtime
+                    || inode.atime <= inode.ctime
+                    || now.saturating_sub(inode.atime) >= RELATIME_MAX_AGE_NS
+            }
+        };
+        if !due {
+            return false;
+        }
+        let mut inode = inode.clone();
+        inode.atime = now;
+        self.apply_live(&[Mutation::PutInode { id, inode }]);
+        true
     }
 
     /// Counts one more open handle of `id`.

@@ -213,6 +213,8 @@ pub enum Op {
         handle: u64,
         offset: u64,
         len: u32,
+        /// Whether the read updates the file's access time (the mount's atime option).
+        atime: AtimeRule,
     },
     Write {
         handle: u64,
@@ -263,6 +265,18 @@ pub struct LockSpec {
     /// True for flock(2), false for fcntl(2) record locks: as on Linux the two never
     /// conflict with each other.
     pub flock: bool,
+}
+
+/// When a read sets a file's access time, as the atime mount options say.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AtimeRule {
+    /// noatime.
+    Never,
+    /// relatime (the default): when atime is not after mtime or ctime, or is a day old.
+    #[default]
+    Relative,
+    /// strictatime: on every read.
+    Always,
 }
 
 /// Lock types, as F_RDLCK, F_WRLCK, F_UNLCK.
@@ -432,6 +446,8 @@ pub enum Reply {
         reply: Box<Reply>,
         dirs: Vec<Attr>,
     },
+    /// The bytes of a read that set the file's access time (so cached attributes are old).
+    ReadAtime(#[serde(with = "serde_bytes")] Vec<u8>),
 }
 
 impl Reply {

@@ -331,6 +331,7 @@ async fn run_data_op(
             handle,
             offset,
             len,
+            atime,
         } => {
             let of = shared.handle(client, handle, false)?;
             let (_file, file) = lock_file(shared, &of, false).await?;
@@ -341,8 +342,16 @@ async fn run_data_op(
                 data.read(of.id, of.generation, size, offset, len)
             })
             .await?;
-            let observed = shared.core.lock().observed(of.id);
-            Ok((Reply::Bytes(bytes), observed))
+            let (observed, atime_set) = {
+                let mut core = shared.core.lock();
+                let set = core.engine.touch_atime(of.id, atime, now_ns());
+                (core.observed(of.id), set)
+            };
+            if atime_set {
+                Ok((Reply::ReadAtime(bytes), observed))
+            } else {
+                Ok((Reply::Bytes(bytes), observed))
+            }
         }
         Op::Write {
             handle,
