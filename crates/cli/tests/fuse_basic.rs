@@ -100,9 +100,8 @@ fn locks_are_enforced_across_mounts_and_released_when_a_client_dies() {
         "bytes 5..10 are free"
     );
     assert_eq!(fcntl_lock(&a, libc::F_RDLCK, 6, 1), libc::EAGAIN);
-    // flock, whole file, across mounts. (On its own file: fuser does not tell flock from
-    // fcntl requests, so here the two kinds share one table and would conflict with each
-    // other, which Linux's do not; see docs/ARCHITECTURE.md.)
+    // flock, whole file, across mounts (flock and fcntl locks never conflict: see
+    // fuse_conformance.rs).
     fs::write(c.mnt.join("flocked"), b"").unwrap();
     let fa = fs::File::open(c.mnt.join("flocked")).unwrap();
     let fb = fs::File::open(other.mnt.join("flocked")).unwrap();
