@@ -96,6 +96,10 @@ struct Inner {
     /// Open handles per inode, and which handles bypass the page cache: a direct write
     /// must drop the pages other handles of the inode may have cached.
     opens: Mutex<Opens>,
+    /// Closes in flight of handles of inodes that had locks on this mount, and a wake-up
+    /// when one ends (see `Inner::closes_done`).
+    closing: Mutex<FxHashMap<InodeId, u32>>,
+    closed: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -199,6 +203,8 @@ impl KochabFs {
                 groups: GroupCache::default(),
                 interrupts: Interrupts::default(),
                 opens: Mutex::new(Opens::default()),
+                closing: Mutex::new(FxHashMap::default()),
+                closed: tokio::sync::Notify::new(),
             }),
         }
     }
@@ -344,6 +350,22 @@ impl Inner {
             if *n == 0 {
                 opens.per_inode.remove(&id);
             }
+        }
+    }
+
+    /// Waits until the closes of `id`'s handles that this mount received before now have
+    /// reached the servers. The kernel sends the RELEASE of a last close in the background
+    /// and lets close(2) return at once; the release ends the description's OFD locks and
+    /// flock, so a lock request that follows it (from any process) must not overtake it.
+    async fn closes_done(&self, id: InodeId) {
+        loop {
+            let woken = self.closed.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if !self.closing.lock().contains_key(&id) {
+                return;
+            }
+            woken.await;
         }
     }
 
@@ -722,10 +744,27 @@ impl Filesystem for KochabFs {
         reply: ReplyEmpty,
     ) {
         // The last close of an open file description: the server's Close ends its flock
-        // and OFD locks (the locks taken through this handle).
-        self.inner.closed(self.inner.id(ino), fh.0);
+        // and OFD locks (the locks taken through this handle); lock requests on the inode
+        // wait for it (`closes_done`).
+        let id = self.inner.id(ino);
+        self.inner.closed(id, fh.0);
+        let locked = self.inner.locked.lock().contains(&id);
+        if locked {
+            *self.inner.closing.lock().entry(id).or_insert(0) += 1;
+        }
         self.spawn(req, move |fs, cred| async move {
             let r = fs.client.close(&cred, fh.0).await;
+            if locked {
+                let mut closing = fs.closing.lock();
+                if let Some(n) = closing.get_mut(&id) {
+                    *n -= 1;
+                    if *n == 0 {
+                        closing.remove(&id);
+                    }
+                }
+                drop(closing);
+                fs.closed.notify_waiters();
+            }
             fs.empty(reply, r);
         });
     }
@@ -975,7 +1014,7 @@ impl Filesystem for KochabFs {
     fn getlk(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         lock_owner: LockOwner,
         start: u64,
@@ -993,7 +1032,9 @@ impl Filesystem for KochabFs {
             // The kernel asks only about fcntl locks.
             flock: false,
         };
+        let id = self.inner.id(ino);
         self.spawn(req, move |fs, cred| async move {
+            fs.closes_done(id).await;
             match fs.client.getlk(&cred, fh.0, want).await {
                 Ok(l) => reply.locked(l.start, l.end, lock_typ(l.kind), l.pid),
                 Err(e) => reply.error(errno(&e)),
@@ -1034,6 +1075,8 @@ impl Filesystem for KochabFs {
             // the kernel turns into a restart or EINTR as the signal's handler says, and a
             // SIGKILL kills the process. The interrupt is looked at only between attempts,
             // so a lock is never granted to a caller that was told EINTR.
+            let id = fs.id(ino);
+            fs.closes_done(id).await;
             let mut pause = Duration::from_millis(2);
             loop {
                 match fs.client.setlk(&cred, fh.0, want).await {
