@@ -121,7 +121,7 @@ struct MountArgs {
     #[arg(long)]
     log: Option<PathBuf>,
     /// Mount options, comma-separated (as mount(8) passes them to mount.fuse.kochab):
-    /// relatime (default), noatime, strictatime; others are accepted and ignored.
+    /// relatime (default), noatime, strictatime, ro, rw; others are accepted and ignored.
     #[arg(short = 'o', value_name = "OPTIONS")]
     options: Option<String>,
 }
@@ -264,7 +264,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
                 client,
                 &server.addr.to_string(),
                 dir,
-                kochab_proto::AtimeRule::Relative,
+                mount::Options::default(),
             )
             .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
             eprintln!("kochab: mounted at {}", dir.display());

@@ -7,19 +7,28 @@ use kochab_proto::AtimeRule;
 use std::path::Path;
 use std::time::Duration;
 
-/// The access-time rule of a mount's `-o` options (the last atime option wins, as in
-/// mount(8)); other options are left to mount(8) and the kernel.
-pub fn atime_rule(options: Option<&str>) -> AtimeRule {
-    let mut rule = AtimeRule::Relative;
-    for o in options.unwrap_or("").split(',') {
-        match o.trim() {
-            "noatime" => rule = AtimeRule::Never,
-            "relatime" | "atime" => rule = AtimeRule::Relative,
-            "strictatime" => rule = AtimeRule::Always,
+/// What `-o OPTIONS` asks of a mount: the access-time rule and read-only (the last of
+/// each wins, as in mount(8)); other options are accepted and left alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Options {
+    pub atime: AtimeRule,
+    pub read_only: bool,
+}
+
+/// Parses a mount's comma-separated options.
+pub fn options(text: Option<&str>) -> Options {
+    let mut o = Options::default();
+    for word in text.unwrap_or("").split(',') {
+        match word.trim() {
+            "noatime" => o.atime = AtimeRule::Never,
+            "relatime" | "atime" => o.atime = AtimeRule::Relative,
+            "strictatime" => o.atime = AtimeRule::Always,
+            "ro" => o.read_only = true,
+            "rw" => o.read_only = false,
             _ => {}
         }
     }
-    rule
+    o
 }
 
 /// Mounts `client`'s cluster (`source`, its address) at `dir`, served from the current
@@ -28,12 +37,13 @@ pub fn mount(
     client: Client,
     source: &str,
     dir: &Path,
-    atime: AtimeRule,
+    options: Options,
 ) -> std::io::Result<fuser::BackgroundSession> {
     std::fs::create_dir_all(dir)?;
     let config = MountConfig {
         source: source.to_string(),
-        atime,
+        atime: options.atime,
+        read_only: options.read_only,
         ..MountConfig::default()
     };
     let fs = KochabFs::new(client, tokio::runtime::Handle::current(), config);
@@ -96,8 +106,8 @@ pub async fn foreground(args: MountArgs) -> Result<(), String> {
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", args.cluster))?;
-    let atime = atime_rule(args.options.as_deref());
-    let session = mount(client, &args.cluster, &args.mountpoint, atime)
+    let opts = options(args.options.as_deref());
+    let session = mount(client, &args.cluster, &args.mountpoint, opts)
         .map_err(|e| format!("cannot mount {}: {e}", args.mountpoint.display()))?;
     eprintln!(
         "kochab: {} mounted at {}",
@@ -182,10 +192,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn atime_options() {
-        assert_eq!(atime_rule(None), AtimeRule::Relative);
-        assert_eq!(atime_rule(Some("rw,noatime")), AtimeRule::Never);
-        assert_eq!(atime_rule(Some("strictatime,nodev")), AtimeRule::Always);
-        assert_eq!(atime_rule(Some("noatime,relatime")), AtimeRule::Relative);
+    fn mount_options() {
+        assert_eq!(options(None), Options::default());
+        assert_eq!(options(None).atime, AtimeRule::Relative);
+        assert_eq!(options(Some("rw,noatime")).atime, AtimeRule::Never);
+        assert_eq!(options(Some("strictatime,nodev")).atime, AtimeRule::Always);
+        assert_eq!(options(Some("noatime,relatime")).atime, AtimeRule::Relative);
+        assert!(options(Some("rw,ro")).read_only);
+        assert!(!options(Some("ro,rw")).read_only);
     }
 }

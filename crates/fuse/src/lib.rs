@@ -59,6 +59,9 @@ pub struct MountConfig {
     pub source: String,
     /// When reads set access times (the atime mount options; relatime by default).
     pub atime: AtimeRule,
+    /// A read-only mount (`-o ro`): the kernel refuses every change, and reads set no
+    /// access times.
+    pub read_only: bool,
 }
 
 impl Default for MountConfig {
@@ -69,6 +72,7 @@ impl Default for MountConfig {
             threads: 2,
             source: "kochab".into(),
             atime: AtimeRule::Relative,
+            read_only: false,
         }
     }
 }
@@ -187,7 +191,10 @@ fn lock_typ(kind: LockKind) -> i32 {
 
 impl KochabFs {
     /// A file system over `client`, running its work on `rt`.
-    pub fn new(client: Client, rt: tokio::runtime::Handle, config: MountConfig) -> KochabFs {
+    pub fn new(client: Client, rt: tokio::runtime::Handle, mut config: MountConfig) -> KochabFs {
+        if config.read_only {
+            config.atime = AtimeRule::Never;
+        }
         let root = client.root();
         KochabFs {
             inner: Arc::new(Inner {
@@ -228,6 +235,9 @@ impl KochabFs {
         // reads as the rule says (relatime, the kernel's default, or strictatime).
         if self.inner.config.atime == AtimeRule::Never {
             c.mount_options.push(MountOption::NoAtime);
+        }
+        if self.inner.config.read_only {
+            c.mount_options.push(MountOption::RO);
         }
         // Every user may use the mount; permissions are checked by the kernel (default
         // permissions) and again by the servers.
