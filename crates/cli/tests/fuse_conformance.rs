@@ -792,3 +792,77 @@ fn o_direct_files_map_shared_coherently() {
     // SAFETY: unmaps the mapping made above.
     unsafe { libc::munmap(map, LEN) };
 }
+
+/// Writeback of the dirty pages of a shared mapping of an O_DIRECT handle goes out
+/// through that direct handle; the mount must not try to drop those pages before it
+/// answers (the kernel waits for that answer to end their writeback: msync hung, as
+/// generic/095's fio did).
+#[test]
+fn mapped_writeback_through_a_direct_handle_completes() {
+    const LEN: usize = 8192;
+    let tmp = tempfile::tempdir().unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    let p = c.mnt.join("wb");
+    fs::write(&p, vec![b'a'; LEN]).unwrap();
+    // Another handle of the file is open, so direct writes drop cached pages.
+    let _reader = fs::File::open(&p).unwrap();
+    let cached = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&p)
+        .unwrap();
+    // SAFETY: a shared mapping of LEN bytes of an open file, unmapped below.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            LEN,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            cached.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(map, libc::MAP_FAILED);
+    // SAFETY: the mapping is LEN bytes long.
+    unsafe { std::slice::from_raw_parts_mut(map.cast::<u8>(), LEN).fill(b'z') };
+    let addr = map as usize;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // SAFETY: msync of the live mapping.
+        let r = unsafe { libc::msync(addr as *mut libc::c_void, LEN, libc::MS_SYNC) };
+        let _ = tx.send(r);
+    });
+    let synced = rx.recv_timeout(Duration::from_secs(20));
+    if synced.is_err() {
+        // Deadlocked in the kernel: end the FUSE connection, or nothing could exit.
+        abort_connection(&c.mnt);
+    }
+    assert_eq!(synced, Ok(0), "msync did not complete");
+    // SAFETY: unmaps the mapping made above.
+    unsafe { libc::munmap(map, LEN) };
+    assert!(fs::read(&p).unwrap().iter().all(|&b| b == b'z'));
+}
+
+/// Aborts the FUSE connection of the mount at `mnt` (fusectl), so that processes stuck on
+/// it end and the test can report instead of hanging.
+fn abort_connection(mnt: &Path) {
+    let conns = Path::new("/sys/fs/fuse/connections");
+    if fs::read_dir(conns).map_or(true, |mut d| d.next().is_none()) {
+        let _ = Command::new("mount")
+            .args(["-t", "fusectl", "none"])
+            .arg(conns)
+            .status();
+    }
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let target = mnt.to_string_lossy();
+    for line in info.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        if f.len() > 4
+            && f[4] == target
+            && let Some((_, minor)) = f[2].split_once(':')
+        {
+            let _ = fs::write(conns.join(minor).join("abort"), b"1");
+        }
+    }
+}

@@ -684,13 +684,16 @@ impl Filesystem for KochabFs {
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
         let data = data.to_vec();
         let len = data.len() as u32;
+        // Writeback of cached (e.g. mmap'ed) pages: the kernel waits for this reply to end
+        // those pages' writeback, so dropping them first would wait for itself.
+        let writeback = write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
         self.spawn(req, move |fs, cred| async move {
             match fs.client.write(&cred, fh.0, offset, data).await {
                 Ok(a) => {
@@ -703,7 +706,7 @@ impl Filesystem for KochabFs {
                             let _ = n.inval_inode(ino, -1, 0);
                         }
                     }
-                    if fs.direct_write_beside_others(a.id, fh.0) {
+                    if !writeback && fs.direct_write_beside_others(a.id, fh.0) {
                         // A direct write leaves the page cache alone, and the kernel drops
                         // the range only when it *sends* an asynchronous one, so a
                         // buffered read on another descriptor may have cached the old
