@@ -806,12 +806,11 @@ impl Side {
                     let kind = st.st_mode & libc::S_IFMT;
                     if kind != libc::S_IFREG {
                         // KNOWN GAP: the servers keep an unlinked inode only while it has
-                        // open handles, and only regular files get handles (the kernel
-                        // opens FIFOs and devices itself, and opendir is answered by the
-                        // mount), so a directory, FIFO or device whose last name goes
-                        // while a descriptor is open on it vanishes: fstat, fchmod... on
-                        // that descriptor fail with ENOENT, where ext4 answers with nlink
-                        // 0. Descriptors of such files are therefore not kept.
+                        // open handles; files and directories get handles, but the kernel
+                        // opens FIFOs and devices itself, so one whose last name goes while
+                        // a descriptor is open on it vanishes (fstat, fchmod... fail where
+                        // ext4 answers with nlink 0). Only descriptors of regular files are
+                        // kept here (open directories: fuse_conformance.rs).
                         libc::close(fd);
                     } else {
                         self.fds[*slot] = fd;
