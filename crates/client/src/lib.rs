@@ -555,13 +555,31 @@ impl Client {
 
     /// Opens inode `id` with open(2) `flags`; returns its attributes and the handle.
     pub async fn open(&self, cred: &Credentials, id: InodeId, flags: u32) -> FsResult<(Attr, u64)> {
-        let handle = self.inner.next_handle.fetch_add(1, Ordering::Relaxed);
+        let handle = self.new_handle();
+        let attr = self.open_as(cred, id, flags, handle).await?;
+        Ok((attr, handle))
+    }
+
+    /// A fresh handle number, for [`Client::open_as`].
+    pub fn new_handle(&self) -> u64 {
+        self.inner.next_handle.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Opens inode `id` as `handle` (from [`Client::new_handle`]): lets a caller use the
+    /// handle's number before the open is answered.
+    pub async fn open_as(
+        &self,
+        cred: &Credentials,
+        id: InodeId,
+        flags: u32,
+        handle: u64,
+    ) -> FsResult<Attr> {
         let attr = self.entry(cred, Op::Open { id, flags, handle }).await?;
         self.inner
             .handles
             .lock()
             .insert(handle, (id, flags, cred.clone()));
-        Ok((attr, handle))
+        Ok(attr)
     }
 
     /// Creates (or with O_EXCL absent, opens an existing) regular file and opens it.

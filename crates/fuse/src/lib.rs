@@ -104,6 +104,9 @@ struct Inner {
     /// when one ends (see `Inner::closes_done`).
     closing: Mutex<FxHashMap<InodeId, u32>>,
     closed: tokio::sync::Notify,
+    /// Directory opens sent but not yet answered (see `opendir`), and a wake-up when one is.
+    dir_opens: Mutex<u32>,
+    dir_opened: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -212,6 +215,8 @@ impl KochabFs {
                 opens: Mutex::new(Opens::default()),
                 closing: Mutex::new(FxHashMap::default()),
                 closed: tokio::sync::Notify::new(),
+                dir_opens: Mutex::new(0),
+                dir_opened: tokio::sync::Notify::new(),
             }),
         }
     }
@@ -373,6 +378,20 @@ impl Inner {
             tokio::pin!(woken);
             woken.as_mut().enable();
             if !self.closing.lock().contains_key(&id) {
+                return;
+            }
+            woken.await;
+        }
+    }
+
+    /// Waits until every directory open this mount answered before now has reached the
+    /// servers, so that a removal or rename from this mount never overtakes it.
+    async fn dir_opens_done(&self) {
+        loop {
+            let woken = self.dir_opened.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if *self.dir_opens.lock() == 0 {
                 return;
             }
             woken.await;
@@ -568,6 +587,7 @@ impl Filesystem for KochabFs {
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
+            fs.dir_opens_done().await;
             let r = fs.client.rmdir(&cred, fs.id(parent), &name).await;
             fs.empty(reply, r);
         });
@@ -604,6 +624,7 @@ impl Filesystem for KochabFs {
     ) {
         let (name, newname) = (name_bytes(name), name_bytes(newname));
         self.spawn(req, move |fs, cred| async move {
+            fs.dir_opens_done().await;
             let r = fs
                 .client
                 .rename(
@@ -798,13 +819,20 @@ impl Filesystem for KochabFs {
 
     fn opendir(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         // A server-side handle, so that a directory removed (or renamed over) while open
-        // lives on with nlink 0 until its last close, as on a local file system.
+        // lives on with nlink 0 until its last close, as on a local file system. The
+        // kernel has checked the permissions already, so the answer does not wait for the
+        // open (a round trip per opendir made directory walks markedly slower); removals
+        // and renames from this mount wait for opens in flight instead (`dir_opens_done`).
+        // One from another mount within that round trip can still remove the directory
+        // first; its descriptor then answers fstat with ESTALE.
         let flags = flags.0 as u32;
+        let handle = self.inner.client.new_handle();
+        *self.inner.dir_opens.lock() += 1;
+        reply.opened(FileHandle(handle), FopenFlags::empty());
         self.spawn(req, move |fs, cred| async move {
-            match fs.client.open(&cred, fs.id(ino), flags).await {
-                Ok((_, handle)) => reply.opened(FileHandle(handle), FopenFlags::empty()),
-                Err(e) => reply.error(errno_of_inode(&e)),
-            }
+            let _ = fs.client.open_as(&cred, fs.id(ino), flags, handle).await;
+            *fs.dir_opens.lock() -= 1;
+            fs.dir_opened.notify_waiters();
         });
     }
 
@@ -909,6 +937,8 @@ impl Filesystem for KochabFs {
         // a removal that overtakes it only keeps the dead directory a moment longer.
         reply.ok();
         self.spawn(req, move |fs, cred| async move {
+            // Never before the open it closes (which would then stay registered).
+            fs.dir_opens_done().await;
             let _ = fs.client.close(&cred, fh.0).await;
         });
     }
