@@ -98,6 +98,10 @@ while [ \$# -gt 0 ]; do
     *) shift ;;
     esac
 done
+case ",\$opts," in
+# A remount changes the mount that is there (ro/rw): the kernel does it, not a new mount.
+*,remount,*) exec mount -i -o "\$opts" "\$dir" ;;
+esac
 case "\$src" in
 $test_addr) key=$work/test-data/cluster.key ;;
 $scratch_addr) key=$work/scratch-data/cluster.key ;;

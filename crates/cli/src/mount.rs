@@ -118,25 +118,31 @@ pub async fn foreground(args: MountArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn is_mounted(dir: &Path) -> bool {
+/// FUSE mounts at `dir` (a new mount may stack on an old one).
+fn fuse_mounts_at(dir: &Path) -> usize {
     let Ok(canon) = std::fs::canonicalize(dir) else {
-        return false;
+        return 0;
     };
     let Ok(mounts) = std::fs::read_to_string("/proc/self/mounts") else {
-        return false;
+        return 0;
     };
-    mounts.lines().any(|l| {
-        let mut f = l.split_whitespace();
-        let (_, target, fstype) = (f.next(), f.next(), f.next());
-        target == Some(canon.to_str().unwrap_or(""))
-            && fstype.is_some_and(|t| t.starts_with("fuse"))
-    })
+    mounts
+        .lines()
+        .filter(|l| {
+            let mut f = l.split_whitespace();
+            let (_, target, fstype) = (f.next(), f.next(), f.next());
+            target == Some(canon.to_str().unwrap_or(""))
+                && fstype.is_some_and(|t| t.starts_with("fuse"))
+        })
+        .count()
 }
 
 /// `kochab mount` without --foreground: runs the foreground mount as a detached process
 /// and returns once the file system is mounted.
 pub fn background(args: &MountArgs) -> Result<(), String> {
     args.key.load()?;
+    // Done when one more mount is there than before (not when one is there at all).
+    let mounts_before = fuse_mounts_at(&args.mountpoint);
     let exe = std::env::current_exe().map_err(|e| format!("cannot find myself: {e}"))?;
     let log_path = args.log.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!("kochab-mount-{}.log", std::process::id()))
@@ -171,7 +177,7 @@ pub fn background(args: &MountArgs) -> Result<(), String> {
         .spawn()
         .map_err(|e| format!("cannot start the mount process: {e}"))?;
     for _ in 0..300 {
-        if is_mounted(&args.mountpoint) {
+        if fuse_mounts_at(&args.mountpoint) > mounts_before {
             return Ok(());
         }
         if let Ok(Some(status)) = child.try_wait() {
