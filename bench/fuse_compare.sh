@@ -14,6 +14,8 @@
 #        FSLIST="kochab kochab_nofsync moosefs ext4 ext4j"  WORKLOADS="mdrate fsmark dd"  WARMUP=1
 #          kochab: `kochab up --mount` (durable: no reply before its journal record is on disk);
 #          kochab_nofsync: the same with --no-fsync (buffered, as MooseFS's master is);
+#          kochab_base: `kochab up --mount` of KOCHAB_BASE_BIN (an earlier build), for a
+#          same-run A/B of two versions;
 #          ext4: a directory on /var/tmp (this root file system has no ext4 journal, and then
 #          ext4 skips inodes deleted in the last 60-300 s when it allocates: creates right
 #          after mass deletions are slow and erratic); ext4j: a fresh ext4 with a journal in a
@@ -60,6 +62,7 @@ tmp=$(mktemp -d /var/tmp/kfc.XXXXXX)   # short paths: fs_mark takes directories 
 # Kochab's mount points, and ext4j's, live outside $tmp: never rm -rf a mounted tree.
 KM=/mnt/kfc.$$                  # kochab (durable, the default mode)
 KMB=/mnt/kfcb.$$                # kochab_nofsync (kochab up --no-fsync)
+KMA=/mnt/kfca.$$                # kochab_base (KOCHAB_BASE_BIN)
 EJ=/mnt/kfce.$$                 # ext4j: a fresh journaled ext4 in a loop file under $tmp
 KPIDS=()
 MFS_UP=0
@@ -76,16 +79,16 @@ cleanup() {
       kill -KILL "$pid"; sleep 0.5
     fi
   done
-  for m in "$KM" "$KMB"; do
+  for m in "$KM" "$KMB" "$KMA"; do
     if is_mounted "$m"; then
       echo "$m still mounted after kochab stopped: lazy unmount" >&2
       fusermount3 -uz "$m" 2>/dev/null || umount -l "$m"
     fi
   done
   is_mounted "$EJ" && umount "$EJ"     # mount -o loop frees its loop device itself
-  for m in "$KM" "$KMB" "$EJ"; do is_mounted "$m" || rmdir "$m" 2>/dev/null; done
+  for m in "$KM" "$KMB" "$KMA" "$EJ"; do is_mounted "$m" || rmdir "$m" 2>/dev/null; done
   [ "$MFS_UP" = 1 ] && timeout 300 "$PEERS/moosefs/down.sh" >/dev/null 2>&1
-  is_mounted "$KM" || is_mounted "$KMB" || is_mounted "$EJ" || rm -rf "$tmp"
+  is_mounted "$KM" || is_mounted "$KMB" || is_mounted "$KMA" || is_mounted "$EJ" || rm -rf "$tmp"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -140,20 +143,26 @@ TIMED=(/usr/bin/time -a -f "%U %S" -o)   # "${TIMED[@]}" "$tmp/cpu" CMD...: CPU 
 # ---------- build the helper, start the file systems ----------
 gcc -O2 -Wall -o "$tmp/mdrate" bench/mdrate.c -lpthread
 cp "$BIN" "$tmp/kochab"          # a rebuild during the run must not change the binary
+if [[ " $FSLIST " == *" kochab_base "* ]]; then
+  [ -x "${KOCHAB_BASE_BIN:-}" ] || { echo "kochab_base needs KOCHAB_BASE_BIN" >&2; exit 1; }
+  cp "$KOCHAB_BASE_BIN" "$tmp/kochab-base"
+fi
 mnt_of() {
   case $1 in
     kochab) echo "$KM" ;;
     kochab_nofsync) echo "$KMB" ;;
+    kochab_base) echo "$KMA" ;;
     moosefs) echo "$MFS_MNT" ;;
     ext4) echo "$tmp/e" ;;
     ext4j) echo "$EJ" ;;
   esac
 }
 start_kochab() {  # start_kochab NAME PORT MOUNT [up args...]
-  local name=$1 port=$2 m=$3 pid; shift 3
+  local name=$1 port=$2 m=$3 pid bin="$tmp/kochab"; shift 3
+  [ "$name" = kochab_base ] && bin="$tmp/kochab-base"
   mkdir -p "$m"
   ! is_mounted "$m" || { echo "$m already mounted" >&2; exit 1; }
-  "$tmp/kochab" up --data "$tmp/data-$name" --port "$port" --mount "$m" "$@" \
+  "$bin" up --data "$tmp/data-$name" --port "$port" --mount "$m" "$@" \
     >"$tmp/$name.out" 2>"$tmp/$name.err" &
   pid=$!
   KPIDS+=("$pid")
@@ -170,6 +179,7 @@ for fs in $FSLIST; do
   case $fs in
     kochab) start_kochab kochab "$PORT" "$KM" ${KOCHAB_UP_ARGS:-} ;;
     kochab_nofsync) start_kochab kochab_nofsync "$((PORT + 1))" "$KMB" --no-fsync ${KOCHAB_UP_ARGS:-} ;;
+    kochab_base) start_kochab kochab_base "$((PORT + 2))" "$KMA" ;;
     moosefs)
       if is_mounted "$MFS_MNT"; then
         echo "$MFS_MNT is already mounted (someone else's run?): not touching it" >&2; exit 1

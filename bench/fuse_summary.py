@@ -88,8 +88,8 @@ if md:
             fg = foreign.get((fs, 'mdrate-' + mode))
             print(f"  {mode:6} {fs:8} " + " | ".join(cells) + (f"  foreign% {fg}" if fg else ""))
     for k_fs in ('kochab', 'kochab_nofsync'):
-        for base, target in (('moosefs', 5.0), ('ext4', None), ('ext4j', None)):
-            if k_fs not in fss or base not in fss:
+        for base, target in (('moosefs', 5.0), ('ext4', None), ('ext4j', None), ('kochab_base', None)):
+            if k_fs not in fss or base not in fss or k_fs == base:
                 continue
             print(f"  ratio {k_fs}/{base}" + (f" (target >= {target:g}x)" if target else ""))
             for mode in ('unique', 'shared'):
@@ -115,7 +115,7 @@ if fsm:
                   f"{[round(x['unlink_per_sec']) for x in v]})"
                   + (f"  foreign% {foreign[(fs, 'fsmark-' + mode)]}" if (fs, 'fsmark-' + mode) in foreign else ""))
     for k_fs in ('kochab', 'kochab_nofsync'):
-        for base, target in (('ext4', 1 / 3), ('ext4j', 1 / 3), ('moosefs', 5.0)):
+        for base, target in (('ext4', 1 / 3), ('ext4j', 1 / 3), ('moosefs', 5.0), ('kochab_base', 1.0)):
             if k_fs not in fss or base not in fss:
                 continue
             cells = []
