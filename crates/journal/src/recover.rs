@@ -220,6 +220,12 @@ fn walk(
                     len,
                 } => {
                     if l > replay_after {
+                        // The chain is gap-free, so only its first handed-out record can
+                        // miss the checkpoints' end; one that does (the segments before it
+                        // are gone) is never handed out, nor anything after it.
+                        if w.report.replayed == 0 && l != replay_after + 1 {
+                            return Err(gap_error(l, replay_after));
+                        }
                         apply(l, payload)
                             .map_err(|error| RecoveryError::Apply { lsn: l, error })?;
                         w.report.replayed += 1;
@@ -262,7 +268,8 @@ fn walk(
 /// Reads the whole journal and calls `apply(lsn, payload)` for every record with an LSN
 /// above `replay_after`, in order. A torn tail (see the module) is zeroed and reported in
 /// `cut`. Any other damage, or a gap in the LSNs the caller needs, is an error (acknowledged
-/// operations would be lost, so the server must not start silently).
+/// operations would be lost, so the server must not start silently); the records handed
+/// out before such an error are a gap-free run from `replay_after + 1`, never one after it.
 pub fn recover(
     store: &dyn ObjectStore,
     replay_after: u64,
@@ -272,9 +279,7 @@ pub fn recover(
     if let Some(first) = w.first_lsn
         && first > replay_after + 1
     {
-        return Err(RecoveryError::Damaged(format!(
-            "oldest segment starts at LSN {first} but records after {replay_after} are needed"
-        )));
+        return Err(gap_error(first, replay_after));
     }
     let mut report = w.report;
     match w.damage {
@@ -293,6 +298,13 @@ pub fn recover(
         )));
     }
     Ok(report)
+}
+
+/// The journal's records start at `first`, after a gap behind the checkpoints' end.
+fn gap_error(first: u64, replay_after: u64) -> RecoveryError {
+    RecoveryError::Damaged(format!(
+        "oldest segment starts at LSN {first} but records after {replay_after} are needed"
+    ))
 }
 
 /// Zeroes segment `d.segment` from `d.offset` to its end, durably, and records the cut.
@@ -384,7 +396,9 @@ pub fn inspect(store: &dyn ObjectStore) -> Result<Inspection, RecoveryError> {
     let chain_end = match (&w.next_lsn, &w.damage) {
         (Some(next), _) => next - 1,
         // Broken before any segment in use: the chain ends before the damaged one.
-        (None, Some(d)) => segment::parse_segment_name(&d.segment).map_or(0, |l| l - 1),
+        (None, Some(d)) => {
+            segment::parse_segment_name(&d.segment).map_or(0, |l| l.saturating_sub(1))
+        }
         (None, None) => 0,
     };
     Ok(Inspection {

@@ -21,6 +21,11 @@ const MAGIC: &[u8; 8] = b"KOCHABJ1";
 const VERSION: u32 = 2;
 /// Name of the zero-filled segment waiting to become the next one.
 pub const SPARE_NAME: &str = "journal/spare.zero";
+/// Largest LSN a segment header may name. LSNs start at 1 and grow by one per record, so no
+/// journal comes near 2^62; a header outside `1..=LSN_MAX` is damage, which keeps the LSN
+/// arithmetic of recovery (the next LSN, the one before) from overflowing on a crafted or
+/// corrupt segment.
+pub const LSN_MAX: u64 = 1 << 62;
 /// Records start after the header block.
 pub const SEGMENT_DATA_START: u64 = BLOCK as u64;
 /// Unit of journal writes: whole blocks, so that direct I/O works and two writes in flight
@@ -98,8 +103,12 @@ pub fn decode_header(buf: &[u8]) -> Header {
     };
     let mut b = [0u8; 8];
     b.copy_from_slice(&h[16..24]);
+    let first_lsn = u64::from_le_bytes(b);
+    if !(1..=LSN_MAX).contains(&first_lsn) {
+        return Header::Corrupt(format!("first LSN {first_lsn} out of range"));
+    }
     Header::Valid {
-        first_lsn: u64::from_le_bytes(b),
+        first_lsn,
         segment_bytes,
     }
 }
@@ -155,5 +164,16 @@ mod tests {
         let mut h = encode_header(9, 1 << 20);
         h[17] ^= 1;
         assert!(matches!(decode_header(&h), Header::Corrupt(_)));
+        // Checksummed but naming an LSN recovery could not count past.
+        for lsn in [0, LSN_MAX + 1, u64::MAX] {
+            assert!(matches!(
+                decode_header(&encode_header(lsn, 1 << 20)),
+                Header::Corrupt(_)
+            ));
+        }
+        assert!(matches!(
+            decode_header(&encode_header(LSN_MAX, 1 << 20)),
+            Header::Valid { .. }
+        ));
     }
 }

@@ -462,6 +462,14 @@ impl Engine {
         let np = self.get_dir(new_parent)?;
         check_access(np, cred, X_OK)?;
         validate_name(new_name)?;
+        // A removed directory (open, nlink 0) takes no new names, as IS_DEADDIR in the VFS:
+        // its entries would vanish with it at its last close.
+        if np.nlink == 0 && !is_dot_or_dotdot(new_name) {
+            return fs(fs_err!(
+                ENOENT,
+                "directory {new_parent:#x} has been removed"
+            ));
+        }
         if is_dot_or_dotdot(new_name) || self.entry(new_parent, new_name)?.is_some() {
             return fs(fs_err!(
                 EEXIST,
@@ -752,6 +760,14 @@ impl Engine {
             ));
         };
         validate_name(new_name)?;
+        // As in link: a removed directory takes no new names (the lookup of the target in a
+        // dead directory is ENOENT).
+        if self.get(new_parent)?.nlink == 0 {
+            return fs(fs_err!(
+                ENOENT,
+                "directory {new_parent:#x} has been removed"
+            ));
+        }
         let dst = self.entry(new_parent, new_name)?.map(|e| (e.child, e.kind));
         if flags & RENAME_NOREPLACE != 0 && dst.is_some() {
             return fs(fs_err!(
