@@ -251,6 +251,17 @@ impl SimServer {
     }
 }
 
+/// The reply cache: each table remembers the operations applied to it, and a multi-table
+/// operation is one record, so finding it in any table held here means it is done.
+fn already_applied(s: &SimServer, op: &Op, now: u64) -> bool {
+    let Some(p) = s.p.as_ref() else {
+        return false;
+    };
+    op.tables
+        .iter()
+        .any(|t| p.serves(*t, now) && s.mem.get(t).is_some_and(|v| v.contains(&op.id)))
+}
+
 struct Current {
     op: Op,
     started: u64,
@@ -277,6 +288,8 @@ pub struct SimConfig {
     /// Faults happen before this time; after it the cluster must finish all work.
     pub fault_end_ms: u64,
     pub broken: Option<Break>,
+    /// Print every event (for replaying a failing seed).
+    pub trace: bool,
 }
 
 impl SimConfig {
@@ -290,6 +303,7 @@ impl SimConfig {
             multi_permille: 150,
             fault_end_ms: 20_000,
             broken: None,
+            trace: false,
         }
     }
 }
@@ -490,6 +504,9 @@ impl World {
                 ));
             }
             self.stats.events += 1;
+            if self.cfg.trace && !matches!(ev, Ev::Tick(_)) {
+                eprintln!("{t} {ev:?}");
+            }
             self.step(ev)?;
             self.check()?;
             if !self.faulty() && self.done() {
@@ -679,15 +696,14 @@ impl World {
         if s.busy_with(op.id) {
             return Ok(());
         }
-        let Some(p) = s.p.as_mut() else {
-            return Ok(());
-        };
-        let held = op.tables.iter().all(|t| p.serves(*t, now));
-        if held && s.mem.get(&op.tables[0]).is_some_and(|v| v.contains(&op.id)) {
-            // The reply cache: the table itself remembers the operation.
+        if already_applied(s, &op, now) {
             self.send(Node::Server(i), from, Msg::ClientOk(op.id));
             return Ok(());
         }
+        let s = &mut self.servers[i];
+        let Some(p) = s.p.as_mut() else {
+            return Ok(());
+        };
         match p.admit(&op.tables, now) {
             Admit::Ok => s.admitted.push((op, None)),
             Admit::WrongServer { map_version, owner } => {
@@ -823,6 +839,12 @@ impl World {
                     let ops = self.servers[i].waiting.remove(&id).unwrap_or_default();
                     let mut n = 0;
                     for op in ops {
+                        let s = &mut self.servers[i];
+                        if already_applied(s, &op, self.now) {
+                            let c = Node::Client(op.client);
+                            self.send(me, c, Msg::ClientOk(op.id));
+                            continue;
+                        }
                         let s = &mut self.servers[i];
                         let Some(p) = s.p.as_mut() else { break };
                         if p.admit(&op.tables, self.now) == Admit::Ok {

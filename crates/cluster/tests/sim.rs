@@ -21,6 +21,7 @@ fn seeds_pass() {
     if let Some(seed) = env_u64("SIM_SEED") {
         let mut cfg = SimConfig::new(seed);
         cfg.broken = broken();
+        cfg.trace = std::env::var("SIM_TRACE").is_ok();
         let stats = run(cfg).unwrap_or_else(|e| panic!("{e}"));
         eprintln!("seed {seed}: {stats:?}");
         return;
