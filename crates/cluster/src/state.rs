@@ -276,9 +276,9 @@ impl CoordState {
         for b in dead {
             self.release(b);
         }
-        // Migrations into the dead server that it has not been handed yet go nowhere.
-        self.migrations
-            .retain(|_, mg| !(mg.to == server && mg.phase == Phase::Dropping));
+        // A migration into the dead server whose drop is under way is kept: the old owner
+        // may already have let the table go, so cancelling it could leave the map naming a
+        // server that no longer holds the table. `dropped` picks another target.
         let tables: Vec<TableId> = self
             .map
             .tables
@@ -398,6 +398,9 @@ impl CoordState {
                     // The target died after the drop began: the table is clean, any live
                     // server can add it.
                     self.place(table, r, from);
+                } else if let Some(p) = self.map.tables.remove(&table) {
+                    self.bump();
+                    self.unplaced.insert(table, p.hi);
                 }
                 CoordReply::Ok
             }
