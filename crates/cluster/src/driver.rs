@@ -149,6 +149,9 @@ impl Driver {
                     }
                 }
                 Phase::Adding => {
+                    if now_ms < m.not_before_ms {
+                        continue;
+                    }
                     if let Some(inc) = state.live(m.to) {
                         let e = adds.entry(inc).or_default();
                         e.0.push(*t);

@@ -127,6 +127,14 @@ impl Router {
         }
     }
 
+    /// A request to the owner of `table` got no answer in time: the owner may be dead and
+    /// its tables recovered elsewhere, so the next attempt asks for a fresh map first.
+    pub fn on_timeout(&mut self, table: TableId) {
+        if self.map.as_ref().is_some_and(|m| m.owner(table).is_some()) {
+            self.map = None;
+        }
+    }
+
     /// The attempt that started at `started_ms` failed at `now_ms` after `attempts` tries.
     pub fn retry(&self, started_ms: u64, now_ms: u64, attempts: u32) -> Retry {
         if now_ms.saturating_sub(started_ms) >= self.budget_ms {

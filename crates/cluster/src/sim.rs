@@ -267,6 +267,8 @@ struct Current {
     started: u64,
     next_try: u64,
     attempts: u32,
+    /// Sent to this server and not answered yet.
+    sent_to: Option<ServerId>,
 }
 
 struct SimClient {
@@ -315,6 +317,8 @@ pub struct SimStats {
     pub acked: usize,
     pub borrows: u64,
     pub fences: u64,
+    /// Operations whose retry budget ran out during the fault storm (then retried).
+    pub client_errors: u64,
     pub end_ms: u64,
 }
 
@@ -488,6 +492,12 @@ impl World {
         }
         if self.faulty() && self.rng.chance(20) {
             return;
+        }
+        if self.faulty() && self.rng.chance(20) {
+            // A duplicate, arriving whenever (retransmissions, replays).
+            let delay = self.rng.range(1, 2_000);
+            let m = msg.clone();
+            self.at(self.now + delay, Ev::Deliver { from, to, msg: m });
         }
         let delay = self.rng.range(1, 40);
         self.at(self.now + delay, Ev::Deliver { from, to, msg });
@@ -961,6 +971,7 @@ impl World {
                 started: now,
                 next_try: now,
                 attempts: 0,
+                sent_to: None,
             });
         }
         let Some(cur) = cl.cur.as_mut() else {
@@ -970,13 +981,25 @@ impl World {
             return Ok(());
         }
         if let Retry::GiveUp = cl.router.retry(cur.started, now, cur.attempts) {
-            return Err(format!("client {c} gave up on op {}", cur.op.id));
+            // A storm of faults may outlast one retry budget (a client-visible error, which
+            // the application retries); after the faults stop it must not happen.
+            if cur.started >= self.cfg.fault_end_ms {
+                return Err(format!("client {c} gave up on op {}", cur.op.id));
+            }
+            self.stats.client_errors += 1;
+            cur.started = now;
+            cur.attempts = 0;
         }
+        if cur.attempts > 0 && cur.sent_to.is_some() {
+            cl.router.on_timeout(cur.op.tables[0]);
+        }
+        cur.sent_to = None;
         cur.attempts += 1;
         let op = cur.op.clone();
         match cl.router.route(op.tables[0]) {
             Route::Server { id, .. } => {
                 cur.next_try = now + 300;
+                cur.sent_to = Some(id);
                 self.send(
                     Node::Client(c),
                     Node::Server(id.0 as usize),
@@ -1020,6 +1043,7 @@ impl World {
                     let t = delay(cl, cur);
                     if let Some(cur) = cl.cur.as_mut() {
                         cur.next_try = t;
+                        cur.sent_to = None;
                     }
                 }
             }
@@ -1028,6 +1052,7 @@ impl World {
                     let t = delay(cl, cur);
                     if let Some(cur) = cl.cur.as_mut() {
                         cur.next_try = t;
+                        cur.sent_to = None;
                     }
                 }
             }

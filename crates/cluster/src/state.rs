@@ -25,6 +25,18 @@ pub const BORROW_TABLES_MAX: usize = 8;
 /// Most borrows waiting at once; a server asks for one per waiting operation.
 pub const BORROW_QUEUE_MAX: usize = 4096;
 
+/// Earlier process nonces remembered per server: one per restart, so this covers far more
+/// restarts than a Register can stay in flight.
+pub const NONCES_MAX: usize = 64;
+
+/// A table waiting for a server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unplaced {
+    pub hi: InodeId,
+    /// As [`Migration::not_before_ms`].
+    pub not_before_ms: u64,
+}
+
 /// One registered server.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Member {
@@ -33,6 +45,9 @@ pub struct Member {
     pub epoch: Epoch,
     /// Nonce of the process that registered `epoch`.
     pub nonce: u64,
+    /// Nonces of earlier processes (newest last, at most `NONCES_MAX`): a late duplicate
+    /// of their Register must not start a new incarnation and fence the live one.
+    pub old_nonces: Vec<u64>,
     pub lease_until_ms: u64,
     /// False once fenced, until the server registers again.
     pub live: bool,
@@ -55,6 +70,9 @@ pub struct Migration {
     pub phase: Phase,
     /// Map version when the migration started (controls carry it so a late one is ignored).
     pub started: MapVersion,
+    /// Do not ask `to` to add before this time: the lease of the fenced incarnation that
+    /// held the table may still run until then.
+    pub not_before_ms: u64,
 }
 
 /// A borrow the coordinator knows of.
@@ -80,8 +98,8 @@ pub struct CoordState {
     /// Highest time any command carried (leaders' clocks may step back; this does not).
     pub now_ms: u64,
     pub map: DelegationMap,
-    /// Tables no server holds (no live server when they lost theirs): `lo -> hi`.
-    pub unplaced: BTreeMap<TableId, InodeId>,
+    /// Tables no server holds (no live server when they lost theirs).
+    pub unplaced: BTreeMap<TableId, Unplaced>,
     pub servers: BTreeMap<ServerId, Member>,
     pub migrations: BTreeMap<TableId, Migration>,
     /// Every borrow not yet returned, granted or queued.
@@ -161,7 +179,18 @@ impl CoordState {
         } else {
             lease_ms
         };
-        self.unplaced = sorted.into_iter().collect();
+        self.unplaced = sorted
+            .into_iter()
+            .map(|(t, hi)| {
+                (
+                    t,
+                    Unplaced {
+                        hi,
+                        not_before_ms: 0,
+                    },
+                )
+            })
+            .collect();
         CoordReply::Ok
     }
 
@@ -211,6 +240,11 @@ impl CoordState {
     fn register(&mut self, server: ServerId, addr: &str, nonce: u64) -> CoordReply {
         let lease_ms = self.lease_ms;
         if let Some(m) = self.servers.get(&server)
+            && m.old_nonces.contains(&nonce)
+        {
+            return CoordReply::Fenced { current: m.epoch };
+        }
+        if let Some(m) = self.servers.get(&server)
             && m.nonce == nonce
         {
             // A retried Register of the same process: same answer; of a process already
@@ -229,12 +263,21 @@ impl CoordState {
             self.fence(server);
         }
         let epoch = Epoch(self.servers.get(&server).map_or(0, |m| m.epoch.0) + 1);
+        let mut old_nonces = Vec::new();
+        if let Some(m) = self.servers.get(&server) {
+            old_nonces = m.old_nonces.clone();
+            old_nonces.push(m.nonce);
+            if old_nonces.len() > NONCES_MAX {
+                old_nonces.remove(0);
+            }
+        }
         self.servers.insert(
             server,
             Member {
                 addr: addr.to_string(),
                 epoch,
                 nonce,
+                old_nonces,
                 lease_until_ms: self.now_ms + lease_ms,
                 live: true,
             },
@@ -266,6 +309,9 @@ impl CoordState {
         };
         m.epoch = Epoch(m.epoch.0 + 1);
         m.live = false;
+        // Fenced early (a new process registered) the old one may still believe in its
+        // lease: nobody else serves its tables before that lease is over.
+        let not_before_ms = m.lease_until_ms;
         self.bump();
         let dead: Vec<BorrowId> = self
             .borrows
@@ -290,10 +336,14 @@ impl CoordState {
         for t in tables {
             self.migrations.remove(&t);
             match recoverer {
-                Some(r) => self.place(t, r, None),
+                Some(r) => self.place(t, r, None, not_before_ms),
                 None => {
                     if let Some(p) = self.map.tables.remove(&t) {
-                        self.unplaced.insert(t, p.hi);
+                        let u = Unplaced {
+                            hi: p.hi,
+                            not_before_ms,
+                        };
+                        self.unplaced.insert(t, u);
                     }
                 }
             }
@@ -301,14 +351,20 @@ impl CoordState {
     }
 
     /// Points the map at `to` and asks it to add (or recover) `table`.
-    fn place(&mut self, table: TableId, to: ServerId, from: Option<Incarnation>) {
+    fn place(
+        &mut self,
+        table: TableId,
+        to: ServerId,
+        from: Option<Incarnation>,
+        not_before_ms: u64,
+    ) {
         let Some(inc) = self.live(to) else {
             return;
         };
-        let hi = match self.map.tables.get(&table) {
-            Some(p) => p.hi,
+        let (hi, not_before_ms) = match self.map.tables.get(&table) {
+            Some(p) => (p.hi, not_before_ms),
             None => match self.unplaced.remove(&table) {
-                Some(hi) => hi,
+                Some(u) => (u.hi, u.not_before_ms.max(not_before_ms)),
                 None => return,
             },
         };
@@ -328,6 +384,7 @@ impl CoordState {
                 to,
                 phase: Phase::Adding,
                 started: self.map.version,
+                not_before_ms,
             },
         );
     }
@@ -383,6 +440,7 @@ impl CoordState {
                 to,
                 phase: Phase::Dropping,
                 started: self.map.version,
+                not_before_ms: 0,
             },
         );
     }
@@ -393,14 +451,18 @@ impl CoordState {
                 let (to, from) = (m.to, m.from);
                 self.migrations.remove(&table);
                 if self.live(to).is_some() {
-                    self.place(table, to, from);
+                    self.place(table, to, from, 0);
                 } else if let Some(r) = self.least_loaded(None) {
                     // The target died after the drop began: the table is clean, any live
                     // server can add it.
-                    self.place(table, r, from);
+                    self.place(table, r, from, 0);
                 } else if let Some(p) = self.map.tables.remove(&table) {
                     self.bump();
-                    self.unplaced.insert(table, p.hi);
+                    let u = Unplaced {
+                        hi: p.hi,
+                        not_before_ms: 0,
+                    };
+                    self.unplaced.insert(table, u);
                 }
                 CoordReply::Ok
             }
@@ -544,7 +606,7 @@ impl CoordState {
         let unplaced: Vec<TableId> = self.unplaced.keys().copied().collect();
         for t in unplaced {
             match self.least_loaded(None) {
-                Some(s) => self.place(t, s, None),
+                Some(s) => self.place(t, s, None, 0),
                 None => break,
             }
         }

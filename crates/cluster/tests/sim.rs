@@ -1,4 +1,4 @@
-//! The seeded whole-cluster simulation. `SIM_SEEDS=n` runs n seeds (default 40),
+//! The seeded whole-cluster simulation. `SIM_SEEDS=n` runs n seeds (default 1000),
 //! `SIM_SEED=s` replays one, `SIM_BREAK=fencing|drain` runs a deliberately broken protocol.
 
 use kochab_cluster::participant::Break;
@@ -26,12 +26,16 @@ fn seeds_pass() {
         eprintln!("seed {seed}: {stats:?}");
         return;
     }
-    let n = env_u64("SIM_SEEDS").unwrap_or(40);
+    let n = env_u64("SIM_SEEDS").unwrap_or(1000);
     let stats = run_seeds(0, n, broken()).unwrap_or_else(|e| panic!("{e}"));
     let events: u64 = stats.iter().map(|s| s.events).sum();
     let borrows: u64 = stats.iter().map(|s| s.borrows).sum();
     let fences: u64 = stats.iter().map(|s| s.fences).sum();
-    eprintln!("{n} seeds passed: {events} events, {borrows} borrows, {fences} fences");
+    let errors: u64 = stats.iter().map(|s| s.client_errors).sum();
+    eprintln!(
+        "{n} seeds passed: {events} events, {borrows} borrows, {fences} fences, \
+         {errors} retry budgets exhausted during fault storms"
+    );
 }
 
 /// The simulation must catch a server that keeps serving after its lease ended.
