@@ -4,6 +4,7 @@
 //! one definition of what travels between them.
 
 pub mod auth;
+pub mod cluster;
 pub mod errno;
 pub mod frame;
 pub mod msg;

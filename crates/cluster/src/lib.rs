@@ -1,0 +1,10 @@
+//! Kochab's scale-out protocols as pure state machines (events in, actions out; the caller
+//! owns sockets, disks and clocks): the coordinator's replicated state ([`state`]), the
+//! leader's driver ([`driver`]), the metadata server's side ([`participant`]), client
+//! routing ([`router`]) and a seeded whole-cluster simulation ([`sim`]).
+
+pub mod driver;
+pub mod participant;
+pub mod router;
+pub mod sim;
+pub mod state;

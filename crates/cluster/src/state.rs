@@ -1,0 +1,683 @@
+//! The coordinator's replicated state machine: delegation map, membership and leases,
+//! migrations in progress, the borrow lock table and per-table load.
+//!
+//! [`CoordState::apply`] is pure and deterministic: the same commands in the same order give
+//! the same state on every replica. Time enters only as a command's `now_ms`. Every command
+//! is safe to apply twice or late: it names the incarnation or migration it is about, and
+//! a command about anything that has moved on is answered `Stale` and changes nothing.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kochab_proto::InodeId;
+use kochab_proto::cluster::{
+    BorrowId, BorrowPhase, CoordCommand, CoordReply, DelegationMap, Epoch, Incarnation, MapVersion,
+    Placement, ServerId, ServerRequest, TableId, TableLoad,
+};
+use serde::{Deserialize, Serialize};
+
+/// Lease length when the bootstrap names none.
+pub const DEFAULT_LEASE_MS: u64 = 5_000;
+
+/// Most tables one borrow may name: an operation touches at most a few inodes (rename: two
+/// parents, a child, a victim), so more is a bug or an attack.
+pub const BORROW_TABLES_MAX: usize = 8;
+
+/// Most borrows waiting at once; a server asks for one per waiting operation.
+pub const BORROW_QUEUE_MAX: usize = 4096;
+
+/// Earlier process nonces remembered per server: one per restart, so this covers far more
+/// restarts than a Register can stay in flight.
+pub const NONCES_MAX: usize = 64;
+
+/// A table waiting for a server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unplaced {
+    pub hi: InodeId,
+    /// As [`Migration::not_before_ms`].
+    pub not_before_ms: u64,
+}
+
+/// One registered server.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    pub addr: String,
+    /// The current incarnation; every lower epoch is fenced.
+    pub epoch: Epoch,
+    /// Nonce of the process that registered `epoch`.
+    pub nonce: u64,
+    /// Nonces of earlier processes (newest last, at most `NONCES_MAX`): a late duplicate
+    /// of their Register must not start a new incarnation and fence the live one.
+    pub old_nonces: Vec<u64>,
+    pub lease_until_ms: u64,
+    /// False once fenced, until the server registers again.
+    pub live: bool,
+}
+
+/// Where a migration stands. The map names `from` while `Dropping` and `to` while `Adding`,
+/// so at no time does the map name a server that has let the table go without another
+/// being asked to take it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    Dropping,
+    Adding,
+}
+
+/// A table on its way to `to`. `from` is `None` for a first placement or a recovery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Migration {
+    pub from: Option<Incarnation>,
+    pub to: ServerId,
+    pub phase: Phase,
+    /// Map version when the migration started (controls carry it so a late one is ignored).
+    pub started: MapVersion,
+    /// Do not ask `to` to add before this time: the lease of the fenced incarnation that
+    /// held the table may still run until then.
+    pub not_before_ms: u64,
+}
+
+/// A borrow the coordinator knows of.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Borrow {
+    pub tables: Vec<TableId>,
+    pub phase: BorrowPhase,
+}
+
+/// Returned borrows of one server incarnation, to refuse their late duplicates.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BorrowHistory {
+    pub epoch: Epoch,
+    pub done_below: u64,
+    pub returned: BTreeSet<u64>,
+}
+
+/// The coordinator's whole state (what Raft replicates and snapshots).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoordState {
+    pub bootstrapped: bool,
+    pub lease_ms: u64,
+    /// Highest time any command carried (leaders' clocks may step back; this does not).
+    pub now_ms: u64,
+    pub map: DelegationMap,
+    /// Tables no server holds (no live server when they lost theirs).
+    pub unplaced: BTreeMap<TableId, Unplaced>,
+    pub servers: BTreeMap<ServerId, Member>,
+    pub migrations: BTreeMap<TableId, Migration>,
+    /// Every borrow not yet returned, granted or queued.
+    pub borrows: BTreeMap<BorrowId, Borrow>,
+    /// Waiting borrows in arrival order.
+    pub queue: Vec<BorrowId>,
+    /// Tables locked by a granted borrow.
+    pub locks: BTreeMap<TableId, BorrowId>,
+    pub history: BTreeMap<ServerId, BorrowHistory>,
+    /// Last reported load of each table.
+    pub load: BTreeMap<TableId, TableLoad>,
+}
+
+impl CoordState {
+    /// Applies one command. Pure: no clock, no randomness, no I/O.
+    pub fn apply(&mut self, cmd: &CoordCommand) -> CoordReply {
+        let reply = match cmd {
+            CoordCommand::Bootstrap { tables, lease_ms } => self.bootstrap(tables, *lease_ms),
+            CoordCommand::Request { req, now_ms } => {
+                self.advance(*now_ms);
+                self.request(req)
+            }
+            CoordCommand::Tick { now_ms } => {
+                self.advance(*now_ms);
+                self.fence_expired();
+                CoordReply::Ok
+            }
+            CoordCommand::Move { table, to } => self.start_move(*table, *to),
+            CoordCommand::Dropped { table, by } => self.dropped(*table, *by),
+            CoordCommand::Added { tables, by } => self.added(tables, *by),
+        };
+        self.progress();
+        reply
+    }
+
+    /// The current epoch of every server (what an ADD may seal below).
+    pub fn epochs(&self) -> Vec<Incarnation> {
+        self.servers
+            .iter()
+            .map(|(s, m)| Incarnation {
+                server: *s,
+                epoch: m.epoch,
+            })
+            .collect()
+    }
+
+    /// The live incarnation of `server`, if any.
+    pub fn live(&self, server: ServerId) -> Option<Incarnation> {
+        let m = self.servers.get(&server).filter(|m| m.live)?;
+        Some(Incarnation {
+            server,
+            epoch: m.epoch,
+        })
+    }
+
+    fn bump(&mut self) {
+        self.map.version = MapVersion(self.map.version.0 + 1);
+    }
+
+    fn advance(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+    }
+
+    fn bootstrap(&mut self, tables: &[(TableId, InodeId)], lease_ms: u64) -> CoordReply {
+        if self.bootstrapped {
+            return CoordReply::Stale("already bootstrapped".into());
+        }
+        let mut sorted = tables.to_vec();
+        sorted.sort();
+        if sorted.iter().any(|(lo, hi)| lo.0 >= *hi) || sorted.windows(2).any(|w| w[0].1 > w[1].0.0)
+        {
+            return CoordReply::Refused("table ranges are empty or overlap".into());
+        }
+        self.bootstrapped = true;
+        self.lease_ms = if lease_ms == 0 {
+            DEFAULT_LEASE_MS
+        } else {
+            lease_ms
+        };
+        self.unplaced = sorted
+            .into_iter()
+            .map(|(t, hi)| {
+                (
+                    t,
+                    Unplaced {
+                        hi,
+                        not_before_ms: 0,
+                    },
+                )
+            })
+            .collect();
+        CoordReply::Ok
+    }
+
+    fn request(&mut self, req: &ServerRequest) -> CoordReply {
+        match req {
+            ServerRequest::Register {
+                server,
+                addr,
+                nonce,
+            } => self.register(*server, addr, *nonce),
+            ServerRequest::RenewLease { server, epoch } => {
+                let lease_ms = self.lease_ms;
+                let now = self.now_ms;
+                match self.servers.get_mut(server) {
+                    Some(m) if m.live && m.epoch == *epoch => {
+                        m.lease_until_ms = m.lease_until_ms.max(now + lease_ms);
+                        CoordReply::Renewed { lease_ms }
+                    }
+                    Some(m) => CoordReply::Fenced { current: m.epoch },
+                    None => CoordReply::Refused(format!("server {} never registered", server.0)),
+                }
+            }
+            ServerRequest::Borrow {
+                id,
+                tables,
+                done_below,
+            } => self.borrow(*id, tables, *done_below),
+            ServerRequest::Return { id, done_below } => self.give_back(*id, *done_below),
+            ServerRequest::ReportLoad {
+                server,
+                epoch,
+                loads,
+            } => {
+                if self.live(*server).map(|i| i.epoch) != Some(*epoch) {
+                    return CoordReply::Stale("load report of a dead incarnation".into());
+                }
+                for l in loads {
+                    if self.map.owner(l.table) == Some(*server) {
+                        self.load.insert(l.table, *l);
+                    }
+                }
+                CoordReply::Ok
+            }
+        }
+    }
+
+    fn register(&mut self, server: ServerId, addr: &str, nonce: u64) -> CoordReply {
+        let lease_ms = self.lease_ms;
+        if let Some(m) = self.servers.get(&server)
+            && m.old_nonces.contains(&nonce)
+        {
+            return CoordReply::Fenced { current: m.epoch };
+        }
+        if let Some(m) = self.servers.get(&server)
+            && m.nonce == nonce
+        {
+            // A retried Register of the same process: same answer; of a process already
+            // fenced: it must not come back under that epoch.
+            return if m.live {
+                CoordReply::Registered {
+                    epoch: m.epoch,
+                    lease_ms,
+                }
+            } else {
+                CoordReply::Fenced { current: m.epoch }
+            };
+        }
+        if self.live(server).is_some() {
+            // The server restarted: its previous incarnation is dead by definition.
+            self.fence(server);
+        }
+        let epoch = Epoch(self.servers.get(&server).map_or(0, |m| m.epoch.0) + 1);
+        let mut old_nonces = Vec::new();
+        if let Some(m) = self.servers.get(&server) {
+            old_nonces = m.old_nonces.clone();
+            old_nonces.push(m.nonce);
+            if old_nonces.len() > NONCES_MAX {
+                old_nonces.remove(0);
+            }
+        }
+        self.servers.insert(
+            server,
+            Member {
+                addr: addr.to_string(),
+                epoch,
+                nonce,
+                old_nonces,
+                lease_until_ms: self.now_ms + lease_ms,
+                live: true,
+            },
+        );
+        self.map.servers.insert(server, addr.to_string());
+        self.bump();
+        CoordReply::Registered { epoch, lease_ms }
+    }
+
+    fn fence_expired(&mut self) {
+        let now = self.now_ms;
+        let expired: Vec<ServerId> = self
+            .servers
+            .iter()
+            .filter(|(_, m)| m.live && m.lease_until_ms < now)
+            .map(|(s, _)| *s)
+            .collect();
+        for s in expired {
+            self.fence(s);
+        }
+    }
+
+    /// Kills the current incarnation of `server`: bumps its epoch (the store then lets a
+    /// recoverer seal its journal), cancels its borrows and hands all its tables, as one
+    /// unit, to one live server to recover.
+    fn fence(&mut self, server: ServerId) {
+        let Some(m) = self.servers.get_mut(&server) else {
+            return;
+        };
+        m.epoch = Epoch(m.epoch.0 + 1);
+        m.live = false;
+        // Fenced early (a new process registered) the old one may still believe in its
+        // lease: nobody else serves its tables before that lease is over.
+        let not_before_ms = m.lease_until_ms;
+        self.bump();
+        let dead: Vec<BorrowId> = self
+            .borrows
+            .keys()
+            .filter(|b| b.server == server)
+            .copied()
+            .collect();
+        for b in dead {
+            self.release(b);
+        }
+        // A migration into the dead server whose drop is under way is kept: the old owner
+        // may already have let the table go, so cancelling it could leave the map naming a
+        // server that no longer holds the table. `dropped` picks another target.
+        let tables: Vec<TableId> = self
+            .map
+            .tables
+            .iter()
+            .filter(|(_, p)| p.owner == server)
+            .map(|(t, _)| *t)
+            .collect();
+        let recoverer = self.least_loaded(Some(server));
+        for t in tables {
+            self.migrations.remove(&t);
+            match recoverer {
+                Some(r) => self.place(t, r, None, not_before_ms),
+                None => {
+                    if let Some(p) = self.map.tables.remove(&t) {
+                        let u = Unplaced {
+                            hi: p.hi,
+                            not_before_ms,
+                        };
+                        self.unplaced.insert(t, u);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Points the map at `to` and asks it to add (or recover) `table`.
+    fn place(
+        &mut self,
+        table: TableId,
+        to: ServerId,
+        from: Option<Incarnation>,
+        not_before_ms: u64,
+    ) {
+        let Some(inc) = self.live(to) else {
+            return;
+        };
+        let (hi, not_before_ms) = match self.map.tables.get(&table) {
+            Some(p) => (p.hi, not_before_ms),
+            None => match self.unplaced.remove(&table) {
+                Some(u) => (u.hi, u.not_before_ms.max(not_before_ms)),
+                None => return,
+            },
+        };
+        self.bump();
+        self.map.tables.insert(
+            table,
+            Placement {
+                hi,
+                owner: to,
+                epoch: inc.epoch,
+            },
+        );
+        self.migrations.insert(
+            table,
+            Migration {
+                from,
+                to,
+                phase: Phase::Adding,
+                started: self.map.version,
+                not_before_ms,
+            },
+        );
+    }
+
+    /// The live server with the fewest tables (ties: lowest id), other than `except`.
+    fn least_loaded(&self, except: Option<ServerId>) -> Option<ServerId> {
+        let mut count: BTreeMap<ServerId, usize> = self
+            .servers
+            .iter()
+            .filter(|(s, m)| m.live && Some(**s) != except)
+            .map(|(s, _)| (*s, 0))
+            .collect();
+        for p in self.map.tables.values() {
+            if let Some(c) = count.get_mut(&p.owner) {
+                *c += 1;
+            }
+        }
+        count
+            .into_iter()
+            .min_by_key(|(s, c)| (*c, *s))
+            .map(|(s, _)| s)
+    }
+
+    fn start_move(&mut self, table: TableId, to: ServerId) -> CoordReply {
+        let Some(p) = self.map.tables.get(&table).copied() else {
+            return CoordReply::Refused(format!("table {:#x} is not placed", table.0));
+        };
+        if self.migrations.contains_key(&table) {
+            return CoordReply::Refused(format!("table {:#x} is already moving", table.0));
+        }
+        if self.locks.contains_key(&table) {
+            return CoordReply::Refused(format!("table {:#x} is borrowed", table.0));
+        }
+        if self.live(to).is_none() {
+            return CoordReply::Refused(format!("server {} is not live", to.0));
+        }
+        if p.owner == to {
+            return CoordReply::Stale("already there".into());
+        }
+        self.begin_drop(table, p, to);
+        CoordReply::Ok
+    }
+
+    fn begin_drop(&mut self, table: TableId, p: Placement, to: ServerId) {
+        self.bump();
+        self.migrations.insert(
+            table,
+            Migration {
+                from: Some(Incarnation {
+                    server: p.owner,
+                    epoch: p.epoch,
+                }),
+                to,
+                phase: Phase::Dropping,
+                started: self.map.version,
+                not_before_ms: 0,
+            },
+        );
+    }
+
+    fn dropped(&mut self, table: TableId, by: Incarnation) -> CoordReply {
+        match self.migrations.get(&table) {
+            Some(m) if m.phase == Phase::Dropping && m.from == Some(by) => {
+                let (to, from) = (m.to, m.from);
+                self.migrations.remove(&table);
+                if self.live(to).is_some() {
+                    self.place(table, to, from, 0);
+                } else if let Some(r) = self.least_loaded(None) {
+                    // The target died after the drop began: the table is clean, any live
+                    // server can add it.
+                    self.place(table, r, from, 0);
+                } else if let Some(p) = self.map.tables.remove(&table) {
+                    self.bump();
+                    let u = Unplaced {
+                        hi: p.hi,
+                        not_before_ms: 0,
+                    };
+                    self.unplaced.insert(table, u);
+                }
+                CoordReply::Ok
+            }
+            _ => CoordReply::Stale(format!("no drop of {:#x} by {:?} pending", table.0, by)),
+        }
+    }
+
+    fn added(&mut self, tables: &[TableId], by: Incarnation) -> CoordReply {
+        if self.live(by.server) != Some(by) {
+            return CoordReply::Stale("added by a dead incarnation".into());
+        }
+        let mut done = 0;
+        for t in tables {
+            if let Some(m) = self.migrations.get(t)
+                && m.phase == Phase::Adding
+                && m.to == by.server
+            {
+                self.migrations.remove(t);
+                done += 1;
+            }
+        }
+        if done == 0 {
+            CoordReply::Stale("no add pending".into())
+        } else {
+            CoordReply::Ok
+        }
+    }
+
+    fn borrow(&mut self, id: BorrowId, tables: &[TableId], done_below: u64) -> CoordReply {
+        if self.live(id.server).map(|i| i.epoch) != Some(id.epoch) {
+            let current = self.servers.get(&id.server).map_or(Epoch(0), |m| m.epoch);
+            return CoordReply::Fenced { current };
+        }
+        if let Some(b) = self.borrows.get(&id) {
+            return CoordReply::Borrow { phase: b.phase };
+        }
+        let h = self.history_of(id);
+        if id.seq < h.done_below || h.returned.contains(&id.seq) {
+            return CoordReply::Stale("borrow already returned".into());
+        }
+        h.done_below = h.done_below.max(done_below);
+        let mut set: Vec<TableId> = tables.to_vec();
+        set.sort();
+        set.dedup();
+        if set.is_empty() || set.len() > BORROW_TABLES_MAX {
+            return CoordReply::Refused(format!("a borrow names 1 to {BORROW_TABLES_MAX} tables"));
+        }
+        if let Some(t) = set.iter().find(|t| !self.map.tables.contains_key(t)) {
+            return CoordReply::Refused(format!("table {:#x} is not placed", t.0));
+        }
+        if self.queue.len() >= BORROW_QUEUE_MAX {
+            return CoordReply::Refused("too many borrows waiting".into());
+        }
+        self.borrows.insert(
+            id,
+            Borrow {
+                tables: set,
+                phase: BorrowPhase::Queued,
+            },
+        );
+        self.queue.push(id);
+        self.grant_waiting();
+        self.progress();
+        CoordReply::Borrow {
+            phase: self
+                .borrows
+                .get(&id)
+                .map_or(BorrowPhase::Queued, |b| b.phase),
+        }
+    }
+
+    fn history_of(&mut self, id: BorrowId) -> &mut BorrowHistory {
+        let h = self.history.entry(id.server).or_default();
+        if h.epoch != id.epoch {
+            *h = BorrowHistory {
+                epoch: id.epoch,
+                ..Default::default()
+            };
+        }
+        h
+    }
+
+    fn give_back(&mut self, id: BorrowId, done_below: u64) -> CoordReply {
+        if self.borrows.contains_key(&id) {
+            self.release(id);
+            if self.live(id.server).map(|i| i.epoch) == Some(id.epoch) {
+                let h = self.history_of(id);
+                h.returned.insert(id.seq);
+                h.done_below = h.done_below.max(done_below);
+                let below = h.done_below;
+                h.returned.retain(|s| *s >= below);
+            }
+            CoordReply::Ok
+        } else {
+            CoordReply::Stale("borrow not held".into())
+        }
+    }
+
+    fn release(&mut self, id: BorrowId) {
+        self.borrows.remove(&id);
+        self.queue.retain(|b| *b != id);
+        self.locks.retain(|_, b| *b != id);
+        self.grant_waiting();
+    }
+
+    /// Grants waiting borrows in FIFO order: one is granted when none of its tables is
+    /// locked or wanted by an earlier waiting borrow, so nobody starves and, because a set
+    /// is locked all at once, nobody deadlocks.
+    fn grant_waiting(&mut self) {
+        let mut wanted: BTreeSet<TableId> = BTreeSet::new();
+        let mut granted = Vec::new();
+        for id in &self.queue {
+            let Some(b) = self.borrows.get(id) else {
+                continue;
+            };
+            let free = b
+                .tables
+                .iter()
+                .all(|t| !self.locks.contains_key(t) && !wanted.contains(t));
+            if free {
+                granted.push(*id);
+                for t in &b.tables {
+                    self.locks.insert(*t, *id);
+                }
+            } else {
+                wanted.extend(b.tables.iter().copied());
+            }
+        }
+        for id in granted {
+            self.queue.retain(|b| *b != id);
+            if let Some(b) = self.borrows.get_mut(&id) {
+                b.phase = BorrowPhase::Moving;
+            }
+        }
+    }
+
+    /// Work that follows from the state alone: place unplaced tables, move borrowed tables
+    /// to their borrower, mark borrows ready. Runs after every command, so a new leader
+    /// needs no memory of what the old one was doing.
+    fn progress(&mut self) {
+        let unplaced: Vec<TableId> = self.unplaced.keys().copied().collect();
+        for t in unplaced {
+            match self.least_loaded(None) {
+                Some(s) => self.place(t, s, None, 0),
+                None => break,
+            }
+        }
+        let moving: Vec<(BorrowId, Vec<TableId>)> = self
+            .borrows
+            .iter()
+            .filter(|(_, b)| b.phase != BorrowPhase::Queued)
+            .map(|(id, b)| (*id, b.tables.clone()))
+            .collect();
+        for (id, tables) in moving {
+            let mut ready = true;
+            for t in tables {
+                let Some(p) = self.map.tables.get(&t).copied() else {
+                    ready = false;
+                    continue;
+                };
+                if p.owner == id.server && !self.migrations.contains_key(&t) {
+                    continue;
+                }
+                ready = false;
+                if !self.migrations.contains_key(&t) {
+                    self.begin_drop(t, p, id.server);
+                }
+            }
+            if let Some(b) = self.borrows.get_mut(&id) {
+                b.phase = if ready {
+                    BorrowPhase::Ready
+                } else {
+                    BorrowPhase::Moving
+                };
+            }
+        }
+    }
+
+    /// Checks the state's own invariants; a violation is a bug (tests and the simulation
+    /// call this after every command).
+    pub fn check(&self) -> Result<(), String> {
+        for t in self.map.tables.keys() {
+            if self.unplaced.contains_key(t) {
+                return Err(format!("table {:#x} both placed and unplaced", t.0));
+            }
+        }
+        for (t, m) in &self.migrations {
+            let Some(p) = self.map.tables.get(t) else {
+                return Err(format!("migration of unplaced table {:#x}", t.0));
+            };
+            let expect = match m.phase {
+                Phase::Dropping => m.from.map(|f| f.server),
+                Phase::Adding => Some(m.to),
+            };
+            if expect != Some(p.owner) {
+                return Err(format!("map and migration disagree on {:#x}", t.0));
+            }
+        }
+        for (t, b) in &self.locks {
+            match self.borrows.get(b) {
+                Some(bw) if bw.tables.contains(t) && bw.phase != BorrowPhase::Queued => {}
+                _ => return Err(format!("lock on {:#x} without its granted borrow", t.0)),
+            }
+        }
+        for (id, b) in &self.borrows {
+            let queued = self.queue.contains(id);
+            if queued != (b.phase == BorrowPhase::Queued) {
+                return Err(format!(
+                    "borrow {id:?} queue state disagrees with its phase"
+                ));
+            }
+            if self.live(id.server).map(|i| i.epoch) != Some(id.epoch) {
+                return Err(format!("borrow {id:?} of a dead incarnation"));
+            }
+        }
+        Ok(())
+    }
+}

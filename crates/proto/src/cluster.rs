@@ -1,0 +1,276 @@
+//! Scale-out messages and the data the coordinator replicates: the delegation map, server
+//! incarnations, borrows, and the messages between coordinator and metadata servers.
+//!
+//! Pure data. The state machines that use these types live in `kochab-cluster`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::InodeId;
+
+/// A metadata server, stable across its restarts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ServerId(pub u32);
+
+/// One incarnation of a server. Bumped by the coordinator when the server registers again
+/// or is fenced; journals and manifests are written in the name of an epoch, and a lower
+/// epoch of the same server is dead forever.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub struct Epoch(pub u64);
+
+/// A table is a contiguous inode-id range `[lo, hi)`; its id is its `lo`. A split creates
+/// a new table whose id is the split point, so ids never change meaning.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub struct TableId(pub InodeId);
+
+/// Version of the delegation map; bumped on every change of a placement or of the server
+/// list, so a cached map can be compared with the coordinator's.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub struct MapVersion(pub u64);
+
+/// A server incarnation: whose journal, whose manifest write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Incarnation {
+    pub server: ServerId,
+    pub epoch: Epoch,
+}
+
+/// Where one table is served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// End of the table's id range (exclusive); the start is the table id.
+    pub hi: InodeId,
+    pub owner: ServerId,
+    /// The owner's epoch when the table was assigned to it.
+    pub epoch: Epoch,
+}
+
+/// Which server serves which table. Clients and servers cache it; `version` says how old a
+/// copy is.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DelegationMap {
+    pub version: MapVersion,
+    pub tables: BTreeMap<TableId, Placement>,
+    /// Address of every registered server (clients route to them).
+    pub servers: BTreeMap<ServerId, String>,
+}
+
+impl DelegationMap {
+    /// The table whose range holds `id`, with its placement.
+    pub fn table_of(&self, id: InodeId) -> Option<(TableId, Placement)> {
+        let (t, p) = self.tables.range(..=TableId(id)).next_back()?;
+        (id < p.hi).then_some((*t, *p))
+    }
+
+    /// The server a request for `table` goes to.
+    pub fn owner(&self, table: TableId) -> Option<ServerId> {
+        self.tables.get(&table).map(|p| p.owner)
+    }
+}
+
+/// A borrow request's name: chosen by the asking incarnation, increasing per incarnation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct BorrowId {
+    pub server: ServerId,
+    pub epoch: Epoch,
+    pub seq: u64,
+}
+
+/// Operations counted on one table since the last report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TableLoad {
+    pub table: TableId,
+    pub ops: u64,
+    pub inodes: u64,
+}
+
+/// What a metadata server asks of the coordinator (the coordinator stamps the time and
+/// turns each into a [`CoordCommand`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ServerRequest {
+    /// A new process: `nonce` is random per process start, so a retried Register of the
+    /// same process gets the same epoch back instead of fencing itself.
+    Register {
+        server: ServerId,
+        addr: String,
+        nonce: u64,
+    },
+    RenewLease {
+        server: ServerId,
+        epoch: Epoch,
+    },
+    /// Every table one operation needs, granted all at once or queued (FIFO).
+    /// `done_below`: every borrow of this incarnation with a lower seq is returned (lets
+    /// the coordinator forget them and still refuse their late duplicates).
+    Borrow {
+        id: BorrowId,
+        tables: Vec<TableId>,
+        done_below: u64,
+    },
+    /// The operation that needed the borrow is done (durable or failed).
+    Return {
+        id: BorrowId,
+        done_below: u64,
+    },
+    ReportLoad {
+        server: ServerId,
+        epoch: Epoch,
+        loads: Vec<TableLoad>,
+    },
+}
+
+/// A command of the coordinator's replicated state machine. Time enters only as `now_ms`,
+/// stamped by the leader when it proposes, so applying is deterministic.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CoordCommand {
+    /// First command of a cluster: the tables (`(lo, hi)`) and the lease length.
+    Bootstrap {
+        tables: Vec<(TableId, InodeId)>,
+        lease_ms: u64,
+    },
+    /// A server's request, with the leader's clock.
+    Request { req: ServerRequest, now_ms: u64 },
+    /// Time passes: leases that ended are fenced.
+    Tick { now_ms: u64 },
+    /// An operator or the rebalancer asks to move a table.
+    Move { table: TableId, to: ServerId },
+    /// A server finished a DROP (reported by the driver).
+    Dropped { table: TableId, by: Incarnation },
+    /// A server finished an ADD or a recovery of these tables.
+    Added {
+        tables: Vec<TableId>,
+        by: Incarnation,
+    },
+}
+
+/// How a borrow stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BorrowPhase {
+    /// Waits for conflicting borrows before it (FIFO).
+    Queued,
+    /// Locked; its tables are being moved to the borrower.
+    Moving,
+    /// Every table is served by the borrower; the operation may run.
+    Ready,
+}
+
+/// The result of applying a command.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CoordReply {
+    Ok,
+    Registered {
+        epoch: Epoch,
+        lease_ms: u64,
+    },
+    Renewed {
+        lease_ms: u64,
+    },
+    /// The incarnation that asked is dead; the process must restart as a new one.
+    Fenced {
+        current: Epoch,
+    },
+    Borrow {
+        phase: BorrowPhase,
+    },
+    /// A duplicate or late command that changes nothing (safe to ignore).
+    Stale(String),
+    /// A command that cannot be applied, with the reason.
+    Refused(String),
+}
+
+/// What the coordinator tells a server to do.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ControlBody {
+    /// Stop serving `table`: let in-flight operations finish, refuse new ones (answering
+    /// WrongServer naming `to`), write a clean checkpoint, reply `Dropped`.
+    Drop {
+        table: TableId,
+        map_version: MapVersion,
+        to: ServerId,
+    },
+    /// Start serving these tables. A table whose manifest names a journal of an incarnation
+    /// older than `epochs` says (a fenced one) is recovered: that journal is sealed in the
+    /// store, then replayed. This one message is both Ursa's ADD and its recovery (all the
+    /// tables of a failed server are recovered together by one server).
+    Add {
+        tables: Vec<TableId>,
+        map_version: MapVersion,
+        epochs: Vec<Incarnation>,
+    },
+    /// Every table of this borrow is yours until you Return it.
+    Grant { id: BorrowId },
+}
+
+/// A control message addressed to one incarnation; any other incarnation ignores it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Control {
+    pub to: Incarnation,
+    pub body: ControlBody,
+}
+
+/// A server's answer to a control message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ControlReply {
+    Dropped {
+        table: TableId,
+        by: Incarnation,
+    },
+    Added {
+        tables: Vec<TableId>,
+        by: Incarnation,
+    },
+    AddFailed {
+        tables: Vec<TableId>,
+        by: Incarnation,
+        reason: String,
+    },
+    GrantAck {
+        id: BorrowId,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_of_finds_the_range() {
+        let mut m = DelegationMap::default();
+        let p = |hi, o| Placement {
+            hi,
+            owner: ServerId(o),
+            epoch: Epoch(1),
+        };
+        m.tables.insert(TableId(10), p(20, 1));
+        m.tables.insert(TableId(30), p(40, 2));
+        assert_eq!(m.table_of(15).map(|x| x.0), Some(TableId(10)));
+        assert_eq!(m.table_of(20), None);
+        assert_eq!(m.table_of(5), None);
+        assert_eq!(m.table_of(39).map(|x| x.1.owner), Some(ServerId(2)));
+    }
+
+    #[test]
+    fn commands_round_trip() {
+        let c = CoordCommand::Request {
+            req: ServerRequest::Borrow {
+                id: BorrowId {
+                    server: ServerId(1),
+                    epoch: Epoch(2),
+                    seq: 3,
+                },
+                tables: vec![TableId(1), TableId(9)],
+                done_below: 0,
+            },
+            now_ms: 5,
+        };
+        let bytes = postcard::to_stdvec(&c).unwrap();
+        assert_eq!(postcard::from_bytes::<CoordCommand>(&bytes).unwrap(), c);
+    }
+}
