@@ -207,9 +207,12 @@ async fn connect(conn: &ConnArgs) -> Result<Client, String> {
 fn init_logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KOCHAB_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    // Colour codes only on a terminal: logs redirected to a file or a journal stay plain.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .try_init();
 }
 

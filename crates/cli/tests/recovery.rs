@@ -288,3 +288,14 @@ fn metrics_are_served_in_prometheus_text_format() {
         assert!(body.contains(name), "{name} missing from:\n{body}");
     }
 }
+
+#[test]
+fn logs_written_to_a_file_carry_no_colour_codes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d");
+    let mut server = ServerProc::start(&data, &[]);
+    assert_eq!(server.stop(), Some(0));
+    let log = server.log_text();
+    assert!(log.contains("INFO"), "no log lines at all:\n{log}");
+    assert!(!log.contains('\x1b'), "escape codes in a log file:\n{log}");
+}
