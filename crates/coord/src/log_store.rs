@@ -148,6 +148,8 @@ struct Inner<S: ReplicatedState> {
     active: Option<File>,
     last_purged: Option<LogId<ReplicaId>>,
     vote: Option<Vote<ReplicaId>>,
+    /// `SEGMENT_BYTES_MAX`, smaller in tests.
+    segment_bytes_max: u64,
 }
 
 /// The durable Raft log (openraft's `RaftLogStorage`). Clones share one log; a clone is
@@ -201,6 +203,7 @@ impl<S: ReplicatedState> LogStore<S> {
             active: None,
             last_purged,
             vote,
+            segment_bytes_max: SEGMENT_BYTES_MAX,
         };
         let mut rec = LogRecovery::default();
         let purged_idx = last_purged.map(|l| l.index);
@@ -225,6 +228,28 @@ impl<S: ReplicatedState> LogStore<S> {
     fn lock(&self) -> MutexGuard<'_, Inner<S>> {
         // A panic while holding the lock already aborts the process (panic = "abort").
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Appends `entries` (consecutive, following the last index) and syncs them.
+    fn append_entries(&self, entries: Vec<Entry<C<S>>>) -> io::Result<()> {
+        let mut g = self.lock();
+        let mut recs = Vec::with_capacity(entries.len());
+        let fresh = g.entries.is_empty() && g.last_purged.is_none();
+        let mut expect = g.last_index().map_or(0, |l| l + 1);
+        for e in &entries {
+            let idx = e.get_log_id().index;
+            if idx != expect && !(fresh && recs.is_empty()) {
+                return Err(io_err(format!("append of {idx}, expected {expect}")));
+            }
+            expect = idx + 1;
+            recs.push((idx, encode_record::<S>(e)?));
+        }
+        let placed = g.append_records(&recs)?;
+        for ((idx, seg, off), e) in placed.into_iter().zip(entries) {
+            g.locs.insert(idx, (seg, off));
+            g.entries.insert(idx, e);
+        }
+        Ok(())
     }
 
     /// The index range of entries held (not purged), for tests and status.
@@ -309,7 +334,7 @@ impl<S: ReplicatedState> Inner<S> {
         let mut pending: Vec<u8> = Vec::new();
         for (idx, bytes) in recs {
             let full = match self.segments.iter().next_back() {
-                Some((_, seg)) => seg.len + pending.len() as u64 >= SEGMENT_BYTES_MAX,
+                Some((_, seg)) => seg.len + pending.len() as u64 >= self.segment_bytes_max,
                 None => true,
             };
             if full || self.active.is_none() {
@@ -476,30 +501,14 @@ impl<S: ReplicatedState> RaftLogStorage<C<S>> for LogStore<S> {
         I::IntoIter: OptionalSend,
     {
         let entries: Vec<Entry<C<S>>> = entries.into_iter().collect();
-        let mut g = self.lock();
-        let mut recs = Vec::with_capacity(entries.len());
-        let mut expect = g.last_index().map_or(0, |l| l + 1);
-        for e in &entries {
-            let idx = e.get_log_id().index;
-            if idx != expect && !(g.entries.is_empty() && g.last_purged.is_none()) {
-                let err = io_err(format!("append of {idx}, expected {expect}"));
-                return Err(write_err(err));
-            }
-            expect = idx + 1;
-            recs.push((idx, encode_record::<S>(e).map_err(write_err)?));
-        }
-        match g.append_records(&recs) {
-            Ok(placed) => {
-                for ((idx, seg, off), e) in placed.into_iter().zip(entries) {
-                    g.locs.insert(idx, (seg, off));
-                    g.entries.insert(idx, e);
-                }
-                drop(g);
+        match self.append_entries(entries) {
+            Ok(()) => {
                 callback.log_io_completed(Ok(()));
                 Ok(())
             }
             Err(e) => {
-                drop(g);
+                // openraft stops on a storage error; a partial write left behind is the
+                // torn tail the next open cuts.
                 let msg = e.to_string();
                 callback.log_io_completed(Err(e));
                 Err(write_err(io::Error::other(msg)))
@@ -513,5 +522,186 @@ impl<S: ReplicatedState> RaftLogStorage<C<S>> for LogStore<S> {
 
     async fn purge(&mut self, log_id: LogId<ReplicaId>) -> Result<(), SErr> {
         self.lock().purge_upto(log_id).map_err(write_err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::{CommittedLeaderId, EntryPayload};
+    use serde::{Deserialize, Serialize};
+
+    use super::*;
+
+    #[derive(Clone, Default, Serialize, Deserialize)]
+    struct Sum(u64);
+
+    impl ReplicatedState for Sum {
+        type Command = u64;
+        type Reply = u64;
+        fn apply(&mut self, cmd: &u64) -> u64 {
+            self.0 += cmd;
+            self.0
+        }
+    }
+
+    fn entry(term: u64, index: u64) -> Entry<C<Sum>> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(term, 1), index),
+            payload: EntryPayload::Normal(index * 10 + term),
+        }
+    }
+
+    fn open(dir: &Path) -> (LogStore<Sum>, LogRecovery) {
+        let (log, rec) = LogStore::<Sum>::open(dir).unwrap();
+        // Small segments, so these tests cross segment boundaries.
+        log.lock().segment_bytes_max = 100;
+        (log, rec)
+    }
+
+    fn terms(log: &LogStore<Sum>) -> Vec<(u64, u64)> {
+        let g = log.lock();
+        g.entries
+            .values()
+            .map(|e| (e.log_id.index, e.log_id.leader_id.term))
+            .collect()
+    }
+
+    fn segments(dir: &Path) -> usize {
+        fs::read_dir(dir)
+            .unwrap()
+            .filter(|d| {
+                let n = d.as_ref().unwrap().file_name();
+                n.to_str().and_then(parse_segment_name).is_some()
+            })
+            .count()
+    }
+
+    #[test]
+    fn append_reopen_truncate_purge() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let (log, _) = open(dir);
+        log.append_entries((1..=50).map(|i| entry(1, i)).collect())
+            .unwrap();
+        assert!(segments(dir) > 3);
+        drop(log);
+
+        let (log, rec) = open(dir);
+        assert_eq!(
+            rec,
+            LogRecovery {
+                entries: 50,
+                torn_bytes: 0
+            }
+        );
+        assert_eq!(log.index_range(), Some((1, 50)));
+        // A new leader overwrites a suffix.
+        log.lock().truncate_from(30).unwrap();
+        log.append_entries((30..=35).map(|i| entry(2, i)).collect())
+            .unwrap();
+        drop(log);
+
+        let (log, _) = open(dir);
+        let t = terms(&log);
+        assert_eq!(t.len(), 35);
+        assert_eq!(t[28], (29, 1));
+        assert_eq!(t[29], (30, 2));
+        assert_eq!(t[34], (35, 2));
+        let before = segments(dir);
+        log.lock()
+            .purge_upto(LogId::new(CommittedLeaderId::new(1, 1), 20))
+            .unwrap();
+        assert!(segments(dir) < before);
+        drop(log);
+
+        let (mut log, _) = open(dir);
+        assert_eq!(log.index_range(), Some((21, 35)));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let st = rt.block_on(log.get_log_state()).unwrap();
+        assert_eq!(st.last_purged_log_id.map(|l| l.index), Some(20));
+        assert_eq!(st.last_log_id.map(|l| l.index), Some(35));
+        // Out-of-order appends are refused, not written.
+        assert!(log.append_entries(vec![entry(2, 40)]).is_err());
+    }
+
+    #[test]
+    fn purge_past_the_end_after_a_snapshot_install() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let (log, _) = open(dir);
+        log.append_entries((0..=9).map(|i| entry(1, i)).collect())
+            .unwrap();
+        log.lock()
+            .purge_upto(LogId::new(CommittedLeaderId::new(3, 1), 100))
+            .unwrap();
+        assert_eq!(segments(dir), 0);
+        log.append_entries(vec![entry(3, 101), entry(3, 102)])
+            .unwrap();
+        drop(log);
+        let (mut log, _) = open(dir);
+        assert_eq!(log.index_range(), Some((101, 102)));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let st = rt.block_on(log.get_log_state()).unwrap();
+        assert_eq!(st.last_purged_log_id.map(|l| l.index), Some(100));
+    }
+
+    #[test]
+    fn torn_tail_is_cut_but_a_bad_closed_segment_refuses() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let (log, _) = open(dir);
+        log.append_entries((1..=30).map(|i| entry(1, i)).collect())
+            .unwrap();
+        drop(log);
+        let mut names: Vec<u64> = fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|d| parse_segment_name(d.unwrap().file_name().to_str()?))
+            .collect();
+        names.sort_unstable();
+        let last = dir.join(segment_name(*names.last().unwrap()));
+        let len = fs::metadata(&last).unwrap().len();
+        // Half a record at the end: cut.
+        let mut bytes = fs::read(&last).unwrap();
+        bytes.extend_from_slice(&[50, 0, 0, 0, 1, 2]);
+        fs::write(&last, &bytes).unwrap();
+        let (log, rec) = open(dir);
+        assert_eq!(
+            rec,
+            LogRecovery {
+                entries: 30,
+                torn_bytes: 6
+            }
+        );
+        assert_eq!(fs::metadata(&last).unwrap().len(), len);
+        drop(log);
+        // A flipped bit in a closed segment is corruption, not a torn write.
+        let first = dir.join(segment_name(names[0]));
+        let mut bytes = fs::read(&first).unwrap();
+        bytes[RECORD_HEAD] ^= 1;
+        fs::write(&first, &bytes).unwrap();
+        assert!(LogStore::<Sum>::open(dir).is_err());
+    }
+
+    #[tokio::test]
+    async fn vote_survives_reopen_and_a_bad_vote_file_refuses() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let (mut log, _) = open(dir);
+        assert_eq!(log.read_vote().await.unwrap(), None);
+        let v = Vote::new(7, 2);
+        log.save_vote(&v).await.unwrap();
+        drop(log);
+        let (mut log, _) = open(dir);
+        assert_eq!(log.read_vote().await.unwrap(), Some(v));
+        drop(log);
+        let mut bytes = fs::read(dir.join(VOTE_FILE)).unwrap();
+        let n = bytes.len() - 1;
+        bytes[n] ^= 0x40;
+        fs::write(dir.join(VOTE_FILE), &bytes).unwrap();
+        assert!(LogStore::<Sum>::open(dir).is_err());
     }
 }
