@@ -15,6 +15,7 @@
 //!   election.
 
 pub mod client;
+pub mod coordinator;
 pub mod error;
 pub mod log_store;
 pub mod net;
