@@ -1,5 +1,6 @@
 //! `kochab`: one binary for every role. See `kochab --help`.
 
+mod coord;
 mod fsshell;
 mod mount;
 
@@ -45,6 +46,11 @@ enum Command {
     /// Check the namespace invariants (no orphans, no cycles, nlink = names) of a running
     /// cluster; with --data, check (or repair) a stopped server's data directory instead.
     Fsck(FsckArgs),
+    /// Run one replica of the coordinator group until SIGINT or SIGTERM.
+    Coord(coord::CoordArgs),
+    /// Show the coordinator group: each replica's role, term and applied index, and the
+    /// delegation map's summary.
+    CoordStatus(coord::CoordStatusArgs),
     /// A small file-system shell over the native client.
     Fs {
         #[command(flatten)]
@@ -481,6 +487,14 @@ fn main() -> ExitCode {
         Command::Bench(args) => {
             init_logging("warn");
             runtime(args.threads).and_then(|rt| rt.block_on(bench(args)))
+        }
+        Command::Coord(args) => {
+            init_logging("info");
+            runtime(None).and_then(|rt| rt.block_on(coord::run(args)))
+        }
+        Command::CoordStatus(args) => {
+            init_logging("warn");
+            runtime(Some(1)).and_then(|rt| rt.block_on(coord::status(args)))
         }
         Command::Status { conn, json } => {
             init_logging("warn");
