@@ -12,12 +12,9 @@ use kochab_journal::segment::{
     BLOCK, LSN_MAX, SEGMENT_DATA_START, SPARE_NAME, decode_header, encode_header, segment_name,
 };
 use kochab_journal::{inspect, recover, repair_accept_loss};
-use kochab_store::{Capacity, Object, ObjectStore};
+use kochab_store::{MemStore, ObjectStore};
 use proptest::collection::vec;
 use proptest::prelude::*;
-use std::collections::BTreeMap;
-use std::io;
-use std::sync::{Arc, Mutex};
 
 fn cases(default: u32) -> ProptestConfig {
     let n = std::env::var("PROPTEST_CASES")
@@ -27,135 +24,6 @@ fn cases(default: u32) -> ProptestConfig {
     ProptestConfig {
         cases: n,
         ..ProptestConfig::default()
-    }
-}
-
-// ---- an object store in memory -----------------------------------------------------------
-
-type Objects = Arc<Mutex<BTreeMap<String, Vec<u8>>>>;
-
-#[derive(Clone, Default)]
-struct MemStore {
-    objects: Objects,
-}
-
-struct MemObject {
-    objects: Objects,
-    name: String,
-}
-
-fn lock(o: &Objects) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<u8>>> {
-    o.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn missing(name: &str) -> io::Error {
-    io::Error::new(io::ErrorKind::NotFound, name.to_string())
-}
-
-impl Object for MemObject {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        let objs = lock(&self.objects);
-        let data = objs.get(&self.name).ok_or_else(|| missing(&self.name))?;
-        let start = (offset as usize).min(data.len());
-        let n = buf.len().min(data.len() - start);
-        buf[..n].copy_from_slice(&data[start..start + n]);
-        Ok(n)
-    }
-
-    fn write_at(&self, d: &[u8], offset: u64) -> io::Result<()> {
-        let mut objs = lock(&self.objects);
-        let data = objs
-            .get_mut(&self.name)
-            .ok_or_else(|| missing(&self.name))?;
-        let end = offset as usize + d.len();
-        if data.len() < end {
-            data.resize(end, 0);
-        }
-        data[offset as usize..end].copy_from_slice(d);
-        Ok(())
-    }
-
-    fn sync_data(&self) -> io::Result<()> {
-        Ok(())
-    }
-
-    fn len(&self) -> io::Result<u64> {
-        let objs = lock(&self.objects);
-        Ok(objs
-            .get(&self.name)
-            .ok_or_else(|| missing(&self.name))?
-            .len() as u64)
-    }
-
-    fn set_len(&self, len: u64) -> io::Result<()> {
-        let mut objs = lock(&self.objects);
-        let data = objs
-            .get_mut(&self.name)
-            .ok_or_else(|| missing(&self.name))?;
-        data.resize(len as usize, 0);
-        Ok(())
-    }
-}
-
-impl ObjectStore for MemStore {
-    fn put(&self, name: &str, data: &[u8]) -> io::Result<()> {
-        lock(&self.objects).insert(name.to_string(), data.to_vec());
-        Ok(())
-    }
-
-    fn get(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
-        Ok(lock(&self.objects).get(name).cloned())
-    }
-
-    fn delete(&self, name: &str) -> io::Result<()> {
-        lock(&self.objects).remove(name);
-        Ok(())
-    }
-
-    fn list(&self, prefix: &str) -> io::Result<Vec<String>> {
-        let dir = format!("{prefix}/");
-        Ok(lock(&self.objects)
-            .keys()
-            .filter(|k| k.strip_prefix(&dir).is_some_and(|rest| !rest.contains('/')))
-            .cloned()
-            .collect())
-    }
-
-    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
-        let mut objs = lock(&self.objects);
-        let data = objs.remove(from).ok_or_else(|| missing(from))?;
-        objs.insert(to.to_string(), data);
-        Ok(())
-    }
-
-    fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn Object>> {
-        let mut objs = lock(&self.objects);
-        if !objs.contains_key(name) {
-            if !create {
-                return Err(missing(name));
-            }
-            objs.insert(name.to_string(), Vec::new());
-        }
-        Ok(Arc::new(MemObject {
-            objects: self.objects.clone(),
-            name: name.to_string(),
-        }))
-    }
-
-    fn open_sync_direct(&self, _name: &str) -> io::Result<Option<Arc<dyn Object>>> {
-        Ok(None)
-    }
-
-    fn open_direct(&self, _name: &str, _create: bool) -> io::Result<Option<Arc<dyn Object>>> {
-        Ok(None)
-    }
-
-    fn sync_dir(&self, _prefix: &str) -> io::Result<()> {
-        Ok(())
-    }
-
-    fn capacity(&self) -> io::Result<Capacity> {
-        Ok(Capacity::default())
     }
 }
 
@@ -175,7 +43,7 @@ struct Written {
 
 fn write_journal(first: u64, payloads: Vec<Vec<u8>>, seg_blocks: u64) -> Written {
     let seg_bytes = SEGMENT_DATA_START + seg_blocks * BLOCK as u64;
-    let store = MemStore::default();
+    let store = MemStore::new();
     let mut segments: Vec<(String, Vec<u8>)> = Vec::new();
     for (i, p) in payloads.iter().enumerate() {
         let lsn = first + i as u64;
@@ -419,7 +287,7 @@ proptest! {
         for d in &damages {
             changed |= apply_damage(&w, d);
         }
-        let pristine = lock(&w.store.objects).clone();
+        let fresh = w.store.deep_clone();
         let (got, r) = run_recover(&w.store, after);
         check_prefix(&w, after, &got)?;
         if !changed {
@@ -434,7 +302,6 @@ proptest! {
             prop_assert_eq!(&again, &got);
         }
         // Read-only inspection and the explicit repair, on the damaged bytes.
-        let fresh = MemStore { objects: Arc::new(Mutex::new(pristine)) };
         let ins = inspect(&fresh).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let repair = repair_accept_loss(&fresh).map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(repair.kept_through, ins.chain_end);
@@ -509,7 +376,7 @@ fn records_after_a_missing_first_segment_are_never_handed_out() {
 #[test]
 fn segments_naming_impossible_lsns_are_damage() {
     for lsn in [0, u64::MAX] {
-        let store = MemStore::default();
+        let store = MemStore::new();
         let mut d = encode_header(lsn, SEGMENT_DATA_START + BLOCK as u64).to_vec();
         d.resize(SEGMENT_DATA_START as usize, 0);
         encode_record(&mut d, lsn, b"crafted").unwrap();
@@ -519,9 +386,7 @@ fn segments_naming_impossible_lsns_are_damage() {
         assert!(ins.damage.is_some(), "LSN {lsn}: {ins:?}");
         assert_eq!(ins.chain_end, lsn.saturating_sub(1), "LSN {lsn}");
         // As the only segment, a bad header is a torn tail: cut, nothing handed out.
-        let copy = MemStore {
-            objects: Arc::new(Mutex::new(lock(&store.objects).clone())),
-        };
+        let copy = store.deep_clone();
         let (got, _) = run_recover(&copy, 0);
         assert!(got.is_empty(), "LSN {lsn}: {got:?}");
         let repair = repair_accept_loss(&store).unwrap();

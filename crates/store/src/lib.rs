@@ -6,8 +6,10 @@
 //! storage servers implement the same trait later.
 
 mod aligned;
+mod mem;
 
 pub use aligned::AlignedBuf;
+pub use mem::MemStore;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, ErrorKind};
