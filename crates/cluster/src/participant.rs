@@ -157,7 +157,9 @@ impl Participant {
             next_borrow: 0,
             pending: BTreeMap::new(),
             renewals: BTreeMap::new(),
-            next_req: 1,
+            // Request ids of different processes must not meet (a late reply to an earlier
+            // process would otherwise be taken for an answer).
+            next_req: nonce & !0xffff_ffff,
             last_renew_ms: None,
         }
     }
@@ -288,18 +290,26 @@ impl Participant {
         if self.life == Life::Fenced {
             return Vec::new();
         }
+        let known = self.renewals.contains_key(&req_id) || self.pending.contains_key(&req_id);
+        if !known {
+            return Vec::new();
+        }
         if let CoordReply::Fenced { .. } = reply {
             return self.fence();
         }
         if let Some(sent) = self.renewals.remove(&req_id) {
             // The coordinator extended the lease to at least `sent + lease` by its clock.
             if let (
-                CoordReply::Renewed { lease_ms },
+                CoordReply::Renewed {
+                    epoch: renewed,
+                    lease_ms,
+                },
                 Life::Live {
                     epoch,
                     valid_until_ms,
                 },
             ) = (reply, self.life)
+                && *renewed == epoch
             {
                 let until = (sent + lease_ms).saturating_sub(self.cfg.margin_ms);
                 self.life = Life::Live {
@@ -313,7 +323,14 @@ impl Participant {
             return Vec::new();
         };
         match (req, reply) {
-            (ServerRequest::Register { .. }, CoordReply::Registered { epoch, lease_ms }) => {
+            (
+                ServerRequest::Register { .. },
+                CoordReply::Registered {
+                    epoch,
+                    lease_ms,
+                    nonce,
+                },
+            ) if *nonce == self.nonce => {
                 // Measured from the first send: a retry may be answered from the first.
                 let first = match self.life {
                     Life::Registering { first_sent_ms } => first_sent_ms.unwrap_or(now_ms),
@@ -325,6 +342,15 @@ impl Participant {
                 };
                 self.last_renew_ms = Some(now_ms);
                 Vec::new()
+            }
+            (ServerRequest::Register { .. }, CoordReply::Registered { .. }) => {
+                // Meant for an earlier process: keep asking.
+                let req = ServerRequest::Register {
+                    server: self.server,
+                    addr: self.addr.clone(),
+                    nonce: self.nonce,
+                };
+                vec![self.request(req, now_ms)]
             }
             (ServerRequest::Register { .. }, _) => self.fence(),
             (ServerRequest::Borrow { id, .. }, CoordReply::Borrow { phase }) => {

@@ -207,7 +207,10 @@ impl CoordState {
                 match self.servers.get_mut(server) {
                     Some(m) if m.live && m.epoch == *epoch => {
                         m.lease_until_ms = m.lease_until_ms.max(now + lease_ms);
-                        CoordReply::Renewed { lease_ms }
+                        CoordReply::Renewed {
+                            epoch: *epoch,
+                            lease_ms,
+                        }
                     }
                     Some(m) => CoordReply::Fenced { current: m.epoch },
                     None => CoordReply::Refused(format!("server {} never registered", server.0)),
@@ -253,6 +256,7 @@ impl CoordState {
                 CoordReply::Registered {
                     epoch: m.epoch,
                     lease_ms,
+                    nonce,
                 }
             } else {
                 CoordReply::Fenced { current: m.epoch }
@@ -284,7 +288,11 @@ impl CoordState {
         );
         self.map.servers.insert(server, addr.to_string());
         self.bump();
-        CoordReply::Registered { epoch, lease_ms }
+        CoordReply::Registered {
+            epoch,
+            lease_ms,
+            nonce,
+        }
     }
 
     fn fence_expired(&mut self) {

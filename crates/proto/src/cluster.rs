@@ -165,11 +165,16 @@ pub enum BorrowPhase {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CoordReply {
     Ok,
+    /// `nonce` echoes the Register it answers: a reply meant for an earlier process of the
+    /// same server is recognised as such.
     Registered {
         epoch: Epoch,
         lease_ms: u64,
+        nonce: u64,
     },
+    /// The lease of `epoch` was extended to at least `lease_ms` after the request arrived.
     Renewed {
+        epoch: Epoch,
         lease_ms: u64,
     },
     /// The incarnation that asked is dead; the process must restart as a new one.
