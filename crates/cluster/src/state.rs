@@ -102,7 +102,9 @@ pub struct CoordState {
     pub unplaced: BTreeMap<TableId, Unplaced>,
     pub servers: BTreeMap<ServerId, Member>,
     pub migrations: BTreeMap<TableId, Migration>,
-    /// Every borrow not yet returned, granted or queued.
+    /// Every borrow not yet returned, granted or queued. (Stored as pairs: JSON, which a
+    /// snapshot may use, allows only strings as map keys.)
+    #[serde(with = "pairs")]
     pub borrows: BTreeMap<BorrowId, Borrow>,
     /// Waiting borrows in arrival order.
     pub queue: Vec<BorrowId>,
@@ -111,6 +113,29 @@ pub struct CoordState {
     pub history: BTreeMap<ServerId, BorrowHistory>,
     /// Last reported load of each table.
     pub load: BTreeMap<TableId, TableLoad>,
+}
+
+/// A map serialized as a list of pairs.
+mod pairs {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<K: Serialize, V: Serialize, S: Serializer>(
+        m: &BTreeMap<K, V>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_seq(m.iter())
+    }
+
+    pub fn deserialize<'de, K, V, D>(d: D) -> Result<BTreeMap<K, V>, D::Error>
+    where
+        K: Deserialize<'de> + Ord,
+        V: Deserialize<'de>,
+        D: Deserializer<'de>,
+    {
+        Ok(Vec::<(K, V)>::deserialize(d)?.into_iter().collect())
+    }
 }
 
 impl CoordState {

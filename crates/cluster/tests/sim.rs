@@ -1,4 +1,5 @@
-//! The seeded whole-cluster simulation. `SIM_SEEDS=n` runs n seeds (default 1000),
+//! The seeded whole-cluster simulation. `SIM_SEEDS=n` runs n seeds (default 1000) from
+//! `SIM_FIRST` (default 0),
 //! `SIM_SEED=s` replays one, `SIM_BREAK=fencing|drain` runs a deliberately broken protocol.
 
 use kochab_cluster::participant::Break;
@@ -27,7 +28,8 @@ fn seeds_pass() {
         return;
     }
     let n = env_u64("SIM_SEEDS").unwrap_or(1000);
-    let stats = run_seeds(0, n, broken()).unwrap_or_else(|e| panic!("{e}"));
+    let first = env_u64("SIM_FIRST").unwrap_or(0);
+    let stats = run_seeds(first, n, broken()).unwrap_or_else(|e| panic!("{e}"));
     let events: u64 = stats.iter().map(|s| s.events).sum();
     let borrows: u64 = stats.iter().map(|s| s.borrows).sum();
     let fences: u64 = stats.iter().map(|s| s.fences).sum();
