@@ -831,6 +831,9 @@ impl World {
                 Action::Reply(r) => self.send(me, Node::Coord, Msg::CtlReply(r)),
                 Action::Load { tables, epochs } => {
                     let r = self.load(i, &tables, &epochs);
+                    if self.cfg.trace {
+                        eprintln!("{} server {i} load {tables:?}: {r:?}", self.now);
+                    }
                     let acts = match self.servers[i].p.as_mut() {
                         Some(p) => p.loaded(&tables, r),
                         None => Vec::new(),
