@@ -61,6 +61,7 @@ pub struct Driver {
 }
 
 impl Driver {
+    /// A driver with no memory: what it must do follows from the state it is shown.
     pub fn new(cfg: DriverConfig) -> Driver {
         Driver {
             cfg,

@@ -164,6 +164,7 @@ impl Participant {
         }
     }
 
+    /// The server this participant speaks for.
     pub fn server(&self) -> ServerId {
         self.server
     }

@@ -28,10 +28,12 @@ use crate::state::CoordState;
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator whose whole sequence is fixed by `seed`.
     pub fn new(seed: u64) -> Rng {
         Rng(seed)
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
@@ -295,6 +297,7 @@ pub struct SimConfig {
 }
 
 impl SimConfig {
+    /// The default cluster and fault mix for `seed`.
     pub fn new(seed: u64) -> SimConfig {
         SimConfig {
             seed,
