@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use kochab_proto::cluster::{
     BorrowId, BorrowPhase, Control, ControlBody, ControlReply, CoordReply, Epoch, Incarnation,
-    MapVersion, ServerId, ServerRequest, TableId,
+    MapVersion, ServerId, ServerRequest, TableId, TableLoad,
 };
 
 /// A deliberate protocol bug, for showing that the simulation catches it.
@@ -612,6 +612,23 @@ impl Participant {
             done_below: self.done_below(),
         };
         vec![self.request(req, now_ms)]
+    }
+
+    /// Reports per-table load (sent once, not retried: the next report replaces it).
+    pub fn report_load(&mut self, loads: Vec<TableLoad>) -> Vec<Action> {
+        let Some(me) = self.incarnation() else {
+            return Vec::new();
+        };
+        let req_id = self.next_req;
+        self.next_req += 1;
+        vec![Action::ToCoord {
+            req_id,
+            req: ServerRequest::ReportLoad {
+                server: me.server,
+                epoch: me.epoch,
+                loads,
+            },
+        }]
     }
 
     /// Borrows still open (for tests and status).

@@ -482,3 +482,37 @@ fn drop_waits_for_in_flight_operations() {
     };
     assert!(p.on_control(&other, 41).is_empty());
 }
+
+#[test]
+fn load_reports_count_only_for_the_owner() {
+    let mut s = cluster(2);
+    let owner = s.map.owner(t(0)).unwrap();
+    let other = ServerId(1 - owner.0);
+    for server in [owner, other] {
+        let (mut p, _) = live_participant(0);
+        let acts = p.report_load(vec![kochab_proto::cluster::TableLoad {
+            table: t(0),
+            ops: 10 + u64::from(server.0),
+            inodes: 1,
+        }]);
+        let Some(Action::ToCoord {
+            req: ServerRequest::ReportLoad { loads, .. },
+            ..
+        }) = acts.first()
+        else {
+            panic!("{acts:?}")
+        };
+        let epoch = s.live(server).unwrap().epoch;
+        let r = req(
+            &mut s,
+            ServerRequest::ReportLoad {
+                server,
+                epoch,
+                loads: loads.clone(),
+            },
+            5,
+        );
+        assert_eq!(r, CoordReply::Ok);
+    }
+    assert_eq!(s.load.get(&t(0)).map(|l| l.ops), Some(10 + u64::from(owner.0)));
+}
