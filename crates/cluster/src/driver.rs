@@ -91,19 +91,29 @@ impl Driver {
     /// A server answered a control.
     pub fn on_reply(&mut self, reply: &ControlReply) -> Vec<DriverAction> {
         match reply {
-            ControlReply::Dropped { table, by } => {
+            ControlReply::Dropped {
+                table,
+                by,
+                map_version,
+            } => {
                 self.sent.remove(&Key::Drop(*table, *by));
                 vec![DriverAction::Propose(CoordCommand::Dropped {
                     table: *table,
                     by: *by,
+                    map_version: *map_version,
                 })]
             }
-            ControlReply::Added { tables, by } => {
+            ControlReply::Added {
+                tables,
+                by,
+                map_version,
+            } => {
                 self.sent
                     .retain(|k, _| !matches!(k, Key::Add(i, _) if i == by));
                 vec![DriverAction::Propose(CoordCommand::Added {
                     tables: tables.clone(),
                     by: *by,
+                    map_version: *map_version,
                 })]
             }
             // Retried on the timer; a server that cannot load a table is a bug or a store

@@ -409,6 +409,7 @@ impl Participant {
                     None => vec![Action::Reply(ControlReply::Dropped {
                         table: *table,
                         by: me,
+                        map_version: *map_version,
                     })],
                     Some(TableState::Loading) => Vec::new(),
                     Some(TableState::Serving) => {
@@ -449,6 +450,7 @@ impl Participant {
                     out.push(Action::Reply(ControlReply::Added {
                         tables: serving,
                         by: me,
+                        map_version: *map_version,
                     }));
                 }
                 if !load.is_empty() {
@@ -503,9 +505,11 @@ impl Participant {
                 for t in &mine {
                     self.tables.insert(*t, TableState::Serving);
                 }
+                let map_version = self.seen_min(&mine);
                 vec![Action::Reply(ControlReply::Added {
                     tables: mine,
                     by: me,
+                    map_version,
                 })]
             }
             Err(reason) => {
@@ -531,7 +535,21 @@ impl Participant {
             return self.fence();
         }
         self.tables.remove(&table);
-        vec![Action::Reply(ControlReply::Dropped { table, by: me })]
+        let map_version = self.seen_min(&[table]);
+        vec![Action::Reply(ControlReply::Dropped {
+            table,
+            by: me,
+            map_version,
+        })]
+    }
+
+    /// The oldest control version seen for these tables (what a reply about them names).
+    fn seen_min(&self, tables: &[TableId]) -> MapVersion {
+        tables
+            .iter()
+            .map(|t| self.seen.get(t).copied().unwrap_or_default())
+            .min()
+            .unwrap_or_default()
     }
 
     /// May an operation on `tables` (the first is the one the client routed by) run now?

@@ -901,28 +901,39 @@ impl World {
             s.p.as_ref()
                 .and_then(|p| p.incarnation())
                 .ok_or("not live")?;
-        let mut loaded = Vec::new();
+        // First check every table, writing nothing: a load that fails half-way would leave
+        // manifests naming a server that does not serve them.
+        let mut plan = Vec::new();
         for t in tables {
             let m = self.store.manifests.get(t).cloned();
+            if let Some((j, _)) = m.as_ref().and_then(|m| m.replay)
+                && j != me
+            {
+                let current = epochs
+                    .iter()
+                    .find(|e| e.server == j.server)
+                    .map(|e| e.epoch);
+                if current.is_none_or(|c| j.epoch >= c) {
+                    return Err(format!("{:#x} is still owned by live {j:?}", t.0));
+                }
+            }
+            plan.push((*t, m));
+        }
+        let mut loaded = Vec::new();
+        for (t, m) in plan {
             let mut ops = Vec::new();
             if let Some(m) = &m {
                 ops = m.ops.clone();
+                // A manifest naming this incarnation is from an earlier try of this load.
                 if let Some((j, from)) = m.replay {
-                    let current = epochs
-                        .iter()
-                        .find(|e| e.server == j.server)
-                        .map(|e| e.epoch);
-                    if current.is_none_or(|c| j.epoch >= c) {
-                        return Err(format!("{:#x} is still owned by live {j:?}", t.0));
-                    }
-                    if self.cfg.broken != Some(Break::Fencing) {
+                    if j != me && self.cfg.broken != Some(Break::Fencing) {
                         self.store.seal(j);
                     }
                     if let Some(jr) = self.store.journals.get(&j) {
                         ops.extend(
                             jr.durable
                                 .iter()
-                                .filter(|r| r.lsn >= from && r.tables.contains(t))
+                                .filter(|r| r.lsn >= from && r.tables.contains(&t))
                                 .map(|r| r.op),
                         );
                     }
@@ -934,9 +945,9 @@ impl World {
                 ops: ops.clone(),
                 replay: Some((me, self.servers[i].next_lsn + 1)),
             };
-            self.store.cas_manifest(*t, m.map(|m| m.version), new, me)?;
+            self.store.cas_manifest(t, m.map(|m| m.version), new, me)?;
             self.dirty = true;
-            loaded.push((*t, ops));
+            loaded.push((t, ops));
         }
         self.servers[i].mem.extend(loaded);
         Ok(())

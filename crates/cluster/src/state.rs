@@ -153,8 +153,16 @@ impl CoordState {
                 CoordReply::Ok
             }
             CoordCommand::Move { table, to } => self.start_move(*table, *to),
-            CoordCommand::Dropped { table, by } => self.dropped(*table, *by),
-            CoordCommand::Added { tables, by } => self.added(tables, *by),
+            CoordCommand::Dropped {
+                table,
+                by,
+                map_version,
+            } => self.dropped(*table, *by, *map_version),
+            CoordCommand::Added {
+                tables,
+                by,
+                map_version,
+            } => self.added(tables, *by, *map_version),
         };
         self.progress();
         reply
@@ -478,9 +486,9 @@ impl CoordState {
         );
     }
 
-    fn dropped(&mut self, table: TableId, by: Incarnation) -> CoordReply {
+    fn dropped(&mut self, table: TableId, by: Incarnation, v: MapVersion) -> CoordReply {
         match self.migrations.get(&table) {
-            Some(m) if m.phase == Phase::Dropping && m.from == Some(by) => {
+            Some(m) if m.phase == Phase::Dropping && m.from == Some(by) && m.started == v => {
                 let (to, from) = (m.to, m.from);
                 self.migrations.remove(&table);
                 if self.live(to).is_some() {
@@ -503,7 +511,7 @@ impl CoordState {
         }
     }
 
-    fn added(&mut self, tables: &[TableId], by: Incarnation) -> CoordReply {
+    fn added(&mut self, tables: &[TableId], by: Incarnation, v: MapVersion) -> CoordReply {
         if self.live(by.server) != Some(by) {
             return CoordReply::Stale("added by a dead incarnation".into());
         }
@@ -512,6 +520,7 @@ impl CoordState {
             if let Some(m) = self.migrations.get(t)
                 && m.phase == Phase::Adding
                 && m.to == by.server
+                && m.started <= v
             {
                 self.migrations.remove(t);
                 done += 1;

@@ -54,7 +54,12 @@ fn cluster(n: u64) -> CoordState {
             table: t(i),
             to: ServerId(1),
         });
-        s.apply(&CoordCommand::Dropped { table: t(i), by });
+        let map_version = s.migrations[&t(i)].started;
+        s.apply(&CoordCommand::Dropped {
+            table: t(i),
+            by,
+            map_version,
+        });
     }
     finish_adds(&mut s);
     s.check().unwrap();
@@ -71,9 +76,11 @@ fn finish_adds(s: &mut CoordState) {
         .collect();
     for (table, to) in adds {
         let by = s.live(to).unwrap();
+        let map_version = s.map.version;
         s.apply(&CoordCommand::Added {
             tables: vec![table],
             by,
+            map_version,
         });
         s.check().unwrap();
     }
@@ -198,7 +205,12 @@ fn migration_drop_then_map_then_add_and_duplicates_are_stale() {
     assert!(acts.iter().any(|a| matches!(a,
         DriverAction::Send(Control { to: inc, body: ControlBody::Drop { table: tt, .. } })
             if *inc == from && *tt == table)));
-    let prop = d.on_reply(&ControlReply::Dropped { table, by: from });
+    let started = s.migrations[&table].started;
+    let prop = d.on_reply(&ControlReply::Dropped {
+        table,
+        by: from,
+        map_version: started,
+    });
     for p in &prop {
         if let DriverAction::Propose(c) = p {
             assert_eq!(s.apply(c), CoordReply::Ok);
@@ -207,7 +219,11 @@ fn migration_drop_then_map_then_add_and_duplicates_are_stale() {
     assert_eq!(s.map.owner(table), Some(to));
     assert!(s.map.version > v0);
     assert!(matches!(
-        s.apply(&CoordCommand::Dropped { table, by: from }),
+        s.apply(&CoordCommand::Dropped {
+            table,
+            by: from,
+            map_version: started
+        }),
         CoordReply::Stale(_)
     ));
     let by = s.live(to).unwrap();
@@ -218,18 +234,43 @@ fn migration_drop_then_map_then_add_and_duplicates_are_stale() {
     assert!(matches!(
         s.apply(&CoordCommand::Added {
             tables: vec![table],
-            by: dead
+            by: dead,
+            map_version: s.map.version,
         }),
         CoordReply::Stale(_)
     ));
     assert_eq!(
         s.apply(&CoordCommand::Added {
             tables: vec![table],
-            by
+            by,
+            map_version: s.map.version,
         }),
         CoordReply::Ok
     );
     assert!(s.migrations.is_empty());
+    // Moved back to `from` and out again: a late duplicate of the first Dropped must not
+    // complete the new drop.
+    s.apply(&CoordCommand::Move {
+        table,
+        to: from.server,
+    });
+    let v = s.migrations[&table].started;
+    s.apply(&CoordCommand::Dropped {
+        table,
+        by,
+        map_version: v,
+    });
+    finish_adds(&mut s);
+    s.apply(&CoordCommand::Move { table, to });
+    assert!(matches!(
+        s.apply(&CoordCommand::Dropped {
+            table,
+            by: from,
+            map_version: started
+        }),
+        CoordReply::Stale(_)
+    ));
+    assert_eq!(s.map.owner(table), Some(from.server));
 }
 
 #[test]
@@ -356,7 +397,12 @@ fn borrowed_tables_move_to_the_borrower_and_become_ready() {
         .expect("t1 moves to the borrower");
     assert_eq!((m.to, m.phase), (a, Phase::Dropping));
     let by = s.live(b).unwrap();
-    s.apply(&CoordCommand::Dropped { table: t(1), by });
+    let map_version = s.migrations[&t(1)].started;
+    s.apply(&CoordCommand::Dropped {
+        table: t(1),
+        by,
+        map_version,
+    });
     finish_adds(&mut s);
     assert!(s.borrows.values().all(|x| x.phase == BorrowPhase::Ready));
     // A locked table cannot be moved by anyone else.
@@ -468,7 +514,8 @@ fn drop_waits_for_in_flight_operations() {
         acts,
         vec![Action::Reply(ControlReply::Dropped {
             table: t(1),
-            by: me
+            by: me,
+            map_version: Default::default()
         })]
     );
     // A retried Drop is answered again; a control for another epoch is ignored.
@@ -514,5 +561,8 @@ fn load_reports_count_only_for_the_owner() {
         );
         assert_eq!(r, CoordReply::Ok);
     }
-    assert_eq!(s.load.get(&t(0)).map(|l| l.ops), Some(10 + u64::from(owner.0)));
+    assert_eq!(
+        s.load.get(&t(0)).map(|l| l.ops),
+        Some(10 + u64::from(owner.0))
+    );
 }

@@ -141,12 +141,18 @@ pub enum CoordCommand {
     Tick { now_ms: u64 },
     /// An operator or the rebalancer asks to move a table.
     Move { table: TableId, to: ServerId },
-    /// A server finished a DROP (reported by the driver).
-    Dropped { table: TableId, by: Incarnation },
-    /// A server finished an ADD or a recovery of these tables.
+    /// A server finished a DROP (reported by the driver). `map_version` is the Drop's, so
+    /// a late duplicate from an earlier migration of the table matches nothing.
+    Dropped {
+        table: TableId,
+        by: Incarnation,
+        map_version: MapVersion,
+    },
+    /// A server finished an ADD or a recovery of these tables (`map_version`: of the Add).
     Added {
         tables: Vec<TableId>,
         by: Incarnation,
+        map_version: MapVersion,
     },
 }
 
@@ -226,10 +232,12 @@ pub enum ControlReply {
     Dropped {
         table: TableId,
         by: Incarnation,
+        map_version: MapVersion,
     },
     Added {
         tables: Vec<TableId>,
         by: Incarnation,
+        map_version: MapVersion,
     },
     AddFailed {
         tables: Vec<TableId>,
