@@ -292,6 +292,8 @@ pub struct SimConfig {
     /// Faults happen before this time; after it the cluster must finish all work.
     pub fault_end_ms: u64,
     pub broken: Option<Break>,
+    /// Servers' clocks run up to this fast or slow (parts per million).
+    pub drift_ppm_max: i64,
     /// Print every event (for replaying a failing seed).
     pub trace: bool,
 }
@@ -308,6 +310,9 @@ impl SimConfig {
             multi_permille: 150,
             fault_end_ms: 20_000,
             broken: None,
+            // 2%: far beyond real quartz (~50 ppm); the margin (300 ms of a 2 s lease)
+            // covers 15%.
+            drift_ppm_max: 20_000,
             trace: false,
         }
     }
@@ -345,6 +350,8 @@ struct World {
     /// Acknowledged operations and their tables.
     acked: BTreeMap<OpId, Vec<TableId>>,
     dirty: bool,
+    /// Clock rate error of each server, parts per million.
+    drift_ppm: Vec<i64>,
     stats: SimStats,
     pcfg: ParticipantConfig,
 }
@@ -438,10 +445,15 @@ impl World {
             clients,
             acked: BTreeMap::new(),
             dirty: false,
+            drift_ppm: Vec::new(),
             stats: SimStats::default(),
             pcfg,
             cfg,
         };
+        let max = w.cfg.drift_ppm_max as u64;
+        w.drift_ppm = (0..w.cfg.servers)
+            .map(|_| w.rng.range(0, 2 * max) as i64 - max as i64)
+            .collect();
         w.schedule_start();
         w
     }
@@ -479,6 +491,13 @@ impl World {
             t += self.rng.range(100, 800);
             self.at(t, Ev::Move);
         }
+    }
+
+    /// Server `i`'s clock: each runs at its own rate (`drift_ppm`), which the lease margin
+    /// must absorb.
+    fn local(&self, i: usize) -> u64 {
+        let d = self.drift_ppm[i];
+        (self.now as i64 + self.now as i64 * d / 1_000_000).max(0) as u64
     }
 
     fn faulty(&self) -> bool {
@@ -690,7 +709,7 @@ impl World {
     }
 
     fn server_msg(&mut self, i: usize, from: Node, msg: Msg) -> Result<(), String> {
-        let now = self.now;
+        let now = self.local(i);
         let Some(p) = self.servers[i].p.as_mut() else {
             return Ok(());
         };
@@ -704,7 +723,7 @@ impl World {
     }
 
     fn client_op(&mut self, i: usize, from: Node, op: Op) -> Result<(), String> {
-        let now = self.now;
+        let now = self.local(i);
         let s = &mut self.servers[i];
         if s.busy_with(op.id) {
             return Ok(());
@@ -742,7 +761,7 @@ impl World {
     }
 
     fn server_tick(&mut self, i: usize) -> Result<(), String> {
-        let now = self.now;
+        let now = self.local(i);
         let Some(p) = self.servers[i].p.as_mut() else {
             return Ok(());
         };
@@ -795,7 +814,7 @@ impl World {
                 let delay = self.rng.range(1, 40);
                 self.seq += 1;
                 self.events.insert(
-                    (now + delay, self.seq),
+                    (self.now + delay, self.seq),
                     Ev::Deliver {
                         from: Node::Server(i),
                         to,
@@ -854,16 +873,17 @@ impl World {
                 Action::RunBorrowed { id } => {
                     let ops = self.servers[i].waiting.remove(&id).unwrap_or_default();
                     let mut n = 0;
+                    let local = self.local(i);
                     for op in ops {
                         let s = &mut self.servers[i];
-                        if already_applied(s, &op, self.now) {
+                        if already_applied(s, &op, local) {
                             let c = Node::Client(op.client);
                             self.send(me, c, Msg::ClientOk(op.id));
                             continue;
                         }
                         let s = &mut self.servers[i];
                         let Some(p) = s.p.as_mut() else { break };
-                        if p.admit(&op.tables, self.now) == Admit::Ok {
+                        if p.admit(&op.tables, local) == Admit::Ok {
                             s.admitted.push((op, Some(id)));
                             n += 1;
                         } else {
@@ -873,7 +893,7 @@ impl World {
                     }
                     if n == 0 {
                         let acts = match self.servers[i].p.as_mut() {
-                            Some(p) => p.borrow_done(id, self.now),
+                            Some(p) => p.borrow_done(id, local),
                             None => Vec::new(),
                         };
                         self.actions(i, acts)?;
@@ -1084,9 +1104,10 @@ impl World {
         for k in 0..self.cfg.tables as u64 {
             let t = TableId(k << 20);
             let mut who = Vec::new();
-            for s in &self.servers {
+            for (i, s) in self.servers.iter().enumerate() {
                 let Some(p) = s.p.as_ref() else { continue };
-                if s.paused_until > now || !p.can_ack(now) {
+                let local = self.local(i);
+                if s.paused_until > now || !p.can_ack(local) {
                     continue;
                 }
                 let busy = s
@@ -1094,7 +1115,7 @@ impl World {
                     .iter()
                     .chain(s.executed.iter())
                     .any(|(o, _)| o.tables.contains(&t));
-                if p.serves(t, now) || busy {
+                if p.serves(t, local) || busy {
                     who.push(s.id.0);
                 }
             }
@@ -1136,12 +1157,17 @@ impl World {
     }
 }
 
-/// Runs `n` seeds from `first`; the first failure stops.
-pub fn run_seeds(first: u64, n: u64, broken: Option<Break>) -> Result<Vec<SimStats>, String> {
+/// Runs `n` seeds from `first`, each with the default config changed by `adjust`; the
+/// first failure stops.
+pub fn run_seeds(
+    first: u64,
+    n: u64,
+    adjust: impl Fn(&mut SimConfig),
+) -> Result<Vec<SimStats>, String> {
     let mut out = Vec::new();
     for seed in first..first + n {
         let mut cfg = SimConfig::new(seed);
-        cfg.broken = broken;
+        adjust(&mut cfg);
         out.push(run(cfg)?);
     }
     Ok(out)
