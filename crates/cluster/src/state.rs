@@ -80,6 +80,8 @@ pub struct Migration {
 pub struct Borrow {
     pub tables: Vec<TableId>,
     pub phase: BorrowPhase,
+    /// Where each table was when the borrow was granted; RETURN sends it back there.
+    pub homes: Vec<(TableId, ServerId)>,
 }
 
 /// Returned borrows of one server incarnation, to refuse their late duplicates.
@@ -563,6 +565,7 @@ impl CoordState {
             Borrow {
                 tables: set,
                 phase: BorrowPhase::Queued,
+                homes: Vec::new(),
             },
         );
         self.queue.push(id);
@@ -588,8 +591,10 @@ impl CoordState {
     }
 
     fn give_back(&mut self, id: BorrowId, done_below: u64) -> CoordReply {
-        if self.borrows.contains_key(&id) {
+        if let Some(b) = self.borrows.get(&id) {
+            let homes = b.homes.clone();
             self.release(id);
+            self.send_home(id.server, &homes);
             if self.live(id.server).map(|i| i.epoch) == Some(id.epoch) {
                 let h = self.history_of(id);
                 h.returned.insert(id.seq);
@@ -600,6 +605,20 @@ impl CoordState {
             CoordReply::Ok
         } else {
             CoordReply::Stale("borrow not held".into())
+        }
+    }
+
+    /// Ursa's default after RETURN: each table goes back where it was, unless a waiting
+    /// borrow has just taken it (then it moves straight on) or it is already elsewhere.
+    fn send_home(&mut self, borrower: ServerId, homes: &[(TableId, ServerId)]) {
+        for (t, home) in homes {
+            let Some(p) = self.map.tables.get(t).copied() else {
+                continue;
+            };
+            let free = !self.locks.contains_key(t) && !self.migrations.contains_key(t);
+            if free && p.owner == borrower && *home != borrower && self.live(*home).is_some() {
+                self.begin_drop(*t, p, *home);
+            }
         }
     }
 
@@ -635,8 +654,17 @@ impl CoordState {
         }
         for id in granted {
             self.queue.retain(|b| *b != id);
+            let Some(b) = self.borrows.get(&id) else {
+                continue;
+            };
+            let homes = b
+                .tables
+                .iter()
+                .filter_map(|t| Some((*t, self.map.owner(*t)?)))
+                .collect();
             if let Some(b) = self.borrows.get_mut(&id) {
                 b.phase = BorrowPhase::Moving;
+                b.homes = homes;
             }
         }
     }

@@ -388,7 +388,7 @@ fn borrowed_tables_move_to_the_borrower_and_become_ready() {
     } else {
         s.map.owner(t(1))
     };
-    let Some(b) = other else { return };
+    let b = other.expect("cluster() puts t0 and t1 on different servers");
     borrow(&mut s, a.0, 0, &[0, 1]);
     let m = s
         .migrations
@@ -410,6 +410,11 @@ fn borrowed_tables_move_to_the_borrower_and_become_ready() {
         s.apply(&CoordCommand::Move { table: t(1), to: b }),
         CoordReply::Refused(_)
     ));
+    // RETURN sends the borrowed table home; the borrower's own table stays.
+    assert_eq!(give_back(&mut s, a.0, 0), CoordReply::Ok);
+    let m = s.migrations.get(&t(1)).copied().expect("t1 goes home");
+    assert_eq!((m.from.map(|f| f.server), m.to), (Some(a), b));
+    assert!(!s.migrations.contains_key(&t(0)));
 }
 
 #[test]
