@@ -1,7 +1,8 @@
 //! The seeded whole-cluster simulation. `SIM_SEEDS=n` runs n seeds (default 1000) from
 //! `SIM_FIRST` (default 0),
 //! `SIM_SEED=s` replays one, `SIM_BREAK=fencing|drain` runs a deliberately broken protocol,
-//! `SIM_DRIFT_PPM=n` sets the servers' clock-rate error (default 20000).
+//! `SIM_DRIFT_PPM=n` sets the servers' clock-rate error (default 20000),
+//! `SIM_MULTI_PERMILLE` the share of two-table operations (150), `SIM_CLIENTS` (3).
 
 use kochab_cluster::participant::Break;
 use kochab_cluster::sim::{SimConfig, run, run_seeds};
@@ -11,6 +12,12 @@ fn adjust(cfg: &mut SimConfig) {
     cfg.broken = broken();
     if let Some(d) = env_u64("SIM_DRIFT_PPM") {
         cfg.drift_ppm_max = d as i64;
+    }
+    if let Some(m) = env_u64("SIM_MULTI_PERMILLE") {
+        cfg.multi_permille = m;
+    }
+    if let Some(c) = env_u64("SIM_CLIENTS") {
+        cfg.clients = c as usize;
     }
 }
 
