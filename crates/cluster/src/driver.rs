@@ -61,6 +61,7 @@ pub struct Driver {
 }
 
 impl Driver {
+    /// A driver with no memory: what it must do follows from the state it is shown.
     pub fn new(cfg: DriverConfig) -> Driver {
         Driver {
             cfg,
@@ -90,19 +91,29 @@ impl Driver {
     /// A server answered a control.
     pub fn on_reply(&mut self, reply: &ControlReply) -> Vec<DriverAction> {
         match reply {
-            ControlReply::Dropped { table, by } => {
+            ControlReply::Dropped {
+                table,
+                by,
+                map_version,
+            } => {
                 self.sent.remove(&Key::Drop(*table, *by));
                 vec![DriverAction::Propose(CoordCommand::Dropped {
                     table: *table,
                     by: *by,
+                    map_version: *map_version,
                 })]
             }
-            ControlReply::Added { tables, by } => {
+            ControlReply::Added {
+                tables,
+                by,
+                map_version,
+            } => {
                 self.sent
                     .retain(|k, _| !matches!(k, Key::Add(i, _) if i == by));
                 vec![DriverAction::Propose(CoordCommand::Added {
                     tables: tables.clone(),
                     by: *by,
+                    map_version: *map_version,
                 })]
             }
             // Retried on the timer; a server that cannot load a table is a bug or a store
@@ -129,7 +140,7 @@ impl Driver {
     /// Every control the state calls for that is not already on its way.
     fn controls(&mut self, state: &CoordState, now_ms: u64) -> Vec<DriverAction> {
         let mut out = Vec::new();
-        let mut adds: BTreeMap<Incarnation, (Vec<TableId>, u64)> = BTreeMap::new();
+        let mut adds: BTreeMap<Incarnation, Vec<TableId>> = BTreeMap::new();
         let mut live_keys = Vec::new();
         for (t, m) in &state.migrations {
             match m.phase {
@@ -153,16 +164,14 @@ impl Driver {
                         continue;
                     }
                     if let Some(inc) = state.live(m.to) {
-                        let e = adds.entry(inc).or_default();
-                        e.0.push(*t);
-                        e.1 = e.1.max(m.started.0);
+                        adds.entry(inc).or_default().push(*t);
                     }
                 }
             }
         }
         // One Add per server carries all its tables: a failed server's tables are
         // recovered together.
-        for (inc, (tables, started)) in adds {
+        for (inc, tables) in adds {
             let key = Key::Add(inc, tables.clone());
             live_keys.push(key.clone());
             if self.due(key, now_ms) {
@@ -170,7 +179,10 @@ impl Driver {
                     to: inc,
                     body: ControlBody::Add {
                         tables,
-                        map_version: kochab_proto::cluster::MapVersion(started),
+                        // The current version, not the migration's start: a server that
+                        // saw a newer control about any of these tables must not take a
+                        // retry of this one for a late message.
+                        map_version: state.map.version,
                         epochs: state.epochs(),
                     },
                 }));

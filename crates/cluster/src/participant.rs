@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use kochab_proto::cluster::{
     BorrowId, BorrowPhase, Control, ControlBody, ControlReply, CoordReply, Epoch, Incarnation,
-    MapVersion, ServerId, ServerRequest, TableId,
+    MapVersion, ServerId, ServerRequest, TableId, TableLoad,
 };
 
 /// A deliberate protocol bug, for showing that the simulation catches it.
@@ -157,11 +157,14 @@ impl Participant {
             next_borrow: 0,
             pending: BTreeMap::new(),
             renewals: BTreeMap::new(),
-            next_req: 1,
+            // Request ids of different processes must not meet (a late reply to an earlier
+            // process would otherwise be taken for an answer).
+            next_req: nonce & !0xffff_ffff,
             last_renew_ms: None,
         }
     }
 
+    /// The server this participant speaks for.
     pub fn server(&self) -> ServerId {
         self.server
     }
@@ -288,18 +291,26 @@ impl Participant {
         if self.life == Life::Fenced {
             return Vec::new();
         }
+        let known = self.renewals.contains_key(&req_id) || self.pending.contains_key(&req_id);
+        if !known {
+            return Vec::new();
+        }
         if let CoordReply::Fenced { .. } = reply {
             return self.fence();
         }
         if let Some(sent) = self.renewals.remove(&req_id) {
             // The coordinator extended the lease to at least `sent + lease` by its clock.
             if let (
-                CoordReply::Renewed { lease_ms },
+                CoordReply::Renewed {
+                    epoch: renewed,
+                    lease_ms,
+                },
                 Life::Live {
                     epoch,
                     valid_until_ms,
                 },
             ) = (reply, self.life)
+                && *renewed == epoch
             {
                 let until = (sent + lease_ms).saturating_sub(self.cfg.margin_ms);
                 self.life = Life::Live {
@@ -313,7 +324,14 @@ impl Participant {
             return Vec::new();
         };
         match (req, reply) {
-            (ServerRequest::Register { .. }, CoordReply::Registered { epoch, lease_ms }) => {
+            (
+                ServerRequest::Register { .. },
+                CoordReply::Registered {
+                    epoch,
+                    lease_ms,
+                    nonce,
+                },
+            ) if *nonce == self.nonce => {
                 // Measured from the first send: a retry may be answered from the first.
                 let first = match self.life {
                     Life::Registering { first_sent_ms } => first_sent_ms.unwrap_or(now_ms),
@@ -325,6 +343,15 @@ impl Participant {
                 };
                 self.last_renew_ms = Some(now_ms);
                 Vec::new()
+            }
+            (ServerRequest::Register { .. }, CoordReply::Registered { .. }) => {
+                // Meant for an earlier process: keep asking.
+                let req = ServerRequest::Register {
+                    server: self.server,
+                    addr: self.addr.clone(),
+                    nonce: self.nonce,
+                };
+                vec![self.request(req, now_ms)]
             }
             (ServerRequest::Register { .. }, _) => self.fence(),
             (ServerRequest::Borrow { id, .. }, CoordReply::Borrow { phase }) => {
@@ -382,6 +409,7 @@ impl Participant {
                     None => vec![Action::Reply(ControlReply::Dropped {
                         table: *table,
                         by: me,
+                        map_version: *map_version,
                     })],
                     Some(TableState::Loading) => Vec::new(),
                     Some(TableState::Serving) => {
@@ -422,6 +450,7 @@ impl Participant {
                     out.push(Action::Reply(ControlReply::Added {
                         tables: serving,
                         by: me,
+                        map_version: *map_version,
                     }));
                 }
                 if !load.is_empty() {
@@ -476,9 +505,11 @@ impl Participant {
                 for t in &mine {
                     self.tables.insert(*t, TableState::Serving);
                 }
+                let map_version = self.seen_min(&mine);
                 vec![Action::Reply(ControlReply::Added {
                     tables: mine,
                     by: me,
+                    map_version,
                 })]
             }
             Err(reason) => {
@@ -504,7 +535,21 @@ impl Participant {
             return self.fence();
         }
         self.tables.remove(&table);
-        vec![Action::Reply(ControlReply::Dropped { table, by: me })]
+        let map_version = self.seen_min(&[table]);
+        vec![Action::Reply(ControlReply::Dropped {
+            table,
+            by: me,
+            map_version,
+        })]
+    }
+
+    /// The oldest control version seen for these tables (what a reply about them names).
+    fn seen_min(&self, tables: &[TableId]) -> MapVersion {
+        tables
+            .iter()
+            .map(|t| self.seen.get(t).copied().unwrap_or_default())
+            .min()
+            .unwrap_or_default()
     }
 
     /// May an operation on `tables` (the first is the one the client routed by) run now?
@@ -585,6 +630,23 @@ impl Participant {
             done_below: self.done_below(),
         };
         vec![self.request(req, now_ms)]
+    }
+
+    /// Reports per-table load (sent once, not retried: the next report replaces it).
+    pub fn report_load(&mut self, loads: Vec<TableLoad>) -> Vec<Action> {
+        let Some(me) = self.incarnation() else {
+            return Vec::new();
+        };
+        let req_id = self.next_req;
+        self.next_req += 1;
+        vec![Action::ToCoord {
+            req_id,
+            req: ServerRequest::ReportLoad {
+                server: me.server,
+                epoch: me.epoch,
+                loads,
+            },
+        }]
     }
 
     /// Borrows still open (for tests and status).

@@ -43,6 +43,7 @@ pub struct Router {
 }
 
 impl Router {
+    /// A router without a map; `entries` are addresses any map can be fetched from.
     pub fn new(entries: Vec<String>) -> Router {
         Router {
             map: None,
@@ -52,15 +53,18 @@ impl Router {
         }
     }
 
+    /// Overrides the retry budget (tests).
     pub fn with_budget(mut self, budget_ms: u64) -> Router {
         self.budget_ms = budget_ms;
         self
     }
 
+    /// Version of the cached map (0 without one).
     pub fn map_version(&self) -> MapVersion {
         self.map.as_ref().map(|m| m.version).unwrap_or_default()
     }
 
+    /// The cached map.
     pub fn map(&self) -> Option<&DelegationMap> {
         self.map.as_ref()
     }

@@ -28,10 +28,12 @@ use crate::state::CoordState;
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator whose whole sequence is fixed by `seed`.
     pub fn new(seed: u64) -> Rng {
         Rng(seed)
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
@@ -290,11 +292,14 @@ pub struct SimConfig {
     /// Faults happen before this time; after it the cluster must finish all work.
     pub fault_end_ms: u64,
     pub broken: Option<Break>,
+    /// Servers' clocks run up to this fast or slow (parts per million).
+    pub drift_ppm_max: i64,
     /// Print every event (for replaying a failing seed).
     pub trace: bool,
 }
 
 impl SimConfig {
+    /// The default cluster and fault mix for `seed`.
     pub fn new(seed: u64) -> SimConfig {
         SimConfig {
             seed,
@@ -305,6 +310,9 @@ impl SimConfig {
             multi_permille: 150,
             fault_end_ms: 20_000,
             broken: None,
+            // 2%: far beyond real quartz (~50 ppm); the margin (300 ms of a 2 s lease)
+            // covers 15%.
+            drift_ppm_max: 20_000,
             trace: false,
         }
     }
@@ -342,6 +350,8 @@ struct World {
     /// Acknowledged operations and their tables.
     acked: BTreeMap<OpId, Vec<TableId>>,
     dirty: bool,
+    /// Clock rate error of each server, parts per million.
+    drift_ppm: Vec<i64>,
     stats: SimStats,
     pcfg: ParticipantConfig,
 }
@@ -435,10 +445,15 @@ impl World {
             clients,
             acked: BTreeMap::new(),
             dirty: false,
+            drift_ppm: Vec::new(),
             stats: SimStats::default(),
             pcfg,
             cfg,
         };
+        let max = w.cfg.drift_ppm_max as u64;
+        w.drift_ppm = (0..w.cfg.servers)
+            .map(|_| w.rng.range(0, 2 * max) as i64 - max as i64)
+            .collect();
         w.schedule_start();
         w
     }
@@ -476,6 +491,13 @@ impl World {
             t += self.rng.range(100, 800);
             self.at(t, Ev::Move);
         }
+    }
+
+    /// Server `i`'s clock: each runs at its own rate (`drift_ppm`), which the lease margin
+    /// must absorb.
+    fn local(&self, i: usize) -> u64 {
+        let d = self.drift_ppm[i];
+        (self.now as i64 + self.now as i64 * d / 1_000_000).max(0) as u64
     }
 
     fn faulty(&self) -> bool {
@@ -687,7 +709,7 @@ impl World {
     }
 
     fn server_msg(&mut self, i: usize, from: Node, msg: Msg) -> Result<(), String> {
-        let now = self.now;
+        let now = self.local(i);
         let Some(p) = self.servers[i].p.as_mut() else {
             return Ok(());
         };
@@ -701,7 +723,7 @@ impl World {
     }
 
     fn client_op(&mut self, i: usize, from: Node, op: Op) -> Result<(), String> {
-        let now = self.now;
+        let now = self.local(i);
         let s = &mut self.servers[i];
         if s.busy_with(op.id) {
             return Ok(());
@@ -739,7 +761,7 @@ impl World {
     }
 
     fn server_tick(&mut self, i: usize) -> Result<(), String> {
-        let now = self.now;
+        let now = self.local(i);
         let Some(p) = self.servers[i].p.as_mut() else {
             return Ok(());
         };
@@ -792,7 +814,7 @@ impl World {
                 let delay = self.rng.range(1, 40);
                 self.seq += 1;
                 self.events.insert(
-                    (now + delay, self.seq),
+                    (self.now + delay, self.seq),
                     Ev::Deliver {
                         from: Node::Server(i),
                         to,
@@ -831,6 +853,9 @@ impl World {
                 Action::Reply(r) => self.send(me, Node::Coord, Msg::CtlReply(r)),
                 Action::Load { tables, epochs } => {
                     let r = self.load(i, &tables, &epochs);
+                    if self.cfg.trace {
+                        eprintln!("{} server {i} load {tables:?}: {r:?}", self.now);
+                    }
                     let acts = match self.servers[i].p.as_mut() {
                         Some(p) => p.loaded(&tables, r),
                         None => Vec::new(),
@@ -848,16 +873,17 @@ impl World {
                 Action::RunBorrowed { id } => {
                     let ops = self.servers[i].waiting.remove(&id).unwrap_or_default();
                     let mut n = 0;
+                    let local = self.local(i);
                     for op in ops {
                         let s = &mut self.servers[i];
-                        if already_applied(s, &op, self.now) {
+                        if already_applied(s, &op, local) {
                             let c = Node::Client(op.client);
                             self.send(me, c, Msg::ClientOk(op.id));
                             continue;
                         }
                         let s = &mut self.servers[i];
                         let Some(p) = s.p.as_mut() else { break };
-                        if p.admit(&op.tables, self.now) == Admit::Ok {
+                        if p.admit(&op.tables, local) == Admit::Ok {
                             s.admitted.push((op, Some(id)));
                             n += 1;
                         } else {
@@ -867,7 +893,7 @@ impl World {
                     }
                     if n == 0 {
                         let acts = match self.servers[i].p.as_mut() {
-                            Some(p) => p.borrow_done(id, self.now),
+                            Some(p) => p.borrow_done(id, local),
                             None => Vec::new(),
                         };
                         self.actions(i, acts)?;
@@ -895,28 +921,39 @@ impl World {
             s.p.as_ref()
                 .and_then(|p| p.incarnation())
                 .ok_or("not live")?;
-        let mut loaded = Vec::new();
+        // First check every table, writing nothing: a load that fails half-way would leave
+        // manifests naming a server that does not serve them.
+        let mut plan = Vec::new();
         for t in tables {
             let m = self.store.manifests.get(t).cloned();
+            if let Some((j, _)) = m.as_ref().and_then(|m| m.replay)
+                && j != me
+            {
+                let current = epochs
+                    .iter()
+                    .find(|e| e.server == j.server)
+                    .map(|e| e.epoch);
+                if current.is_none_or(|c| j.epoch >= c) {
+                    return Err(format!("{:#x} is still owned by live {j:?}", t.0));
+                }
+            }
+            plan.push((*t, m));
+        }
+        let mut loaded = Vec::new();
+        for (t, m) in plan {
             let mut ops = Vec::new();
             if let Some(m) = &m {
                 ops = m.ops.clone();
+                // A manifest naming this incarnation is from an earlier try of this load.
                 if let Some((j, from)) = m.replay {
-                    let current = epochs
-                        .iter()
-                        .find(|e| e.server == j.server)
-                        .map(|e| e.epoch);
-                    if current.is_none_or(|c| j.epoch >= c) {
-                        return Err(format!("{:#x} is still owned by live {j:?}", t.0));
-                    }
-                    if self.cfg.broken != Some(Break::Fencing) {
+                    if j != me && self.cfg.broken != Some(Break::Fencing) {
                         self.store.seal(j);
                     }
                     if let Some(jr) = self.store.journals.get(&j) {
                         ops.extend(
                             jr.durable
                                 .iter()
-                                .filter(|r| r.lsn >= from && r.tables.contains(t))
+                                .filter(|r| r.lsn >= from && r.tables.contains(&t))
                                 .map(|r| r.op),
                         );
                     }
@@ -928,9 +965,9 @@ impl World {
                 ops: ops.clone(),
                 replay: Some((me, self.servers[i].next_lsn + 1)),
             };
-            self.store.cas_manifest(*t, m.map(|m| m.version), new, me)?;
+            self.store.cas_manifest(t, m.map(|m| m.version), new, me)?;
             self.dirty = true;
-            loaded.push((*t, ops));
+            loaded.push((t, ops));
         }
         self.servers[i].mem.extend(loaded);
         Ok(())
@@ -1067,9 +1104,10 @@ impl World {
         for k in 0..self.cfg.tables as u64 {
             let t = TableId(k << 20);
             let mut who = Vec::new();
-            for s in &self.servers {
+            for (i, s) in self.servers.iter().enumerate() {
                 let Some(p) = s.p.as_ref() else { continue };
-                if s.paused_until > now || !p.can_ack(now) {
+                let local = self.local(i);
+                if s.paused_until > now || !p.can_ack(local) {
                     continue;
                 }
                 let busy = s
@@ -1077,7 +1115,7 @@ impl World {
                     .iter()
                     .chain(s.executed.iter())
                     .any(|(o, _)| o.tables.contains(&t));
-                if p.serves(t, now) || busy {
+                if p.serves(t, local) || busy {
                     who.push(s.id.0);
                 }
             }
@@ -1119,13 +1157,96 @@ impl World {
     }
 }
 
-/// Runs `n` seeds from `first`; the first failure stops.
-pub fn run_seeds(first: u64, n: u64, broken: Option<Break>) -> Result<Vec<SimStats>, String> {
+/// Runs `n` seeds from `first`, each with the default config changed by `adjust`; the
+/// first failure stops.
+pub fn run_seeds(
+    first: u64,
+    n: u64,
+    adjust: impl Fn(&mut SimConfig),
+) -> Result<Vec<SimStats>, String> {
     let mut out = Vec::new();
     for seed in first..first + n {
         let mut cfg = SimConfig::new(seed);
-        cfg.broken = broken;
+        adjust(&mut cfg);
         out.push(run(cfg)?);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kochab_proto::cluster::Epoch;
+
+    fn inc(s: u32, e: u64) -> Incarnation {
+        Incarnation {
+            server: ServerId(s),
+            epoch: Epoch(e),
+        }
+    }
+
+    fn rec(lsn: u64, op: OpId) -> Rec {
+        Rec {
+            lsn,
+            op,
+            tables: vec![TableId(0)],
+        }
+    }
+
+    fn manifest(owner: Incarnation, replay: Option<(Incarnation, u64)>) -> Manifest {
+        Manifest {
+            version: 0,
+            owner,
+            ops: vec![],
+            replay,
+        }
+    }
+
+    #[test]
+    fn store_loses_unsynced_writes_and_refuses_a_sealed_journal() {
+        let mut st = SimStore::default();
+        let a = inc(1, 1);
+        let b = inc(2, 1);
+        st.cas_manifest(TableId(0), None, manifest(a, Some((a, 1))), a)
+            .unwrap();
+        st.append(a, rec(1, 7));
+        st.sync(a).unwrap();
+        st.append(a, rec(2, 8));
+        st.crash(a);
+        assert_eq!(st.durable_view(TableId(0)), vec![7]);
+        // Taking over without sealing is flagged; with the seal it is not.
+        st.seal(a);
+        st.append(a, rec(3, 9));
+        assert!(
+            st.sync(a).is_err(),
+            "a fenced writer cannot make anything durable"
+        );
+        assert!(
+            st.cas_manifest(TableId(0), Some(1), manifest(a, None), a)
+                .is_err(),
+            "a fenced writer cannot checkpoint"
+        );
+        assert!(
+            st.cas_manifest(TableId(0), Some(7), manifest(b, Some((b, 1))), b)
+                .is_err(),
+            "stale version"
+        );
+        st.cas_manifest(TableId(0), Some(1), manifest(b, Some((b, 1))), b)
+            .unwrap();
+        assert!(st.violations.is_empty());
+        let c = inc(3, 1);
+        st.cas_manifest(TableId(0), Some(2), manifest(c, None), c)
+            .unwrap();
+        assert_eq!(st.violations.len(), 1, "b's journal was not sealed");
+    }
+
+    #[test]
+    fn a_seed_replays_exactly() {
+        let a = run(SimConfig::new(7)).unwrap();
+        let b = run(SimConfig::new(7)).unwrap();
+        assert_eq!(
+            (a.events, a.end_ms, a.fences),
+            (b.events, b.end_ms, b.fences)
+        );
+    }
 }

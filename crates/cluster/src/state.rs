@@ -80,6 +80,8 @@ pub struct Migration {
 pub struct Borrow {
     pub tables: Vec<TableId>,
     pub phase: BorrowPhase,
+    /// Where each table was when the borrow was granted; RETURN sends it back there.
+    pub homes: Vec<(TableId, ServerId)>,
 }
 
 /// Returned borrows of one server incarnation, to refuse their late duplicates.
@@ -102,7 +104,9 @@ pub struct CoordState {
     pub unplaced: BTreeMap<TableId, Unplaced>,
     pub servers: BTreeMap<ServerId, Member>,
     pub migrations: BTreeMap<TableId, Migration>,
-    /// Every borrow not yet returned, granted or queued.
+    /// Every borrow not yet returned, granted or queued. (Stored as pairs: JSON, which a
+    /// snapshot may use, allows only strings as map keys.)
+    #[serde(with = "pairs")]
     pub borrows: BTreeMap<BorrowId, Borrow>,
     /// Waiting borrows in arrival order.
     pub queue: Vec<BorrowId>,
@@ -111,6 +115,29 @@ pub struct CoordState {
     pub history: BTreeMap<ServerId, BorrowHistory>,
     /// Last reported load of each table.
     pub load: BTreeMap<TableId, TableLoad>,
+}
+
+/// A map serialized as a list of pairs.
+mod pairs {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<K: Serialize, V: Serialize, S: Serializer>(
+        m: &BTreeMap<K, V>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_seq(m.iter())
+    }
+
+    pub fn deserialize<'de, K, V, D>(d: D) -> Result<BTreeMap<K, V>, D::Error>
+    where
+        K: Deserialize<'de> + Ord,
+        V: Deserialize<'de>,
+        D: Deserializer<'de>,
+    {
+        Ok(Vec::<(K, V)>::deserialize(d)?.into_iter().collect())
+    }
 }
 
 impl CoordState {
@@ -128,8 +155,16 @@ impl CoordState {
                 CoordReply::Ok
             }
             CoordCommand::Move { table, to } => self.start_move(*table, *to),
-            CoordCommand::Dropped { table, by } => self.dropped(*table, *by),
-            CoordCommand::Added { tables, by } => self.added(tables, *by),
+            CoordCommand::Dropped {
+                table,
+                by,
+                map_version,
+            } => self.dropped(*table, *by, *map_version),
+            CoordCommand::Added {
+                tables,
+                by,
+                map_version,
+            } => self.added(tables, *by, *map_version),
         };
         self.progress();
         reply
@@ -207,7 +242,10 @@ impl CoordState {
                 match self.servers.get_mut(server) {
                     Some(m) if m.live && m.epoch == *epoch => {
                         m.lease_until_ms = m.lease_until_ms.max(now + lease_ms);
-                        CoordReply::Renewed { lease_ms }
+                        CoordReply::Renewed {
+                            epoch: *epoch,
+                            lease_ms,
+                        }
                     }
                     Some(m) => CoordReply::Fenced { current: m.epoch },
                     None => CoordReply::Refused(format!("server {} never registered", server.0)),
@@ -253,6 +291,7 @@ impl CoordState {
                 CoordReply::Registered {
                     epoch: m.epoch,
                     lease_ms,
+                    nonce,
                 }
             } else {
                 CoordReply::Fenced { current: m.epoch }
@@ -284,7 +323,11 @@ impl CoordState {
         );
         self.map.servers.insert(server, addr.to_string());
         self.bump();
-        CoordReply::Registered { epoch, lease_ms }
+        CoordReply::Registered {
+            epoch,
+            lease_ms,
+            nonce,
+        }
     }
 
     fn fence_expired(&mut self) {
@@ -445,9 +488,9 @@ impl CoordState {
         );
     }
 
-    fn dropped(&mut self, table: TableId, by: Incarnation) -> CoordReply {
+    fn dropped(&mut self, table: TableId, by: Incarnation, v: MapVersion) -> CoordReply {
         match self.migrations.get(&table) {
-            Some(m) if m.phase == Phase::Dropping && m.from == Some(by) => {
+            Some(m) if m.phase == Phase::Dropping && m.from == Some(by) && m.started == v => {
                 let (to, from) = (m.to, m.from);
                 self.migrations.remove(&table);
                 if self.live(to).is_some() {
@@ -470,7 +513,7 @@ impl CoordState {
         }
     }
 
-    fn added(&mut self, tables: &[TableId], by: Incarnation) -> CoordReply {
+    fn added(&mut self, tables: &[TableId], by: Incarnation, v: MapVersion) -> CoordReply {
         if self.live(by.server) != Some(by) {
             return CoordReply::Stale("added by a dead incarnation".into());
         }
@@ -479,6 +522,7 @@ impl CoordState {
             if let Some(m) = self.migrations.get(t)
                 && m.phase == Phase::Adding
                 && m.to == by.server
+                && m.started <= v
             {
                 self.migrations.remove(t);
                 done += 1;
@@ -521,6 +565,7 @@ impl CoordState {
             Borrow {
                 tables: set,
                 phase: BorrowPhase::Queued,
+                homes: Vec::new(),
             },
         );
         self.queue.push(id);
@@ -546,8 +591,10 @@ impl CoordState {
     }
 
     fn give_back(&mut self, id: BorrowId, done_below: u64) -> CoordReply {
-        if self.borrows.contains_key(&id) {
+        if let Some(b) = self.borrows.get(&id) {
+            let homes = b.homes.clone();
             self.release(id);
+            self.send_home(id.server, &homes);
             if self.live(id.server).map(|i| i.epoch) == Some(id.epoch) {
                 let h = self.history_of(id);
                 h.returned.insert(id.seq);
@@ -558,6 +605,20 @@ impl CoordState {
             CoordReply::Ok
         } else {
             CoordReply::Stale("borrow not held".into())
+        }
+    }
+
+    /// Ursa's default after RETURN: each table goes back where it was, unless a waiting
+    /// borrow has just taken it (then it moves straight on) or it is already elsewhere.
+    fn send_home(&mut self, borrower: ServerId, homes: &[(TableId, ServerId)]) {
+        for (t, home) in homes {
+            let Some(p) = self.map.tables.get(t).copied() else {
+                continue;
+            };
+            let free = !self.locks.contains_key(t) && !self.migrations.contains_key(t);
+            if free && p.owner == borrower && *home != borrower && self.live(*home).is_some() {
+                self.begin_drop(*t, p, *home);
+            }
         }
     }
 
@@ -593,8 +654,17 @@ impl CoordState {
         }
         for id in granted {
             self.queue.retain(|b| *b != id);
+            let Some(b) = self.borrows.get(&id) else {
+                continue;
+            };
+            let homes = b
+                .tables
+                .iter()
+                .filter_map(|t| Some((*t, self.map.owner(*t)?)))
+                .collect();
             if let Some(b) = self.borrows.get_mut(&id) {
                 b.phase = BorrowPhase::Moving;
+                b.homes = homes;
             }
         }
     }

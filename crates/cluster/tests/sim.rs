@@ -1,8 +1,25 @@
-//! The seeded whole-cluster simulation. `SIM_SEEDS=n` runs n seeds (default 1000),
-//! `SIM_SEED=s` replays one, `SIM_BREAK=fencing|drain` runs a deliberately broken protocol.
+//! The seeded whole-cluster simulation. `SIM_SEEDS=n` runs n seeds (default 1000) from
+//! `SIM_FIRST` (default 0),
+//! `SIM_SEED=s` replays one, `SIM_BREAK=fencing|drain` runs a deliberately broken protocol,
+//! `SIM_DRIFT_PPM=n` sets the servers' clock-rate error (default 20000),
+//! `SIM_MULTI_PERMILLE` the share of two-table operations (150), `SIM_CLIENTS` (3).
 
 use kochab_cluster::participant::Break;
 use kochab_cluster::sim::{SimConfig, run, run_seeds};
+
+/// The environment's changes to the default config.
+fn adjust(cfg: &mut SimConfig) {
+    cfg.broken = broken();
+    if let Some(d) = env_u64("SIM_DRIFT_PPM") {
+        cfg.drift_ppm_max = d as i64;
+    }
+    if let Some(m) = env_u64("SIM_MULTI_PERMILLE") {
+        cfg.multi_permille = m;
+    }
+    if let Some(c) = env_u64("SIM_CLIENTS") {
+        cfg.clients = c as usize;
+    }
+}
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -20,14 +37,15 @@ fn broken() -> Option<Break> {
 fn seeds_pass() {
     if let Some(seed) = env_u64("SIM_SEED") {
         let mut cfg = SimConfig::new(seed);
-        cfg.broken = broken();
+        adjust(&mut cfg);
         cfg.trace = std::env::var("SIM_TRACE").is_ok();
         let stats = run(cfg).unwrap_or_else(|e| panic!("{e}"));
         eprintln!("seed {seed}: {stats:?}");
         return;
     }
     let n = env_u64("SIM_SEEDS").unwrap_or(1000);
-    let stats = run_seeds(0, n, broken()).unwrap_or_else(|e| panic!("{e}"));
+    let first = env_u64("SIM_FIRST").unwrap_or(0);
+    let stats = run_seeds(first, n, adjust).unwrap_or_else(|e| panic!("{e}"));
     let events: u64 = stats.iter().map(|s| s.events).sum();
     let borrows: u64 = stats.iter().map(|s| s.borrows).sum();
     let fences: u64 = stats.iter().map(|s| s.fences).sum();
@@ -41,13 +59,24 @@ fn seeds_pass() {
 /// The simulation must catch a server that keeps serving after its lease ended.
 #[test]
 fn broken_fencing_is_caught() {
-    let e = run_seeds(0, 200, Some(Break::Fencing)).expect_err("broken fencing went unnoticed");
+    let e = run_seeds(0, 200, |c| c.broken = Some(Break::Fencing))
+        .expect_err("broken fencing went unnoticed");
+    eprintln!("caught: {e}");
+}
+
+/// Clocks that drift more than the lease margin allows must be caught: this is what the
+/// margin is for.
+#[test]
+fn drift_beyond_the_margin_is_caught() {
+    let e = run_seeds(0, 500, |c| c.drift_ppm_max = 400_000)
+        .expect_err("40% clock drift went unnoticed");
     eprintln!("caught: {e}");
 }
 
 /// The simulation must catch a DROP that does not wait for in-flight operations.
 #[test]
 fn broken_drain_is_caught() {
-    let e = run_seeds(0, 200, Some(Break::Drain)).expect_err("broken drain went unnoticed");
+    let e = run_seeds(0, 200, |c| c.broken = Some(Break::Drain))
+        .expect_err("broken drain went unnoticed");
     eprintln!("caught: {e}");
 }

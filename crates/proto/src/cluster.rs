@@ -141,12 +141,18 @@ pub enum CoordCommand {
     Tick { now_ms: u64 },
     /// An operator or the rebalancer asks to move a table.
     Move { table: TableId, to: ServerId },
-    /// A server finished a DROP (reported by the driver).
-    Dropped { table: TableId, by: Incarnation },
-    /// A server finished an ADD or a recovery of these tables.
+    /// A server finished a DROP (reported by the driver). `map_version` is the Drop's, so
+    /// a late duplicate from an earlier migration of the table matches nothing.
+    Dropped {
+        table: TableId,
+        by: Incarnation,
+        map_version: MapVersion,
+    },
+    /// A server finished an ADD or a recovery of these tables (`map_version`: of the Add).
     Added {
         tables: Vec<TableId>,
         by: Incarnation,
+        map_version: MapVersion,
     },
 }
 
@@ -165,11 +171,16 @@ pub enum BorrowPhase {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CoordReply {
     Ok,
+    /// `nonce` echoes the Register it answers: a reply meant for an earlier process of the
+    /// same server is recognised as such.
     Registered {
         epoch: Epoch,
         lease_ms: u64,
+        nonce: u64,
     },
+    /// The lease of `epoch` was extended to at least `lease_ms` after the request arrived.
     Renewed {
+        epoch: Epoch,
         lease_ms: u64,
     },
     /// The incarnation that asked is dead; the process must restart as a new one.
@@ -221,10 +232,12 @@ pub enum ControlReply {
     Dropped {
         table: TableId,
         by: Incarnation,
+        map_version: MapVersion,
     },
     Added {
         tables: Vec<TableId>,
         by: Incarnation,
+        map_version: MapVersion,
     },
     AddFailed {
         tables: Vec<TableId>,
