@@ -430,3 +430,38 @@ fn wrong_key_is_refused() {
         .block_on(c.client(Duration::from_secs(5)).status_of(c.nodes[0].addr));
     assert_eq!(st.unwrap().id, 1);
 }
+
+#[test]
+fn one_replica_grows_to_three_then_survives_losing_the_first() {
+    let mut c = Cluster::new(3, timing());
+    // Replica 1 starts a group of one; 2 and 3 start empty and wait to be added.
+    let addr1 = c.node(1).addr;
+    c.node(1).peers = [(1, addr1)].into_iter().collect();
+    c.node(1).start(true);
+    c.node(2).start(false);
+    c.node(3).start(false);
+    let client = c.client(Duration::from_secs(10));
+    c.propose_all(&client, 1..=5);
+    let (a2, a3) = (c.node(2).addr, c.node(3).addr);
+    c.client_rt.block_on(async {
+        client.add_learner(2, a2).await.unwrap();
+        client.add_learner(3, a3).await.unwrap();
+        client
+            .change_membership([1, 2, 3].into_iter().collect())
+            .await
+            .unwrap();
+    });
+    let st = c.node(1).replica().status();
+    assert_eq!(st.voters.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3]);
+    assert!(st.learners.is_empty());
+    c.node(3).wait_state(|s| s.order.len() == 5);
+    c.node(1).kill();
+    c.propose_all(&client, 6..=8);
+    let (state, _) = c.client_rt.block_on(client.read_state()).unwrap();
+    assert_exactly(&state, 1..=8);
+    // Membership errors are reported, not hidden: an unknown voter is refused.
+    let bad = c
+        .client_rt
+        .block_on(client.change_membership([2, 3, 9].into_iter().collect()));
+    assert!(matches!(bad, Err(CoordError::Refused(_))), "{bad:?}");
+}
