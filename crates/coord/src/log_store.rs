@@ -50,6 +50,18 @@ pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Creates `dir` (and parents) and makes its entry in the parent durable.
+pub(crate) fn create_dir_durable(dir: &Path) -> io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    fs::create_dir_all(dir)?;
+    match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => sync_dir(p),
+        _ => Ok(()),
+    }
+}
+
 /// Replaces `dir/name` with `[crc32c][bytes]`, atomically: temp file, fsync, rename,
 /// fsync of the directory.
 pub(crate) fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
@@ -178,7 +190,7 @@ pub struct LogRecovery {
 impl<S: ReplicatedState> LogStore<S> {
     /// Opens (creating if needed) the log in `dir`, cutting a torn tail.
     pub fn open(dir: &Path) -> io::Result<(LogStore<S>, LogRecovery)> {
-        fs::create_dir_all(dir)?;
+        create_dir_durable(dir)?;
         let vote = match read_atomic(&dir.join(VOTE_FILE))? {
             Some(b) => Some(postcard::from_bytes(&b).map_err(|e| io_err(e.to_string()))?),
             None => None,

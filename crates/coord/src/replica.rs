@@ -124,8 +124,8 @@ struct Core<S: ReplicatedState> {
     timing: Timing,
 }
 
-/// A running replica. Dropping it without `shutdown` leaves its tasks running on their
-/// runtime (as a crash would leave the disk: consistent).
+/// A running replica. Dropping it without `shutdown` stops serving peers and clients at
+/// once (no clean Raft shutdown; the disk is consistent, as after a crash).
 pub struct Replica<S: ReplicatedState> {
     core: Arc<Core<S>>,
     listen: SocketAddr,
@@ -179,7 +179,8 @@ fn write_err(e: RaftError<ReplicaId, ClientWriteError<ReplicaId, BasicNode>>) ->
 }
 
 impl<S: ReplicatedState> Replica<S> {
-    /// Opens the replica's storage, listens, starts Raft and, if asked, bootstraps the group.
+    /// Opens the replica's storage (`data_dir/raft-log`: log segments, vote, purge mark;
+    /// `data_dir/state`: snapshot), listens, starts Raft and, if asked, bootstraps the group.
     pub async fn start(cfg: ReplicaConfig) -> Result<Replica<S>, CoordError> {
         let rcfg = Arc::new(raft_config(&cfg.timing)?);
         let (log, recovered) = LogStore::<S>::open(&cfg.data_dir.join("raft-log"))
@@ -285,6 +286,14 @@ impl<S: ReplicatedState> Replica<S> {
             .shutdown()
             .await
             .map_err(|e| CoordError::Stopped(e.to_string()))
+    }
+}
+
+impl<S: ReplicatedState> Drop for Replica<S> {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
     }
 }
 

@@ -17,7 +17,7 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::log_store::{read_atomic, write_atomic};
+use crate::log_store::{create_dir_durable, read_atomic, write_atomic};
 use crate::{ReplicaId, ReplicatedState, TypeConfig};
 
 const SNAPSHOT_FILE: &str = "snapshot";
@@ -74,7 +74,7 @@ fn bad(what: impl Into<String>) -> io::Error {
 impl<S: ReplicatedState> SmStore<S> {
     /// Opens the store in `dir`, starting from its snapshot if there is one.
     pub fn open(dir: &Path) -> io::Result<SmStore<S>> {
-        std::fs::create_dir_all(dir)?;
+        create_dir_durable(dir)?;
         let mut inner = Inner {
             state: S::default(),
             last_applied: None,

@@ -82,8 +82,21 @@ where
     Ok(())
 }
 
+/// Largest frame read before the peer has proved the key: the handshake's messages are
+/// under 100 bytes, and a stranger must not make us allocate more.
+pub const HANDSHAKE_FRAME_MAX: usize = 256;
+
 /// Reads one frame and decodes it as `T`.
 pub async fn read_msg<R, T>(r: &mut R) -> Result<T, WireError>
+where
+    R: AsyncRead + Unpin,
+    T: DeserializeOwned,
+{
+    read_msg_max(r, MAX_FRAME_BYTES).await
+}
+
+/// Reads one frame of at most `max` bytes and decodes it as `T`.
+pub async fn read_msg_max<R, T>(r: &mut R, max: usize) -> Result<T, WireError>
 where
     R: AsyncRead + Unpin,
     T: DeserializeOwned,
@@ -92,7 +105,7 @@ where
     r.read_exact(&mut head).await?;
     let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
     let crc = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
-    if len > MAX_FRAME_BYTES {
+    if len > max {
         return Err(WireError::TooLong(len));
     }
     let mut payload = vec![0u8; len];
@@ -173,7 +186,7 @@ where
             nonce: mine,
         };
         write_msg(s, &hello).await?;
-        let ch: Challenge = read_msg(s).await?;
+        let ch: Challenge = read_msg_max(s, HANDSHAKE_FRAME_MAX).await?;
         if !verify(key, LABEL_ACCEPTOR, &mine, &ch.nonce, &ch.proof) {
             return Err(WireError::Auth("the replica does not hold our cluster key"));
         }
@@ -181,7 +194,7 @@ where
             proof: prove(key, LABEL_DIALER, &mine, &ch.nonce),
         };
         write_msg(s, &proof).await?;
-        let w: Welcome = read_msg(s).await?;
+        let w: Welcome = read_msg_max(s, HANDSHAKE_FRAME_MAX).await?;
         if !w.ok {
             return Err(WireError::Auth("the replica refused our cluster key"));
         }
@@ -198,7 +211,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let run = async {
-        let hello: Hello = read_msg(s).await?;
+        let hello: Hello = read_msg_max(s, HANDSHAKE_FRAME_MAX).await?;
         if hello.magic != MAGIC || hello.version != VERSION {
             return Err(WireError::Auth("not a kochab coordinator peer"));
         }
@@ -208,7 +221,7 @@ where
             proof: prove(key, LABEL_ACCEPTOR, &hello.nonce, &mine),
         };
         write_msg(s, &ch).await?;
-        let p: Proof = read_msg(s).await?;
+        let p: Proof = read_msg_max(s, HANDSHAKE_FRAME_MAX).await?;
         let ok = verify(key, LABEL_DIALER, &hello.nonce, &mine, &p.proof);
         write_msg(s, &Welcome { ok }).await?;
         if !ok {
@@ -278,6 +291,13 @@ mod tests {
         let mut r = &buf[..];
         let got: Result<(u64, String), _> = read_msg(&mut r).await;
         assert!(matches!(got, Err(WireError::BadChecksum)));
+        // A stranger's huge length is refused before any allocation.
+        let mut big = Vec::new();
+        big.extend_from_slice(&(10_000u32).to_le_bytes());
+        big.extend_from_slice(&[0u8; 4]);
+        let mut r = &big[..];
+        let got: Result<u64, _> = read_msg_max(&mut r, HANDSHAKE_FRAME_MAX).await;
+        assert!(matches!(got, Err(WireError::TooLong(10_000))));
         let huge = [0xffu8; 8];
         let mut r = &huge[..];
         let got: Result<u64, _> = read_msg(&mut r).await;

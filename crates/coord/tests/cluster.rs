@@ -430,3 +430,102 @@ fn wrong_key_is_refused() {
         .block_on(c.client(Duration::from_secs(5)).status_of(c.nodes[0].addr));
     assert_eq!(st.unwrap().id, 1);
 }
+
+#[test]
+fn one_replica_grows_to_three_then_survives_losing_the_first() {
+    let mut c = Cluster::new(3, timing());
+    // Replica 1 starts a group of one; 2 and 3 start empty and wait to be added.
+    let addr1 = c.node(1).addr;
+    c.node(1).peers = [(1, addr1)].into_iter().collect();
+    c.node(1).start(true);
+    c.node(2).start(false);
+    c.node(3).start(false);
+    let client = c.client(Duration::from_secs(10));
+    c.propose_all(&client, 1..=5);
+    let (a2, a3) = (c.node(2).addr, c.node(3).addr);
+    c.client_rt.block_on(async {
+        client.add_learner(2, a2).await.unwrap();
+        client.add_learner(3, a3).await.unwrap();
+        client
+            .change_membership([1, 2, 3].into_iter().collect())
+            .await
+            .unwrap();
+    });
+    let st = c.node(1).replica().status();
+    assert_eq!(st.voters.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3]);
+    assert!(st.learners.is_empty());
+    c.node(3).wait_state(|s| s.order.len() == 5);
+    c.node(1).kill();
+    c.propose_all(&client, 6..=8);
+    let (state, _) = c.client_rt.block_on(client.read_state()).unwrap();
+    assert_exactly(&state, 1..=8);
+    // Membership errors are reported, not hidden: an unknown voter is refused.
+    let bad = c
+        .client_rt
+        .block_on(client.change_membership([2, 3, 9].into_iter().collect()));
+    assert!(matches!(bad, Err(CoordError::Refused(_))), "{bad:?}");
+}
+
+#[test]
+fn followers_point_at_the_leader_and_garbage_is_refused() {
+    let mut c = Cluster::new(3, timing());
+    c.start_all();
+    let client = c.client(Duration::from_secs(10));
+    c.propose_all(&client, 1..=2);
+    let leader = c.leader();
+    let leader_addr = c.node(leader).addr;
+    for n in &c.nodes {
+        n.wait_state(|s| s.order.len() == 2);
+        let (rt, r) = n.live.as_ref().unwrap();
+        let mut view = r.subscribe();
+        let v = rt.block_on(async {
+            tokio::time::timeout(WAIT, view.wait_for(|v| v.leader == Some(leader)))
+                .await
+                .unwrap()
+                .unwrap()
+                .clone()
+        });
+        assert_eq!(v.is_leader, n.id == leader);
+        assert_eq!(v.state.order, vec![1, 2]);
+        if n.id != leader {
+            // A follower does not propose; it names the leader.
+            let got = rt.block_on(r.propose(Add { id: 99, amount: 1 }));
+            assert_eq!(
+                got,
+                Err(CoordError::NotLeader {
+                    leader: Some(leader),
+                    addr: Some(leader_addr)
+                })
+            );
+            assert!(matches!(
+                rt.block_on(r.read_state()),
+                Err(CoordError::NotLeader { .. })
+            ));
+        }
+    }
+    // Garbage before and after a handshake: the connection is dropped, the replica lives.
+    c.client_rt.block_on(async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(leader_addr).await.unwrap();
+        s.write_all(&[0xff; 64]).await.unwrap();
+        let mut buf = [0u8; 16];
+        let n = tokio::time::timeout(WAIT, s.read(&mut buf)).await.unwrap();
+        assert!(matches!(n, Ok(0) | Err(_)), "a stranger got an answer");
+        let key = KEY;
+        let mut s = tokio::net::TcpStream::connect(leader_addr).await.unwrap();
+        kochab_coord::wire::handshake_dial(&mut s, &key)
+            .await
+            .unwrap();
+        let mut frame = kochab_coord::wire::encode_frame(&(1u8, 2u8, 3u8)).unwrap();
+        frame.extend_from_slice(&[7; 8]);
+        s.write_all(&frame).await.unwrap();
+        let n = tokio::time::timeout(WAIT, s.read(&mut buf)).await.unwrap();
+        assert!(
+            matches!(n, Ok(0) | Err(_)),
+            "a malformed request got an answer"
+        );
+    });
+    c.propose_all(&client, 3..=3);
+    let (state, _) = c.client_rt.block_on(client.read_state()).unwrap();
+    assert_exactly(&state, 1..=3);
+}
