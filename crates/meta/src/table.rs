@@ -155,6 +155,9 @@ pub struct Table {
     /// Journal records with a higher LSN are not yet in this table's checkpoint and are
     /// replayed on top of it.
     pub replay_from: u64,
+    /// ... and records with a higher LSN than this are not (while replaying a sealed journal
+    /// whose end its first reader fixed; `u64::MAX` otherwise).
+    pub replay_until: u64,
     /// Directories loaded from format-1 images, until `rehash_legacy` moves them in.
     legacy_dirs: FxHashMap<InodeId, DirEntries>,
     /// The next checkpoint must be a full one (format-1 images are still referenced).
@@ -178,6 +181,7 @@ impl Table {
             inodes: 0,
             dentries: 0,
             replay_from: 0,
+            replay_until: u64::MAX,
             legacy_dirs: FxHashMap::default(),
             needs_full: false,
         }
