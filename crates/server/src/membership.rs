@@ -125,6 +125,7 @@ impl Shared {
         )?;
         let mut engine = rec.engine;
         let mut core = self.core.lock();
+        core.replies.merge_from(rec.replies);
         for m in rec.manifests {
             let table = engine
                 .remove_table(m.lo)

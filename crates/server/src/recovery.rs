@@ -276,6 +276,17 @@ fn replay_journal(
         let entry: JournalEntry =
             postcard::from_bytes(payload).map_err(|e| format!("undecodable entry: {e}"))?;
         engine.replay(lsn, &entry.muts)?;
+        // Reply-cache entries go with the tables their operation changed (those loaded here
+        // that need this journal, checkpointed past the record or not): a retry of an
+        // operation on a table served elsewhere is that server's to answer.
+        let ours = entry.muts.iter().any(|m| {
+            engine
+                .table_index(m.table_key())
+                .is_some_and(|i| lsn <= engine.tables()[i].replay_until)
+        });
+        if !ours {
+            return Ok(());
+        }
         if entry.seq_floor != 0 {
             replies.acknowledge(entry.client, entry.seq_floor);
         }

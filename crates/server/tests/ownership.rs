@@ -295,3 +295,27 @@ async fn restarts_start_new_incarnations_and_old_journals_are_collected() {
         assert_eq!(journals(&dir), vec![JournalId { server: 1, epoch }]);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_takeover_is_answered_from_the_moved_reply_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(config(&tmp.path().join("a"))).await.unwrap();
+    let root = a.root;
+    let lo = root_table(&a);
+    let sa = a.shared().clone();
+    let Some(Reply::Entry(first)) = create(&sa, root, "once", 42) else {
+        panic!("create");
+    };
+    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let sb = b.shared().clone();
+    let journal = sa.journal.id();
+    let s = sb.clone();
+    blocking(move || s.recover_tables(&[lo], journal)).unwrap();
+    // The client lost the reply and retries the same request at the new owner.
+    match create(&sb, root, "once", 42) {
+        Some(Reply::Entry(again)) => assert_eq!(again.id, first.id, "answered, not rerun"),
+        other => panic!("retry answered with {other:?}"),
+    }
+    b.shutdown().await;
+    a.shutdown().await;
+}
