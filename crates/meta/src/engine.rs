@@ -244,6 +244,19 @@ impl Engine {
         Ok(())
     }
 
+    /// Splits the hosted table that starts at `lo` at `at` (see [`Table::split_off`]); both
+    /// halves stay hosted here. Returns the new table's id (`at`).
+    pub fn split_table(&mut self, lo: InodeId, at: InodeId) -> Result<InodeId, String> {
+        let i = self
+            .tables
+            .iter()
+            .position(|t| t.lo == lo)
+            .ok_or_else(|| format!("no hosted table starts at {lo:#x}"))?;
+        let upper = self.tables[i].split_off(at)?;
+        self.tables.insert(i + 1, upper);
+        Ok(at)
+    }
+
     /// True if `id` lies in a table this engine gave away.
     pub fn departed(&self, id: InodeId) -> bool {
         self.departed.iter().any(|&(lo, hi)| lo <= id && id < hi)
@@ -594,6 +607,56 @@ fn name_hash([k0, k1]: [u64; 2], name: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_split_table_serves_the_same_namespace_from_two_tables() {
+        let mut e = Engine::new_cluster(EngineConfig::with_key([1, 2])).unwrap();
+        for m in e.bootstrap(1) {
+            e.apply(&m).unwrap();
+        }
+        let root = e.root();
+        let cred = Credentials::root();
+        let mut out = Vec::new();
+        let mut ids = Vec::new();
+        for i in 0..300 {
+            let op = Op::Mknod {
+                parent: root,
+                name: format!("f{i}").into_bytes(),
+                mode: mode::S_IFREG | 0o644,
+                rdev: 0,
+                exclusive: true,
+            };
+            match e.execute(&cred, &op, 2, &mut out) {
+                Reply::Entry(a) => ids.push(a.id),
+                other => panic!("{other:?}"),
+            }
+        }
+        let lo = e.tables()[e.table_index(root).unwrap()].lo;
+        let before = e.counts();
+        // Split inside the files' ids, on a box boundary.
+        let at = (ids[150] >> crate::table::BOX_SHIFT) << crate::table::BOX_SHIFT;
+        assert!(e.split_table(lo, at + 1).is_err(), "not a box boundary");
+        assert_eq!(e.split_table(lo, at), Ok(at));
+        let (i, j) = (e.table_index(root).unwrap(), e.table_index(at).unwrap());
+        assert_eq!((e.tables()[i].hi, e.tables()[j].lo), (at, at));
+        assert!(e.tables()[i].inode_count() > 0 && e.tables()[j].inode_count() > 0);
+        assert_eq!(e.counts(), before);
+        assert!(
+            e.check_invariants().is_empty(),
+            "{:?}",
+            e.check_invariants()
+        );
+        for (k, id) in ids.iter().enumerate() {
+            let op = Op::Lookup {
+                parent: root,
+                name: format!("f{k}").into_bytes(),
+            };
+            match e.execute(&cred, &op, 3, &mut out) {
+                Reply::Entry(a) => assert_eq!(a.id, *id),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn an_inode_without_a_file_type_is_never_stored() {
