@@ -245,8 +245,8 @@ fn a_journal_that_cannot_write_stops_the_server_and_tells_its_clients() {
     };
     let flags = ["--segment-bytes", "262144"];
     let mut server = ServerProc::start(&data, &flags);
-    let spare = data.join("store/journal/spare.zero");
     let deadline = Instant::now() + Duration::from_secs(30);
+    let spare = common::newest_journal_dir(&data).join("spare.zero");
     while std::fs::metadata(&spare).map_or(0, |m| m.len()) != 262144 {
         assert!(Instant::now() < deadline, "no spare segment");
         std::thread::sleep(Duration::from_millis(20));
@@ -330,7 +330,7 @@ fn a_journal_that_cannot_write_stops_the_server_and_tells_its_clients() {
 }
 
 fn segments(data: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(data.join("store/journal"))
+    let mut v: Vec<PathBuf> = std::fs::read_dir(common::newest_journal_dir(data))
         .expect("journal dir")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "seg"))
@@ -405,10 +405,16 @@ fn a_truncated_segment_refuses_to_start_and_fsck_repair_accept_loss_makes_it_sta
         out.contains("dropped: bytes") && out.contains(&*first),
         "the cut is listed: {out}"
     );
+    let jdir = segs[0]
+        .parent()
+        .and_then(|p| p.file_name())
+        .expect("journal dir")
+        .to_string_lossy()
+        .to_string();
     for later in &segs[1..] {
         let name = later.file_name().expect("name").to_string_lossy();
         assert!(
-            out.contains(&format!("dropped: segment journal/{name}")),
+            out.contains(&format!("dropped: segment journal/{jdir}/{name}")),
             "{name} listed: {out}"
         );
         assert!(!later.exists(), "{name} is gone");

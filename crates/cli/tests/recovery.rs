@@ -10,7 +10,7 @@ use std::process::Command;
 
 /// The journal segment holding the newest records.
 fn newest_segment(data: &Path) -> PathBuf {
-    let dir = data.join("store/journal");
+    let dir = common::newest_journal_dir(data);
     let mut segs: Vec<PathBuf> = std::fs::read_dir(&dir)
         .expect("journal dir")
         .filter_map(|e| e.ok().map(|e| e.path()))

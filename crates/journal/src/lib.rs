@@ -1,4 +1,5 @@
-//! The journal of a metadata server: one per server, in object-store segments.
+//! The journal of a metadata server incarnation (server id and epoch), in object-store
+//! segments; sealed by whoever takes over from that incarnation.
 //!
 //! - [`record`]: CRC32C-framed records (pure).
 //! - [`segment`]: segment naming, headers, zero-filled preparation.
@@ -13,6 +14,7 @@ pub mod writer;
 
 pub use recover::{
     Cut, Damage, Inspection, RecoveryError, RecoveryReport, Repair, SegmentSummary, inspect,
-    recover, repair_accept_loss,
+    recover, recover_range, repair_accept_loss,
 };
+pub use segment::{JournalId, seal};
 pub use writer::{Journal, JournalObserver, JournalOptions};

@@ -1,15 +1,18 @@
 //! Record framing, pure functions over bytes. A record is
 //!
 //! ```text
-//! u32 payload_len | u32 crc32c | u64 lsn | payload
+//! u32 payload_len | u32 crc32c | u64 lsn | u64 epoch | payload
 //! ```
 //!
-//! with the CRC over the length, the LSN and the payload. A header of zeros marks the clean
+//! with the CRC over the length, the LSN, the epoch and the payload. The epoch is that of
+//! the server incarnation that wrote the record (journal records; checkpoint images write
+//! the epoch of their writer too), so a record can never be taken for another
+//! incarnation's. A header of zeros marks the clean
 //! end of a segment (segments are pre-zeroed); anything else that does not check out is a
 //! torn or corrupt record.
 
 /// Bytes before the payload.
-pub const RECORD_HEADER_BYTES: usize = 16;
+pub const RECORD_HEADER_BYTES: usize = 24;
 
 /// Largest payload of one record. One operation is one record; the largest operations
 /// (a 64 KiB xattr value plus inode images) stay far below this, and a server splits its
@@ -37,10 +40,10 @@ impl std::fmt::Display for RecordTooLarge {
 
 impl std::error::Error for RecordTooLarge {}
 
-/// CRC of a record: over its length field, LSN and payload.
-fn record_crc(len_bytes: &[u8], lsn_bytes: &[u8], payload: &[u8]) -> u32 {
+/// CRC of a record: over its length field, LSN and epoch (`lsn_epoch`) and payload.
+fn record_crc(len_bytes: &[u8], lsn_epoch: &[u8], payload: &[u8]) -> u32 {
     let c = crc32c::crc32c(len_bytes);
-    let c = crc32c::crc32c_append(c, lsn_bytes);
+    let c = crc32c::crc32c_append(c, lsn_epoch);
     crc32c::crc32c_append(c, payload)
 }
 
@@ -51,6 +54,7 @@ fn record_crc(len_bytes: &[u8], lsn_bytes: &[u8], payload: &[u8]) -> u32 {
 pub fn encode_record_with(
     out: &mut Vec<u8>,
     lsn: u64,
+    epoch: u64,
     limit: usize,
     write_payload: impl FnOnce(&mut Vec<u8>),
 ) -> Result<usize, RecordTooLarge> {
@@ -66,17 +70,26 @@ pub fn encode_record_with(
         });
     }
     let len_bytes = (payload_len as u32).to_le_bytes();
-    let lsn_bytes = lsn.to_le_bytes();
-    let crc = record_crc(&len_bytes, &lsn_bytes, &out[start + RECORD_HEADER_BYTES..]);
+    let mut lsn_epoch = [0u8; 16];
+    lsn_epoch[..8].copy_from_slice(&lsn.to_le_bytes());
+    lsn_epoch[8..].copy_from_slice(&epoch.to_le_bytes());
+    let crc = record_crc(&len_bytes, &lsn_epoch, &out[start + RECORD_HEADER_BYTES..]);
     out[start..start + 4].copy_from_slice(&len_bytes);
     out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
-    out[start + 8..start + 16].copy_from_slice(&lsn_bytes);
+    out[start + 8..start + 24].copy_from_slice(&lsn_epoch);
     Ok(out.len() - start)
 }
 
 /// Appends a record carrying `payload` (at most [`MAX_RECORD_BYTES`]).
-pub fn encode_record(out: &mut Vec<u8>, lsn: u64, payload: &[u8]) -> Result<usize, RecordTooLarge> {
-    encode_record_with(out, lsn, MAX_RECORD_BYTES, |o| o.extend_from_slice(payload))
+pub fn encode_record(
+    out: &mut Vec<u8>,
+    lsn: u64,
+    epoch: u64,
+    payload: &[u8],
+) -> Result<usize, RecordTooLarge> {
+    encode_record_with(out, lsn, epoch, MAX_RECORD_BYTES, |o| {
+        o.extend_from_slice(payload)
+    })
 }
 
 /// Total length of the record starting at `buf[0]`, from its header (no checks).
@@ -90,6 +103,8 @@ pub fn record_len(buf: &[u8]) -> usize {
 pub enum Scan<'a> {
     Record {
         lsn: u64,
+        /// The epoch of the incarnation that wrote it.
+        epoch: u64,
         payload: &'a [u8],
         len: usize,
     },
@@ -130,6 +145,8 @@ pub fn scan_limited(buf: &[u8], expect_lsn: u64, limit: usize) -> Scan<'_> {
     let mut lsn_bytes = [0u8; 8];
     lsn_bytes.copy_from_slice(&buf[8..16]);
     let lsn = u64::from_le_bytes(lsn_bytes);
+    lsn_bytes.copy_from_slice(&buf[16..24]);
+    let epoch = u64::from_le_bytes(lsn_bytes);
     if len > limit {
         return Scan::Corrupt {
             reason: format!("record length {len} exceeds {limit}"),
@@ -141,7 +158,7 @@ pub fn scan_limited(buf: &[u8], expect_lsn: u64, limit: usize) -> Scan<'_> {
         };
     }
     let payload = &buf[RECORD_HEADER_BYTES..RECORD_HEADER_BYTES + len];
-    if record_crc(&buf[0..4], &buf[8..16], payload) != crc {
+    if record_crc(&buf[0..4], &buf[8..24], payload) != crc {
         return Scan::Corrupt {
             reason: format!("checksum mismatch in the record expected as LSN {expect_lsn}"),
         };
@@ -156,6 +173,7 @@ pub fn scan_limited(buf: &[u8], expect_lsn: u64, limit: usize) -> Scan<'_> {
     }
     Scan::Record {
         lsn,
+        epoch,
         payload,
         len: RECORD_HEADER_BYTES + len,
     }
@@ -168,12 +186,17 @@ mod tests {
     #[test]
     fn round_trip_and_every_torn_prefix_is_detected() {
         let mut buf = Vec::new();
-        encode_record(&mut buf, 7, b"hello world").unwrap();
+        encode_record(&mut buf, 7, 3, b"hello world").unwrap();
         let n = buf.len();
-        encode_record(&mut buf, 8, b"second").unwrap();
+        encode_record(&mut buf, 8, 3, b"second").unwrap();
         match scan(&buf, 7) {
-            Scan::Record { lsn, payload, len } => {
-                assert_eq!((lsn, payload, len), (7, &b"hello world"[..], n));
+            Scan::Record {
+                lsn,
+                epoch,
+                payload,
+                len,
+            } => {
+                assert_eq!((lsn, epoch, payload, len), (7, 3, &b"hello world"[..], n));
             }
             other => panic!("{other:?}"),
         }
@@ -209,11 +232,11 @@ mod tests {
     fn an_oversized_record_is_refused_and_leaves_the_buffer_as_it_was() {
         // The old code asserted here, which with panic=abort took the whole server down.
         let mut buf = Vec::new();
-        encode_record(&mut buf, 1, b"kept").unwrap();
+        encode_record(&mut buf, 1, 1, b"kept").unwrap();
         let before = buf.clone();
         let big = vec![1u8; MAX_RECORD_BYTES + 1];
         assert_eq!(
-            encode_record(&mut buf, 2, &big),
+            encode_record(&mut buf, 2, 1, &big),
             Err(RecordTooLarge {
                 payload_bytes: MAX_RECORD_BYTES + 1,
                 limit: MAX_RECORD_BYTES
@@ -221,10 +244,10 @@ mod tests {
         );
         assert_eq!(buf, before);
         // A caller's smaller limit applies too.
-        assert!(encode_record_with(&mut buf, 2, 3, |o| o.extend_from_slice(b"four")).is_err());
+        assert!(encode_record_with(&mut buf, 2, 1, 3, |o| o.extend_from_slice(b"four")).is_err());
         assert_eq!(buf, before);
         assert_eq!(
-            encode_record_with(&mut buf, 2, 4, |o| o.extend_from_slice(b"four")),
+            encode_record_with(&mut buf, 2, 1, 4, |o| o.extend_from_slice(b"four")),
             Ok(RECORD_HEADER_BYTES + 4)
         );
     }

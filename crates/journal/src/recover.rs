@@ -9,7 +9,7 @@
 //! [`repair_accept_loss`] drops it, for an operator who accepts the loss.
 
 use crate::record::{Scan, scan};
-use crate::segment::{self, BLOCK, Header, SEGMENT_DATA_START, decode_header};
+use crate::segment::{self, BLOCK, Header, JournalId, SEGMENT_DATA_START, decode_header};
 use kochab_store::ObjectStore;
 use std::fmt;
 
@@ -100,9 +100,9 @@ struct Facts {
     unused: bool,
 }
 
-fn gather(store: &dyn ObjectStore) -> std::io::Result<Vec<Facts>> {
+fn gather(store: &dyn ObjectStore, id: JournalId) -> std::io::Result<Vec<Facts>> {
     let mut out = Vec::new();
-    for (name_lsn, name) in segment::list_segments(store)? {
+    for (name_lsn, name) in segment::list_segments(store, id)? {
         let obj = store.open(&name, false)?;
         let len = obj.len()?;
         let mut head = vec![0u8; BLOCK.min(len as usize)];
@@ -139,13 +139,16 @@ struct Walked {
 type Apply<'a> = dyn FnMut(u64, &[u8]) -> Result<(), String> + 'a;
 
 /// Reads the segments in order and calls `apply` for every valid record above
-/// `replay_after`, stopping at the first damage (reported, never acted on here).
+/// `replay_after` (and up to `until`, where the walk stops), stopping at the first damage
+/// (reported, never acted on here).
 fn walk(
     store: &dyn ObjectStore,
+    id: JournalId,
     replay_after: u64,
+    until: Option<u64>,
     apply: &mut Apply<'_>,
 ) -> Result<Walked, RecoveryError> {
-    let facts = gather(store)?;
+    let facts = gather(store, id)?;
     let last_used = facts.iter().rposition(|f| !f.unused);
     let mut w = Walked {
         report: RecoveryReport {
@@ -157,6 +160,9 @@ fn walk(
         damage: None,
     };
     for (idx, f) in facts.iter().enumerate() {
+        if until.is_some_and(|u| w.next_lsn.is_some_and(|n| n > u)) {
+            break;
+        }
         let is_last = Some(idx) == last_used;
         let damage = |offset: u64, reason: String, torn_tail: bool| {
             Some(Damage {
@@ -213,11 +219,21 @@ fn walk(
         let mut lsn = first;
         let mut off = (SEGMENT_DATA_START as usize).min(data.len());
         let stopped = loop {
+            if until.is_some_and(|u| lsn > u) {
+                break None;
+            }
             match scan(&data[off..], lsn) {
+                Scan::Record { epoch, .. } if epoch != id.epoch => {
+                    break Some(format!(
+                        "record {lsn} carries epoch {epoch}, not the journal's {}",
+                        id.epoch
+                    ));
+                }
                 Scan::Record {
                     lsn: l,
                     payload,
                     len,
+                    ..
                 } => {
                     if l > replay_after {
                         // The chain is gap-free, so only its first handed-out record can
@@ -272,10 +288,24 @@ fn walk(
 /// out before such an error are a gap-free run from `replay_after + 1`, never one after it.
 pub fn recover(
     store: &dyn ObjectStore,
+    id: JournalId,
     replay_after: u64,
+    apply: impl FnMut(u64, &[u8]) -> Result<(), String>,
+) -> Result<RecoveryReport, RecoveryError> {
+    recover_range(store, id, replay_after, None, apply)
+}
+
+/// [`recover`] of the records in `(replay_after, until]` only (all after `replay_after` if
+/// `until` is `None`). A sealed journal is read with the end its first reader found, so
+/// that a writer that kept writing after the seal (never acknowledged) changes nothing.
+pub fn recover_range(
+    store: &dyn ObjectStore,
+    id: JournalId,
+    replay_after: u64,
+    until: Option<u64>,
     mut apply: impl FnMut(u64, &[u8]) -> Result<(), String>,
 ) -> Result<RecoveryReport, RecoveryError> {
-    let w = walk(store, replay_after, &mut apply)?;
+    let w = walk(store, id, replay_after, until, &mut apply)?;
     if let Some(first) = w.first_lsn
         && first > replay_after + 1
     {
@@ -387,17 +417,17 @@ pub struct Inspection {
 
 /// Reads the journal without changing it: where its valid chain of records ends and what
 /// damage, if any, stops it.
-pub fn inspect(store: &dyn ObjectStore) -> Result<Inspection, RecoveryError> {
-    let w = walk(store, u64::MAX, &mut |_, _| Ok(()))?;
+pub fn inspect(store: &dyn ObjectStore, id: JournalId) -> Result<Inspection, RecoveryError> {
+    let w = walk(store, id, u64::MAX, None, &mut |_, _| Ok(()))?;
     let mut segments = Vec::new();
-    for (_, name) in segment::list_segments(store)? {
+    for (_, name) in segment::list_segments(store, id)? {
         segments.push(summarize(store, &name)?);
     }
     let chain_end = match (&w.next_lsn, &w.damage) {
         (Some(next), _) => next - 1,
         // Broken before any segment in use: the chain ends before the damaged one.
         (None, Some(d)) => {
-            segment::parse_segment_name(&d.segment).map_or(0, |l| l.saturating_sub(1))
+            segment::parse_segment_name(id, &d.segment).map_or(0, |l| l.saturating_sub(1))
         }
         (None, None) => 0,
     };
@@ -426,8 +456,8 @@ pub struct Repair {
 /// deleted, so that the journal is again one valid chain that ends at the last record before
 /// the damage. For an operator who accepts losing those records; the returned report lists
 /// exactly what went. A torn tail is cut the same way.
-pub fn repair_accept_loss(store: &dyn ObjectStore) -> Result<Repair, RecoveryError> {
-    let ins = inspect(store)?;
+pub fn repair_accept_loss(store: &dyn ObjectStore, id: JournalId) -> Result<Repair, RecoveryError> {
+    let ins = inspect(store, id)?;
     let Some(d) = ins.damage.clone() else {
         return Ok(Repair {
             damage: None,
@@ -475,6 +505,6 @@ pub fn repair_accept_loss(store: &dyn ObjectStore) -> Result<Repair, RecoveryErr
             repair.deleted.push(s.clone());
         }
     }
-    store.sync_dir(segment::JOURNAL_DIR)?;
+    store.sync_dir(&id.dir())?;
     Ok(repair)
 }

@@ -1,5 +1,8 @@
-//! Journal segments: objects `journal/<first lsn, 20 digits>.seg`, each starting with a
-//! checksummed header. Segments are zero-filled before use, so overwriting them costs an
+//! Journal segments: objects `journal/<server>.<epoch>/<first lsn, 20 digits>.seg`, each
+//! starting with a checksummed header. A journal belongs to one server incarnation
+//! ([`JournalId`]); whoever takes over from that incarnation (a recoverer, a fencer, the
+//! same server restarting) first creates its seal object `journal/<server>.<epoch>/SEALED`,
+//! after which the incarnation's writer acknowledges nothing more. Segments are zero-filled before use, so overwriting them costs an
 //! fdatasync of data only (measured here: p50 0.15 ms against 0.31 ms for appends that grow
 //! the file and so also commit file-size metadata).
 //!
@@ -12,15 +15,98 @@ use kochab_store::{Object, ObjectStore};
 use std::io;
 use std::sync::Arc;
 
-/// Folder of the segments in the object store.
+/// Folder of the journals in the object store.
 pub const JOURNAL_DIR: &str = "journal";
+
+/// One server incarnation's journal: the server's id and the epoch it runs at. Journals of
+/// different incarnations never share a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct JournalId {
+    pub server: u64,
+    pub epoch: u64,
+}
+
+impl JournalId {
+    /// The folder of this journal's segments.
+    pub fn dir(&self) -> String {
+        format!("{JOURNAL_DIR}/{}.{}", self.server, self.epoch)
+    }
+
+    /// The seal object: once it exists the writer stops acknowledging.
+    pub fn seal_name(&self) -> String {
+        format!("{}/SEALED", self.dir())
+    }
+
+    /// The zero-filled segment waiting to become this journal's next one.
+    pub fn spare_name(&self) -> String {
+        format!("{}/spare.zero", self.dir())
+    }
+
+    /// The journal a folder name under [`JOURNAL_DIR`] names (`journal/<server>.<epoch>`).
+    pub fn parse_dir(name: &str) -> Option<JournalId> {
+        let rest = name.strip_prefix(JOURNAL_DIR)?.strip_prefix('/')?;
+        let (server, epoch) = rest.split_once('.')?;
+        Some(JournalId {
+            server: server.parse().ok()?,
+            epoch: epoch.parse().ok()?,
+        })
+    }
+}
+
+impl std::fmt::Display for JournalId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "journal {}.{}", self.server, self.epoch)
+    }
+}
+
+/// Seals journal `id`: creates its seal object (if nobody did yet). From then on its writer
+/// acknowledges nothing: every record it acknowledged was durable before the seal existed,
+/// so a reader that reads the journal after this returns sees all of them.
+pub fn seal(store: &dyn ObjectStore, id: JournalId) -> io::Result<()> {
+    match store.create_if_absent(&id.seal_name(), b"") {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// True if journal `id` is sealed.
+pub fn is_sealed(store: &dyn ObjectStore, id: JournalId) -> io::Result<bool> {
+    store.exists(&id.seal_name())
+}
+
+/// The journals in the store (folders under [`JOURNAL_DIR`]), sorted.
+pub fn list_journals(store: &dyn ObjectStore) -> io::Result<Vec<JournalId>> {
+    let mut v: Vec<JournalId> = store
+        .list(JOURNAL_DIR)?
+        .iter()
+        .filter_map(|n| JournalId::parse_dir(n))
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+/// Deletes a journal whole (segments, spare, seal, folder): for a sealed journal that no
+/// table needs any more.
+pub fn delete_journal(store: &dyn ObjectStore, id: JournalId) -> io::Result<()> {
+    let dir = id.dir();
+    let mut names = store.list(&dir)?;
+    // The seal goes last: until then a writer that still runs stays fenced.
+    names.sort_by_key(|n| n.ends_with("/SEALED"));
+    for n in names {
+        store.delete(&n)?;
+    }
+    // Temporaries of a writer that died preparing a segment (not listed as objects).
+    store.delete(&format!("{dir}/next.tmp"))?;
+    store.delete(&format!("{dir}/spare.tmp"))?;
+    store.delete_folder(&dir)?;
+    store.sync_dir(JOURNAL_DIR)
+}
 /// Bytes of the segment header.
 pub const SEGMENT_HEADER_BYTES: usize = 32;
 const MAGIC: &[u8; 8] = b"KOCHABJ1";
 /// Header format: 2 records the segment's length; 1 (no length) is still read.
 const VERSION: u32 = 2;
-/// Name of the zero-filled segment waiting to become the next one.
-pub const SPARE_NAME: &str = "journal/spare.zero";
 /// Largest LSN a segment header may name. LSNs start at 1 and grow by one per record, so no
 /// journal comes near 2^62; a header outside `1..=LSN_MAX` is damage, which keeps the LSN
 /// arithmetic of recovery (the next LSN, the one before) from overflowing on a crafted or
@@ -32,14 +118,14 @@ pub const SEGMENT_DATA_START: u64 = BLOCK as u64;
 /// never touch the same block.
 pub const BLOCK: usize = kochab_store::DIRECT_ALIGN;
 
-/// The object name of the segment whose first record is `first_lsn`.
-pub fn segment_name(first_lsn: u64) -> String {
-    format!("{JOURNAL_DIR}/{first_lsn:020}.seg")
+/// The object name of journal `id`'s segment whose first record is `first_lsn`.
+pub fn segment_name(id: JournalId, first_lsn: u64) -> String {
+    format!("{}/{first_lsn:020}.seg", id.dir())
 }
 
-/// The first LSN encoded in a segment name, if it is one.
-pub fn parse_segment_name(name: &str) -> Option<u64> {
-    let file = name.strip_prefix(JOURNAL_DIR)?.strip_prefix('/')?;
+/// The first LSN encoded in a segment name of journal `id`, if it is one.
+pub fn parse_segment_name(id: JournalId, name: &str) -> Option<u64> {
+    let file = name.strip_prefix(&id.dir())?.strip_prefix('/')?;
     let digits = file.strip_suffix(".seg")?;
     if digits.len() != 20 {
         return None;
@@ -113,12 +199,12 @@ pub fn decode_header(buf: &[u8]) -> Header {
     }
 }
 
-/// Segments present in the store, sorted by first LSN.
-pub fn list_segments(store: &dyn ObjectStore) -> io::Result<Vec<(u64, String)>> {
+/// Segments of journal `id` present in the store, sorted by first LSN.
+pub fn list_segments(store: &dyn ObjectStore, id: JournalId) -> io::Result<Vec<(u64, String)>> {
     let mut segs: Vec<(u64, String)> = store
-        .list(JOURNAL_DIR)?
+        .list(&id.dir())?
         .into_iter()
-        .filter_map(|n| parse_segment_name(&n).map(|l| (l, n)))
+        .filter_map(|n| parse_segment_name(id, &n).map(|l| (l, n)))
         .collect();
     segs.sort();
     Ok(segs)
@@ -151,8 +237,19 @@ mod tests {
 
     #[test]
     fn names_and_headers() {
-        assert_eq!(parse_segment_name(&segment_name(42)), Some(42));
-        assert_eq!(parse_segment_name("journal/spare.zero"), None);
+        let id = JournalId {
+            server: 1,
+            epoch: 7,
+        };
+        assert_eq!(segment_name(id, 42), "journal/1.7/00000000000000000042.seg");
+        assert_eq!(parse_segment_name(id, &segment_name(id, 42)), Some(42));
+        assert_eq!(parse_segment_name(id, &id.spare_name()), None);
+        let other = JournalId {
+            server: 1,
+            epoch: 8,
+        };
+        assert_eq!(parse_segment_name(other, &segment_name(id, 42)), None);
+        assert_eq!(JournalId::parse_dir(&id.dir()), Some(id));
         assert_eq!(
             decode_header(&encode_header(9, 1 << 20)),
             Header::Valid {

@@ -1,5 +1,10 @@
 use kochab_journal::segment::{list_segments, segment_name};
-use kochab_journal::{Journal, JournalOptions, recover};
+use kochab_journal::{Journal, JournalId, JournalOptions, recover};
+
+const J: JournalId = JournalId {
+    server: 1,
+    epoch: 1,
+};
 use kochab_store::{LocalStore, ObjectStore};
 use std::sync::Arc;
 
@@ -27,7 +32,7 @@ fn collect(
     after: u64,
 ) -> (Vec<(u64, Vec<u8>)>, kochab_journal::RecoveryReport) {
     let mut got = Vec::new();
-    let rep = recover(s, after, |l, p| {
+    let rep = recover(s, J, after, |l, p| {
         got.push((l, p.to_vec()));
         Ok(())
     })
@@ -38,14 +43,14 @@ fn collect(
 #[test]
 fn records_survive_across_segments_and_restarts() {
     let (_d, s) = store();
-    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 1, small(), None).unwrap();
     for i in 1..=2000 {
         assert_eq!(j.append(&payload(i)), i);
     }
     assert!(j.wait_durable(2000));
     j.shutdown();
     assert!(
-        list_segments(s.as_ref()).unwrap().len() >= 2,
+        list_segments(s.as_ref(), J).unwrap().len() >= 2,
         "segments rolled over"
     );
     let (got, rep) = collect(s.as_ref(), 0);
@@ -56,7 +61,7 @@ fn records_survive_across_segments_and_restarts() {
         assert_eq!(p, &payload(*l));
     }
     // Continue after recovery, then replay only the tail.
-    let j = Journal::start(s.clone(), 2001, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 2001, small(), None).unwrap();
     j.append(b"after restart");
     assert!(j.wait_durable(2001));
     drop(j);
@@ -69,14 +74,14 @@ fn records_survive_across_segments_and_restarts() {
 #[test]
 fn torn_tail_is_reported_and_cut() {
     let (dir, s) = store();
-    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 1, small(), None).unwrap();
     for i in 1..=10 {
         j.append(&payload(i));
     }
     assert!(j.wait_durable(10));
     drop(j);
     // Tear the last record: flip a byte in its middle, as a partially written page would.
-    let path = dir.path().join(segment_name(1));
+    let path = dir.path().join(segment_name(J, 1));
     let mut bytes = std::fs::read(&path).unwrap();
     let needle = payload(10);
     let at = bytes
@@ -93,7 +98,7 @@ fn torn_tail_is_reported_and_cut() {
     let (got2, rep2) = collect(s.as_ref(), 0);
     assert_eq!(got2.len(), 9);
     assert!(rep2.cut.is_none());
-    let j = Journal::start(s.clone(), rep2.last_lsn + 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, rep2.last_lsn + 1, small(), None).unwrap();
     j.append(b"new");
     assert!(j.wait_durable(10));
     drop(j);
@@ -105,16 +110,16 @@ fn torn_tail_is_reported_and_cut() {
 #[test]
 fn trim_keeps_what_replay_needs() {
     let (_d, s) = store();
-    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 1, small(), None).unwrap();
     for i in 1..=3000 {
         j.append(&payload(i));
     }
     assert!(j.wait_durable(3000));
-    let before = list_segments(s.as_ref()).unwrap().len();
+    let before = list_segments(s.as_ref(), J).unwrap().len();
     let removed = j.trim(2500).unwrap();
     assert!(removed > 0);
     assert_eq!(
-        list_segments(s.as_ref()).unwrap().len(),
+        list_segments(s.as_ref(), J).unwrap().len(),
         before - removed as usize
     );
     drop(j);
@@ -122,13 +127,13 @@ fn trim_keeps_what_replay_needs() {
     assert_eq!(got.first().unwrap().0, 2500);
     assert_eq!(rep.last_lsn, 3000);
     // Asking for records that were trimmed is an error, not silent loss.
-    assert!(recover(s.as_ref(), 10, |_, _| Ok(())).is_err());
+    assert!(recover(s.as_ref(), J, 10, |_, _| Ok(())).is_err());
 }
 
 #[test]
 fn concurrent_appenders_get_dense_lsns_and_group_commits() {
     let (_d, s) = store();
-    let j = Arc::new(Journal::start(s.clone(), 1, JournalOptions::default(), None).unwrap());
+    let j = Arc::new(Journal::start(s.clone(), J, 1, JournalOptions::default(), None).unwrap());
     let threads: Vec<_> = (0..8)
         .map(|_| {
             let j = j.clone();
@@ -155,7 +160,7 @@ fn concurrent_appenders_get_dense_lsns_and_group_commits() {
 #[test]
 fn trimmed_journals_keep_going() {
     let (_d, s) = store();
-    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 1, small(), None).unwrap();
     let mut next = 1;
     for _ in 0..5 {
         for _ in 0..1500 {
@@ -185,14 +190,14 @@ fn records_after_an_unwritten_block_are_not_replayed() {
     // A write that reached the disk only in part: a block in its middle is still zeros.
     // Nothing after the gap was acknowledged; recovery stops there.
     let (dir, s) = store();
-    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 1, small(), None).unwrap();
     let big = vec![7u8; 3000];
     for _ in 0..4 {
         let l = j.append(&big);
         assert!(j.wait_durable(l));
     }
     drop(j);
-    let path = dir.path().join(segment_name(1));
+    let path = dir.path().join(segment_name(J, 1));
     let mut bytes = std::fs::read(&path).unwrap();
     // Records start at 4096 and are 3016 bytes: record 3 spans offsets 10128..13144.
     bytes[3 * 4096..4 * 4096].fill(0);
@@ -211,7 +216,7 @@ fn records_after_an_unwritten_block_are_not_replayed() {
 fn truncate_segment(dir: &std::path::Path, first: u64, len: u64) {
     let f = std::fs::OpenOptions::new()
         .write(true)
-        .open(dir.join(segment_name(first)))
+        .open(dir.join(segment_name(J, first)))
         .unwrap();
     f.set_len(len).unwrap();
 }
@@ -221,7 +226,7 @@ fn a_segment_truncated_at_a_record_boundary_is_damage_not_a_clean_end() {
     // The old recovery read the zeros after a truncation at a record boundary as the clean
     // end of the journal: records 6..=10, acknowledged, vanished without a word.
     let (dir, s) = store();
-    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 1, small(), None).unwrap();
     let mut ends = Vec::new();
     for i in 1..=10 {
         j.append(&payload(i));
@@ -230,13 +235,13 @@ fn a_segment_truncated_at_a_record_boundary_is_damage_not_a_clean_end() {
     }
     drop(j);
     truncate_segment(dir.path(), 1, ends[4]);
-    let err = recover(s.as_ref(), 0, |_, _| Ok(())).unwrap_err();
+    let err = recover(s.as_ref(), J, 0, |_, _| Ok(())).unwrap_err();
     assert!(
         err.to_string().contains("truncated"),
         "refused with a clear reason: {err}"
     );
     // Nothing was changed by the refusal.
-    let path = dir.path().join(segment_name(1));
+    let path = dir.path().join(segment_name(J, 1));
     assert_eq!(std::fs::metadata(&path).unwrap().len(), ends[4]);
 }
 
@@ -244,7 +249,7 @@ fn a_segment_truncated_at_a_record_boundary_is_damage_not_a_clean_end() {
 fn a_segment_truncated_inside_a_record_is_damage_not_a_torn_tail() {
     // The old recovery cut this as a torn tail and started, having lost records 4..=10.
     let (dir, s) = store();
-    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 1, small(), None).unwrap();
     for i in 1..=10 {
         j.append(&payload(i));
     }
@@ -252,7 +257,7 @@ fn a_segment_truncated_inside_a_record_is_damage_not_a_torn_tail() {
     drop(j);
     truncate_segment(dir.path(), 1, 4096 + 200);
     assert!(matches!(
-        recover(s.as_ref(), 0, |_, _| Ok(())),
+        recover(s.as_ref(), J, 0, |_, _| Ok(())),
         Err(kochab_journal::RecoveryError::Damaged(_))
     ));
 }
@@ -261,51 +266,51 @@ fn a_segment_truncated_inside_a_record_is_damage_not_a_torn_tail() {
 fn an_emptied_later_segment_is_damage() {
     // A later segment cut to nothing: the old recovery took it for an unused one.
     let (dir, s) = store();
-    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 1, small(), None).unwrap();
     for i in 1..=2000 {
         j.append(&payload(i));
     }
     assert!(j.wait_durable(2000));
     drop(j);
-    let segs = list_segments(s.as_ref()).unwrap();
+    let segs = list_segments(s.as_ref(), J).unwrap();
     assert!(segs.len() >= 3);
     let (last_first, _) = segs[segs.len() - 1];
     truncate_segment(dir.path(), last_first, 0);
-    let err = recover(s.as_ref(), 0, |_, _| Ok(())).unwrap_err();
+    let err = recover(s.as_ref(), J, 0, |_, _| Ok(())).unwrap_err();
     assert!(err.to_string().contains("shorter than its header"), "{err}");
 }
 
 #[test]
 fn repair_accept_loss_drops_exactly_what_follows_the_damage() {
     let (dir, s) = store();
-    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 1, small(), None).unwrap();
     for i in 1..=2000 {
         j.append(&payload(i));
     }
     assert!(j.wait_durable(2000));
     drop(j);
-    let segs = list_segments(s.as_ref()).unwrap();
+    let segs = list_segments(s.as_ref(), J).unwrap();
     assert!(segs.len() >= 3, "{segs:?}");
     // Cut the second segment in the middle of its records.
     let (second, _) = segs[1];
     let (third, _) = segs[2];
-    let before = kochab_journal::inspect(s.as_ref()).unwrap();
+    let before = kochab_journal::inspect(s.as_ref(), J).unwrap();
     assert!(before.damage.is_none());
     assert_eq!(before.chain_end, 2000);
     truncate_segment(dir.path(), second, 20_000);
-    let ins = kochab_journal::inspect(s.as_ref()).unwrap();
+    let ins = kochab_journal::inspect(s.as_ref(), J).unwrap();
     let damage = ins.damage.clone().expect("damage found");
     assert!(!damage.torn_tail);
-    assert_eq!(damage.segment, segment_name(second));
+    assert_eq!(damage.segment, segment_name(J, second));
     let kept = ins.chain_end;
     assert!(kept > second && kept < third, "{kept}");
 
-    let repair = kochab_journal::repair_accept_loss(s.as_ref()).unwrap();
+    let repair = kochab_journal::repair_accept_loss(s.as_ref(), J).unwrap();
     assert_eq!(repair.kept_through, kept);
     let cut = repair
         .cut
         .expect("the damaged segment keeps its first records");
-    assert_eq!(cut.segment, segment_name(second));
+    assert_eq!(cut.segment, segment_name(J, second));
     let deleted: Vec<_> = repair.deleted.iter().map(|d| d.name.clone()).collect();
     assert_eq!(
         deleted,
@@ -322,7 +327,7 @@ fn repair_accept_loss_drops_exactly_what_follows_the_damage() {
     for (l, p) in &got {
         assert_eq!(p, &payload(*l));
     }
-    let j = Journal::start(s.clone(), kept + 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, kept + 1, small(), None).unwrap();
     j.append(b"after the repair");
     assert!(j.wait_durable(kept + 1));
     drop(j);
@@ -330,7 +335,7 @@ fn repair_accept_loss_drops_exactly_what_follows_the_damage() {
     assert_eq!(got, vec![(kept + 1, b"after the repair".to_vec())]);
     // A second repair finds nothing to do.
     assert!(
-        kochab_journal::repair_accept_loss(s.as_ref())
+        kochab_journal::repair_accept_loss(s.as_ref(), J)
             .unwrap()
             .damage
             .is_none()
@@ -342,7 +347,7 @@ fn an_oversized_record_fails_the_journal_instead_of_aborting() {
     // The old code asserted in the encoder (panic=abort in release: the whole server died,
     // and died again on every start if the input survived).
     let (_d, s) = store();
-    let j = Journal::start(s.clone(), 1, small(), None).unwrap();
+    let j = Journal::start(s.clone(), J, 1, small(), None).unwrap();
     let mut failure = j.subscribe_failure();
     let ok = j.append(b"fine");
     assert!(j.wait_durable(ok));
@@ -450,7 +455,7 @@ fn a_write_error_fails_the_journal_and_says_why() {
         inner,
         fail: fail.clone(),
     });
-    let j = Journal::start(s, 1, small(), None).unwrap();
+    let j = Journal::start(s, J, 1, small(), None).unwrap();
     let failure = j.subscribe_failure();
     assert!(j.wait_durable(j.append(b"before")));
     fail.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -460,4 +465,69 @@ fn a_write_error_fails_the_journal_and_says_why() {
     assert!(why.contains("write failed"), "{why}");
     assert!(failure.has_changed().unwrap());
     assert_eq!(j.durable_lsn(), 1);
+}
+
+#[test]
+fn a_sealed_journal_acknowledges_nothing_its_reader_did_not_see() {
+    // Two incarnations write at once (the old one, about to be fenced, and a new one); a
+    // sealer seals the old one in the middle of its stream and reads it at once. Every
+    // record the old writer acknowledged must be in what the sealer read; after the seal
+    // the old writer fails, the new one goes on.
+    for round in 0..5 {
+        let (_d, s) = store();
+        let old = JournalId {
+            server: 1,
+            epoch: 1,
+        };
+        let new = JournalId {
+            server: 2,
+            epoch: 1,
+        };
+        let opts = JournalOptions {
+            segment_bytes: 4 << 20,
+            fsync: true,
+        };
+        let a = Arc::new(Journal::start(s.clone(), old, 1, opts.clone(), None).unwrap());
+        let b = Arc::new(Journal::start(s.clone(), new, 1, opts, None).unwrap());
+        let writer = |j: Arc<Journal>| {
+            std::thread::spawn(move || {
+                let mut acked = Vec::new();
+                for i in 1..=6_000u64 {
+                    let lsn = j.append(&payload(i));
+                    if i % 3 == 0 {
+                        if !j.wait_durable(lsn) {
+                            break;
+                        }
+                        acked.push(lsn);
+                    }
+                }
+                acked
+            })
+        };
+        let (wa, wb) = (writer(a.clone()), writer(b.clone()));
+        std::thread::sleep(std::time::Duration::from_millis(5 + round * 7));
+        kochab_journal::seal(s.as_ref(), old).unwrap();
+        let mut seen = std::collections::BTreeSet::new();
+        kochab_journal::recover(s.as_ref(), old, 0, |l, _| {
+            seen.insert(l);
+            Ok(())
+        })
+        .unwrap();
+        let acked = wa.join().unwrap();
+        assert!(a.failed(), "round {round}: the sealed writer stopped");
+        assert!(a.failure().unwrap().contains("sealed"));
+        for l in &acked {
+            assert!(seen.contains(l), "round {round}: acknowledged {l} not read");
+        }
+        assert!(!a.wait_durable(a.last_lsn() + 1));
+        let acked_b = wb.join().unwrap();
+        assert_eq!(
+            acked_b.len(),
+            6_000 / 3,
+            "the other incarnation is untouched"
+        );
+        assert!(!b.failed());
+        // A sealed journal cannot be started again.
+        assert!(Journal::start(s.clone(), old, 99, small(), None).is_err());
+    }
 }

@@ -9,12 +9,18 @@
 
 use kochab_journal::record::{RECORD_HEADER_BYTES, Scan, encode_record, scan, scan_limited};
 use kochab_journal::segment::{
-    BLOCK, LSN_MAX, SEGMENT_DATA_START, SPARE_NAME, decode_header, encode_header, segment_name,
+    BLOCK, JournalId, LSN_MAX, SEGMENT_DATA_START, decode_header, encode_header, segment_name,
 };
 use kochab_journal::{inspect, recover, repair_accept_loss};
 use kochab_store::{MemStore, ObjectStore};
 use proptest::collection::vec;
 use proptest::prelude::*;
+
+/// The one journal these tests write (server 1 at epoch 1); records carry its epoch.
+const JID: JournalId = JournalId {
+    server: 1,
+    epoch: 1,
+};
 
 fn cases(default: u32) -> ProptestConfig {
     let n = std::env::var("PROPTEST_CASES")
@@ -54,10 +60,10 @@ fn write_journal(first: u64, payloads: Vec<Vec<u8>>, seg_blocks: u64) -> Written
         if !fits {
             let mut d = encode_header(lsn, seg_bytes).to_vec();
             d.resize(SEGMENT_DATA_START as usize, 0);
-            segments.push((segment_name(lsn), d));
+            segments.push((segment_name(JID, lsn), d));
         }
         if let Some((_, d)) = segments.last_mut() {
-            encode_record(d, lsn, p).unwrap_or_else(|e| panic!("{e}"));
+            encode_record(d, lsn, JID.epoch, p).unwrap_or_else(|e| panic!("{e}"));
         }
     }
     let mut names = Vec::new();
@@ -68,7 +74,7 @@ fn write_journal(first: u64, payloads: Vec<Vec<u8>>, seg_blocks: u64) -> Written
     }
     // The writer keeps a zero-filled spare next to the segments.
     store
-        .put(SPARE_NAME, &vec![0u8; seg_bytes as usize])
+        .put(&JID.spare_name(), &vec![0u8; seg_bytes as usize])
         .unwrap_or_else(|e| panic!("{e}"));
     Written {
         store,
@@ -189,18 +195,18 @@ fn apply_damage(w: &Written, d: &Damage) -> bool {
             }
         }
         Damage::Stray { lsn, bytes } => {
-            let n = segment_name(*lsn);
+            let n = segment_name(JID, *lsn);
             get(&n).as_deref() != Some(&bytes[..]) && put(&n, bytes)
         }
         Damage::StrayHeader { lsn, blocks, bytes } => {
-            let n = segment_name(*lsn);
+            let n = segment_name(JID, *lsn);
             let len = SEGMENT_DATA_START + blocks * BLOCK as u64;
             let mut d = encode_header(*lsn, len).to_vec();
             d.resize(SEGMENT_DATA_START as usize, 0);
             // Records at the LSNs the header promises, or garbage.
             if bytes.first().is_some_and(|b| b % 2 == 0) {
                 for (i, chunk) in bytes.chunks(16).enumerate() {
-                    let _ = encode_record(&mut d, lsn.wrapping_add(i as u64), chunk);
+                    let _ = encode_record(&mut d, lsn.wrapping_add(i as u64), JID.epoch, chunk);
                 }
             } else {
                 d.extend_from_slice(bytes);
@@ -228,7 +234,7 @@ type Recovered = (
 /// Runs recovery.
 fn run_recover(store: &MemStore, after: u64) -> Recovered {
     let mut got = Vec::new();
-    let r = recover(store, after, |lsn, p| {
+    let r = recover(store, JID, after, |lsn, p| {
         got.push((lsn, p.to_vec()));
         Ok(())
     })
@@ -268,7 +274,7 @@ proptest! {
         prop_assert_eq!(rep.last_lsn, last);
         prop_assert_eq!(got.len() as u64, last - after);
         prop_assert!(rep.cut.is_none());
-        let ins = inspect(&w.store).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let ins = inspect(&w.store, JID).map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert!(ins.damage.is_none());
         prop_assert_eq!(ins.chain_end, last);
     }
@@ -302,10 +308,10 @@ proptest! {
             prop_assert_eq!(&again, &got);
         }
         // Read-only inspection and the explicit repair, on the damaged bytes.
-        let ins = inspect(&fresh).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let repair = repair_accept_loss(&fresh).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let ins = inspect(&fresh, JID).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let repair = repair_accept_loss(&fresh, JID).map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(repair.kept_through, ins.chain_end);
-        let after_repair = inspect(&fresh).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let after_repair = inspect(&fresh, JID).map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert!(after_repair.damage.is_none(), "still damaged after repair: {:?}", after_repair.damage);
         let (got, _) = run_recover(&fresh, after);
         check_prefix(&w, after, &got)?;
@@ -321,7 +327,7 @@ proptest! {
     fn scanning_arbitrary_bytes_never_panics(buf in vec(any::<u8>(), 0..128), lsn in any::<u64>(),
                                              limit in 0usize..200) {
         for r in [scan(&buf, lsn), scan_limited(&buf, lsn, limit)] {
-            if let Scan::Record { lsn: l, payload, len } = r {
+            if let Scan::Record { lsn: l, payload, len, .. } = r {
                 prop_assert_eq!(l, lsn);
                 prop_assert!(len <= buf.len());
                 prop_assert_eq!(payload.len() + RECORD_HEADER_BYTES, len);
@@ -335,13 +341,14 @@ proptest! {
     fn records_round_trip_and_damage_is_caught(payload in vec(any::<u8>(), 0..300), lsn in any::<u64>(),
                                                at in any::<prop::sample::Index>(), xor in 1u8..=255) {
         let mut buf = Vec::new();
-        let n = encode_record(&mut buf, lsn, &payload).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let n = encode_record(&mut buf, lsn, JID.epoch, &payload).map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(n, buf.len());
         match scan(&buf, lsn) {
-            Scan::Record { lsn: l, payload: p, len } => {
+            Scan::Record { lsn: l, payload: p, len, epoch } => {
                 prop_assert_eq!(l, lsn);
                 prop_assert_eq!(p, &payload[..]);
                 prop_assert_eq!(len, n);
+                prop_assert_eq!(epoch, JID.epoch);
             }
             other => prop_assert!(false, "{:?}", other),
         }
@@ -379,18 +386,18 @@ fn segments_naming_impossible_lsns_are_damage() {
         let store = MemStore::new();
         let mut d = encode_header(lsn, SEGMENT_DATA_START + BLOCK as u64).to_vec();
         d.resize(SEGMENT_DATA_START as usize, 0);
-        encode_record(&mut d, lsn, b"crafted").unwrap();
+        encode_record(&mut d, lsn, JID.epoch, b"crafted").unwrap();
         d.resize(SEGMENT_DATA_START as usize + BLOCK, 0);
-        store.put(&segment_name(lsn), &d).unwrap();
-        let ins = inspect(&store).unwrap();
+        store.put(&segment_name(JID, lsn), &d).unwrap();
+        let ins = inspect(&store, JID).unwrap();
         assert!(ins.damage.is_some(), "LSN {lsn}: {ins:?}");
         assert_eq!(ins.chain_end, lsn.saturating_sub(1), "LSN {lsn}");
         // As the only segment, a bad header is a torn tail: cut, nothing handed out.
         let copy = store.deep_clone();
         let (got, _) = run_recover(&copy, 0);
         assert!(got.is_empty(), "LSN {lsn}: {got:?}");
-        let repair = repair_accept_loss(&store).unwrap();
+        let repair = repair_accept_loss(&store, JID).unwrap();
         assert!(repair.damage.is_some());
-        assert!(inspect(&store).unwrap().damage.is_none());
+        assert!(inspect(&store, JID).unwrap().damage.is_none());
     }
 }

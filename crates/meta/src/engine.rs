@@ -100,6 +100,9 @@ pub struct Engine {
     clock: TimeNs,
     /// Epoch of the delegation map this server serves under (reported in WRONG_SERVER).
     pub epoch: u64,
+    /// Ranges of tables this engine gave away at run time: an operation on them is answered
+    /// WRONG_SERVER (served elsewhere now), not ESTALE (no file anywhere).
+    departed: Vec<(InodeId, InodeId)>,
 }
 
 /// The id ranges of a new cluster's tables: the catch-all, too-deep and too-wide regions
@@ -165,6 +168,7 @@ impl Engine {
             quarantined: Default::default(),
             clock: 0,
             epoch: 1,
+            departed: Vec::new(),
         })
     }
 
@@ -208,6 +212,54 @@ impl Engine {
 
     pub fn tables_mut(&mut self) -> &mut [Table] {
         &mut self.tables
+    }
+
+    /// Stops hosting the table that starts at `lo` and hands it over (for a migration):
+    /// from now on operations on its ids get WRONG_SERVER. The caller has made sure no
+    /// operation on it is in flight (operations run whole under the caller's lock).
+    pub fn remove_table(&mut self, lo: InodeId) -> Option<Table> {
+        let i = self.tables.iter().position(|t| t.lo == lo)?;
+        let t = self.tables.remove(i);
+        self.departed.push((t.lo, t.hi));
+        Some(t)
+    }
+
+    /// Starts hosting `table` (loaded from its checkpoint and journal): it must not overlap
+    /// a hosted one. Region allocators are recomputed, since the table may hold the highest
+    /// ids of its region.
+    pub fn insert_table(&mut self, table: Table) -> Result<(), String> {
+        let i = self.tables.partition_point(|t| t.lo < table.lo);
+        let overlaps_prev = i > 0 && self.tables[i - 1].hi > table.lo;
+        let overlaps_next = i < self.tables.len() && self.tables[i].lo < table.hi;
+        if overlaps_prev || overlaps_next {
+            return Err(format!(
+                "table {:#x}..{:#x} overlaps a hosted table",
+                table.lo, table.hi
+            ));
+        }
+        self.departed
+            .retain(|&(lo, hi)| hi <= table.lo || lo >= table.hi);
+        self.tables.insert(i, table);
+        self.recompute_counters();
+        Ok(())
+    }
+
+    /// Splits the hosted table that starts at `lo` at `at` (see [`Table::split_off`]); both
+    /// halves stay hosted here. Returns the new table's id (`at`).
+    pub fn split_table(&mut self, lo: InodeId, at: InodeId) -> Result<InodeId, String> {
+        let i = self
+            .tables
+            .iter()
+            .position(|t| t.lo == lo)
+            .ok_or_else(|| format!("no hosted table starts at {lo:#x}"))?;
+        let upper = self.tables[i].split_off(at)?;
+        self.tables.insert(i + 1, upper);
+        Ok(at)
+    }
+
+    /// True if `id` lies in a table this engine gave away.
+    pub fn departed(&self, id: InodeId) -> bool {
+        self.departed.iter().any(|&(lo, hi)| lo <= id && id < hi)
     }
 
     /// Index of the table holding `id`.
@@ -359,7 +411,11 @@ impl Engine {
     pub fn replay(&mut self, lsn: u64, muts: &[Mutation]) -> Result<(), String> {
         for m in muts {
             match self.table_index(m.table_key()) {
-                Some(i) if self.tables[i].replay_from < lsn => self.apply(m)?,
+                Some(i)
+                    if self.tables[i].replay_from < lsn && lsn <= self.tables[i].replay_until =>
+                {
+                    self.apply(m)?
+                }
                 _ => {}
             }
         }
@@ -406,6 +462,9 @@ impl Engine {
                 out.truncate(start);
                 match fail {
                     Fail::Fs(e) => Reply::Error(e),
+                    Fail::NotHosted(id) if self.departed(id) => {
+                        Reply::WrongServer { epoch: self.epoch }
+                    }
                     Fail::NotHosted(id) => Reply::Error(not_in_any_table(id)),
                 }
             }
@@ -551,6 +610,56 @@ fn name_hash([k0, k1]: [u64; 2], name: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_split_table_serves_the_same_namespace_from_two_tables() {
+        let mut e = Engine::new_cluster(EngineConfig::with_key([1, 2])).unwrap();
+        for m in e.bootstrap(1) {
+            e.apply(&m).unwrap();
+        }
+        let root = e.root();
+        let cred = Credentials::root();
+        let mut out = Vec::new();
+        let mut ids = Vec::new();
+        for i in 0..300 {
+            let op = Op::Mknod {
+                parent: root,
+                name: format!("f{i}").into_bytes(),
+                mode: mode::S_IFREG | 0o644,
+                rdev: 0,
+                exclusive: true,
+            };
+            match e.execute(&cred, &op, 2, &mut out) {
+                Reply::Entry(a) => ids.push(a.id),
+                other => panic!("{other:?}"),
+            }
+        }
+        let lo = e.tables()[e.table_index(root).unwrap()].lo;
+        let before = e.counts();
+        // Split inside the files' ids, on a box boundary.
+        let at = (ids[150] >> crate::table::BOX_SHIFT) << crate::table::BOX_SHIFT;
+        assert!(e.split_table(lo, at + 1).is_err(), "not a box boundary");
+        assert_eq!(e.split_table(lo, at), Ok(at));
+        let (i, j) = (e.table_index(root).unwrap(), e.table_index(at).unwrap());
+        assert_eq!((e.tables()[i].hi, e.tables()[j].lo), (at, at));
+        assert!(e.tables()[i].inode_count() > 0 && e.tables()[j].inode_count() > 0);
+        assert_eq!(e.counts(), before);
+        assert!(
+            e.check_invariants().is_empty(),
+            "{:?}",
+            e.check_invariants()
+        );
+        for (k, id) in ids.iter().enumerate() {
+            let op = Op::Lookup {
+                parent: root,
+                name: format!("f{k}").into_bytes(),
+            };
+            match e.execute(&cred, &op, 3, &mut out) {
+                Reply::Entry(a) => assert_eq!(a.id, *id),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn an_inode_without_a_file_type_is_never_stored() {

@@ -155,6 +155,9 @@ pub struct Table {
     /// Journal records with a higher LSN are not yet in this table's checkpoint and are
     /// replayed on top of it.
     pub replay_from: u64,
+    /// ... and records with a higher LSN than this are not (while replaying a sealed journal
+    /// whose end its first reader fixed; `u64::MAX` otherwise).
+    pub replay_until: u64,
     /// Directories loaded from format-1 images, until `rehash_legacy` moves them in.
     legacy_dirs: FxHashMap<InodeId, DirEntries>,
     /// The next checkpoint must be a full one (format-1 images are still referenced).
@@ -178,6 +181,7 @@ impl Table {
             inodes: 0,
             dentries: 0,
             replay_from: 0,
+            replay_until: u64::MAX,
             legacy_dirs: FxHashMap::default(),
             needs_full: false,
         }
@@ -288,6 +292,63 @@ impl Table {
             self.dentries -= e.len();
         }
         self.dirty_boxes.insert(boxno);
+    }
+
+    /// Splits the table at `at` (a box boundary strictly inside the range): this table keeps
+    /// `[lo, at)` and the returned one holds `[at, hi)`, each with its inodes, entries
+    /// (they live with their parent's id), xattrs, reclaims and dirty state. Both need a
+    /// full checkpoint next: their old images hold both halves.
+    pub fn split_off(&mut self, at: InodeId) -> Result<Table, String> {
+        if at <= self.lo || at >= self.hi || at & BOX_MASK != 0 {
+            return Err(format!(
+                "cannot split {:#x}..{:#x} at {at:#x}: not a box boundary inside the range",
+                self.lo, self.hi
+            ));
+        }
+        let mut upper = Table::new(at, self.hi);
+        self.hi = at;
+        let at_box = at >> BOX_SHIFT;
+        upper.boxes = self.boxes.split_off(&at_box);
+        fn part<K: Copy + Eq + std::hash::Hash, V>(
+            from: &mut FxHashMap<K, V>,
+            upper: impl Fn(K) -> bool,
+        ) -> FxHashMap<K, V> {
+            let keys: Vec<K> = from.keys().copied().filter(|&k| upper(k)).collect();
+            keys.into_iter()
+                .filter_map(|k| from.remove(&k).map(|v| (k, v)))
+                .collect()
+        }
+        upper.dirs = part(&mut self.dirs, |d| d >= at);
+        upper.xattrs = part(&mut self.xattrs, |id| id >= at);
+        upper.legacy_dirs = part(&mut self.legacy_dirs, |d| d >= at);
+        upper.dirty_boxes = self
+            .dirty_boxes
+            .iter()
+            .copied()
+            .filter(|&b| b >= at_box)
+            .collect();
+        self.dirty_boxes.retain(|&b| b < at_box);
+        upper.dirty_dentries = self
+            .dirty_dentries
+            .iter()
+            .copied()
+            .filter(|&(d, _)| d >= at)
+            .collect();
+        self.dirty_dentries.retain(|&(d, _)| d < at);
+        upper.reclaims = self.reclaims.split_off(&(at, 0));
+        upper.dirty_reclaims = self.dirty_reclaims;
+        for t in [&mut *self, &mut upper] {
+            t.inodes = t
+                .boxes
+                .values()
+                .map(|b| b.present.count_ones() as u64)
+                .sum();
+            t.dentries = t.dirs.values().map(|e| e.len()).sum();
+            t.needs_full = true;
+        }
+        upper.replay_from = self.replay_from;
+        upper.replay_until = self.replay_until;
+        Ok(upper)
     }
 
     /// The entries of directory `dir` (which must live in this table), if it has any.

@@ -8,12 +8,19 @@
 //! the last LSN whose effects the image could hold, so that an image never contains half
 //! of an operation the journal lost. The manifest (replaced atomically) lists a base image
 //! and deltas; when the deltas outgrow the base, the next checkpoint is a full one.
+//!
+//! Manifests are keyed by table id (the table's first inode id), say who owns the table
+//! and from which journals (server incarnation, LSN range) it is replayed, and are replaced
+//! only by a conditional write of their next version: a fenced owner's late checkpoint is
+//! refused by the store.
 
 use crate::core::Shared;
+use kochab_journal::JournalId;
 use kochab_journal::record::{Scan, encode_record_with, scan_limited};
 use kochab_meta::{BoxImage, BoxSet, Table};
-use kochab_store::ObjectStore;
+use kochab_store::{ObjectStore, newest_version, versioned_name};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::io;
 use std::time::Instant;
 
@@ -32,23 +39,65 @@ const COMPACT_MIN_BYTES: u64 = 8 << 20;
 /// ... or once there are this many of them (each costs an object read at recovery).
 const COMPACT_MAX_DELTAS: usize = 64;
 
-/// One image listed in a manifest.
+/// One image listed in a manifest. Its object name carries the writer's server and epoch,
+/// so a fenced writer's late image can never overwrite the new owner's.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ImageRef {
     pub seq: u64,
     pub bytes: u64,
     pub full: bool,
+    pub server: u64,
+    pub epoch: u64,
 }
 
-/// What a table's checkpoint consists of. Replaced atomically.
+/// A journal a table must be replayed from: the records with LSNs in `(after, until]`
+/// (`until`: `None` for the owner's live journal; for a sealed one, the end its first reader
+/// found, so that a fenced writer's later, never acknowledged records are never replayed).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JournalPos {
+    pub server: u64,
+    pub epoch: u64,
+    pub after: u64,
+    pub until: Option<u64>,
+}
+
+impl JournalPos {
+    pub fn id(&self) -> JournalId {
+        JournalId {
+            server: self.server,
+            epoch: self.epoch,
+        }
+    }
+}
+
+/// Who serves a table.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Owner {
+    pub server: u64,
+    pub epoch: u64,
+}
+
+/// What a table's checkpoint consists of and who owns it. Stored as versioned objects
+/// `tables/<lo>/manifest.<version>`; a new version is only ever written by creating the
+/// next one if absent (see `ObjectStore::swap_version`), so of two writers from one version
+/// exactly one wins, and a fenced owner's late write is refused by the store.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Manifest {
+    /// The table's id: the first inode id of its range.
     pub lo: u64,
     pub hi: u64,
-    /// Journal records after this LSN must be replayed on top of the images.
-    pub replay_from: u64,
+    /// The server incarnation that serves it; `None` once released (dropped, clean).
+    pub owner: Option<Owner>,
+    /// Journals to replay on top of the images, in order. After a move the table is
+    /// released with a checkpoint and an empty list, so a list longer than one only comes
+    /// from restarts and failovers without a checkpoint in between (each older entry's
+    /// journal is sealed); the owner's next checkpoint collapses it to its own journal.
+    pub journals: Vec<JournalPos>,
     pub images: Vec<ImageRef>,
     pub next_seq: u64,
+    /// The version this manifest was read as or written as (0: none in the store).
+    #[serde(skip)]
+    pub version: u64,
 }
 
 impl Manifest {
@@ -69,42 +118,71 @@ impl Manifest {
         (self.delta_bytes() > self.base_bytes() && self.delta_bytes() > COMPACT_MIN_BYTES)
             || deltas >= COMPACT_MAX_DELTAS
     }
+
+    /// Where this table stands in journal `j` (if it needs `j` at all).
+    pub fn position_in(&self, j: JournalId) -> Option<&JournalPos> {
+        self.journals.iter().find(|p| p.id() == j)
+    }
+
+    /// Bytes of images, for balancing loads.
+    pub fn image_bytes(&self) -> u64 {
+        self.images.iter().map(|i| i.bytes).sum()
+    }
 }
+
+/// Folder of the table checkpoints.
+pub const TABLES_DIR: &str = "tables";
 
 fn table_dir(lo: u64) -> String {
-    format!("tables/{lo:016x}")
+    format!("{TABLES_DIR}/{lo:016x}")
 }
 
-fn manifest_name(lo: u64) -> String {
+fn manifest_base(lo: u64) -> String {
     format!("{}/manifest", table_dir(lo))
 }
 
-fn image_name(lo: u64, seq: u64) -> String {
-    format!("{}/{seq:010}.img", table_dir(lo))
+fn image_name(lo: u64, img: &ImageRef) -> String {
+    format!(
+        "{}/{:010}.{}.{}.img",
+        table_dir(lo),
+        img.seq,
+        img.server,
+        img.epoch
+    )
 }
 
-/// Replaces a table's manifest (atomically). For offline repair; a running server's
-/// checkpointer writes its own.
-pub fn put_manifest(store: &dyn ObjectStore, m: &Manifest) -> io::Result<()> {
+/// Writes `m` as the next version after `m.version`, only if nobody wrote that version
+/// first: `AlreadyExists` means the table was taken over (or claimed) by another server
+/// incarnation, whose write stands. On success `m.version` is the new version and the
+/// version before the previous one is deleted (the previous stays, for readers in flight).
+pub fn swap_manifest(store: &dyn ObjectStore, m: &mut Manifest) -> io::Result<()> {
     let json = serde_json::to_vec(m).map_err(io::Error::other)?;
-    store.put(&manifest_name(m.lo), &json)
+    let base = manifest_base(m.lo);
+    let v = store.swap_version(&base, m.version, &json)?;
+    m.version = v;
+    if v >= 3 {
+        store.delete(&versioned_name(&base, v - 2))?;
+    }
+    Ok(())
 }
 
-/// Reads a table's manifest (an empty one if the table was never checkpointed).
+/// Reads a table's newest manifest (an empty one, version 0, if the table was never
+/// checkpointed or claimed).
 pub fn read_manifest(store: &dyn ObjectStore, lo: u64, hi: u64) -> io::Result<Manifest> {
-    match store.get(&manifest_name(lo))? {
+    match newest_version(store, &manifest_base(lo))? {
         None => Ok(Manifest {
             lo,
             hi,
             ..Default::default()
         }),
-        Some(bytes) => {
-            let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+        Some((version, bytes)) => {
+            let mut m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
                 io::Error::new(
                     io::ErrorKind::InvalidData,
                     format!("manifest of table {lo:016x}: {e}"),
                 )
             })?;
+            m.version = version;
             if m.lo != lo || m.hi != hi {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
@@ -119,6 +197,38 @@ pub fn read_manifest(store: &dyn ObjectStore, lo: u64, hi: u64) -> io::Result<Ma
     }
 }
 
+/// The newest manifest of the table whose id is `lo`, whatever its range (`None` if it was
+/// never written).
+pub fn read_manifest_by_id(store: &dyn ObjectStore, lo: u64) -> io::Result<Option<Manifest>> {
+    match newest_version(store, &manifest_base(lo))? {
+        None => Ok(None),
+        Some((version, bytes)) => {
+            let mut m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("manifest of table {lo:016x}: {e}"),
+                )
+            })?;
+            m.version = version;
+            Ok(Some(m))
+        }
+    }
+}
+
+/// The manifests of every table in the store (hosted here or not), for collecting journals
+/// no table needs any more.
+pub fn all_manifests(store: &dyn ObjectStore) -> io::Result<Vec<Manifest>> {
+    let mut out = Vec::new();
+    for dir in store.list(TABLES_DIR)? {
+        if let Some((_, bytes)) = newest_version(store, &format!("{dir}/manifest"))? {
+            let m: Manifest = serde_json::from_slice(&bytes)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{dir}: {e}")))?;
+            out.push(m);
+        }
+    }
+    Ok(out)
+}
+
 /// Loads a table from its checkpoint images.
 pub fn load_table(
     store: &dyn ObjectStore,
@@ -127,7 +237,7 @@ pub fn load_table(
 ) -> io::Result<u64> {
     let mut boxes = 0;
     for img in &manifest.images {
-        let name = image_name(manifest.lo, img.seq);
+        let name = image_name(manifest.lo, img);
         let bytes = store.get(&name)?.ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::NotFound,
@@ -165,13 +275,13 @@ pub fn load_table(
             }
         }
     }
-    table.replay_from = manifest.replay_from;
     Ok(boxes)
 }
 
-/// Checkpoint state of every table of this server (index = engine table index).
+/// Checkpoint state of every table this server hosts, keyed by table id (its `lo`).
 pub struct Checkpointer {
-    manifests: Vec<Manifest>,
+    manifests: BTreeMap<u64, Manifest>,
+    me: JournalId,
 }
 
 /// What one round did.
@@ -181,28 +291,59 @@ pub struct RoundReport {
     pub boxes: usize,
     pub bytes: u64,
     pub trimmed_segments: u64,
+    pub journals_deleted: usize,
+}
+
+/// Where a checkpoint reads a table from.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// The engine's table of this id, a group of boxes per hold of the core lock.
+    Engine(u64),
+    /// A table already taken out of the engine (a drop).
+    Detached(&'a Table),
 }
 
 impl Checkpointer {
-    pub fn new(manifests: Vec<Manifest>) -> Checkpointer {
-        Checkpointer { manifests }
+    /// The checkpointer of journal `me`'s owner, for the tables whose (claimed) manifests
+    /// are given.
+    pub fn new(manifests: Vec<Manifest>, me: JournalId) -> Checkpointer {
+        Checkpointer {
+            manifests: manifests.into_iter().map(|m| (m.lo, m)).collect(),
+            me,
+        }
     }
 
-    /// The LSN after which a restart would have to replay: the oldest table's replay point.
+    /// The manifest of a hosted table.
+    pub fn manifest(&self, lo: u64) -> Option<&Manifest> {
+        self.manifests.get(&lo)
+    }
+
+    /// The LSN of this server's journal after which a restart would have to replay: the
+    /// oldest hosted table's replay point in it.
     pub fn replay_from(&self) -> u64 {
         self.manifests
-            .iter()
-            .map(|m| m.replay_from)
+            .values()
+            .filter_map(|m| m.position_in(self.me).map(|p| p.after))
             .min()
             .unwrap_or(0)
     }
 
+    /// True if some table still needs an older journal than this server's (after a
+    /// restart or a failover): the next round collapses it.
+    pub fn needs_older_journals(&self) -> bool {
+        self.manifests
+            .values()
+            .any(|m| m.journals.iter().any(|p| p.id() != self.me))
+    }
+
     /// Checkpoints every table that changed, advances clean tables' replay points, then
-    /// trims the journal below what every table still needs.
+    /// trims the journal below what every table still needs and deletes sealed journals
+    /// that no table in the store needs any more.
     pub fn round(&mut self, shared: &Shared) -> io::Result<RoundReport> {
         let mut report = RoundReport::default();
-        for i in 0..self.manifests.len() {
-            let (b, bytes) = self.checkpoint_table(shared, i)?;
+        let ids: Vec<u64> = self.manifests.keys().copied().collect();
+        for lo in ids {
+            let (b, bytes) = self.checkpoint_table(shared, lo)?;
             if b > 0 {
                 report.tables += 1;
                 report.boxes += b;
@@ -210,38 +351,69 @@ impl Checkpointer {
             }
         }
         report.trimmed_segments = shared.journal.trim(self.replay_from() + 1)?;
+        report.journals_deleted = self.collect_journals(shared.store.as_ref())?;
         Ok(report)
     }
 
-    fn checkpoint_table(&mut self, shared: &Shared, i: usize) -> io::Result<(usize, u64)> {
+    /// Deletes the journals no table in the store names and that can never be written again:
+    /// sealed ones, and earlier incarnations of this server (sealed here first).
+    fn collect_journals(&self, store: &dyn ObjectStore) -> io::Result<usize> {
+        let needed: std::collections::BTreeSet<JournalId> = all_manifests(store)?
+            .iter()
+            .flat_map(|m| m.journals.iter().map(|p| p.id()))
+            .collect();
+        let mut deleted = 0;
+        for j in kochab_journal::segment::list_journals(store)? {
+            if j == self.me || needed.contains(&j) {
+                continue;
+            }
+            let mine_older = j.server == self.me.server && j.epoch < self.me.epoch;
+            if mine_older {
+                kochab_journal::seal(store, j)?;
+            } else if !kochab_journal::segment::is_sealed(store, j)? {
+                continue;
+            }
+            kochab_journal::segment::delete_journal(store, j)?;
+            deleted += 1;
+        }
+        Ok(deleted)
+    }
+
+    fn checkpoint_table(&mut self, shared: &Shared, lo: u64) -> io::Result<(usize, u64)> {
         let started = Instant::now();
         let (start_lsn, set, full) = {
             let mut core = shared.core.lock();
             let lsn = shared.journal.last_lsn();
+            let Some(i) = hosted_index(&core.engine, lo) else {
+                return Ok((0, 0));
+            };
             let t = &mut core.engine.tables_mut()[i];
             // A table loaded from format-1 images replaces all of them at once.
-            let full = t.take_needs_full() || self.manifests[i].wants_full();
+            let full = t.take_needs_full() || self.manifests[&lo].wants_full();
             let dirty = t.take_dirty();
             let set = if full { t.all_boxes() } else { dirty };
             (lsn, set, full)
         };
+        let m = &self.manifests[&lo];
+        let own_after = m.position_in(self.me).map_or(0, |p| p.after);
+        let older = m.journals.iter().any(|p| p.id() != self.me);
         if set.is_empty() {
-            // Nothing changed since the last image: only the replay point moves, and only
-            // when that lets the journal be trimmed.
-            if start_lsn > self.manifests[i].replay_from {
+            // Nothing changed since the last image: only the replay point moves (and older
+            // journals are let go), and only when that lets the journal be trimmed.
+            if start_lsn > own_after || older {
                 // The replay point may only pass records that are durable: a manifest ahead
                 // of the journal would make the next start refuse (or, after a journal
                 // failure, skip records that were never written).
                 if !shared.journal.wait_durable(start_lsn) {
                     return Err(io::Error::other("journal failed; checkpoint abandoned"));
                 }
-                let mut m = self.manifests[i].clone();
-                m.replay_from = start_lsn;
-                self.write_manifest(shared, i, m, Vec::new())?;
+                let mut m = m.clone();
+                m.journals = vec![self.own_pos(start_lsn)];
+                self.write_manifest(shared, m, Vec::new())?;
             }
             return Ok((0, 0));
         }
-        match self.write_image(shared, i, &set, full, start_lsn) {
+        match self.write_image(shared, lo, Source::Engine(lo), &set, full, start_lsn) {
             Ok(bytes) => {
                 shared
                     .metrics
@@ -253,28 +425,50 @@ impl Checkpointer {
             Err(e) => {
                 // The boxes are still unsaved: track them again for the next round.
                 let mut core = shared.core.lock();
-                let t = &mut core.engine.tables_mut()[i];
-                t.mark_dirty(&set);
-                if full {
-                    t.set_needs_full();
+                if let Some(i) = hosted_index(&core.engine, lo) {
+                    let t = &mut core.engine.tables_mut()[i];
+                    t.mark_dirty(&set);
+                    if full {
+                        t.set_needs_full();
+                    }
                 }
                 Err(e)
             }
         }
     }
 
+    fn own_pos(&self, after: u64) -> JournalPos {
+        JournalPos {
+            server: self.me.server,
+            epoch: self.me.epoch,
+            after,
+            until: None,
+        }
+    }
+
+    /// Writes an image of `set` from `source` and a manifest that names it. The manifest's
+    /// journals become this server's journal from `start_lsn` (or none at all for a
+    /// released table, whose image holds everything).
     fn write_image(
         &mut self,
         shared: &Shared,
-        i: usize,
+        lo: u64,
+        source: Source<'_>,
         set: &BoxSet,
         full: bool,
         start_lsn: u64,
     ) -> io::Result<u64> {
-        let mut m = self.manifests[i].clone();
+        let mut m = self.manifests[&lo].clone();
         let seq = m.next_seq + 1;
         m.next_seq = seq;
-        let name = image_name(m.lo, seq);
+        let mut img = ImageRef {
+            seq,
+            bytes: 0,
+            full,
+            server: self.me.server,
+            epoch: self.me.epoch,
+        };
+        let name = image_name(m.lo, &img);
         // Streamed in pieces so a full checkpoint of a huge table needs no huge buffer. The
         // image counts only once the manifest names it, so it need not appear atomically.
         let obj = shared.store.open(&name, true)?;
@@ -287,32 +481,48 @@ impl Checkpointer {
         let mut dentry_boxes = set.dentry_boxes.iter();
         let mut reclaims_left = set.reclaims;
         loop {
-            let core = shared.core.lock();
-            let t = &core.engine.tables()[i];
-            let mut copied = 0;
-            while copied < BOXES_PER_LOCK {
-                let img = if let Some(&b) = inode_boxes.next() {
-                    t.image_inode_box(b)
-                } else if let Some(&(d, b)) = dentry_boxes.next() {
-                    t.image_dentry_box(d, b)
-                } else if reclaims_left {
-                    reclaims_left = false;
-                    t.image_reclaims()
-                } else {
-                    break;
+            // The core lock (if any) is held only while boxes are copied, never over I/O.
+            let copied = {
+                let core;
+                let t = match source {
+                    Source::Detached(t) => t,
+                    Source::Engine(lo) => {
+                        core = shared.core.lock();
+                        match hosted_index(&core.engine, lo) {
+                            Some(i) => &core.engine.tables()[i],
+                            None => {
+                                return Err(io::Error::other(format!(
+                                    "table {lo:016x} left this server during its checkpoint"
+                                )));
+                            }
+                        }
+                    }
                 };
-                scratch.clear();
-                scratch = postcard::to_extend(&img, std::mem::take(&mut scratch))
+                let mut copied = 0;
+                while copied < BOXES_PER_LOCK {
+                    let img = if let Some(&b) = inode_boxes.next() {
+                        t.image_inode_box(b)
+                    } else if let Some(&(d, b)) = dentry_boxes.next() {
+                        t.image_dentry_box(d, b)
+                    } else if reclaims_left {
+                        reclaims_left = false;
+                        t.image_reclaims()
+                    } else {
+                        break;
+                    };
+                    scratch.clear();
+                    scratch = postcard::to_extend(&img, std::mem::take(&mut scratch))
+                        .map_err(io::Error::other)?;
+                    n += 1;
+                    // See BOX_IMAGE_BYTES_MAX: a larger box fails this round, never the server.
+                    encode_record_with(&mut buf, n, self.me.epoch, BOX_IMAGE_BYTES_MAX, |o| {
+                        o.extend_from_slice(&scratch)
+                    })
                     .map_err(io::Error::other)?;
-                n += 1;
-                // See BOX_IMAGE_BYTES_MAX: a larger box fails this round, never the server.
-                encode_record_with(&mut buf, n, BOX_IMAGE_BYTES_MAX, |o| {
-                    o.extend_from_slice(&scratch)
-                })
-                .map_err(io::Error::other)?;
-                copied += 1;
-            }
-            drop(core);
+                    copied += 1;
+                }
+                copied
+            };
             if buf.len() >= IMAGE_FLUSH_BYTES || copied < BOXES_PER_LOCK {
                 obj.write_at(&buf, written)?;
                 written += buf.len() as u64;
@@ -334,32 +544,77 @@ impl Checkpointer {
         } else {
             Vec::new()
         };
-        m.images.push(ImageRef {
-            seq,
-            bytes: written,
-            full,
-        });
-        m.replay_from = start_lsn;
-        self.write_manifest(shared, i, m, obsolete)?;
+        img.bytes = written;
+        m.images.push(img);
+        m.journals = match source {
+            Source::Engine(_) => vec![self.own_pos(start_lsn)],
+            Source::Detached(_) => Vec::new(),
+        };
+        if let Source::Detached(_) = source {
+            m.owner = None;
+        }
+        self.write_manifest(shared, m, obsolete)?;
         Ok(written)
     }
 
+    /// Swaps in the next version of a table's manifest. A refusal means another server
+    /// incarnation took the table over: this one is fenced and stops (fail-stop), since
+    /// everything it would acknowledge from now on could be lost.
     fn write_manifest(
         &mut self,
         shared: &Shared,
-        i: usize,
-        m: Manifest,
+        mut m: Manifest,
         obsolete: Vec<ImageRef>,
     ) -> io::Result<()> {
-        let json = serde_json::to_vec(&m).map_err(io::Error::other)?;
-        shared.store.put(&manifest_name(m.lo), &json)?;
-        for img in obsolete {
-            shared.store.delete(&image_name(m.lo, img.seq))?;
+        if let Err(e) = swap_manifest(shared.store.as_ref(), &mut m) {
+            if e.kind() == io::ErrorKind::AlreadyExists {
+                let why = format!(
+                    "the manifest of table {:016x} was replaced by another server \
+                     incarnation (this one, {}, is fenced)",
+                    m.lo, self.me
+                );
+                shared.journal.fail_stop(why.clone());
+                return Err(io::Error::new(io::ErrorKind::PermissionDenied, why));
+            }
+            return Err(e);
         }
-        shared.core.lock().engine.tables_mut()[i].replay_from = m.replay_from;
-        self.manifests[i] = m;
+        for img in obsolete {
+            shared.store.delete(&image_name(m.lo, &img))?;
+        }
+        if let Some(p) = m.position_in(self.me) {
+            let mut core = shared.core.lock();
+            if let Some(i) = hosted_index(&core.engine, m.lo) {
+                core.engine.tables_mut()[i].replay_from = p.after;
+            }
+        }
+        self.manifests.insert(m.lo, m);
         Ok(())
     }
+
+    /// Checkpoints a table taken out of the engine in full and releases it: its manifest
+    /// then names no owner and no journal (the image holds everything), so the next owner
+    /// loads it without reading this server's journal. The caller made every record that
+    /// touched it durable first.
+    pub fn release(&mut self, shared: &Shared, table: &Table) -> io::Result<u64> {
+        let set = table.all_boxes();
+        let start = shared.journal.last_lsn();
+        let bytes =
+            self.write_image(shared, table.lo, Source::Detached(table), &set, true, start)?;
+        self.manifests.remove(&table.lo);
+        Ok(bytes)
+    }
+
+    /// Starts checkpointing a table whose manifest this server has just claimed.
+    pub fn adopt(&mut self, m: Manifest) {
+        self.manifests.insert(m.lo, m);
+    }
+}
+
+/// The engine index of the hosted table whose id is `lo`.
+fn hosted_index(engine: &kochab_meta::Engine, lo: u64) -> Option<usize> {
+    engine
+        .table_index(lo)
+        .filter(|&i| engine.tables()[i].lo == lo)
 }
 
 #[cfg(test)]

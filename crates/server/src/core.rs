@@ -149,6 +149,9 @@ pub struct Shared {
     pub session_grace: std::time::Duration,
     /// Wakes the task that works through `Core::cleanup`.
     pub cleanup_wake: tokio::sync::Notify,
+    /// The manifests of the hosted tables; held for a whole checkpoint round, and by a
+    /// table's drop or add.
+    pub checkpointer: Mutex<crate::checkpoint::Checkpointer>,
 }
 
 /// Nanoseconds since the epoch from the system clock.

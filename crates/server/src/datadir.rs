@@ -18,13 +18,21 @@ pub const KEY_FILE: &str = "cluster.key";
 pub const LOCK_FILE: &str = "kochab.lock";
 /// Object holding the cluster description.
 const CLUSTER_OBJECT: &str = "cluster.json";
+/// Object holding this server's id and its current epoch (bumped on every start).
+const SERVER_OBJECT: &str = "server.json";
+/// The server id of `kochab up`'s one server, which hosts every table. Ids of servers that
+/// join a cluster come from the coordinator (intent, issue 9).
+pub const SINGLE_SERVER_ID: u64 = 1;
 /// The layout of the data directory this version reads and writes. Bumped whenever an
 /// older version's data would be misread; an older directory is refused, never guessed at.
 /// 2: chunk 0 at `data/<shard>/<id>.<generation>`, the others in a folder per file
 /// generation (`data/<shard>/<id>.<generation>.d/<chunk>`, u64 chunk numbers), reclaim
 /// entries without a chunk count, inodes with a "may have data" mark instead of a chunk
 /// high-water mark.
-pub const DATA_FORMAT: u32 = 2;
+/// 3: journals per server incarnation (`journal/<server>.<epoch>/`), records that carry
+/// their epoch (24-byte headers, checkpoint images too), versioned manifests
+/// (`tables/<id>/manifest.<version>`) naming owner and journals, images named by writer.
+pub const DATA_FORMAT: u32 = 3;
 
 /// An exclusive lock on a data directory (flock on [`LOCK_FILE`]), held until dropped. The
 /// kernel releases it when the process dies, however it dies, so a crash never leaves a
@@ -196,9 +204,10 @@ impl DataDir {
                 ErrorKind::InvalidData,
                 format!(
                     "{} holds data format {}, and this version of kochab reads only format \
-                     {DATA_FORMAT} (format 1 named chunks data/<shard>/<id>.<generation>.<chunk> \
-                     and is not converted); use the kochab version that wrote it, or start \
-                     with a new data directory",
+                     {DATA_FORMAT} (format 1 named chunks data/<shard>/<id>.<generation>.<chunk>; \
+                     format 2 had one unnamed journal with 16-byte record headers and \
+                     unversioned manifests; neither is converted); use the kochab version \
+                     that wrote it, or start with a new data directory",
                     path.display(),
                     meta.format
                 ),
@@ -211,6 +220,35 @@ impl DataDir {
             meta,
             created,
         })
+    }
+}
+
+/// This server's identity over time.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ServerState {
+    pub server_id: u64,
+    /// The epoch of the incarnation that runs (or ran last).
+    pub epoch: u64,
+}
+
+impl DataDir {
+    /// Starts a new incarnation of this directory's server: its epoch is bumped and made
+    /// durable before anything is written under it, so no two starts share an epoch (and so
+    /// a journal). The caller holds the directory's lock.
+    pub fn next_incarnation(&self) -> io::Result<ServerState> {
+        let mut state = match self.store.get(SERVER_OBJECT)? {
+            Some(bytes) => serde_json::from_slice::<ServerState>(&bytes).map_err(|e| {
+                io::Error::new(ErrorKind::InvalidData, format!("{SERVER_OBJECT}: {e}"))
+            })?,
+            None => ServerState {
+                server_id: SINGLE_SERVER_ID,
+                epoch: 0,
+            },
+        };
+        state.epoch += 1;
+        let json = serde_json::to_vec_pretty(&state).map_err(io::Error::other)?;
+        self.store.put(SERVER_OBJECT, &json)?;
+        Ok(state)
     }
 }
 
@@ -231,5 +269,22 @@ mod tests {
         let err = DataDir::open_or_create(d.path()).err().expect("refused");
         assert_eq!(err.kind(), ErrorKind::InvalidData);
         assert!(err.to_string().contains("data format 1"), "{err}");
+        meta.format = 2;
+        dir.store
+            .put(CLUSTER_OBJECT, &serde_json::to_vec(&meta).unwrap())
+            .unwrap();
+        let err = DataDir::open_or_create(d.path()).err().expect("refused");
+        assert!(err.to_string().contains("data format 2"), "{err}");
+    }
+
+    #[test]
+    fn every_start_gets_a_new_epoch() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = DataDir::open_or_create(d.path()).unwrap();
+        assert_eq!(dir.next_incarnation().unwrap().epoch, 1);
+        assert_eq!(dir.next_incarnation().unwrap().epoch, 2);
+        let dir = DataDir::open_or_create(d.path()).unwrap();
+        let s = dir.next_incarnation().unwrap();
+        assert_eq!((s.server_id, s.epoch), (SINGLE_SERVER_ID, 3));
     }
 }

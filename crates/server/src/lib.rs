@@ -3,7 +3,9 @@
 //! - [`server`]: start (recover, then serve), the checkpointer thread, shutdown.
 //! - [`conn`]: one connection: handshake, batched execution, durable replies.
 //! - [`core`]: the engine and reply cache behind one lock; journal records.
-//! - [`checkpoint`] / [`recovery`]: per-table incremental checkpoints and start-up.
+//! - [`checkpoint`] / [`recovery`]: per-table incremental checkpoints, versioned manifests
+//!   that name each table's owner and journals, and start-up.
+//! - [`membership`]: tables joining and leaving a running server (drop, add, takeover).
 //! - [`replycache`]: answers to retried non-idempotent requests.
 //! - [`datadir`]: the cluster key and description; [`metrics`]: Prometheus endpoint.
 //! - [`data`]: file data as chunk objects; [`filesvc`]: open files, locks and data
@@ -17,6 +19,7 @@ pub mod datadir;
 pub mod filelocks;
 pub mod filesvc;
 pub mod locks;
+pub mod membership;
 pub mod metrics;
 pub mod recovery;
 pub mod replycache;
@@ -24,4 +27,4 @@ pub mod server;
 pub mod session;
 
 pub use datadir::{DataDir, KEY_FILE, read_key_file};
-pub use server::{RunningServer, ServerConfig, start};
+pub use server::{RunningServer, ServerConfig, start, start_member};

@@ -1,15 +1,18 @@
-//! Start-up: load every table's checkpoint, replay the journal after the oldest replay
-//! point (each record only into tables whose checkpoint does not hold it yet), rebuild the
-//! reply cache, and create the root of a new cluster. Also the offline check and the
-//! explicit repair (`kochab fsck --data DIR [--repair --accept-loss]`) of a stopped
-//! server's directory whose journal is damaged.
+//! Start-up and table loading: load each table's checkpoint, seal every journal its
+//! manifest names (earlier incarnations: a restart takes over from its predecessor) and
+//! replay from each the records in the table's range of LSNs, rebuild the reply cache, then
+//! claim each table (the next version of its manifest names this incarnation as owner and
+//! its journal as the one to replay from) before anything is served. Also the offline
+//! check and the explicit repair (`kochab fsck --data DIR [--repair --accept-loss]`) of a
+//! stopped server's directory whose journal is damaged.
 
-use crate::checkpoint::{Manifest, load_table, put_manifest, read_manifest};
+use crate::checkpoint::{JournalPos, Manifest, Owner, load_table, read_manifest, swap_manifest};
 use crate::core::JournalEntry;
 use crate::datadir::{DataDir, DataDirLock};
 use crate::replycache::ReplyCache;
-use kochab_journal::{RecoveryError, RecoveryReport};
-use kochab_meta::Engine;
+use kochab_journal::{JournalId, RecoveryError, RecoveryReport};
+use kochab_meta::{Engine, EngineConfig};
+use std::collections::BTreeMap;
 use std::io;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -18,24 +21,146 @@ use std::time::{Duration, Instant};
 pub struct Recovered {
     pub engine: Engine,
     pub replies: ReplyCache,
+    /// The claimed manifests of the loaded tables.
     pub manifests: Vec<Manifest>,
+    /// What the journals' replay found, summed over them (`cut`: the last tail cut).
     pub journal: RecoveryReport,
+    /// The first LSN of this incarnation's journal (after every LSN this server used).
+    pub next_lsn: u64,
     pub boxes_loaded: u64,
     pub load_time: Duration,
     pub replay_time: Duration,
 }
 
-/// Rebuilds the in-memory state of the data directory's server.
-pub fn recover(dir: &DataDir) -> io::Result<Recovered> {
-    let mut engine =
-        Engine::new(dir.meta.engine.clone(), &dir.meta.tables).map_err(io::Error::other)?;
-    let store = dir.store.as_ref();
+/// Rebuilds the in-memory state of the data directory's server (every table of the
+/// cluster), as incarnation `me`.
+pub fn recover(dir: &DataDir, me: JournalId) -> io::Result<Recovered> {
+    recover_tables(
+        dir.store.as_ref(),
+        dir.meta.engine.clone(),
+        &dir.meta.tables,
+        me,
+        None,
+        Some(&dir.path),
+    )
+}
+
+/// Loads the tables `ranges` from their checkpoints and journals and claims them for `me`,
+/// whose journal will start at the returned `next_lsn` (exactly `running_next_lsn` if
+/// given: a running server adding a table goes on with its own journal, and only its
+/// records after that LSN can touch the table). `data_path` is for the repair hint in
+/// errors.
+pub fn recover_tables(
+    store: &dyn kochab_store::ObjectStore,
+    config: EngineConfig,
+    ranges: &[(u64, u64)],
+    me: JournalId,
+    running_next_lsn: Option<u64>,
+    data_path: Option<&Path>,
+) -> io::Result<Recovered> {
+    let mut engine = Engine::new(config, ranges).map_err(io::Error::other)?;
     let started = Instant::now();
-    let mut manifests = Vec::new();
+    let mut manifests = BTreeMap::new();
     for t in engine.tables() {
-        manifests.push(read_manifest(store, t.lo, t.hi)?);
+        let m = read_manifest(store, t.lo, t.hi)?;
+        if m.journals.iter().any(|p| p.id() == me) {
+            return Err(io::Error::other(format!(
+                "table {:016x} already names {me}: two incarnations with one epoch",
+                t.lo
+            )));
+        }
+        manifests.insert(t.lo, m);
     }
-    // Tables load independently: spread them over the cores.
+    let boxes_loaded = load_images(store, &mut engine, &manifests)?;
+    let rehashed = engine
+        .rehash_legacy_dentries()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    if rehashed > 0 {
+        tracing::info!(
+            "rehashed {rehashed} directory entries of format-1 checkpoints (63-bit cookies); \
+             the next checkpoint rewrites their tables in full"
+        );
+    }
+    let load_time = started.elapsed();
+
+    let started = Instant::now();
+    let mut replies = ReplyCache::default();
+    let mut total = RecoveryReport::default();
+    let mut ends: BTreeMap<JournalId, u64> = BTreeMap::new();
+    for j in journal_order(manifests.values()) {
+        if j == me {
+            return Err(io::Error::other(format!(
+                "a table to load names {me}, the journal of the loading server itself"
+            )));
+        }
+        // Nothing the old incarnation acknowledges after this can be missing from our read.
+        kochab_journal::seal(store, j)?;
+        let report = replay_journal(store, &mut engine, &manifests, j, &mut replies)
+            .map_err(|e| explain(e, data_path))?;
+        total.replayed += report.replayed;
+        total.skipped += report.skipped;
+        total.segments += report.segments;
+        if report.cut.is_some() {
+            total.cut = report.cut.clone();
+        }
+        if let Some(cut) = &report.cut {
+            tracing::warn!(
+                "recovery cut a torn journal tail: {} bytes at offset {} of {} ({})",
+                cut.bytes,
+                cut.offset,
+                cut.segment,
+                cut.reason
+            );
+        }
+        ends.insert(j, report.last_lsn);
+    }
+    engine.recompute_counters();
+    let replay_time = started.elapsed();
+
+    // This server's LSNs only grow across its incarnations (status and logs stay readable).
+    let used = ends
+        .iter()
+        .filter(|(j, _)| j.server == me.server)
+        .map(|(_, &l)| l)
+        .chain(
+            manifests
+                .values()
+                .flat_map(|m| m.journals.iter())
+                .filter(|p| p.server == me.server)
+                .map(|p| p.until.unwrap_or(p.after)),
+        )
+        .max()
+        .unwrap_or(0);
+    let next_lsn = running_next_lsn.unwrap_or(used + 1);
+    total.last_lsn = next_lsn - 1;
+    let mut claimed = Vec::new();
+    for (lo, m) in manifests {
+        let m = claim(store, m, me, next_lsn - 1, &ends)?;
+        if let Some(i) = engine.table_index(lo) {
+            let t = &mut engine.tables_mut()[i];
+            t.replay_from = next_lsn - 1;
+            t.replay_until = u64::MAX;
+        }
+        claimed.push(m);
+    }
+    Ok(Recovered {
+        engine,
+        replies,
+        manifests: claimed,
+        journal: total,
+        next_lsn,
+        boxes_loaded,
+        load_time,
+        replay_time,
+    })
+}
+
+/// Loads every table's images, spread over the cores (tables load independently).
+fn load_images(
+    store: &dyn kochab_store::ObjectStore,
+    engine: &mut Engine,
+    manifests: &BTreeMap<u64, Manifest>,
+) -> io::Result<u64> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, 8);
@@ -47,14 +172,16 @@ pub fn recover(dir: &DataDir) -> io::Result<Recovered> {
         let mut pairs: Vec<_> = engine
             .tables_mut()
             .iter_mut()
-            .zip(manifests.iter())
+            .filter_map(|t| {
+                let m = manifests.get(&t.lo)?;
+                Some((t, m))
+            })
             .collect();
         // Biggest first onto the least loaded thread.
-        pairs
-            .sort_by_key(|(_, m)| std::cmp::Reverse(m.images.iter().map(|i| i.bytes).sum::<u64>()));
+        pairs.sort_by_key(|(_, m)| std::cmp::Reverse(m.image_bytes()));
         for (t, m) in pairs {
             let k = (0..threads).min_by_key(|&k| load[k]).unwrap_or(0);
-            load[k] += m.images.iter().map(|i| i.bytes).sum::<u64>();
+            load[k] += m.image_bytes();
             work[k].push((t, m));
         }
         let handles: Vec<_> = work
@@ -76,24 +203,90 @@ pub fn recover(dir: &DataDir) -> io::Result<Recovered> {
         }
         Ok(())
     })?;
-    let rehashed = engine
-        .rehash_legacy_dentries()
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    if rehashed > 0 {
-        tracing::info!(
-            "rehashed {rehashed} directory entries of format-1 checkpoints (63-bit cookies); \
-             the next checkpoint rewrites their tables in full"
-        );
-    }
-    let load_time = started.elapsed();
+    Ok(boxes_loaded)
+}
 
-    let started = Instant::now();
-    let replay_after = manifests.iter().map(|m| m.replay_from).min().unwrap_or(0);
-    let mut replies = ReplyCache::default();
-    let journal = kochab_journal::recover(store, replay_after, |lsn, payload| {
+/// The journals the manifests name, in an order that keeps each table's own order (each
+/// step takes a journal that no table lists after another journal still to come).
+fn journal_order<'a>(manifests: impl Iterator<Item = &'a Manifest> + Clone) -> Vec<JournalId> {
+    let mut left: Vec<Vec<JournalId>> = manifests
+        .map(|m| m.journals.iter().map(|p| p.id()).collect())
+        .collect();
+    let mut order = Vec::new();
+    loop {
+        left.retain(|l| !l.is_empty());
+        let Some(next) = left
+            .iter()
+            .map(|l| l[0])
+            .find(|j| left.iter().all(|l| !l[1..].contains(j)))
+        else {
+            // Empty, or lists that disagree on order (two tables that saw two journals in
+            // opposite orders cannot happen: records of one journal never follow another's
+            // in one table): take the first left, deterministic either way.
+            match left.first() {
+                Some(l) => {
+                    let j = l[0];
+                    order.push(j);
+                    for l in &mut left {
+                        l.retain(|x| *x != j);
+                    }
+                    continue;
+                }
+                None => return order,
+            }
+        };
+        order.push(next);
+        for l in &mut left {
+            l.retain(|x| *x != next);
+        }
+    }
+}
+
+/// Replays journal `j` into the tables whose manifests name it, each from its own position.
+fn replay_journal(
+    store: &dyn kochab_store::ObjectStore,
+    engine: &mut Engine,
+    manifests: &BTreeMap<u64, Manifest>,
+    j: JournalId,
+    replies: &mut ReplyCache,
+) -> Result<RecoveryReport, RecoveryError> {
+    let mut after = u64::MAX;
+    let mut until = Some(0u64);
+    for t in engine.tables_mut() {
+        match manifests.get(&t.lo).and_then(|m| m.position_in(j)) {
+            Some(p) => {
+                t.replay_from = p.after;
+                t.replay_until = p.until.unwrap_or(u64::MAX);
+                after = after.min(p.after);
+                until = match (until, p.until) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    _ => None,
+                };
+            }
+            None => {
+                t.replay_from = u64::MAX;
+                t.replay_until = 0;
+            }
+        }
+    }
+    if after == u64::MAX {
+        return Ok(RecoveryReport::default());
+    }
+    kochab_journal::recover_range(store, j, after, until, |lsn, payload| {
         let entry: JournalEntry =
             postcard::from_bytes(payload).map_err(|e| format!("undecodable entry: {e}"))?;
         engine.replay(lsn, &entry.muts)?;
+        // Reply-cache entries go with the tables their operation changed (those loaded here
+        // that need this journal, checkpointed past the record or not): a retry of an
+        // operation on a table served elsewhere is that server's to answer.
+        let ours = entry.muts.iter().any(|m| {
+            engine
+                .table_index(m.table_key())
+                .is_some_and(|i| lsn <= engine.tables()[i].replay_until)
+        });
+        if !ours {
+            return Ok(());
+        }
         if entry.seq_floor != 0 {
             replies.acknowledge(entry.client, entry.seq_floor);
         }
@@ -102,38 +295,67 @@ pub fn recover(dir: &DataDir) -> io::Result<Recovered> {
         }
         Ok(())
     })
-    .map_err(|e| {
-        let hint = match e {
-            RecoveryError::Damaged(_) => format!(
-                "; nothing was changed. To start anyway, dropping the damaged part and \
-                 everything after it (the command lists exactly what goes): \
-                 kochab fsck --data {} --repair --accept-loss",
-                dir.path.display()
-            ),
-            _ => String::new(),
-        };
-        io::Error::new(io::ErrorKind::InvalidData, format!("{e}{hint}"))
-    })?;
-    engine.recompute_counters();
-    let replay_time = started.elapsed();
-    if let Some(cut) = &journal.cut {
-        tracing::warn!(
-            "recovery cut a torn journal tail: {} bytes at offset {} of {} ({})",
-            cut.bytes,
-            cut.offset,
-            cut.segment,
-            cut.reason
-        );
+}
+
+fn explain(e: RecoveryError, data_path: Option<&Path>) -> io::Error {
+    let hint = match (&e, data_path) {
+        (RecoveryError::Damaged(_), Some(path)) => format!(
+            "; nothing was changed. To start anyway, dropping the damaged part and \
+             everything after it (the command lists exactly what goes): \
+             kochab fsck --data {} --repair --accept-loss",
+            path.display()
+        ),
+        _ => String::new(),
+    };
+    io::Error::new(io::ErrorKind::InvalidData, format!("{e}{hint}"))
+}
+
+/// Writes the next version of `m` naming `me` as owner and its journal (from `after`) as the
+/// last to replay; the sealed journals read for it keep the end found (`ends`). Refused
+/// (the store's `AlreadyExists`) if another incarnation claimed or checkpointed the table
+/// since `m` was read.
+pub fn claim(
+    store: &dyn kochab_store::ObjectStore,
+    mut m: Manifest,
+    me: JournalId,
+    after: u64,
+    ends: &BTreeMap<JournalId, u64>,
+) -> io::Result<Manifest> {
+    let mut journals: Vec<JournalPos> = Vec::new();
+    for p in &m.journals {
+        let until = p.until.or_else(|| ends.get(&p.id()).copied());
+        // A journal with nothing for this table past its position is not needed any more.
+        if until.is_some_and(|u| u <= p.after) {
+            continue;
+        }
+        journals.push(JournalPos { until, ..*p });
     }
-    Ok(Recovered {
-        engine,
-        replies,
-        manifests,
-        journal,
-        boxes_loaded,
-        load_time,
-        replay_time,
-    })
+    journals.push(JournalPos {
+        server: me.server,
+        epoch: me.epoch,
+        after,
+        until: None,
+    });
+    m.journals = journals;
+    m.owner = Some(Owner {
+        server: me.server,
+        epoch: me.epoch,
+    });
+    swap_manifest(store, &mut m).map_err(|e| {
+        if e.kind() == io::ErrorKind::AlreadyExists {
+            io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!(
+                    "table {:016x} was claimed by another server incarnation while {me} \
+                     loaded it",
+                    m.lo
+                ),
+            )
+        } else {
+            e
+        }
+    })?;
+    Ok(m)
 }
 
 /// What the offline check found (and, when repairing, did), as lines for a person.
@@ -143,7 +365,7 @@ pub struct OfflineReport {
     pub refuses_to_start: bool,
 }
 
-/// The checkpoints' replay points of every table in `dir`.
+/// The manifests of every table in `dir`.
 fn manifests(dir: &DataDir) -> io::Result<Vec<Manifest>> {
     dir.meta
         .tables
@@ -152,57 +374,57 @@ fn manifests(dir: &DataDir) -> io::Result<Vec<Manifest>> {
         .collect()
 }
 
-/// Reads a stopped server's journal and checkpoints without changing anything: where the
-/// journal is damaged, if it is, and whether a start would refuse.
+/// Reads a stopped server's journals and checkpoints without changing anything: where a
+/// journal is damaged, if one is, and whether a start would refuse.
 pub fn check_offline(path: &Path) -> io::Result<OfflineReport> {
     let _lock = DataDirLock::acquire(path)?;
     let dir = DataDir::open_existing(path)?;
-    let ins = kochab_journal::inspect(dir.store.as_ref()).map_err(io::Error::other)?;
+    let store = dir.store.as_ref();
+    let manifests = manifests(&dir)?;
     let mut lines = Vec::new();
-    for seg in &ins.segments {
-        lines.push(describe_segment("segment", seg));
-    }
     let mut refuses = false;
-    match &ins.damage {
-        None => lines.push(format!(
-            "journal: one valid chain up to LSN {}",
-            ins.chain_end
-        )),
-        Some(d) if d.torn_tail => lines.push(format!(
-            "journal: valid up to LSN {}, then a torn tail that a start cuts by itself: {d}",
-            ins.chain_end
-        )),
-        Some(d) => {
-            refuses = true;
-            lines.push(format!(
-                "journal DAMAGED: {d}; valid up to LSN {}. A start refuses; \
-                 `kochab fsck --data {} --repair --accept-loss` drops the rest",
-                ins.chain_end,
-                path.display()
-            ));
+    for j in kochab_journal::segment::list_journals(store)? {
+        let ins = kochab_journal::inspect(store, j).map_err(io::Error::other)?;
+        for seg in &ins.segments {
+            lines.push(describe_segment("segment", seg));
         }
-    }
-    let replay_after = manifests(&dir)?
-        .iter()
-        .map(|m| m.replay_from)
-        .min()
-        .unwrap_or(0);
-    let first = ins.segments.iter().find_map(|s| s.lsns.map(|l| l.0));
-    if let Some(first) = first
-        && first > replay_after + 1
-    {
-        refuses = true;
-        lines.push(format!(
-            "checkpoints need journal records from LSN {}, the oldest is {first}",
-            replay_after + 1
-        ));
-    }
-    if ins.chain_end < replay_after && first.is_some() {
-        refuses = true;
-        lines.push(format!(
-            "checkpoints need the journal up to LSN {replay_after}, it ends at {}",
-            ins.chain_end
-        ));
+        match &ins.damage {
+            None => lines.push(format!("{j}: one valid chain up to LSN {}", ins.chain_end)),
+            Some(d) if d.torn_tail => lines.push(format!(
+                "{j}: valid up to LSN {}, then a torn tail that a start cuts by itself: {d}",
+                ins.chain_end
+            )),
+            Some(d) => {
+                refuses = true;
+                lines.push(format!(
+                    "{j} DAMAGED: {d}; valid up to LSN {}. A start refuses; \
+                     `kochab fsck --data {} --repair --accept-loss` drops the rest",
+                    ins.chain_end,
+                    path.display()
+                ));
+            }
+        }
+        let first = ins.segments.iter().find_map(|s| s.lsns.map(|l| l.0));
+        for m in &manifests {
+            let Some(p) = m.position_in(j) else { continue };
+            if let Some(first) = first
+                && first > p.after + 1
+            {
+                refuses = true;
+                lines.push(format!(
+                    "table {:016x} needs {j} from LSN {}, the oldest is {first}",
+                    m.lo,
+                    p.after + 1
+                ));
+            }
+            if ins.chain_end < p.after && first.is_some() {
+                refuses = true;
+                lines.push(format!(
+                    "table {:016x} needs {j} up to LSN {}, it ends at {}",
+                    m.lo, p.after, ins.chain_end
+                ));
+            }
+        }
     }
     Ok(OfflineReport {
         lines,
@@ -221,80 +443,93 @@ fn describe_segment(what: &str, s: &kochab_journal::SegmentSummary) -> String {
 }
 
 /// Makes a stopped server's directory start again after journal damage, accepting the
-/// loss: the journal is cut at the last valid record before the damage (the rest of that
-/// segment and every later segment are dropped, see `kochab_journal::repair_accept_loss`),
-/// and tables whose checkpoints point past the new end replay from it, so that records
-/// written after the repair are never skipped. Every drop is listed. The namespace may
-/// have lost operations that spanned tables; the started server's `kochab fsck` says.
+/// loss: each damaged journal is cut at the last valid record before the damage (the rest
+/// of that segment and every later segment are dropped, see
+/// `kochab_journal::repair_accept_loss`), and tables whose manifests point past the new end
+/// replay from it, so that records written after the repair are never skipped. Every drop
+/// is listed. The namespace may have lost operations that spanned tables; the started
+/// server's `kochab fsck` says.
 pub fn repair_accept_loss(path: &Path) -> io::Result<OfflineReport> {
     let lock = DataDirLock::acquire(path)?;
     let dir = DataDir::open_existing(path)?;
     let store = dir.store.as_ref();
-    let repair = kochab_journal::repair_accept_loss(store).map_err(io::Error::other)?;
     let mut lines = Vec::new();
-    match &repair.damage {
-        None => lines.push("journal: no damage found; nothing dropped".to_string()),
-        Some(d) => {
-            lines.push(format!("journal damage: {d}"));
+    let mut all = manifests(&dir)?;
+    for j in kochab_journal::segment::list_journals(store)? {
+        let repair = kochab_journal::repair_accept_loss(store, j).map_err(io::Error::other)?;
+        match &repair.damage {
+            None => {
+                lines.push(format!("{j}: no damage found; nothing dropped"));
+            }
+            Some(d) => {
+                lines.push(format!("{j} damage: {d}"));
+                lines.push(format!(
+                    "kept: every record of {j} up to LSN {}",
+                    repair.kept_through
+                ));
+            }
+        }
+        if let Some(c) = &repair.cut {
             lines.push(format!(
-                "kept: every journal record up to LSN {}",
+                "dropped: bytes {}..{} of {} (whatever followed LSN {} there)",
+                c.offset,
+                c.offset + c.bytes,
+                c.segment,
                 repair.kept_through
             ));
         }
-    }
-    if let Some(c) = &repair.cut {
-        lines.push(format!(
-            "dropped: bytes {}..{} of {} (whatever followed LSN {} there)",
-            c.offset,
-            c.offset + c.bytes,
-            c.segment,
-            repair.kept_through
-        ));
-    }
-    for seg in &repair.deleted {
-        lines.push(describe_segment("dropped: segment", seg));
-    }
-    // The first LSN the journal still holds, if any: tables must not need older ones.
-    let first_kept = kochab_journal::inspect(store)
-        .map_err(io::Error::other)?
-        .segments
-        .iter()
-        .find_map(|s| s.lsns.map(|l| l.0));
-    for mut m in manifests(&dir)? {
-        let old = m.replay_from;
-        if old > repair.kept_through {
-            m.replay_from = repair.kept_through;
-            lines.push(format!(
-                "table {:016x}: its checkpoint reflects records up to LSN {old}; it now \
-                 replays from LSN {}, so records written from now on are never skipped",
-                m.lo, repair.kept_through
-            ));
-        } else if let Some(first) = first_kept
-            && old + 1 < first
-        {
-            m.replay_from = first - 1;
-            lines.push(format!(
-                "table {:016x}: records {}..={} it needs are gone from the journal; \
-                 dropped: it replays from LSN {first}",
-                m.lo,
-                old + 1,
-                first - 1
-            ));
-        } else {
-            continue;
+        for seg in &repair.deleted {
+            lines.push(describe_segment("dropped: segment", seg));
         }
-        put_manifest(store, &m)?;
+        // The first LSN the journal still holds, if any: tables must not need older ones.
+        let first_kept = kochab_journal::inspect(store, j)
+            .map_err(io::Error::other)?
+            .segments
+            .iter()
+            .find_map(|s| s.lsns.map(|l| l.0));
+        for m in &mut all {
+            let Some(idx) = m.journals.iter().position(|p| p.id() == j) else {
+                continue;
+            };
+            let p = &mut m.journals[idx];
+            let old = p.after;
+            if old > repair.kept_through {
+                p.after = repair.kept_through;
+                lines.push(format!(
+                    "table {:016x}: its checkpoint reflects records of {j} up to LSN {old}; \
+                     it now replays from LSN {}, so records written from now on are never \
+                     skipped",
+                    m.lo, repair.kept_through
+                ));
+            } else if let Some(first) = first_kept
+                && old + 1 < first
+            {
+                p.after = first - 1;
+                lines.push(format!(
+                    "table {:016x}: records {}..={} of {j} it needs are gone; dropped: it \
+                     replays from LSN {first}",
+                    m.lo,
+                    old + 1,
+                    first - 1
+                ));
+            } else if repair.damage.is_none() {
+                continue;
+            }
+            if let Some(u) = p.until {
+                p.until = Some(u.min(repair.kept_through).max(p.after));
+            }
+            swap_manifest(store, m)?;
+        }
     }
-    // Proof that it starts: the recovery a start would run.
+    // Proof that it starts: the loading a start would run, on a copy of nothing (read-only
+    // check of the replay, without claiming).
     drop(dir);
     let dir = DataDir::open_existing(path)?;
-    let refuses = match recover(&dir) {
-        Ok(r) => {
+    let refuses = match dry_run(&dir) {
+        Ok((inodes, replayed)) => {
             lines.push(format!(
-                "the directory now recovers: {} inodes, journal ends at LSN {}; \
-                 start it and run `kochab fsck` to check the namespace",
-                r.engine.counts().0,
-                r.journal.last_lsn
+                "the directory now recovers: {inodes} inodes, {replayed} journal records \
+                 replayed; start it and run `kochab fsck` to check the namespace"
             ));
             false
         }
@@ -308,4 +543,22 @@ pub fn repair_accept_loss(path: &Path) -> io::Result<OfflineReport> {
         lines,
         refuses_to_start: refuses,
     })
+}
+
+/// Loads every table and replays its journals as a start would, without claiming anything.
+fn dry_run(dir: &DataDir) -> io::Result<(u64, u64)> {
+    let store = dir.store.as_ref();
+    let mut engine =
+        Engine::new(dir.meta.engine.clone(), &dir.meta.tables).map_err(io::Error::other)?;
+    let manifests: BTreeMap<u64, Manifest> =
+        manifests(dir)?.into_iter().map(|m| (m.lo, m)).collect();
+    load_images(store, &mut engine, &manifests)?;
+    let mut replies = ReplyCache::default();
+    let mut replayed = 0;
+    for j in journal_order(manifests.values()) {
+        replayed += replay_journal(store, &mut engine, &manifests, j, &mut replies)
+            .map_err(|e| explain(e, None))?
+            .replayed;
+    }
+    Ok((engine.counts().0, replayed))
 }

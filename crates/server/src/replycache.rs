@@ -124,6 +124,19 @@ impl ReplyCache {
         }
     }
 
+    /// Takes in the entries of `other` (rebuilt from the journal of tables that just joined
+    /// this server), so that a retry of an operation on them is still answered once.
+    pub fn merge_from(&mut self, other: ReplyCache) {
+        for (client, c) in other.clients {
+            for seq in c.order {
+                if let Some(&outcome) = c.by_seq.get(&seq) {
+                    self.insert(client, seq, outcome);
+                }
+            }
+            self.acknowledge(client, c.floor);
+        }
+    }
+
     fn evict_oldest(&mut self) {
         if let Some((&id, _)) = self.clients.iter().min_by_key(|(_, c)| c.last_active) {
             self.forget(id);

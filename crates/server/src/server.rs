@@ -5,9 +5,12 @@ use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
 use crate::data::DataStore;
 use crate::datadir::{DataDir, DataDirLock};
 use crate::metrics::Metrics;
+use kochab_journal::JournalId;
 use kochab_journal::{Journal, JournalObserver, JournalOptions};
+use kochab_meta::EngineConfig;
 use kochab_proto::InodeId;
 use kochab_proto::auth::ClusterKey;
+use kochab_store::ObjectStore;
 use parking_lot::{Condvar, Mutex};
 use std::io;
 use std::net::SocketAddr;
@@ -86,8 +89,9 @@ pub struct RunningServer {
     pub root: InodeId,
     pub data_dir: PathBuf,
     shared: Arc<Shared>,
-    /// Held for the life of the server: no second server may use the directory.
-    _lock: DataDirLock,
+    /// Held for the life of the server: no second server may use the directory (none for
+    /// a member started over a shared store).
+    _lock: Option<DataDirLock>,
     shutdown_tx: watch::Sender<bool>,
     accept_task: tokio::task::JoinHandle<()>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
@@ -98,24 +102,86 @@ pub struct RunningServer {
     stopper: Arc<Stopper>,
 }
 
-/// Recovers the data directory and starts serving.
+/// Recovers the data directory and starts serving every table of the cluster (the one
+/// server of `kochab up`), as a new incarnation: its epoch is bumped, the previous
+/// incarnation's journal is sealed and replayed, every table is claimed.
 pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
     let dir_path = config.data_dir.clone();
-    let (lock, dir, recovered) = tokio::task::spawn_blocking(move || -> io::Result<_> {
+    let (lock, dir, me, recovered) = tokio::task::spawn_blocking(move || -> io::Result<_> {
         // Before anything is read: two servers on one directory would overwrite each
         // other's journal.
         let lock = DataDirLock::acquire(&dir_path)?;
         let dir = DataDir::open_or_create(&dir_path)?;
-        let recovered = crate::recovery::recover(&dir)?;
-        Ok((lock, dir, recovered))
+        let state = dir.next_incarnation()?;
+        let me = JournalId {
+            server: state.server_id,
+            epoch: state.epoch,
+        };
+        let recovered = crate::recovery::recover(&dir, me)?;
+        Ok((lock, dir, me, recovered))
     })
     .await
     .map_err(io::Error::other)??;
+    let member = Member {
+        store: dir.store.clone(),
+        key: dir.key,
+        status_id: dir.meta.server_id,
+        me,
+        data_path: dir.path.clone(),
+    };
+    serve(config, member, recovered, Some(lock)).await
+}
+
+/// A server over a shared store that starts with the tables `ranges` (possibly none) as
+/// incarnation `me` (its id and a fresh epoch, which the caller guarantees unique), and
+/// gets others at run time through [`Shared::add_table`] / [`Shared::recover_tables`]. In
+/// process for now (tests); `kochab mds` will start one per process under the coordinator.
+pub async fn start_member(
+    config: ServerConfig,
+    store: Arc<dyn ObjectStore>,
+    key: ClusterKey,
+    engine: EngineConfig,
+    me: JournalId,
+    ranges: Vec<(u64, u64)>,
+) -> io::Result<RunningServer> {
+    let s = store.clone();
+    let recovered = tokio::task::spawn_blocking(move || {
+        crate::recovery::recover_tables(s.as_ref(), engine, &ranges, me, None, None)
+    })
+    .await
+    .map_err(io::Error::other)??;
+    let member = Member {
+        store,
+        key,
+        status_id: me.server,
+        me,
+        data_path: config.data_dir.clone(),
+    };
+    serve(config, member, recovered, None).await
+}
+
+/// Who a starting server is.
+struct Member {
+    store: Arc<dyn ObjectStore>,
+    key: ClusterKey,
+    /// The id `kochab status` shows.
+    status_id: u64,
+    me: JournalId,
+    data_path: PathBuf,
+}
+
+async fn serve(
+    config: ServerConfig,
+    dir: Member,
+    recovered: crate::recovery::Recovered,
+    lock: Option<DataDirLock>,
+) -> io::Result<RunningServer> {
     let crate::recovery::Recovered {
         mut engine,
         replies,
         manifests,
         journal: report,
+        next_lsn,
         boxes_loaded,
         load_time,
         replay_time,
@@ -135,11 +201,13 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
     };
     let journal = Journal::start(
         dir.store.clone(),
-        report.last_lsn + 1,
+        dir.me,
+        next_lsn,
         options,
         Some(Arc::new(JournalMetrics(metrics.clone()))),
     )?;
-    if !engine.has_root() {
+    // A new cluster's root, made by whoever hosts its table (a member without it has none).
+    if engine.table_index(engine.root()).is_some() && !engine.has_root() {
         let muts = engine.bootstrap(now_ns());
         for m in &muts {
             engine.apply(m).map_err(io::Error::other)?;
@@ -149,7 +217,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         if !journal.wait_durable(lsn) {
             return Err(io::Error::other("journal failed while creating the root"));
         }
-        tracing::info!("created a new cluster in {}", dir.path.display());
+        tracing::info!("created a new cluster in {}", dir.data_path.display());
     }
     let root = engine.root();
     let data = Arc::new(DataStore::new(dir.store.clone()));
@@ -169,7 +237,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         journal,
         store: dir.store.clone(),
         metrics: metrics.clone(),
-        server_id: dir.meta.server_id,
+        server_id: dir.status_id,
         durable_mode: config.fsync,
         started: Instant::now(),
         connections: AtomicU64::new(0),
@@ -177,6 +245,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         file_locks: Default::default(),
         session_grace: config.session_grace,
         cleanup_wake: tokio::sync::Notify::new(),
+        checkpointer: Mutex::new(Checkpointer::new(manifests, dir.me)),
     });
     let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
     let reclaimer = tokio::spawn(reclaim_loop(shared.clone()));
@@ -189,11 +258,10 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
     let checkpointer = {
         let shared = shared.clone();
         let stopper = stopper.clone();
-        let ckpt = Checkpointer::new(manifests);
         let config = config.clone();
         std::thread::Builder::new()
             .name("checkpointer".into())
-            .spawn(move || checkpoint_loop(shared, ckpt, stopper, config))?
+            .spawn(move || checkpoint_loop(shared, stopper, config))?
     };
 
     let listener = TcpListener::bind(config.listen).await?;
@@ -226,7 +294,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         metrics_addr,
         key: dir.key,
         root,
-        data_dir: dir.path,
+        data_dir: dir.data_path,
         shared,
         _lock: lock,
         shutdown_tx,
@@ -415,12 +483,7 @@ async fn reclaim_pass(shared: &Shared, batch: Vec<kochab_meta::Reclaim>) -> bool
     }
 }
 
-fn checkpoint_loop(
-    shared: Arc<Shared>,
-    mut ckpt: Checkpointer,
-    stopper: Arc<Stopper>,
-    config: ServerConfig,
-) {
+fn checkpoint_loop(shared: Arc<Shared>, stopper: Arc<Stopper>, config: ServerConfig) {
     let mut last_round = Instant::now();
     loop {
         let stop = {
@@ -438,20 +501,25 @@ fn checkpoint_loop(
             continue;
         }
         let lsn = shared.journal.last_lsn();
-        // Records a restart would replay now.
+        let mut ckpt = shared.checkpointer.lock();
+        // Records a restart would replay now; older journals (from before a restart or a
+        // takeover) are let go by the next round too.
         let behind = lsn.saturating_sub(ckpt.replay_from());
+        let work = behind > 0 || ckpt.needs_older_journals();
         let due = behind >= config.checkpoint_records
-            || (behind > 0 && last_round.elapsed() >= config.checkpoint_interval);
-        if due || (stop && behind > 0) {
+            || (work && last_round.elapsed() >= config.checkpoint_interval);
+        if due || (stop && work) {
             let started = Instant::now();
             match ckpt.round(&shared) {
                 Ok(r) => tracing::info!(
-                    "checkpoint: {} tables, {} boxes, {} bytes in {:.3}s; {} journal segments trimmed",
+                    "checkpoint: {} tables, {} boxes, {} bytes in {:.3}s; {} journal segments \
+                     trimmed, {} old journals deleted",
                     r.tables,
                     r.boxes,
                     r.bytes,
                     started.elapsed().as_secs_f64(),
-                    r.trimmed_segments
+                    r.trimmed_segments,
+                    r.journals_deleted
                 ),
                 Err(e) => tracing::warn!("checkpoint failed (will retry): {e}"),
             }

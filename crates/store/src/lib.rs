@@ -108,6 +108,61 @@ pub trait ObjectStore: Send + Sync {
     fn sync_dir(&self, prefix: &str) -> io::Result<()>;
     /// Space in the store.
     fn capacity(&self) -> io::Result<Capacity>;
+    /// Creates `name` holding `data`, atomically and durably, only if no object of that
+    /// name exists: of any number of racing creators exactly one succeeds, the others get
+    /// `AlreadyExists`, and a reader never sees a partial object. This conditional write is
+    /// what fencing rests on (seals, versioned manifests), so a store that cannot do it
+    /// atomically must not pretend: the default is `Unsupported`.
+    fn create_if_absent(&self, _name: &str, _data: &[u8]) -> io::Result<()> {
+        Err(io::Error::new(
+            ErrorKind::Unsupported,
+            "this store has no atomic create-if-absent",
+        ))
+    }
+    /// Compare-and-swap on a version: creates `<base>.<expected + 1>` (20 digits) if
+    /// `expected` is still the newest version, atomically (through
+    /// [`ObjectStore::create_if_absent`], so `Unsupported` where that is). A writer whose
+    /// version is stale, because another wrote `expected + 1` first, gets `AlreadyExists`.
+    /// Returns the new version. Versions start at 1; 0 means "none yet".
+    fn swap_version(&self, base: &str, expected: u64, data: &[u8]) -> io::Result<u64> {
+        let next = expected
+            .checked_add(1)
+            .ok_or_else(|| io::Error::new(ErrorKind::InvalidInput, "version overflow"))?;
+        self.create_if_absent(&versioned_name(base, next), data)?;
+        Ok(next)
+    }
+    /// True if `name` exists. Cheap where the store allows (a stat on a local directory):
+    /// the journal asks once per group commit whether it has been sealed.
+    fn exists(&self, name: &str) -> io::Result<bool> {
+        Ok(self.get(name)?.is_some())
+    }
+}
+
+/// The object name of version `version` of `base` (see [`ObjectStore::swap_version`]).
+pub fn versioned_name(base: &str, version: u64) -> String {
+    format!("{base}.{version:020}")
+}
+
+/// The newest version of `base` in `folder` (the folder `base` lives in) and its contents,
+/// or `None` if there is none. Older versions may linger until their writer deletes them.
+pub fn newest_version(store: &dyn ObjectStore, base: &str) -> io::Result<Option<(u64, Vec<u8>)>> {
+    let (folder, _) = base.rsplit_once('/').unwrap_or(("", base));
+    let prefix = format!("{base}.");
+    let mut versions: Vec<u64> = store
+        .list(folder)?
+        .iter()
+        .filter_map(|n| n.strip_prefix(&prefix))
+        .filter(|v| v.len() == 20)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    versions.sort_unstable();
+    // Newest first; one deleted under us (by its writer's cleanup) means a newer exists.
+    for v in versions.into_iter().rev() {
+        if let Some(data) = store.get(&versioned_name(base, v))? {
+            return Ok(Some((v, data)));
+        }
+    }
+    Ok(None)
 }
 
 /// Checks an object name: no empty, "." or ".." components, no absolute paths, a small
@@ -237,6 +292,9 @@ impl LocalStore {
     }
 }
 
+/// Makes temporary names of concurrent conditional writers in one process distinct.
+static TMP_COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 fn fsync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
@@ -362,6 +420,35 @@ impl ObjectStore for LocalStore {
         fsync_dir(&dir)
     }
 
+    fn create_if_absent(&self, name: &str, data: &[u8]) -> io::Result<()> {
+        let path = self.path(name)?;
+        Self::ensure_parent(&path)?;
+        // A private temporary made whole and durable first, then link(2), which fails with
+        // EEXIST if the name exists: the name appears atomically, with its full contents.
+        let tmp = path.with_extension(format!(
+            "tmp{}.{}",
+            std::process::id(),
+            TMP_COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        let result = (|| {
+            let f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+            f.write_all_at(data, 0)?;
+            f.sync_all()?;
+            fs::hard_link(&tmp, &path)
+        })();
+        let _ = fs::remove_file(&tmp);
+        result?;
+        fsync_dir(path.parent().unwrap_or(&self.root))
+    }
+
+    fn exists(&self, name: &str) -> io::Result<bool> {
+        match fs::symlink_metadata(self.path(name)?) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     fn capacity(&self) -> io::Result<Capacity> {
         let c = std::ffi::CString::new(self.root.as_os_str().as_encoded_bytes())
             .map_err(|_| io::Error::new(ErrorKind::InvalidInput, "store path contains NUL"))?;
@@ -434,6 +521,84 @@ mod tests {
         s.delete_folder("d/f").unwrap();
         s.delete_folder("d/f").unwrap();
         assert!(s.list("d").unwrap().is_empty());
+    }
+
+    #[test]
+    fn create_if_absent_refuses_an_existing_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path()).unwrap();
+        s.create_if_absent("a/seal", b"one").unwrap();
+        let e = s.create_if_absent("a/seal", b"two").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::AlreadyExists);
+        assert_eq!(s.get("a/seal").unwrap().unwrap(), b"one");
+        assert!(s.exists("a/seal").unwrap());
+        assert!(!s.exists("a/other").unwrap());
+        assert_eq!(s.list("a").unwrap(), vec!["a/seal"], "no temporary left");
+    }
+
+    #[test]
+    fn of_racing_creators_exactly_one_wins() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(LocalStore::open(dir.path()).unwrap());
+        for round in 0..20 {
+            let name = format!("race/r{round}");
+            let barrier = Arc::new(std::sync::Barrier::new(8));
+            let handles: Vec<_> = (0..8u8)
+                .map(|k| {
+                    let (s, name, barrier) = (s.clone(), name.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        s.create_if_absent(&name, &[k; 4096]).map(|()| k)
+                    })
+                })
+                .collect();
+            let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            let winners: Vec<u8> = results
+                .iter()
+                .filter_map(|r| r.as_ref().ok())
+                .copied()
+                .collect();
+            assert_eq!(winners.len(), 1, "round {round}: {results:?}");
+            for r in &results {
+                if let Err(e) = r {
+                    assert_eq!(e.kind(), ErrorKind::AlreadyExists);
+                }
+            }
+            assert_eq!(s.get(&name).unwrap().unwrap(), vec![winners[0]; 4096]);
+        }
+    }
+
+    #[test]
+    fn a_stale_version_cannot_be_swapped_in() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(LocalStore::open(dir.path()).unwrap());
+        assert_eq!(newest_version(s.as_ref(), "t/manifest").unwrap(), None);
+        assert_eq!(s.swap_version("t/manifest", 0, b"v1").unwrap(), 1);
+        assert_eq!(s.swap_version("t/manifest", 1, b"v2").unwrap(), 2);
+        // A writer that still believes version 1 is current is refused.
+        let e = s.swap_version("t/manifest", 1, b"late").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::AlreadyExists);
+        assert_eq!(
+            newest_version(s.as_ref(), "t/manifest").unwrap(),
+            Some((2, b"v2".to_vec()))
+        );
+        // Racing writers from one version: exactly one wins.
+        let handles: Vec<_> = (0..6u8)
+            .map(|k| {
+                let s = s.clone();
+                std::thread::spawn(move || s.swap_version("t/manifest", 2, &[k]).is_ok())
+            })
+            .collect();
+        let wins = handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .filter(|w| *w)
+            .count();
+        assert_eq!(wins, 1);
+        assert_eq!(
+            newest_version(s.as_ref(), "t/manifest").unwrap().unwrap().0,
+            3
+        );
     }
 
     #[test]

@@ -12,6 +12,22 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 /// The `kochab` binary under test.
+/// The journal folder of the newest server incarnation (`store/journal/<server>.<epoch>`).
+#[allow(dead_code)]
+pub fn newest_journal_dir(data: &Path) -> PathBuf {
+    let mut dirs: Vec<(u64, u64, PathBuf)> = std::fs::read_dir(data.join("store/journal"))
+        .expect("journal dir")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter_map(|p| {
+            let name = p.file_name()?.to_str()?.to_string();
+            let (s, e) = name.split_once('.')?;
+            Some((e.parse().ok()?, s.parse().ok()?, p))
+        })
+        .collect();
+    dirs.sort();
+    dirs.pop().expect("a journal").2
+}
+
 pub fn kochab_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_kochab"))
 }

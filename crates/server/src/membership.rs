@@ -1,0 +1,141 @@
+//! Tables joining and leaving a running server: the DROP and ADD of a migration and the
+//! takeover of a failed server's tables (DESIGN.md "Ownership over time").
+//!
+//! - [`Shared::drop_table`]: stop admitting operations on the table (they get WRONG_SERVER
+//!   from then on), make every record that touched it durable, write a full checkpoint and
+//!   release it (its manifest names no owner and no journal).
+//! - [`Shared::add_table`]: load a released table's checkpoint, claim it (a conditional
+//!   write of its manifest's next version) and serve it.
+//! - [`Shared::recover_tables`]: seal a failed incarnation's journal first, then load its
+//!   tables, replaying that journal from where each table's manifest says, and claim them.
+//!
+//! Operations run whole under the core lock, so "wait for the table's operations in flight"
+//! is taking that lock: after it, none is half-applied; their replies wait for durability,
+//! which the drop waits for too before it releases the table.
+
+use crate::checkpoint::{Manifest, read_manifest_by_id};
+use crate::core::Shared;
+use kochab_journal::JournalId;
+use std::io::{self, ErrorKind};
+
+impl Shared {
+    /// Gives up the table whose id is `lo` (see the module). Afterwards another server can
+    /// [`Shared::add_table`] it; operations on it here get WRONG_SERVER.
+    pub fn drop_table(&self, lo: u64) -> io::Result<()> {
+        let mut ckpt = self.checkpointer.lock();
+        if ckpt.manifest(lo).is_none() {
+            return Err(io::Error::new(
+                ErrorKind::NotFound,
+                format!("table {lo:016x} is not hosted here"),
+            ));
+        }
+        let (table, last) = {
+            let mut core = self.core.lock();
+            let table = core.engine.remove_table(lo).ok_or_else(|| {
+                io::Error::new(
+                    ErrorKind::NotFound,
+                    format!("table {lo:016x} is not hosted"),
+                )
+            })?;
+            (table, self.journal.last_lsn())
+        };
+        self.journal.flush_now();
+        let result = if self.journal.wait_durable(last) {
+            ckpt.release(self, &table).map(|_| ())
+        } else {
+            Err(io::Error::other("journal failed; table not released"))
+        };
+        if let Err(e) = result {
+            if !self.journal.failed() {
+                // Not released: serve it again rather than lose it.
+                let mut core = self.core.lock();
+                if let Err(e2) = core.engine.insert_table(table) {
+                    tracing::error!("table {lo:016x} could not be put back: {e2}");
+                }
+            }
+            return Err(e);
+        }
+        tracing::info!("released table {lo:016x}");
+        Ok(())
+    }
+
+    /// Loads and serves the released table whose id is `lo`.
+    pub fn add_table(&self, lo: u64) -> io::Result<()> {
+        let m = self.manifest_of(lo)?;
+        if let Some(o) = m.owner {
+            return Err(io::Error::new(
+                ErrorKind::ResourceBusy,
+                format!(
+                    "table {lo:016x} is owned by server {} at epoch {}; a failed owner's \
+                     tables are taken with recover_tables, which seals its journal first",
+                    o.server, o.epoch
+                ),
+            ));
+        }
+        self.load_tables(&[(m.lo, m.hi)])
+    }
+
+    /// Takes over the tables `ids` of the failed incarnation `journal`: seals its journal
+    /// (from then on it acknowledges nothing), then loads each table from its checkpoint
+    /// and the journals its manifest names, and serves them.
+    pub fn recover_tables(&self, ids: &[u64], journal: JournalId) -> io::Result<()> {
+        kochab_journal::seal(self.store.as_ref(), journal)?;
+        let mut ranges = Vec::new();
+        for &lo in ids {
+            let m = self.manifest_of(lo)?;
+            if let Some(o) = m.owner
+                && (o.server, o.epoch) != (journal.server, journal.epoch)
+            {
+                return Err(io::Error::new(
+                    ErrorKind::ResourceBusy,
+                    format!(
+                        "table {lo:016x} is owned by server {} at epoch {}, not by {journal}",
+                        o.server, o.epoch
+                    ),
+                ));
+            }
+            ranges.push((m.lo, m.hi));
+        }
+        self.load_tables(&ranges)
+    }
+
+    fn manifest_of(&self, lo: u64) -> io::Result<Manifest> {
+        read_manifest_by_id(self.store.as_ref(), lo)?.ok_or_else(|| {
+            io::Error::new(
+                ErrorKind::NotFound,
+                format!("table {lo:016x} has no manifest in the store"),
+            )
+        })
+    }
+
+    /// Loads `ranges` as start-up does (checkpoints, sealed journals, claims) and adds them
+    /// to the engine.
+    fn load_tables(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        let mut ckpt = self.checkpointer.lock();
+        let config = self.core.lock().engine.config().clone();
+        // Only records after this one can touch the tables (they are not served yet).
+        let next = self.journal.last_lsn() + 1;
+        let rec = crate::recovery::recover_tables(
+            self.store.as_ref(),
+            config,
+            ranges,
+            self.journal.id(),
+            Some(next),
+            None,
+        )?;
+        let mut engine = rec.engine;
+        let mut core = self.core.lock();
+        core.replies.merge_from(rec.replies);
+        for m in rec.manifests {
+            let table = engine
+                .remove_table(m.lo)
+                .ok_or_else(|| io::Error::other("a loaded table went missing"))?;
+            core.engine
+                .insert_table(table)
+                .map_err(|e| io::Error::new(ErrorKind::AlreadyExists, e))?;
+            tracing::info!("serving table {:016x} from now on", m.lo);
+            ckpt.adopt(m);
+        }
+        Ok(())
+    }
+}

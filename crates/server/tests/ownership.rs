@@ -1,0 +1,321 @@
+//! Ownership over time, in process: tables leave one server and join another over one
+//! object store, a failed incarnation's journal is sealed before its tables are taken, and
+//! a fenced owner's late writes are refused by the store.
+
+use kochab_journal::JournalId;
+use kochab_proto::{Credentials, Op, Reply, Request, mode};
+use kochab_server::checkpoint::read_manifest_by_id;
+use kochab_server::core::Shared;
+use kochab_server::{RunningServer, ServerConfig, start, start_member};
+use kochab_store::{LocalStore, ObjectStore};
+use std::path::Path;
+use std::sync::Arc;
+
+fn config(dir: &Path) -> ServerConfig {
+    let mut c = ServerConfig::new(dir, "127.0.0.1:0".parse().unwrap());
+    // Checkpoints only when a test asks for them.
+    c.checkpoint_records = u64::MAX;
+    c.checkpoint_interval = std::time::Duration::from_secs(3600);
+    c
+}
+
+/// Runs one request as client `client` and waits until its reply may be sent (durable).
+/// `None` if it never may (the journal failed).
+fn run(shared: &Shared, client: u64, seq: u64, op: Op) -> Option<Reply> {
+    let req = Request {
+        cred: Credentials::root(),
+        seq,
+        seq_floor: 0,
+        op,
+    };
+    let mut replies = Vec::new();
+    shared.execute_batch(client, &[(1, req)], &mut replies);
+    let (_, reply, needed) = replies.pop()?;
+    let reply = match reply {
+        Reply::WithDirs { reply, .. } => *reply,
+        other => other,
+    };
+    shared.journal.wait_durable(needed).then_some(reply)
+}
+
+fn create(shared: &Shared, parent: u64, name: &str, seq: u64) -> Option<Reply> {
+    run(
+        shared,
+        7,
+        seq,
+        Op::Mknod {
+            parent,
+            name: name.as_bytes().to_vec(),
+            mode: mode::S_IFREG | 0o644,
+            rdev: 0,
+            exclusive: true,
+        },
+    )
+}
+
+fn lookup(shared: &Shared, parent: u64, name: &str) -> Reply {
+    run(
+        shared,
+        8,
+        0,
+        Op::Lookup {
+            parent,
+            name: name.as_bytes().to_vec(),
+        },
+    )
+    .expect("a read is answered")
+}
+
+/// The id of the table that holds the root (files created in the root land there).
+fn root_table(s: &RunningServer) -> u64 {
+    let core = s.shared().core.lock();
+    let i = core.engine.table_index(s.root).unwrap();
+    core.engine.tables()[i].lo
+}
+
+async fn member(dir: &Path, a: &RunningServer, server: u64, epoch: u64) -> RunningServer {
+    let store: Arc<dyn ObjectStore> = Arc::new(LocalStore::open(a.data_dir.join("store")).unwrap());
+    let engine = a.shared().core.lock().engine.config().clone();
+    start_member(
+        config(dir),
+        store,
+        a.key,
+        engine,
+        JournalId { server, epoch },
+        Vec::new(),
+    )
+    .await
+    .unwrap()
+}
+
+fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(f).join().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_table_is_served_by_the_server_that_adds_it_with_every_acknowledged_op() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(config(&tmp.path().join("a"))).await.unwrap();
+    let root = a.root;
+    let lo = root_table(&a);
+    let sa = a.shared().clone();
+    for i in 0..200 {
+        let r = create(&sa, root, &format!("f{i}"), i + 1);
+        assert!(matches!(r, Some(Reply::Entry(_))), "{r:?}");
+    }
+    // A table that is not checkpointed yet moves: the drop makes the checkpoint.
+    let s = sa.clone();
+    blocking(move || s.drop_table(lo)).unwrap();
+    assert!(
+        matches!(lookup(&sa, root, "f0"), Reply::WrongServer { .. }),
+        "the old owner refuses"
+    );
+    let m = read_manifest_by_id(&LocalStore::open(a.data_dir.join("store")).unwrap(), lo)
+        .unwrap()
+        .unwrap();
+    assert_eq!(m.owner, None, "released");
+    assert!(m.journals.is_empty(), "the image holds everything");
+
+    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let sb = b.shared().clone();
+    assert!(
+        matches!(lookup(&sb, root, "f0"), Reply::Error(_)),
+        "not hosted before the add"
+    );
+    let s = sb.clone();
+    blocking(move || s.add_table(lo)).unwrap();
+    for i in 0..200 {
+        assert!(
+            matches!(lookup(&sb, root, &format!("f{i}")), Reply::Entry(_)),
+            "acknowledged f{i} is served by the new owner"
+        );
+    }
+    let r = create(&sb, root, "on-b", 1);
+    assert!(matches!(r, Some(Reply::Entry(_))), "{r:?}");
+    assert!(matches!(
+        lookup(&sa, root, "on-b"),
+        Reply::WrongServer { .. }
+    ));
+    let m = read_manifest_by_id(&LocalStore::open(a.data_dir.join("store")).unwrap(), lo)
+        .unwrap()
+        .unwrap();
+    assert_eq!(m.owner.map(|o| (o.server, o.epoch)), Some((2, 1)));
+    assert_eq!(m.journals.len(), 1);
+    assert_eq!(
+        m.journals[0].id(),
+        JournalId {
+            server: 2,
+            epoch: 1
+        }
+    );
+
+    // B stops without a checkpoint of the new file (as a crash would leave it); its next
+    // incarnation recovers the table from the manifest's journal, B's first.
+    let sb_journal = sb.journal.id();
+    b.shared().journal.shutdown();
+    drop(sb);
+    let b2 = {
+        let store: Arc<dyn ObjectStore> =
+            Arc::new(LocalStore::open(a.data_dir.join("store")).unwrap());
+        let engine = a.shared().core.lock().engine.config().clone();
+        let hi = m.hi;
+        start_member(
+            config(&tmp.path().join("b2")),
+            store,
+            a.key,
+            engine,
+            JournalId {
+                server: 2,
+                epoch: 2,
+            },
+            vec![(lo, hi)],
+        )
+        .await
+        .unwrap()
+    };
+    let sb2 = b2.shared().clone();
+    assert!(matches!(lookup(&sb2, root, "on-b"), Reply::Entry(_)));
+    assert!(matches!(lookup(&sb2, root, "f199"), Reply::Entry(_)));
+    assert!(
+        kochab_journal::segment::is_sealed(sb2.store.as_ref(), sb_journal).unwrap(),
+        "the predecessor's journal was sealed before it was read"
+    );
+    assert!(sb2.core.lock().engine.check_invariants().is_empty());
+    b2.shutdown().await;
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_journal_stops_acknowledging_and_its_tables_are_recovered_elsewhere() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(config(&tmp.path().join("a"))).await.unwrap();
+    let root = a.root;
+    let lo = root_table(&a);
+    let sa = a.shared().clone();
+    let mut acked = Vec::new();
+    for i in 0..100 {
+        if let Some(Reply::Entry(_)) = create(&sa, root, &format!("f{i}"), i + 1) {
+            acked.push(i);
+        }
+    }
+    assert_eq!(acked.len(), 100);
+    // Another server takes A's tables over as if A had failed: it seals A's journal first.
+    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let sb = b.shared().clone();
+    let journal = sa.journal.id();
+    let s = sb.clone();
+    blocking(move || s.recover_tables(&[lo], journal)).unwrap();
+    // A, not knowing, goes on: nothing more is acknowledged, and it stops.
+    assert_eq!(create(&sa, root, "late", 1000), None, "never acknowledged");
+    assert!(sa.journal.failed());
+    assert!(sa.journal.failure().unwrap().contains("sealed"));
+    for i in acked {
+        assert!(
+            matches!(lookup(&sb, root, &format!("f{i}")), Reply::Entry(_)),
+            "acknowledged f{i} survives the takeover"
+        );
+    }
+    assert!(matches!(lookup(&sb, root, "late"), Reply::Error(_)));
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_owners_late_checkpoint_is_refused_by_the_store() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(config(&tmp.path().join("a"))).await.unwrap();
+    let root = a.root;
+    let lo = root_table(&a);
+    let sa = a.shared().clone();
+    assert!(matches!(create(&sa, root, "x", 1), Some(Reply::Entry(_))));
+    // A fencer replaces the manifest (here without sealing A's journal, so that only the
+    // store's conditional write stands between A and the table).
+    let store = sa.store.clone();
+    let m = read_manifest_by_id(store.as_ref(), lo).unwrap().unwrap();
+    let before = m.version;
+    let fencer = JournalId {
+        server: 9,
+        epoch: 1,
+    };
+    kochab_server::recovery::claim(store.as_ref(), m, fencer, 0, &Default::default()).unwrap();
+    // A's checkpoint of the changed table is refused, and A stops.
+    let s = sa.clone();
+    let err = blocking(move || s.checkpointer.lock().round(&s).map(|_| ())).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
+    assert!(sa.journal.failed(), "a fenced server stops");
+    let m = read_manifest_by_id(store.as_ref(), lo).unwrap().unwrap();
+    assert_eq!(m.version, before + 1, "the fencer's manifest stands");
+    assert_eq!(m.owner.map(|o| o.server), Some(9));
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_start_new_incarnations_and_old_journals_are_collected() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("a");
+    let journals = |dir: &Path| -> Vec<JournalId> {
+        let store = LocalStore::open(dir.join("store")).unwrap();
+        kochab_journal::segment::list_journals(&store).unwrap()
+    };
+    let mut names: Vec<String> = Vec::new();
+    for epoch in 1..=4u64 {
+        let a = start(config(&dir)).await.unwrap();
+        assert_eq!(
+            a.shared().journal.id(),
+            JournalId { server: 1, epoch },
+            "every start is a new incarnation"
+        );
+        let sa = a.shared().clone();
+        let root = a.root;
+        for n in &names {
+            assert!(
+                matches!(lookup(&sa, root, n), Reply::Entry(_)),
+                "{n} survives restart {epoch}"
+            );
+        }
+        let name = format!("e{epoch}");
+        // A new sequence number each time: the reply cache survives restarts, and would
+        // answer a reused one as a retry.
+        assert!(matches!(
+            create(&sa, root, &name, epoch),
+            Some(Reply::Entry(_))
+        ));
+        names.push(name);
+        if epoch == 2 {
+            // Without a clean stop (no final checkpoint; the directory lock goes with the
+            // server): the next start seals and replays this journal.
+            sa.journal.shutdown();
+            drop(sa);
+            drop(a);
+            continue;
+        }
+        a.shutdown().await;
+        // The final round let every older journal go.
+        assert_eq!(journals(&dir), vec![JournalId { server: 1, epoch }]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_takeover_is_answered_from_the_moved_reply_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(config(&tmp.path().join("a"))).await.unwrap();
+    let root = a.root;
+    let lo = root_table(&a);
+    let sa = a.shared().clone();
+    let Some(Reply::Entry(first)) = create(&sa, root, "once", 42) else {
+        panic!("create");
+    };
+    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let sb = b.shared().clone();
+    let journal = sa.journal.id();
+    let s = sb.clone();
+    blocking(move || s.recover_tables(&[lo], journal)).unwrap();
+    // The client lost the reply and retries the same request at the new owner.
+    match create(&sb, root, "once", 42) {
+        Some(Reply::Entry(again)) => assert_eq!(again.id, first.id, "answered, not rerun"),
+        other => panic!("retry answered with {other:?}"),
+    }
+    b.shutdown().await;
+    a.shutdown().await;
+}
