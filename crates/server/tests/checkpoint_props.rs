@@ -15,7 +15,7 @@ use kochab_meta::table::{DentryImage, InodeImage};
 use kochab_meta::{BoxImage, Engine, EngineConfig, Inode, Mutation, Reclaim, Table};
 use kochab_proto::{Credentials, FileKind, InodeId, Op, Reply, mode};
 use kochab_server::checkpoint::{
-    BOX_IMAGE_BYTES_MAX, ImageRef, Manifest, load_table, put_manifest, read_manifest,
+    BOX_IMAGE_BYTES_MAX, ImageRef, Manifest, load_table, read_manifest, swap_manifest,
 };
 use kochab_server::core::JournalEntry;
 use kochab_store::{MemStore, ObjectStore};
@@ -168,7 +168,7 @@ fn full_images(e: &mut Engine) -> (usize, Vec<BoxImage>) {
 fn frame(payloads: &[Vec<u8>]) -> Vec<u8> {
     let mut buf = Vec::new();
     for (k, p) in payloads.iter().enumerate() {
-        encode_record_with(&mut buf, k as u64 + 1, BOX_IMAGE_BYTES_MAX, |o| {
+        encode_record_with(&mut buf, k as u64 + 1, 1, BOX_IMAGE_BYTES_MAX, |o| {
             o.extend_from_slice(p)
         })
         .unwrap_or_else(|e| panic!("{e}"));
@@ -185,20 +185,22 @@ fn encode(imgs: &[BoxImage]) -> Vec<Vec<u8>> {
 /// A store holding one table's manifest and one image with `bytes`.
 fn store_with_image(lo: u64, hi: u64, bytes: &[u8]) -> (MemStore, Manifest) {
     let s = MemStore::new();
-    let m = Manifest {
+    let mut m = Manifest {
         lo,
         hi,
-        replay_from: 7,
         images: vec![ImageRef {
             seq: 1,
             bytes: bytes.len() as u64,
             full: true,
+            server: 1,
+            epoch: 1,
         }],
         next_seq: 2,
+        ..Manifest::default()
     };
-    s.put(&format!("tables/{lo:016x}/{:010}.img", 1), bytes)
+    s.put(&format!("tables/{lo:016x}/{:010}.1.1.img", 1), bytes)
         .unwrap_or_else(|e| panic!("{e}"));
-    put_manifest(&s, &m).unwrap_or_else(|e| panic!("{e}"));
+    swap_manifest(&s, &mut m).unwrap_or_else(|e| panic!("{e}"));
     (s, m)
 }
 
@@ -506,7 +508,6 @@ fn undamaged_images_load_back_exactly() {
     let boxes = load_table(&store, &mut t, &m).unwrap_or_else(|err| panic!("{err}"));
     assert_eq!(boxes as usize, imgs.len());
     assert_eq!(contents(&t), contents(&e.tables()[idx]));
-    assert_eq!(t.replay_from, 7);
     assert_eq!(t.inode_count(), e.tables()[idx].inode_count());
     assert_eq!(t.dentry_count(), e.tables()[idx].dentry_count());
 }
@@ -593,16 +594,18 @@ proptest! {
     #[test]
     fn arbitrary_manifests_never_panic(raw in vec(any::<u8>(), 0..120), at in any::<Index>(), b in any::<u8>()) {
         let s = MemStore::new();
-        s.put("tables/0000000000000000/manifest", &raw).map_err(fail)?;
+        let name = kochab_store::versioned_name("tables/0000000000000000/manifest", 1);
+        s.put(&name, &raw).map_err(fail)?;
         let _ = read_manifest(&s, 0, 1 << 40);
-        let m = Manifest { lo: 0, hi: 1 << 40, replay_from: 3, images: vec![ImageRef { seq: 1, bytes: 10, full: true }], next_seq: 2 };
-        put_manifest(&s, &m).map_err(fail)?;
-        let mut json = s.get("tables/0000000000000000/manifest").map_err(fail)?.unwrap_or_default();
+        let s = MemStore::new();
+        let mut m = Manifest { lo: 0, hi: 1 << 40, images: vec![ImageRef { seq: 1, bytes: 10, full: true, server: 1, epoch: 1 }], next_seq: 2, ..Manifest::default() };
+        swap_manifest(&s, &mut m).map_err(fail)?;
+        let mut json = s.get(&name).map_err(fail)?.unwrap_or_default();
         let i = at.index(json.len().max(1)).min(json.len().saturating_sub(1));
         if let Some(x) = json.get_mut(i) {
             *x = b;
         }
-        s.put("tables/0000000000000000/manifest", &json).map_err(fail)?;
+        s.put(&name, &json).map_err(fail)?;
         if let Ok(m) = read_manifest(&s, 0, 1 << 40) {
             let mut t = Table::new(0, 1 << 40);
             let _ = load_table(&s, &mut t, &m);

@@ -164,6 +164,20 @@ impl ObjectStore for MemStore {
         Ok(())
     }
 
+    /// Atomic under the map's lock, as the trait requires.
+    fn create_if_absent(&self, name: &str, data: &[u8]) -> io::Result<()> {
+        match lock(&self.objects).entry(name.to_string()) {
+            std::collections::btree_map::Entry::Occupied(_) => Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("object {name} exists"),
+            )),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(data.to_vec());
+                Ok(())
+            }
+        }
+    }
+
     fn capacity(&self) -> io::Result<Capacity> {
         Ok(Capacity {
             total_bytes: MAX_OBJECT_BYTES,
@@ -175,6 +189,20 @@ impl ObjectStore for MemStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn create_if_absent_creates_once() {
+        let s = MemStore::new();
+        s.create_if_absent("m/x", b"1").unwrap();
+        let e = s.create_if_absent("m/x", b"2").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
+        assert_eq!(s.get("m/x").unwrap().unwrap(), b"1");
+        assert_eq!(s.swap_version("m/v", 0, b"a").unwrap(), 1);
+        assert_eq!(
+            s.swap_version("m/v", 0, b"b").unwrap_err().kind(),
+            io::ErrorKind::AlreadyExists
+        );
+    }
 
     #[test]
     fn objects_behave_like_files() {
