@@ -34,14 +34,22 @@ impl ServerLink for Servers {
         self.seen.lock().unwrap().push(control.clone());
         let held = *self.hold_drops.lock().unwrap();
         let reply = match control.body {
-            ControlBody::Drop { table, .. } if !held => Some(ControlReply::Dropped {
+            ControlBody::Drop {
+                table, map_version, ..
+            } if !held => Some(ControlReply::Dropped {
                 table,
                 by: control.to,
+                map_version,
             }),
             ControlBody::Drop { .. } => None,
-            ControlBody::Add { tables, .. } => Some(ControlReply::Added {
+            ControlBody::Add {
+                tables,
+                map_version,
+                ..
+            } => Some(ControlReply::Added {
                 tables,
                 by: control.to,
+                map_version,
             }),
             ControlBody::Grant { id } => Some(ControlReply::GrantAck { id }),
         };
