@@ -24,6 +24,11 @@ use crate::{Raft, ReplicaId, ReplicatedState};
 /// Connections a replica serves at once (peers plus clients); more wait to be accepted.
 pub const CONNECTIONS_MAX: usize = 256;
 
+/// A connection with no request for this long is closed, so half-open connections from
+/// vanished peers do not hold `CONNECTIONS_MAX` slots forever. Replication sends a
+/// heartbeat every `heartbeat_ms`; a client's next call simply dials again.
+pub const CONN_IDLE_MAX: Duration = Duration::from_secs(600);
+
 /// Timing and log-size knobs. Short values suit tests on loopback; the defaults suit a
 /// loaded machine, where a missed heartbeat must not start an election.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -505,7 +510,11 @@ async fn serve_conn<S: ReplicatedState>(
     stream.set_nodelay(true)?;
     wire::handshake_accept(&mut stream, &key).await?;
     loop {
-        let req: Request<S> = match wire::read_msg(&mut stream).await {
+        let next = tokio::time::timeout(CONN_IDLE_MAX, wire::read_msg(&mut stream)).await;
+        let Ok(next) = next else {
+            return Ok(()); // idle too long
+        };
+        let req: Request<S> = match next {
             Ok(r) => r,
             Err(WireError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 return Ok(());
