@@ -7,12 +7,15 @@ use kochab_proto::AtimeRule;
 use std::path::Path;
 use std::time::Duration;
 
-/// What `-o OPTIONS` asks of a mount: the access-time rule and read-only (the last of
-/// each wins, as in mount(8)); other options are accepted and left alone.
+/// What `-o OPTIONS` asks of a mount: the access-time rule, read-only, and whether setuid
+/// bits and device nodes work (the last of each wins, as in mount(8)); other options are
+/// accepted and left alone. Mounts are nosuid,nodev unless `suid`/`dev` are given.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Options {
     pub atime: AtimeRule,
     pub read_only: bool,
+    pub suid: bool,
+    pub dev: bool,
 }
 
 /// Parses a mount's comma-separated options.
@@ -25,6 +28,10 @@ pub fn options(text: Option<&str>) -> Options {
             "strictatime" => o.atime = AtimeRule::Always,
             "ro" => o.read_only = true,
             "rw" => o.read_only = false,
+            "suid" => o.suid = true,
+            "nosuid" => o.suid = false,
+            "dev" => o.dev = true,
+            "nodev" => o.dev = false,
             _ => {}
         }
     }
@@ -44,6 +51,8 @@ pub fn mount(
         source: source.to_string(),
         atime: options.atime,
         read_only: options.read_only,
+        suid: options.suid,
+        dev: options.dev,
         ..MountConfig::default()
     };
     let fs = KochabFs::new(client, tokio::runtime::Handle::current(), config);
@@ -159,9 +168,7 @@ pub fn background(args: &MountArgs) -> Result<(), String> {
     if let Some(o) = &args.options {
         cmd.arg("-o").arg(o);
     }
-    if let Some(k) = &args.key.key {
-        cmd.env("KOCHAB_KEY", k);
-    }
+    // KOCHAB_KEY, if set, reaches the child through the environment (never argv).
     cmd.stdin(std::process::Stdio::null())
         .stdout(log.try_clone().map_err(|e| e.to_string())?)
         .stderr(log);

@@ -1,7 +1,7 @@
 //! One authenticated, multiplexed connection to a server: many requests in flight, replies
 //! matched by request id in any order.
 
-use kochab_proto::auth::{ClusterKey, prove};
+use kochab_proto::auth::{ClientKey, verify_server};
 use kochab_proto::frame::{FRAME_HEADER_BYTES, decode_payload, encode_frame, parse_header};
 use kochab_proto::*;
 use parking_lot::Mutex;
@@ -40,13 +40,16 @@ pub struct Conn {
     alive: Arc<AtomicBool>,
     /// The root directory, as the server announced it.
     pub root: InodeId,
+    /// The session the server keeps for this client and key.
+    pub session: u64,
 }
 
 impl Conn {
-    /// Connects, authenticates with `key` as `client_id`, and starts the I/O tasks.
+    /// Connects, authenticates with `key` as `client_id` (and the server with the same key:
+    /// a server that cannot prove it holds the key is refused), and starts the I/O tasks.
     pub async fn connect(
         addr: SocketAddr,
-        key: &ClusterKey,
+        key: &ClientKey,
         client_id: u64,
         timeout: Duration,
     ) -> Result<Arc<Conn>, ConnError> {
@@ -56,7 +59,7 @@ impl Conn {
             .map_err(|_| ConnError::Lost(format!("{addr}: connect timed out")))?
             .map_err(lost)?;
         let _ = sock.set_nodelay(true);
-        kochab_proto::net::size_socket_buffers(std::os::fd::AsRawFd::as_raw_fd(&sock));
+        kochab_proto::net::size_socket_buffers(&sock);
         let (mut rd, mut wr) = sock.into_split();
         let mut buf = Vec::with_capacity(READ_CHUNK);
         let handshake = async {
@@ -75,11 +78,10 @@ impl Conn {
                     challenge.version
                 )));
             }
-            let auth = Auth {
-                version: PROTOCOL_VERSION,
-                client_id,
-                mac: prove(key, &challenge.nonce, client_id),
-            };
+            let mut client_nonce = [0u8; 32];
+            getrandom::fill(&mut client_nonce)
+                .map_err(|e| ConnError::Lost(format!("no randomness: {e}")))?;
+            let (auth, t) = Auth::prove(key, challenge.nonce, client_nonce, client_id);
             let mut out = Vec::new();
             encode_frame(&mut out, FrameKind::Auth, 0, &auth)
                 .map_err(|e| ConnError::Lost(e.to_string()))?;
@@ -87,7 +89,18 @@ impl Conn {
             let (kind, payload) = read_frame(&mut rd, &mut buf).await?;
             match kind {
                 FrameKind::Welcome => {
-                    decode_payload::<Welcome>(&payload).map_err(|e| ConnError::Lost(e.to_string()))
+                    let w = decode_payload::<Welcome>(&payload)
+                        .map_err(|e| ConnError::Lost(e.to_string()))?;
+                    // Mutual authentication: nothing from a server that does not hold the
+                    // key is used (a spoofed server could otherwise serve any files).
+                    if !verify_server(&key.key, &t, &w.mac) {
+                        return Err(ConnError::Refused(fs_err!(
+                            EACCES,
+                            "{addr} did not prove it holds key {}: not the cluster's server",
+                            key.id
+                        )));
+                    }
+                    Ok(w)
                 }
                 FrameKind::Goodbye => Err(refused(&payload)),
                 k => Err(ConnError::Lost(format!("expected a welcome, got {k:?}"))),
@@ -107,6 +120,7 @@ impl Conn {
             next_id: AtomicU64::new(1),
             alive,
             root: welcome.root,
+            session: welcome.session,
         }))
     }
 

@@ -149,6 +149,10 @@ pub struct Shared {
     pub session_grace: std::time::Duration,
     /// Wakes the task that works through `Core::cleanup`.
     pub cleanup_wake: tokio::sync::Notify,
+    /// The cluster key and the client keys, with their policies.
+    pub keys: Arc<crate::keys::KeyStore>,
+    /// Rate limit of the warnings about malformed frames (any peer can cause them).
+    pub bad_frame_log: crate::conn::LogLimiter,
 }
 
 /// Nanoseconds since the epoch from the system clock.

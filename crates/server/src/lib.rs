@@ -16,6 +16,7 @@ pub mod data;
 pub mod datadir;
 pub mod filelocks;
 pub mod filesvc;
+pub mod keys;
 pub mod locks;
 pub mod metrics;
 pub mod recovery;

@@ -19,8 +19,11 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-/// Most simultaneous client connections; more are refused with EAGAIN.
-const MAX_CONNECTIONS: u64 = 4096;
+/// Most simultaneous client connections, authenticated or still in the handshake; more
+/// are closed at once. Each costs two tasks and a 64 KiB read buffer (about 100 KiB), so
+/// the limit keeps idle or hostile connections under half a GiB, and under the default
+/// file-descriptor limits once raised for a server.
+pub const MAX_CONNECTIONS: u64 = 4096;
 
 /// Smallest journal segment a server uses: a record must fit in one segment, and the largest
 /// a client can cause (a 64 KiB xattr value with its inode, see `core::tests`) and the
@@ -152,6 +155,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         tracing::info!("created a new cluster in {}", dir.path.display());
     }
     let root = engine.root();
+    let keys = Arc::new(crate::keys::KeyStore::load(&dir.path, dir.key)?);
     let data = Arc::new(DataStore::new(dir.store.clone()));
     // Data deletions and trims left over from before the restart run in the background
     // (`reclaim_loop`): serving never waits for bulk deletion, and a data operation on a
@@ -177,6 +181,8 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         file_locks: Default::default(),
         session_grace: config.session_grace,
         cleanup_wake: tokio::sync::Notify::new(),
+        keys,
+        bad_frame_log: Default::default(),
     });
     let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
     let reclaimer = tokio::spawn(reclaim_loop(shared.clone()));
@@ -202,7 +208,6 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
     let accept_task = tokio::spawn(accept_loop(
         listener,
         shared.clone(),
-        dir.key,
         shutdown_rx,
         shared.journal.subscribe_failure(),
     ));
@@ -243,7 +248,6 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
 async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
-    key: ClusterKey,
     mut shutdown: watch::Receiver<bool>,
     mut journal_failure: watch::Receiver<Option<String>>,
 ) {
@@ -253,12 +257,17 @@ async fn accept_loop(
             _ = journal_failure.changed() => return,
             r = listener.accept() => match r {
                 Ok((sock, peer)) => {
-                    if shared.connections.load(Ordering::Relaxed) >= MAX_CONNECTIONS {
-                        tracing::warn!("refusing {peer}: {MAX_CONNECTIONS} connections open");
+                    // Counted from accept, not from authentication: unauthenticated
+                    // connections take slots too (each for at most the handshake timeout).
+                    if shared.connections.fetch_add(1, Ordering::Relaxed) >= MAX_CONNECTIONS {
+                        shared.connections.fetch_sub(1, Ordering::Relaxed);
+                        if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                            tracing::warn!("refusing {peer}: {MAX_CONNECTIONS} connections open");
+                        }
                         drop(sock);
                         continue;
                     }
-                    tokio::spawn(crate::conn::serve(shared.clone(), key, sock, peer, shutdown.clone()));
+                    tokio::spawn(crate::conn::serve(shared.clone(), sock, peer, shutdown.clone()));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
