@@ -207,6 +207,16 @@ struct UpArgs {
     /// Also mount the cluster here (FUSE), for as long as it runs.
     #[arg(long)]
     mount: Option<PathBuf>,
+    /// TLS for client connections: this PEM certificate chain (it must name the address
+    /// clients connect to) ...
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// ... and this PEM private key.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// With TLS and --mount: the PEM file of the authority the mount trusts.
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
     /// Seconds a disconnected client keeps its open files and locks.
     #[arg(long, default_value_t = 10.0)]
     session_grace: f64,
@@ -246,6 +256,8 @@ struct MountArgs {
     foreground: bool,
     #[command(flatten)]
     key: KeyArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Where the background mount writes its log.
     #[arg(long)]
     log: Option<PathBuf>,
@@ -282,6 +294,26 @@ impl KeyArgs {
     }
 }
 
+/// TLS to the cluster (when its server runs with --tls-cert).
+#[derive(Args, Clone)]
+struct TlsArgs {
+    /// Connect with TLS, trusting the certificate authorities in this PEM file.
+    #[arg(long, env = "KOCHAB_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    fn load(&self) -> Result<Option<kochab_client::tls::TlsClient>, String> {
+        self.tls_ca
+            .as_deref()
+            .map(|ca| {
+                kochab_client::tls::TlsClient::from_ca_file(ca)
+                    .map_err(|e| format!("cannot load --tls-ca: {e}"))
+            })
+            .transpose()
+    }
+}
+
 #[derive(Args, Clone)]
 struct ConnArgs {
     /// The cluster's HOST:PORT.
@@ -289,6 +321,8 @@ struct ConnArgs {
     cluster: String,
     #[command(flatten)]
     key: KeyArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Connections in the client's pool.
     #[arg(long, default_value_t = 2)]
     connections: usize,
@@ -326,6 +360,7 @@ async fn connect(conn: &ConnArgs) -> Result<Client, String> {
     let addr = resolve_addr(&conn.cluster).map_err(|e| e.to_string())?;
     let mut cfg = ClientConfig::new(addr, key);
     cfg.connections = conn.connections;
+    cfg.tls = conn.tls.load()?;
     Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", conn.cluster))
@@ -364,6 +399,14 @@ async fn up(args: UpArgs) -> Result<(), String> {
     }
     config.session_grace =
         std::time::Duration::from_secs_f64(args.session_grace.clamp(0.0, 3600.0));
+    config.tls_cert_key = args.tls_cert.clone().zip(args.tls_key.clone());
+    let mount_tls = TlsArgs {
+        tls_ca: args.tls_ca.clone(),
+    }
+    .load()?;
+    if config.tls_cert_key.is_some() && args.mount.is_some() && mount_tls.is_none() {
+        return Err("--mount with TLS needs --tls-ca for the mount".into());
+    }
     let server = kochab_server::start(config)
         .await
         .map_err(|e| format!("cannot start: {e}"))?;
@@ -384,6 +427,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
         Some(dir) => {
             let mut cfg = ClientConfig::new(server.addr, server.key);
             cfg.connections = 2;
+            cfg.tls = mount_tls;
             let client = Client::connect(cfg)
                 .await
                 .map_err(|e| format!("cannot connect the mount: {e}"))?;

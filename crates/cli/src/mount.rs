@@ -112,6 +112,7 @@ pub async fn foreground(args: MountArgs) -> Result<(), String> {
     let addr = resolve_addr(&args.cluster).map_err(|e| e.to_string())?;
     let mut cfg = ClientConfig::new(addr, args.key.load()?);
     cfg.connections = 2;
+    cfg.tls = args.tls.load()?;
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", args.cluster))?;
@@ -150,6 +151,7 @@ fn fuse_mounts_at(dir: &Path) -> usize {
 /// and returns once the file system is mounted.
 pub fn background(args: &MountArgs) -> Result<(), String> {
     args.key.load()?;
+    args.tls.load()?;
     // Done when one more mount is there than before (not when one is there at all).
     let mounts_before = fuse_mounts_at(&args.mountpoint);
     let exe = std::env::current_exe().map_err(|e| format!("cannot find myself: {e}"))?;
@@ -167,6 +169,9 @@ pub fn background(args: &MountArgs) -> Result<(), String> {
         .arg(&args.key.key_file);
     if let Some(o) = &args.options {
         cmd.arg("-o").arg(o);
+    }
+    if let Some(ca) = &args.tls.tls_ca {
+        cmd.arg("--tls-ca").arg(ca);
     }
     // KOCHAB_KEY, if set, reaches the child through the environment (never argv).
     cmd.stdin(std::process::Stdio::null())

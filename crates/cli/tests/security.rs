@@ -586,3 +586,148 @@ fn a_default_mount_is_nosuid_and_nodev() {
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "65534");
 }
+
+/// Runs openssl; panics with its output if it fails.
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("openssl");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A certificate authority and a server certificate for 127.0.0.1 signed by it.
+fn make_certs(dir: &Path, name: &str) {
+    let ca_key = format!("{name}-ca.key");
+    let ca = format!("{name}-ca.pem");
+    openssl(
+        dir,
+        &[
+            "ecparam",
+            "-name",
+            "prime256v1",
+            "-genkey",
+            "-noout",
+            "-out",
+            &ca_key,
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-new",
+            "-key",
+            &ca_key,
+            "-subj",
+            "/CN=kochab test CA",
+            "-days",
+            "2",
+            "-out",
+            &ca,
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "ecparam",
+            "-name",
+            "prime256v1",
+            "-genkey",
+            "-noout",
+            "-out",
+            "server.key",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-new",
+            "-key",
+            "server.key",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-out",
+            "server.csr",
+        ],
+    );
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            &ca,
+            "-CAkey",
+            &ca_key,
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+            "-out",
+            "server.pem",
+        ],
+    );
+}
+
+#[test]
+fn tls_round_trip_on_loopback() {
+    let tmp = tempfile::tempdir().unwrap();
+    let certs = tmp.path().join("certs");
+    std::fs::create_dir(&certs).unwrap();
+    make_certs(&certs, "good");
+    let cert = certs.join("server.pem");
+    let key = certs.join("server.key");
+    let server = ServerProc::start(
+        &tmp.path().join("data"),
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    runtime().block_on(async {
+        let tls =
+            kochab_client::tls::TlsClient::from_ca_file(&certs.join("good-ca.pem")).expect("CA");
+        let mut cfg = ClientConfig::new(server.addr, server.key);
+        cfg.tls = Some(tls);
+        let c = Client::connect(cfg).await.expect("TLS connect");
+        let root = Credentials::root();
+        let f = c.create(&root, c.root(), b"over-tls", 0o644).await.unwrap();
+        let (_, h) = c.open(&root, f.id, O_RDWR).await.unwrap();
+        let data = vec![7u8; 300_000];
+        c.write(&root, h, 0, data.clone()).await.unwrap();
+        assert_eq!(c.read(&root, h, 0, 300_000).await.unwrap(), data);
+        c.close(&root, h).await.unwrap();
+
+        // Without TLS, or trusting another authority, nothing is served.
+        let mut plain = ClientConfig::new(server.addr, server.key);
+        plain.attempts = 1;
+        plain.connect_timeout = Duration::from_secs(2);
+        assert!(Client::connect(plain).await.is_err());
+        let other = tmp.path().join("other");
+        std::fs::create_dir(&other).unwrap();
+        make_certs(&other, "other");
+        let mut wrong = ClientConfig::new(server.addr, server.key);
+        wrong.attempts = 1;
+        wrong.tls =
+            Some(kochab_client::tls::TlsClient::from_ca_file(&other.join("other-ca.pem")).unwrap());
+        assert_eq!(errno_of(Client::connect(wrong).await), Errno::EACCES);
+    });
+}

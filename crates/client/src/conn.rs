@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 
 /// Bytes the writer gathers into one write.
@@ -20,6 +19,9 @@ const WRITE_BATCH_BYTES: usize = 256 << 10;
 use kochab_proto::net::READ_CHUNK;
 /// Frames queued for the writer before senders wait.
 const SEND_QUEUE: usize = 4096;
+
+type Rd = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+type Wr = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
 
 /// Why a request got no reply on this connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +55,17 @@ impl Conn {
         client_id: u64,
         timeout: Duration,
     ) -> Result<Arc<Conn>, ConnError> {
+        Conn::connect_with(addr, key, client_id, timeout, None).await
+    }
+
+    /// [`Conn::connect`], through TLS if `tls` is given.
+    pub async fn connect_with(
+        addr: SocketAddr,
+        key: &ClientKey,
+        client_id: u64,
+        timeout: Duration,
+        tls: Option<&crate::tls::TlsClient>,
+    ) -> Result<Arc<Conn>, ConnError> {
         let lost = |e: std::io::Error| ConnError::Lost(format!("{addr}: {e}"));
         let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
             .await
@@ -60,7 +73,23 @@ impl Conn {
             .map_err(lost)?;
         let _ = sock.set_nodelay(true);
         kochab_proto::net::size_socket_buffers(&sock);
-        let (mut rd, mut wr) = sock.into_split();
+        let (mut rd, mut wr): (Rd, Wr) = match tls {
+            None => {
+                let (r, w) = sock.into_split();
+                (Box::new(r), Box::new(w))
+            }
+            Some(tls) => {
+                let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+                let s = tokio::time::timeout(timeout, tls.0.connect(name, sock))
+                    .await
+                    .map_err(|_| ConnError::Lost(format!("{addr}: TLS handshake timed out")))?
+                    .map_err(|e| {
+                        ConnError::Refused(fs_err!(EACCES, "{addr}: TLS handshake failed: {e}"))
+                    })?;
+                let (r, w) = tokio::io::split(s);
+                (Box::new(r), Box::new(w))
+            }
+        };
         let mut buf = Vec::with_capacity(READ_CHUNK);
         let handshake = async {
             let (kind, payload) = read_frame(&mut rd, &mut buf).await?;
@@ -192,10 +221,7 @@ fn refused(payload: &[u8]) -> ConnError {
     }
 }
 
-async fn read_frame(
-    rd: &mut OwnedReadHalf,
-    buf: &mut Vec<u8>,
-) -> Result<(FrameKind, Vec<u8>), ConnError> {
+async fn read_frame(rd: &mut Rd, buf: &mut Vec<u8>) -> Result<(FrameKind, Vec<u8>), ConnError> {
     loop {
         match parse_header(buf) {
             Ok(Some(h)) => {
@@ -232,7 +258,7 @@ fn refuse_all(pending: &Pending, alive: &AtomicBool, why: &FsError) {
 }
 
 async fn write_loop(
-    mut wr: OwnedWriteHalf,
+    mut wr: Wr,
     mut rx: mpsc::Receiver<Vec<u8>>,
     alive: Arc<AtomicBool>,
     pending: Arc<Pending>,
@@ -266,12 +292,7 @@ async fn write_loop(
     }
 }
 
-async fn read_loop(
-    mut rd: OwnedReadHalf,
-    mut buf: Vec<u8>,
-    pending: Arc<Pending>,
-    alive: Arc<AtomicBool>,
-) {
+async fn read_loop(mut rd: Rd, mut buf: Vec<u8>, pending: Arc<Pending>, alive: Arc<AtomicBool>) {
     let mut start = 0;
     loop {
         loop {

@@ -7,6 +7,7 @@
 
 pub mod conn;
 pub mod dircache;
+pub mod tls;
 
 use conn::{Conn, ConnError};
 use dircache::DirCache;
@@ -37,6 +38,8 @@ pub struct ClientConfig {
     pub attempts: u32,
     /// Time to connect and authenticate.
     pub connect_timeout: Duration,
+    /// TLS to the server (`--tls-ca`); plain TCP if `None`.
+    pub tls: Option<tls::TlsClient>,
 }
 
 impl ClientConfig {
@@ -49,6 +52,7 @@ impl ClientConfig {
             request_timeout: Duration::from_secs(15),
             attempts: 4,
             connect_timeout: Duration::from_secs(5),
+            tls: None,
         }
     }
 }
@@ -175,11 +179,12 @@ impl Client {
             return Ok(c.clone());
         }
         let cfg = &self.inner.config;
-        match Conn::connect(
+        match Conn::connect_with(
             cfg.addr,
             &cfg.key,
             self.inner.client_id,
             cfg.connect_timeout,
+            cfg.tls.as_ref(),
         )
         .await
         {

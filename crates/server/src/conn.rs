@@ -20,8 +20,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
+
+/// A connection's read side: plain TCP or TLS.
+pub type Rd = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+/// A connection's write side.
+pub type Wr = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
 
 /// Time a new connection has to authenticate: a real client needs one round trip; an
 /// unauthenticated peer holds a connection slot no longer than this.
@@ -198,32 +202,51 @@ pub async fn serve(
     sock: TcpStream,
     peer: SocketAddr,
     shutdown: watch::Receiver<bool>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     let _counted = Counted(&shared.connections);
     let _ = sock.set_nodelay(true);
     kochab_proto::net::size_socket_buffers(&sock);
-    let (mut rd, mut wr) = sock.into_split();
-    let mut buf = Vec::with_capacity(PREAUTH_FRAME_BYTES_MAX + FRAME_HEADER_BYTES);
-    let who = match tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        handshake(&shared, &mut rd, &mut wr, &mut buf),
-    )
-    .await
-    {
-        Ok(Ok(who)) => who,
-        Ok(Err(reason)) => {
-            if shared.bad_frame_log.allow(Instant::now()).is_some() {
-                tracing::info!("connection from {peer} refused: {reason}");
-            }
-            return;
+    // TLS and the key handshake share one deadline.
+    let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+    let (mut rd, mut wr): (Rd, Wr) = match tls {
+        None => {
+            let (r, w) = sock.into_split();
+            (Box::new(r), Box::new(w))
         }
-        Err(_) => {
-            if shared.bad_frame_log.allow(Instant::now()).is_some() {
-                tracing::info!("connection from {peer} did not authenticate in time");
+        Some(acceptor) => match tokio::time::timeout_at(deadline, acceptor.accept(sock)).await {
+            Ok(Ok(s)) => {
+                let (r, w) = tokio::io::split(s);
+                (Box::new(r), Box::new(w))
             }
-            return;
-        }
+            Ok(Err(e)) => {
+                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                    tracing::info!("TLS handshake with {peer} failed: {e}");
+                }
+                return;
+            }
+            Err(_) => return,
+        },
     };
+    let mut buf = Vec::with_capacity(PREAUTH_FRAME_BYTES_MAX + FRAME_HEADER_BYTES);
+    let who =
+        match tokio::time::timeout_at(deadline, handshake(&shared, &mut rd, &mut wr, &mut buf))
+            .await
+        {
+            Ok(Ok(who)) => who,
+            Ok(Err(reason)) => {
+                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                    tracing::info!("connection from {peer} refused: {reason}");
+                }
+                return;
+            }
+            Err(_) => {
+                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                    tracing::info!("connection from {peer} did not authenticate in time");
+                }
+                return;
+            }
+        };
     let session = who.session;
     shared.core.lock().sessions.connect(session);
     let backlog = Arc::new(Backlog::default());
@@ -252,8 +275,8 @@ fn goodbye(errno: Errno, message: &str) -> Vec<u8> {
 /// Challenge, mutual proof, welcome. Returns the session and key of the client.
 async fn handshake(
     shared: &Shared,
-    rd: &mut OwnedReadHalf,
-    wr: &mut OwnedWriteHalf,
+    rd: &mut Rd,
+    wr: &mut Wr,
     buf: &mut Vec<u8>,
 ) -> Result<Identity, String> {
     let mut nonce = [0u8; 32];
@@ -419,7 +442,7 @@ fn take_requests(
 async fn read_loop(
     shared: &Arc<Shared>,
     who: Identity,
-    mut rd: OwnedReadHalf,
+    mut rd: Rd,
     mut buf: Vec<u8>,
     tx: mpsc::Sender<Outgoing>,
     peer: SocketAddr,
@@ -579,7 +602,7 @@ fn accept(item: Outgoing, waiting: &mut Vec<Replies>, goodbye: &mut Option<Vec<u
 /// lookup never waits behind another request's fsync.
 async fn write_loop(
     shared: Arc<Shared>,
-    mut wr: OwnedWriteHalf,
+    mut wr: Wr,
     mut rx: mpsc::Receiver<Outgoing>,
     peer: SocketAddr,
     backlog: Arc<Backlog>,

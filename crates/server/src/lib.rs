@@ -23,6 +23,7 @@ pub mod recovery;
 pub mod replycache;
 pub mod server;
 pub mod session;
+pub mod tls;
 
 pub use datadir::{DataDir, KEY_FILE, read_key_file};
 pub use server::{RunningServer, ServerConfig, start};

@@ -47,6 +47,8 @@ pub struct ServerConfig {
     /// How long a client may be disconnected before its handles are closed and its locks
     /// released (and how long, after a restart, unlinked files wait to be reopened).
     pub session_grace: Duration,
+    /// TLS for client connections: a PEM certificate chain and its PEM private key.
+    pub tls_cert_key: Option<(PathBuf, PathBuf)>,
 }
 
 impl ServerConfig {
@@ -62,6 +64,7 @@ impl ServerConfig {
             checkpoint_interval: Duration::from_secs(30),
             segment_bytes: JournalOptions::default().segment_bytes,
             session_grace: Duration::from_secs(10),
+            tls_cert_key: None,
         }
     }
 }
@@ -202,6 +205,10 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
             .spawn(move || checkpoint_loop(shared, ckpt, stopper, config))?
     };
 
+    let tls = match &config.tls_cert_key {
+        Some((cert, key)) => Some(crate::tls::acceptor(cert, key)?),
+        None => None,
+    };
     let listener = TcpListener::bind(config.listen).await?;
     let addr = listener.local_addr()?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
@@ -210,6 +217,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         shared.clone(),
         shutdown_rx,
         shared.journal.subscribe_failure(),
+        tls,
     ));
     let (metrics_task, metrics_addr) = match config.metrics_listen {
         Some(a) => {
@@ -250,6 +258,7 @@ async fn accept_loop(
     shared: Arc<Shared>,
     mut shutdown: watch::Receiver<bool>,
     mut journal_failure: watch::Receiver<Option<String>>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     loop {
         tokio::select! {
@@ -267,7 +276,7 @@ async fn accept_loop(
                         drop(sock);
                         continue;
                     }
-                    tokio::spawn(crate::conn::serve(shared.clone(), sock, peer, shutdown.clone()));
+                    tokio::spawn(crate::conn::serve(shared.clone(), sock, peer, shutdown.clone(), tls.clone()));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
