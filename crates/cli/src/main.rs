@@ -207,6 +207,9 @@ struct UpArgs {
     /// Also mount the cluster here (FUSE), for as long as it runs.
     #[arg(long)]
     mount: Option<PathBuf>,
+    /// Options of that mount, as `kochab mount -o` takes them (e.g. dev,suid).
+    #[arg(long, value_name = "OPTIONS", requires = "mount")]
+    mount_options: Option<String>,
     /// TLS for client connections: this PEM certificate chain (it must name the address
     /// clients connect to) ...
     #[arg(long, requires = "tls_key")]
@@ -435,7 +438,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
                 client,
                 &server.addr.to_string(),
                 dir,
-                mount::Options::default(),
+                mount::options(args.mount_options.as_deref()),
             )
             .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
             eprintln!("kochab: mounted at {}", dir.display());
