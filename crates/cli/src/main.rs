@@ -7,7 +7,7 @@ mod mount;
 use clap::{Args, Parser, Subcommand};
 use kochab_bench::{BenchConfig, Phase};
 use kochab_client::{Client, ClientConfig, resolve_addr};
-use kochab_proto::auth::{ClusterKey, key_from_hex};
+use kochab_proto::auth::{ClientKey, client_key_from_text};
 use kochab_server::ServerConfig;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -51,6 +51,13 @@ enum Command {
     /// Show the coordinator group: each replica's role, term and applied index, and the
     /// delegation map's summary.
     CoordStatus(coord::CoordStatusArgs),
+    /// Client keys (admin key only): each with its squash rule and the ids it may claim.
+    Key {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[command(subcommand)]
+        cmd: KeyCommand,
+    },
     /// A small file-system shell over the native client.
     Fs {
         #[command(flatten)]
@@ -58,6 +65,128 @@ enum Command {
         #[command(subcommand)]
         cmd: fsshell::FsCommand,
     },
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Make a client key and write it (mode 0600) to --out.
+    Add {
+        /// File to write the new key to (must not exist).
+        #[arg(long)]
+        out: PathBuf,
+        /// root: uid/gid 0 become --anon-uid/--anon-gid; all: every request runs as them;
+        /// none: credentials pass as sent (a trusted client, as root as the admin key).
+        #[arg(long, default_value = "root")]
+        squash: String,
+        #[arg(long, default_value_t = kochab_proto::NOBODY)]
+        anon_uid: u32,
+        #[arg(long, default_value_t = kochab_proto::NOBODY)]
+        anon_gid: u32,
+        /// Uids the key may claim, LO-HI (others are refused with EPERM).
+        #[arg(long)]
+        uids: Option<String>,
+        /// Gids the key may claim as primary group, LO-HI (others EPERM; supplementary
+        /// groups outside it are dropped).
+        #[arg(long)]
+        gids: Option<String>,
+        /// What the key is for.
+        #[arg(long, default_value = "")]
+        note: String,
+    },
+    /// List the client keys (never their secrets).
+    List,
+    /// Revoke a client key: refused from now on, its connections closed at once.
+    Revoke { id: u32 },
+}
+
+fn id_range(s: &str) -> Result<kochab_proto::IdRange, String> {
+    let (lo, hi) = s.split_once('-').unwrap_or((s, s));
+    let parse = |v: &str| {
+        v.trim()
+            .parse::<u32>()
+            .map_err(|_| format!("{s:?} is not an id range LO-HI"))
+    };
+    let r = kochab_proto::IdRange {
+        lo: parse(lo)?,
+        hi: parse(hi)?,
+    };
+    if r.lo > r.hi {
+        return Err(format!("id range {s:?} is empty"));
+    }
+    Ok(r)
+}
+
+async fn key_command(conn: ConnArgs, cmd: KeyCommand) -> Result<(), String> {
+    use kochab_proto::{KeyPolicy, Squash};
+    let client = connect(&conn).await?;
+    match cmd {
+        KeyCommand::Add {
+            out,
+            squash,
+            anon_uid,
+            anon_gid,
+            uids,
+            gids,
+            note,
+        } => {
+            let squash = match squash.as_str() {
+                "root" => Squash::Root,
+                "all" => Squash::All,
+                "none" => Squash::None,
+                other => return Err(format!("--squash {other:?}: root, all or none")),
+            };
+            let policy = KeyPolicy {
+                squash,
+                anon_uid,
+                anon_gid,
+                uids: uids.as_deref().map(id_range).transpose()?,
+                gids: gids.as_deref().map(id_range).transpose()?,
+            };
+            // Refuse an existing --out before the server makes a key nobody would get.
+            if out.exists() {
+                return Err(format!("{} exists; not replacing it", out.display()));
+            }
+            let key = client
+                .key_add(policy, &note)
+                .await
+                .map_err(|e| e.to_string())?;
+            kochab_client::write_key_file(&out, &key).map_err(|e| {
+                format!(
+                    "key {} was made but cannot be written to {}: {e} (revoke it)",
+                    key.id,
+                    out.display()
+                )
+            })?;
+            println!("key {} written to {}", key.id, out.display());
+        }
+        KeyCommand::List => {
+            println!(
+                "{:>5} {:<8} {:<6} {:>11} {:>11} {:<13} {:<13} note",
+                "id", "state", "squash", "anon uid", "anon gid", "uids", "gids"
+            );
+            let range = |r: Option<kochab_proto::IdRange>| {
+                r.map_or("any".to_string(), |r| format!("{}-{}", r.lo, r.hi))
+            };
+            for k in client.key_list().await.map_err(|e| e.to_string())? {
+                println!(
+                    "{:>5} {:<8} {:<6} {:>11} {:>11} {:<13} {:<13} {}",
+                    k.id,
+                    if k.revoked { "revoked" } else { "active" },
+                    format!("{:?}", k.policy.squash).to_lowercase(),
+                    k.policy.anon_uid,
+                    k.policy.anon_gid,
+                    range(k.policy.uids),
+                    range(k.policy.gids),
+                    k.note
+                );
+            }
+        }
+        KeyCommand::Revoke { id } => {
+            client.key_revoke(id).await.map_err(|e| e.to_string())?;
+            println!("key {id} revoked");
+        }
+    }
+    Ok(())
 }
 
 #[derive(Args)]
@@ -84,6 +213,19 @@ struct UpArgs {
     /// Also mount the cluster here (FUSE), for as long as it runs.
     #[arg(long)]
     mount: Option<PathBuf>,
+    /// Options of that mount, as `kochab mount -o` takes them (e.g. dev,suid).
+    #[arg(long, value_name = "OPTIONS", requires = "mount")]
+    mount_options: Option<String>,
+    /// TLS for client connections: this PEM certificate chain (it must name the address
+    /// clients connect to) ...
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// ... and this PEM private key.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// With TLS and --mount: the PEM file of the authority the mount trusts.
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
     /// Seconds a disconnected client keeps its open files and locks.
     #[arg(long, default_value_t = 10.0)]
     session_grace: f64,
@@ -123,41 +265,61 @@ struct MountArgs {
     foreground: bool,
     #[command(flatten)]
     key: KeyArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Where the background mount writes its log.
     #[arg(long)]
     log: Option<PathBuf>,
     /// Mount options, comma-separated (as mount(8) passes them to mount.fuse.kochab):
-    /// relatime (default), noatime, strictatime, ro, rw; others are accepted and ignored.
+    /// relatime (default), noatime, strictatime, ro, rw, suid, dev (mounts are nosuid,nodev
+    /// unless these are given); others are accepted and ignored.
     #[arg(short = 'o', value_name = "OPTIONS")]
     options: Option<String>,
 }
 
-/// How a client finds the cluster key.
+/// How a client finds its key. The key itself is never an argument (arguments show in
+/// `ps` to every local user): a file (mode 0600), or the KOCHAB_KEY environment variable.
 #[derive(Args, Clone)]
 struct KeyArgs {
-    /// File holding the cluster key (written by `kochab up` into its data directory).
+    /// File holding the key: the cluster key (written by `kochab up` into its data
+    /// directory) or a client key from `kochab key add`. Refused if group or others may
+    /// read it. The environment variable KOCHAB_KEY (HEX or ID:HEX), if set, is used instead.
     #[arg(
         long,
         env = "KOCHAB_KEY_FILE",
         default_value = "./kochab-data/cluster.key"
     )]
     key_file: PathBuf,
-    /// The cluster key itself, in hex (instead of --key-file).
-    #[arg(long, env = "KOCHAB_KEY", hide_env_values = true)]
-    key: Option<String>,
 }
 
 impl KeyArgs {
-    fn load(&self) -> Result<ClusterKey, String> {
-        if let Some(hex) = &self.key {
-            return key_from_hex(hex).ok_or_else(|| "--key is not 64 hex digits".to_string());
+    fn load(&self) -> Result<ClientKey, String> {
+        if let Ok(text) = std::env::var("KOCHAB_KEY") {
+            return client_key_from_text(&text)
+                .ok_or_else(|| "KOCHAB_KEY is not HEX or ID:HEX (64 hex digits)".to_string());
         }
-        kochab_server::read_key_file(&self.key_file).map_err(|e| {
-            format!(
-                "cannot read the cluster key from {}: {e}",
-                self.key_file.display()
-            )
-        })
+        kochab_client::read_key_file(&self.key_file)
+            .map_err(|e| format!("cannot read the key from {}: {e}", self.key_file.display()))
+    }
+}
+
+/// TLS to the cluster (when its server runs with --tls-cert).
+#[derive(Args, Clone)]
+struct TlsArgs {
+    /// Connect with TLS, trusting the certificate authorities in this PEM file.
+    #[arg(long, env = "KOCHAB_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    fn load(&self) -> Result<Option<kochab_client::tls::TlsClient>, String> {
+        self.tls_ca
+            .as_deref()
+            .map(|ca| {
+                kochab_client::tls::TlsClient::from_ca_file(ca)
+                    .map_err(|e| format!("cannot load --tls-ca: {e}"))
+            })
+            .transpose()
     }
 }
 
@@ -168,6 +330,8 @@ struct ConnArgs {
     cluster: String,
     #[command(flatten)]
     key: KeyArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Connections in the client's pool.
     #[arg(long, default_value_t = 2)]
     connections: usize,
@@ -205,6 +369,7 @@ async fn connect(conn: &ConnArgs) -> Result<Client, String> {
     let addr = resolve_addr(&conn.cluster).map_err(|e| e.to_string())?;
     let mut cfg = ClientConfig::new(addr, key);
     cfg.connections = conn.connections;
+    cfg.tls = conn.tls.load()?;
     Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", conn.cluster))
@@ -246,6 +411,14 @@ async fn up(args: UpArgs) -> Result<(), String> {
     }
     config.session_grace =
         std::time::Duration::from_secs_f64(args.session_grace.clamp(0.0, 3600.0));
+    config.tls_cert_key = args.tls_cert.clone().zip(args.tls_key.clone());
+    let mount_tls = TlsArgs {
+        tls_ca: args.tls_ca.clone(),
+    }
+    .load()?;
+    if config.tls_cert_key.is_some() && args.mount.is_some() && mount_tls.is_none() {
+        return Err("--mount with TLS needs --tls-ca for the mount".into());
+    }
     let server = kochab_server::start(config)
         .await
         .map_err(|e| format!("cannot start: {e}"))?;
@@ -266,6 +439,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
         Some(dir) => {
             let mut cfg = ClientConfig::new(server.addr, server.key);
             cfg.connections = 2;
+            cfg.tls = mount_tls;
             let client = Client::connect(cfg)
                 .await
                 .map_err(|e| format!("cannot connect the mount: {e}"))?;
@@ -273,7 +447,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
                 client,
                 &server.addr.to_string(),
                 dir,
-                mount::Options::default(),
+                mount::options(args.mount_options.as_deref()),
             )
             .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
             eprintln!("kochab: mounted at {}", dir.display());
@@ -514,6 +688,10 @@ fn main() -> ExitCode {
                 Some(dir) => fsck_offline(dir, args.repair, args.accept_loss),
                 None => runtime(Some(1)).and_then(|rt| rt.block_on(fsck(args.conn))),
             }
+        }
+        Command::Key { conn, cmd } => {
+            init_logging("warn");
+            runtime(Some(1)).and_then(|rt| rt.block_on(key_command(conn, cmd)))
         }
         Command::Fs { conn, cmd } => {
             init_logging("warn");

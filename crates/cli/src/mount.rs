@@ -7,12 +7,15 @@ use kochab_proto::AtimeRule;
 use std::path::Path;
 use std::time::Duration;
 
-/// What `-o OPTIONS` asks of a mount: the access-time rule and read-only (the last of
-/// each wins, as in mount(8)); other options are accepted and left alone.
+/// What `-o OPTIONS` asks of a mount: the access-time rule, read-only, and whether setuid
+/// bits and device nodes work (the last of each wins, as in mount(8)); other options are
+/// accepted and left alone. Mounts are nosuid,nodev unless `suid`/`dev` are given.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Options {
     pub atime: AtimeRule,
     pub read_only: bool,
+    pub suid: bool,
+    pub dev: bool,
 }
 
 /// Parses a mount's comma-separated options.
@@ -25,6 +28,10 @@ pub fn options(text: Option<&str>) -> Options {
             "strictatime" => o.atime = AtimeRule::Always,
             "ro" => o.read_only = true,
             "rw" => o.read_only = false,
+            "suid" => o.suid = true,
+            "nosuid" => o.suid = false,
+            "dev" => o.dev = true,
+            "nodev" => o.dev = false,
             _ => {}
         }
     }
@@ -44,6 +51,8 @@ pub fn mount(
         source: source.to_string(),
         atime: options.atime,
         read_only: options.read_only,
+        suid: options.suid,
+        dev: options.dev,
         ..MountConfig::default()
     };
     let fs = KochabFs::new(client, tokio::runtime::Handle::current(), config);
@@ -103,6 +112,7 @@ pub async fn foreground(args: MountArgs) -> Result<(), String> {
     let addr = resolve_addr(&args.cluster).map_err(|e| e.to_string())?;
     let mut cfg = ClientConfig::new(addr, args.key.load()?);
     cfg.connections = 2;
+    cfg.tls = args.tls.load()?;
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", args.cluster))?;
@@ -141,6 +151,7 @@ fn fuse_mounts_at(dir: &Path) -> usize {
 /// and returns once the file system is mounted.
 pub fn background(args: &MountArgs) -> Result<(), String> {
     args.key.load()?;
+    args.tls.load()?;
     // Done when one more mount is there than before (not when one is there at all).
     let mounts_before = fuse_mounts_at(&args.mountpoint);
     let exe = std::env::current_exe().map_err(|e| format!("cannot find myself: {e}"))?;
@@ -159,9 +170,10 @@ pub fn background(args: &MountArgs) -> Result<(), String> {
     if let Some(o) = &args.options {
         cmd.arg("-o").arg(o);
     }
-    if let Some(k) = &args.key.key {
-        cmd.env("KOCHAB_KEY", k);
+    if let Some(ca) = &args.tls.tls_ca {
+        cmd.arg("--tls-ca").arg(ca);
     }
+    // KOCHAB_KEY, if set, reaches the child through the environment (never argv).
     cmd.stdin(std::process::Stdio::null())
         .stdout(log.try_clone().map_err(|e| e.to_string())?)
         .stderr(log);

@@ -57,11 +57,7 @@ impl Raw {
             &mut out,
             FrameKind::Auth,
             0,
-            &Auth {
-                version: PROTOCOL_VERSION,
-                client_id: 99,
-                mac: auth::prove(key, &ch.nonce, 99),
-            },
+            &Auth::prove(&auth::ClientKey::admin(*key), ch.nonce, [7; 32], 99).0,
         )
         .unwrap();
         assert!(r.send(&out));
@@ -146,11 +142,7 @@ fn unauthenticated_connections_get_an_error_and_nothing_else() {
         &mut out,
         FrameKind::Auth,
         0,
-        &Auth {
-            version: PROTOCOL_VERSION,
-            client_id: 1,
-            mac: auth::prove(&[0u8; 32], &ch.nonce, 1),
-        },
+        &Auth::prove(&auth::ClientKey::admin([0u8; 32]), ch.nonce, [7; 32], 1).0,
     )
     .unwrap();
     r.send(&out);

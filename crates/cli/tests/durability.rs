@@ -333,11 +333,7 @@ fn retried_create_after_a_crash_is_answered_from_the_reply_cache() {
             &mut out,
             FrameKind::Auth,
             0,
-            &Auth {
-                version: PROTOCOL_VERSION,
-                client_id,
-                mac: auth::prove(key, &ch.nonce, client_id),
-            },
+            &Auth::prove(&auth::ClientKey::admin(*key), ch.nonce, [7; 32], client_id).0,
         )
         .unwrap();
         s.write_all(&out).unwrap();

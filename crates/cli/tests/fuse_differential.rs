@@ -2234,7 +2234,9 @@ struct Env {
 impl Env {
     fn start() -> Env {
         let tmp = tempfile::tempdir().expect("tempdir");
-        let cluster = Cluster::start(tmp.path(), &[]);
+        // Device nodes are compared with ext4's, so this mount opts in to them (mounts are
+        // nodev by default).
+        let cluster = Cluster::start(tmp.path(), &["--mount-options", "dev"]);
         let local = tmp.path().join("local");
         fs::create_dir_all(&local).expect("local dir");
         WATCHED_PID.store(cluster.server.child.id() as u64, Ordering::SeqCst);

@@ -1,7 +1,7 @@
 //! One authenticated, multiplexed connection to a server: many requests in flight, replies
 //! matched by request id in any order.
 
-use kochab_proto::auth::{ClusterKey, prove};
+use kochab_proto::auth::{ClientKey, verify_server};
 use kochab_proto::frame::{FRAME_HEADER_BYTES, decode_payload, encode_frame, parse_header};
 use kochab_proto::*;
 use parking_lot::Mutex;
@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 
 /// Bytes the writer gathers into one write.
@@ -20,6 +19,9 @@ const WRITE_BATCH_BYTES: usize = 256 << 10;
 use kochab_proto::net::READ_CHUNK;
 /// Frames queued for the writer before senders wait.
 const SEND_QUEUE: usize = 4096;
+
+type Rd = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+type Wr = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
 
 /// Why a request got no reply on this connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,15 +42,29 @@ pub struct Conn {
     alive: Arc<AtomicBool>,
     /// The root directory, as the server announced it.
     pub root: InodeId,
+    /// The session the server keeps for this client and key.
+    pub session: u64,
 }
 
 impl Conn {
-    /// Connects, authenticates with `key` as `client_id`, and starts the I/O tasks.
+    /// Connects, authenticates with `key` as `client_id` (and the server with the same key:
+    /// a server that cannot prove it holds the key is refused), and starts the I/O tasks.
     pub async fn connect(
         addr: SocketAddr,
-        key: &ClusterKey,
+        key: &ClientKey,
         client_id: u64,
         timeout: Duration,
+    ) -> Result<Arc<Conn>, ConnError> {
+        Conn::connect_with(addr, key, client_id, timeout, None).await
+    }
+
+    /// [`Conn::connect`], through TLS if `tls` is given.
+    pub async fn connect_with(
+        addr: SocketAddr,
+        key: &ClientKey,
+        client_id: u64,
+        timeout: Duration,
+        tls: Option<&crate::tls::TlsClient>,
     ) -> Result<Arc<Conn>, ConnError> {
         let lost = |e: std::io::Error| ConnError::Lost(format!("{addr}: {e}"));
         let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
@@ -56,8 +72,24 @@ impl Conn {
             .map_err(|_| ConnError::Lost(format!("{addr}: connect timed out")))?
             .map_err(lost)?;
         let _ = sock.set_nodelay(true);
-        kochab_proto::net::size_socket_buffers(std::os::fd::AsRawFd::as_raw_fd(&sock));
-        let (mut rd, mut wr) = sock.into_split();
+        kochab_proto::net::size_socket_buffers(&sock);
+        let (mut rd, mut wr): (Rd, Wr) = match tls {
+            None => {
+                let (r, w) = sock.into_split();
+                (Box::new(r), Box::new(w))
+            }
+            Some(tls) => {
+                let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+                let s = tokio::time::timeout(timeout, tls.0.connect(name, sock))
+                    .await
+                    .map_err(|_| ConnError::Lost(format!("{addr}: TLS handshake timed out")))?
+                    .map_err(|e| {
+                        ConnError::Refused(fs_err!(EACCES, "{addr}: TLS handshake failed: {e}"))
+                    })?;
+                let (r, w) = tokio::io::split(s);
+                (Box::new(r), Box::new(w))
+            }
+        };
         let mut buf = Vec::with_capacity(READ_CHUNK);
         let handshake = async {
             let (kind, payload) = read_frame(&mut rd, &mut buf).await?;
@@ -75,11 +107,10 @@ impl Conn {
                     challenge.version
                 )));
             }
-            let auth = Auth {
-                version: PROTOCOL_VERSION,
-                client_id,
-                mac: prove(key, &challenge.nonce, client_id),
-            };
+            let mut client_nonce = [0u8; 32];
+            getrandom::fill(&mut client_nonce)
+                .map_err(|e| ConnError::Lost(format!("no randomness: {e}")))?;
+            let (auth, t) = Auth::prove(key, challenge.nonce, client_nonce, client_id);
             let mut out = Vec::new();
             encode_frame(&mut out, FrameKind::Auth, 0, &auth)
                 .map_err(|e| ConnError::Lost(e.to_string()))?;
@@ -87,7 +118,18 @@ impl Conn {
             let (kind, payload) = read_frame(&mut rd, &mut buf).await?;
             match kind {
                 FrameKind::Welcome => {
-                    decode_payload::<Welcome>(&payload).map_err(|e| ConnError::Lost(e.to_string()))
+                    let w = decode_payload::<Welcome>(&payload)
+                        .map_err(|e| ConnError::Lost(e.to_string()))?;
+                    // Mutual authentication: nothing from a server that does not hold the
+                    // key is used (a spoofed server could otherwise serve any files).
+                    if !verify_server(&key.key, &t, &w.mac) {
+                        return Err(ConnError::Refused(fs_err!(
+                            EACCES,
+                            "{addr} did not prove it holds key {}: not the cluster's server",
+                            key.id
+                        )));
+                    }
+                    Ok(w)
                 }
                 FrameKind::Goodbye => Err(refused(&payload)),
                 k => Err(ConnError::Lost(format!("expected a welcome, got {k:?}"))),
@@ -107,6 +149,7 @@ impl Conn {
             next_id: AtomicU64::new(1),
             alive,
             root: welcome.root,
+            session: welcome.session,
         }))
     }
 
@@ -178,10 +221,7 @@ fn refused(payload: &[u8]) -> ConnError {
     }
 }
 
-async fn read_frame(
-    rd: &mut OwnedReadHalf,
-    buf: &mut Vec<u8>,
-) -> Result<(FrameKind, Vec<u8>), ConnError> {
+async fn read_frame(rd: &mut Rd, buf: &mut Vec<u8>) -> Result<(FrameKind, Vec<u8>), ConnError> {
     loop {
         match parse_header(buf) {
             Ok(Some(h)) => {
@@ -218,7 +258,7 @@ fn refuse_all(pending: &Pending, alive: &AtomicBool, why: &FsError) {
 }
 
 async fn write_loop(
-    mut wr: OwnedWriteHalf,
+    mut wr: Wr,
     mut rx: mpsc::Receiver<Vec<u8>>,
     alive: Arc<AtomicBool>,
     pending: Arc<Pending>,
@@ -252,12 +292,7 @@ async fn write_loop(
     }
 }
 
-async fn read_loop(
-    mut rd: OwnedReadHalf,
-    mut buf: Vec<u8>,
-    pending: Arc<Pending>,
-    alive: Arc<AtomicBool>,
-) {
+async fn read_loop(mut rd: Rd, mut buf: Vec<u8>, pending: Arc<Pending>, alive: Arc<AtomicBool>) {
     let mut start = 0;
     loop {
         loop {

@@ -7,10 +7,11 @@
 
 pub mod conn;
 pub mod dircache;
+pub mod tls;
 
 use conn::{Conn, ConnError};
 use dircache::DirCache;
-use kochab_proto::auth::ClusterKey;
+use kochab_proto::auth::ClientKey;
 use kochab_proto::*;
 use parking_lot::Mutex;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -27,7 +28,8 @@ pub const SYMLINK_FOLLOW_MAX: u32 = 40;
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
     pub addr: SocketAddr,
-    pub key: ClusterKey,
+    /// The key and its id (the cluster key is id 0; `kochab key add` makes others).
+    pub key: ClientKey,
     /// Connections in the pool; requests are spread over them.
     pub connections: usize,
     /// Time one attempt may take before it is retried.
@@ -36,19 +38,62 @@ pub struct ClientConfig {
     pub attempts: u32,
     /// Time to connect and authenticate.
     pub connect_timeout: Duration,
+    /// TLS to the server (`--tls-ca`); plain TCP if `None`.
+    pub tls: Option<tls::TlsClient>,
 }
 
 impl ClientConfig {
-    pub fn new(addr: SocketAddr, key: ClusterKey) -> ClientConfig {
+    /// A configuration for `key`: a [`ClientKey`], or a bare cluster key (the admin key).
+    pub fn new(addr: SocketAddr, key: impl Into<ClientKey>) -> ClientConfig {
         ClientConfig {
             addr,
-            key,
+            key: key.into(),
             connections: 2,
             request_timeout: Duration::from_secs(15),
             attempts: 4,
             connect_timeout: Duration::from_secs(5),
+            tls: None,
         }
     }
+}
+
+/// Reads a key file (`HEX` for the cluster key, `ID:HEX` for a client key), refusing one
+/// that group or others may read or write: a key readable by others is a key given away.
+pub fn read_key_file(path: &std::path::Path) -> std::io::Result<ClientKey> {
+    use std::io::{Error, ErrorKind};
+    use std::os::unix::fs::PermissionsExt;
+    let f = std::fs::File::open(path)?;
+    let mode = f.metadata()?.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(Error::new(
+            ErrorKind::PermissionDenied,
+            format!(
+                "{} has mode {mode:o}: group or others may read it; chmod 600 it (and \
+                 consider the key disclosed)",
+                path.display()
+            ),
+        ));
+    }
+    let text = std::io::read_to_string(f)?;
+    kochab_proto::auth::client_key_from_text(&text).ok_or_else(|| {
+        Error::new(
+            ErrorKind::InvalidData,
+            format!("{} holds no key (HEX or ID:HEX)", path.display()),
+        )
+    })
+}
+
+/// Writes a key file, mode 0600, refusing to replace an existing file.
+pub fn write_key_file(path: &std::path::Path, key: &ClientKey) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    writeln!(f, "{}", kochab_proto::auth::client_key_to_text(key))?;
+    f.sync_all()
 }
 
 /// Resolves "host:port" to one address.
@@ -134,11 +179,12 @@ impl Client {
             return Ok(c.clone());
         }
         let cfg = &self.inner.config;
-        match Conn::connect(
+        match Conn::connect_with(
             cfg.addr,
             &cfg.key,
             self.inner.client_id,
             cfg.connect_timeout,
+            cfg.tls.as_ref(),
         )
         .await
         {
@@ -772,6 +818,31 @@ impl Client {
             Reply::Problems(p) => Ok(p),
             other => Err(unexpected(other)),
         }
+    }
+
+    /// Makes a client key with `policy` (admin key only): its id and secret.
+    pub async fn key_add(&self, policy: KeyPolicy, note: &str) -> FsResult<ClientKey> {
+        let op = Op::KeyAdd {
+            policy,
+            note: note.to_string(),
+        };
+        match self.call(&Credentials::root(), op).await? {
+            Reply::KeyAdded { id, key } => Ok(ClientKey { id, key }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The cluster's client keys (admin key only).
+    pub async fn key_list(&self) -> FsResult<Vec<KeyInfo>> {
+        match self.call(&Credentials::root(), Op::KeyList).await? {
+            Reply::Keys(k) => Ok(k),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Revokes a client key (admin key only): its connections close at once.
+    pub async fn key_revoke(&self, id: u32) -> FsResult<()> {
+        self.empty(&Credentials::root(), Op::KeyRevoke { id }).await
     }
 
     /// Resolves an absolute path (relative paths are taken from the root) to its inode,

@@ -62,6 +62,13 @@ pub struct MountConfig {
     /// A read-only mount (`-o ro`): the kernel refuses every change, and reads set no
     /// access times.
     pub read_only: bool,
+    /// Honour setuid and setgid bits (`-o suid`). Off by default: any key holder can write
+    /// a setuid-root file into the cluster, so a mount that honoured the bits would hand
+    /// root to every local user of it (see docs/SECURITY.md).
+    pub suid: bool,
+    /// Allow opening device nodes (`-o dev`). Off by default for the same reason: a key
+    /// holder can create a world-writable node of any device number.
+    pub dev: bool,
 }
 
 impl Default for MountConfig {
@@ -73,6 +80,8 @@ impl Default for MountConfig {
             source: "kochab".into(),
             atime: AtimeRule::Relative,
             read_only: false,
+            suid: false,
+            dev: false,
         }
     }
 }
@@ -233,8 +242,16 @@ impl KochabFs {
             MountOption::FSName(self.inner.config.source.clone()),
             MountOption::Subtype("kochab".into()),
             MountOption::DefaultPermissions,
-            MountOption::Dev,
-            MountOption::Suid,
+            if self.inner.config.dev {
+                MountOption::Dev
+            } else {
+                MountOption::NoDev
+            },
+            if self.inner.config.suid {
+                MountOption::Suid
+            } else {
+                MountOption::NoSuid
+            },
         ];
         // The kernel leaves access times to FUSE file systems; the servers set them on
         // reads as the rule says (relatime, the kernel's default, or strictatime).

@@ -209,7 +209,10 @@ impl Engine {
             | Op::GetLk { .. }
             | Op::SetLk { .. }
             | Op::ReleaseLocks { .. }
-            | Op::EndSession => fs(fs_err!(
+            | Op::EndSession
+            | Op::KeyAdd { .. }
+            | Op::KeyList
+            | Op::KeyRevoke { .. } => fs(fs_err!(
                 ENOSYS,
                 "{} is answered by the server's session layer",
                 op.name()

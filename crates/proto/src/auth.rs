@@ -1,42 +1,125 @@
-//! Connection authentication: proof of the cluster key by HMAC-SHA256 over a server nonce,
-//! so the key itself never crosses the wire.
+//! Connection authentication. Both ends prove a key by HMAC-SHA256 over both nonces, so the
+//! key itself never crosses the wire and neither end can be impersonated by someone without
+//! it: the client proves it holds key `key_id` against the server's nonce, and the server
+//! proves it holds the same key against the client's nonce (a spoofed server that does not
+//! know the key cannot produce the proof, so the client never uses it).
+//!
+//! Keys have ids. Id 0 is the cluster key (the admin key, written by `kochab up` into its
+//! data directory); the others are client keys made with `kochab key add`, each with its
+//! own squash rule (see [`crate::types::KeyPolicy`]).
 
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
-/// Bytes of a cluster key.
+/// Bytes of a key.
 pub const KEY_BYTES: usize = 32;
 
-/// A cluster key.
+/// A key (the cluster key or a client key).
 pub type ClusterKey = [u8; KEY_BYTES];
 
-fn mac_for(key: &ClusterKey, nonce: &[u8; 32], client_id: u64) -> Hmac<Sha256> {
+/// Names a key among a cluster's keys.
+pub type KeyId = u32;
+
+/// The cluster key's id: the admin key, which alone may add, list and revoke keys.
+pub const ADMIN_KEY_ID: KeyId = 0;
+
+/// A key with its id, as a client presents it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct ClientKey {
+    pub id: KeyId,
+    pub key: ClusterKey,
+}
+
+impl std::fmt::Debug for ClientKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key bytes: Debug output ends up in logs.
+        write!(f, "ClientKey {{ id: {} }}", self.id)
+    }
+}
+
+impl ClientKey {
+    /// The cluster (admin) key.
+    pub fn admin(key: ClusterKey) -> ClientKey {
+        ClientKey {
+            id: ADMIN_KEY_ID,
+            key,
+        }
+    }
+}
+
+impl From<ClusterKey> for ClientKey {
+    fn from(key: ClusterKey) -> ClientKey {
+        ClientKey::admin(key)
+    }
+}
+
+/// The inputs both proofs of one handshake cover.
+#[derive(Clone, Copy, Debug)]
+pub struct Transcript {
+    pub server_nonce: [u8; 32],
+    pub client_nonce: [u8; 32],
+    pub key_id: KeyId,
+    pub client_id: u64,
+}
+
+/// Domain separation: a client proof can never be replayed as a server proof.
+const CLIENT_ROLE: &[u8] = b"kochab client proof v2";
+const SERVER_ROLE: &[u8] = b"kochab server proof v2";
+const SESSION_ROLE: &[u8] = b"kochab session id v2";
+
+fn mac_for(key: &ClusterKey, role: &[u8], t: &Transcript) -> Hmac<Sha256> {
     let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(key)
         .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    m.update(nonce);
-    m.update(&client_id.to_le_bytes());
+    m.update(role);
+    m.update(&t.server_nonce);
+    m.update(&t.client_nonce);
+    m.update(&t.key_id.to_le_bytes());
+    m.update(&t.client_id.to_le_bytes());
     m
 }
 
-/// The proof a client sends for `nonce`.
-pub fn prove(key: &ClusterKey, nonce: &[u8; 32], client_id: u64) -> [u8; 32] {
-    mac_for(key, nonce, client_id)
-        .finalize()
-        .into_bytes()
-        .into()
+/// The proof a client sends.
+pub fn prove_client(key: &ClusterKey, t: &Transcript) -> [u8; 32] {
+    mac_for(key, CLIENT_ROLE, t).finalize().into_bytes().into()
 }
 
 /// Checks a client's proof in constant time.
-pub fn verify(key: &ClusterKey, nonce: &[u8; 32], client_id: u64, proof: &[u8; 32]) -> bool {
-    mac_for(key, nonce, client_id).verify_slice(proof).is_ok()
+pub fn verify_client(key: &ClusterKey, t: &Transcript, proof: &[u8; 32]) -> bool {
+    mac_for(key, CLIENT_ROLE, t).verify_slice(proof).is_ok()
 }
 
-/// Hex form of a key, as stored in the key file.
+/// The proof a server sends back once the client's proof checked.
+pub fn prove_server(key: &ClusterKey, t: &Transcript) -> [u8; 32] {
+    mac_for(key, SERVER_ROLE, t).finalize().into_bytes().into()
+}
+
+/// Checks a server's proof in constant time.
+pub fn verify_server(key: &ClusterKey, t: &Transcript, proof: &[u8; 32]) -> bool {
+    mac_for(key, SERVER_ROLE, t).verify_slice(proof).is_ok()
+}
+
+/// The session a server keeps for client `client_id` authenticated with key `key_id`: a
+/// keyed hash under the cluster key, so the same client id presented with another key
+/// names another session (its handles, locks and reply cache are out of reach), and the
+/// id is the same after a server restart (the reply cache outlives one).
+pub fn session_id(cluster_key: &ClusterKey, key_id: KeyId, client_id: u64) -> u64 {
+    let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(cluster_key)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    m.update(SESSION_ROLE);
+    m.update(&key_id.to_le_bytes());
+    m.update(&client_id.to_le_bytes());
+    let h = m.finalize().into_bytes();
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&h[..8]);
+    u64::from_le_bytes(b)
+}
+
+/// Hex form of a key, as stored in the cluster key file.
 pub fn key_to_hex(key: &ClusterKey) -> String {
     key.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Parses a key file's contents (64 hex digits, surrounding whitespace ignored).
+/// Parses 64 hex digits (surrounding whitespace ignored).
 pub fn key_from_hex(s: &str) -> Option<ClusterKey> {
     let s = s.trim();
     if s.len() != KEY_BYTES * 2 || !s.is_ascii() {
@@ -49,19 +132,76 @@ pub fn key_from_hex(s: &str) -> Option<ClusterKey> {
     Some(key)
 }
 
+/// A key file's text: `ID:HEX` for a client key, plain `HEX` for the cluster key (id 0).
+pub fn client_key_to_text(k: &ClientKey) -> String {
+    if k.id == ADMIN_KEY_ID {
+        key_to_hex(&k.key)
+    } else {
+        format!("{}:{}", k.id, key_to_hex(&k.key))
+    }
+}
+
+/// Parses a key file's text (see [`client_key_to_text`]).
+pub fn client_key_from_text(s: &str) -> Option<ClientKey> {
+    let s = s.trim();
+    match s.split_once(':') {
+        Some((id, hex)) => Some(ClientKey {
+            id: id.trim().parse().ok()?,
+            key: key_from_hex(hex)?,
+        }),
+        None => Some(ClientKey::admin(key_from_hex(s)?)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn t(key_id: KeyId, client_id: u64) -> Transcript {
+        Transcript {
+            server_nonce: [9u8; 32],
+            client_nonce: [3u8; 32],
+            key_id,
+            client_id,
+        }
+    }
+
     #[test]
-    fn proofs() {
+    fn proofs_bind_both_nonces_the_key_and_the_role() {
         let key = [7u8; 32];
-        let nonce = [9u8; 32];
-        let p = prove(&key, &nonce, 42);
-        assert!(verify(&key, &nonce, 42, &p));
-        assert!(!verify(&key, &nonce, 43, &p));
-        assert!(!verify(&[8u8; 32], &nonce, 42, &p));
+        let p = prove_client(&key, &t(1, 42));
+        assert!(verify_client(&key, &t(1, 42), &p));
+        assert!(!verify_client(&key, &t(1, 43), &p));
+        assert!(!verify_client(&key, &t(2, 42), &p));
+        assert!(!verify_client(&[8u8; 32], &t(1, 42), &p));
+        let mut other = t(1, 42);
+        other.client_nonce = [4u8; 32];
+        assert!(!verify_client(&key, &other, &p));
+        // A server cannot echo the client's proof back as its own.
+        assert!(!verify_server(&key, &t(1, 42), &p));
+        let s = prove_server(&key, &t(1, 42));
+        assert!(verify_server(&key, &t(1, 42), &s));
+        assert!(!verify_server(&[8u8; 32], &t(1, 42), &s));
+    }
+
+    #[test]
+    fn key_text_and_sessions() {
+        let key = [7u8; 32];
         assert_eq!(key_from_hex(&key_to_hex(&key)), Some(key));
         assert_eq!(key_from_hex("zz"), None);
+        let admin = ClientKey::admin(key);
+        assert_eq!(
+            client_key_from_text(&client_key_to_text(&admin)),
+            Some(admin)
+        );
+        let client = ClientKey { id: 5, key };
+        assert_eq!(
+            client_key_from_text(&format!("{}\n", client_key_to_text(&client))),
+            Some(client)
+        );
+        assert_eq!(client_key_from_text("x:00"), None);
+        assert!(!format!("{client:?}").contains("0707"));
+        assert_ne!(session_id(&key, 1, 42), session_id(&key, 2, 42));
+        assert_eq!(session_id(&key, 1, 42), session_id(&key, 1, 42));
     }
 }

@@ -4,7 +4,10 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// A Linux errno value. Kept as a newtype so it travels as one varint and maps one-to-one
+/// A Linux errno value. The table below is the wire protocol's, not the host's: values are
+/// Linux numbers on every platform, which is why it is not taken from nix/rustix (they
+/// give the host's numbering); a test checks it against libc on Linux.
+/// Kept as a newtype so it travels as one varint and maps one-to-one
 /// onto what the kernel expects from a FUSE reply.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Errno(pub i32);

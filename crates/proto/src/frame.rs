@@ -19,6 +19,11 @@ pub const FRAME_HEADER_BYTES: usize = 4 + 1 + 8;
 /// 8 MiB holds a 4 MiB data chunk or a full readdirplus page with room to spare.
 pub const MAX_FRAME_BYTES: usize = 8 << 20;
 
+/// Largest frame body accepted before a connection has authenticated. The handshake's
+/// frames are under 200 bytes; 4 KiB leaves room for growth while an unauthenticated peer
+/// can make a server hold no more than this per connection (not 8 MiB).
+pub const PREAUTH_FRAME_BYTES_MAX: usize = 4 << 10;
+
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FrameKind {
@@ -57,7 +62,7 @@ pub enum FrameError {
 impl fmt::Display for FrameError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            FrameError::TooLarge(n) => write!(f, "frame of {n} bytes exceeds {MAX_FRAME_BYTES}"),
+            FrameError::TooLarge(n) => write!(f, "frame of {n} bytes exceeds the limit"),
             FrameError::TooShort(n) => {
                 write!(f, "frame body of {n} bytes is shorter than its header")
             }
@@ -81,11 +86,19 @@ pub struct FrameHeader {
 /// Looks for one complete frame at the start of `buf`. `Ok(None)` means more bytes are needed.
 /// The payload is `buf[FRAME_HEADER_BYTES..header.total_len]`.
 pub fn parse_header(buf: &[u8]) -> Result<Option<FrameHeader>, FrameError> {
+    parse_header_limited(buf, MAX_FRAME_BYTES)
+}
+
+/// [`parse_header`] with a smaller limit on the body (before authentication).
+pub fn parse_header_limited(
+    buf: &[u8],
+    body_max: usize,
+) -> Result<Option<FrameHeader>, FrameError> {
     if buf.len() < 4 {
         return Ok(None);
     }
     let body_len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-    if body_len > MAX_FRAME_BYTES {
+    if body_len > body_max.min(MAX_FRAME_BYTES) {
         return Err(FrameError::TooLarge(body_len));
     }
     if body_len < FRAME_HEADER_BYTES - 4 {

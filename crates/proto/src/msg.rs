@@ -4,8 +4,13 @@ use crate::errno::FsError;
 use crate::types::*;
 use serde::{Deserialize, Serialize};
 
+/// Longest note a key may carry: a label ("build farm", a host name), not a document.
+pub const KEY_NOTE_MAX: usize = 256;
+
 /// Version of the message set below. A server refuses a client with another version.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: mutual authentication with key ids (client and server nonces, a server proof in the
+/// welcome), server-derived session ids, key administration operations.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// First frame on every connection, server to client: a fresh nonce to prove the key against.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -14,14 +19,44 @@ pub struct Challenge {
     pub nonce: [u8; 32],
 }
 
-/// Client to server: who the client is and proof that it holds the cluster key.
+/// Client to server: who the client is and proof that it holds key `key_id`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Auth {
     pub version: u16,
-    /// Identifies the client across its connections; keys the server's reply cache.
+    /// Which key the proof uses (0: the cluster key).
+    pub key_id: u32,
+    /// Names the client across its connections; with `key_id` it selects the session.
     pub client_id: u64,
-    /// HMAC-SHA256(cluster key, nonce || client_id little-endian).
+    /// The client's fresh nonce, which the server's proof must cover.
+    pub client_nonce: [u8; 32],
+    /// `auth::prove_client` over both nonces, the key id and the client id.
     pub mac: [u8; 32],
+}
+
+impl Auth {
+    /// The proof of `key` for a server's nonce, with the transcript the server's answer
+    /// must be checked against.
+    pub fn prove(
+        key: &crate::auth::ClientKey,
+        server_nonce: [u8; 32],
+        client_nonce: [u8; 32],
+        client_id: u64,
+    ) -> (Auth, crate::auth::Transcript) {
+        let t = crate::auth::Transcript {
+            server_nonce,
+            client_nonce,
+            key_id: key.id,
+            client_id,
+        };
+        let auth = Auth {
+            version: PROTOCOL_VERSION,
+            key_id: key.id,
+            client_id,
+            client_nonce,
+            mac: crate::auth::prove_client(&key.key, &t),
+        };
+        (auth, t)
+    }
 }
 
 /// Server to client: the connection is authenticated and may send requests.
@@ -32,6 +67,10 @@ pub struct Welcome {
     pub root: InodeId,
     /// Largest frame the server accepts.
     pub max_frame_bytes: u32,
+    /// The session the server keeps for this client and key (`auth::session_id`).
+    pub session: u64,
+    /// `auth::prove_server` over the same transcript: the server holds the key too.
+    pub mac: [u8; 32],
 }
 
 /// One request. `seq` is non-zero for operations that must not run twice: a retry carries
@@ -48,7 +87,7 @@ pub struct Request {
 }
 
 /// Names of the operation kinds, indexed by [`Op::index`].
-pub const OP_NAMES: [&str; 31] = [
+pub const OP_NAMES: [&str; 34] = [
     "lookup",
     "getattr",
     "setattr",
@@ -80,6 +119,9 @@ pub const OP_NAMES: [&str; 31] = [
     "setlk",
     "releaselocks",
     "endsession",
+    "keyadd",
+    "keylist",
+    "keyrevoke",
 ];
 
 /// Bytes of a name, serialized compactly.
@@ -250,6 +292,18 @@ pub enum Op {
     },
     /// The client is going away: close its handles and release its locks now.
     EndSession,
+    /// Makes a client key with this policy (admin key only); the reply carries it.
+    KeyAdd {
+        policy: KeyPolicy,
+        /// What the key is for (at most `KEY_NOTE_MAX` bytes).
+        note: String,
+    },
+    /// The cluster's client keys, without their secrets (admin key only).
+    KeyList,
+    /// Revokes a client key: refused from then on, its connections closed (admin key only).
+    KeyRevoke {
+        id: u32,
+    },
 }
 
 /// A byte-range lock: `[start, end]` inclusive (`end == u64::MAX` means to the end of the
@@ -322,12 +376,21 @@ impl Op {
             Op::SetLk { .. } => 28,
             Op::ReleaseLocks { .. } => 29,
             Op::EndSession => 30,
+            Op::KeyAdd { .. } => 31,
+            Op::KeyList => 32,
+            Op::KeyRevoke { .. } => 33,
         }
     }
 
     /// A short, stable name for metrics and logs.
     pub fn name(&self) -> &'static str {
         OP_NAMES[self.index()]
+    }
+
+    /// True for the key administration operations (admin key only; served by the
+    /// connection layer, never by the engine).
+    pub fn is_key_admin(&self) -> bool {
+        matches!(self, Op::KeyAdd { .. } | Op::KeyList | Op::KeyRevoke { .. })
     }
 
     /// True if the operation changes the namespace and so must not run twice on a retry.
@@ -448,6 +511,13 @@ pub enum Reply {
     },
     /// The bytes of a read that set the file's access time (so cached attributes are old).
     ReadAtime(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// KeyAdd: the new key (its secret leaves the server this once).
+    KeyAdded {
+        id: u32,
+        key: [u8; 32],
+    },
+    /// KeyList.
+    Keys(Vec<KeyInfo>),
 }
 
 impl Reply {

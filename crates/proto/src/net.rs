@@ -9,20 +9,10 @@ pub const SOCKET_BUFFER_BYTES: i32 = 4 << 20;
 pub const READ_CHUNK: usize = 64 << 10;
 
 /// Sets a socket's send and receive buffers (best effort: the kernel may cap them).
-pub fn size_socket_buffers(fd: std::os::fd::RawFd) {
-    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-        // SAFETY: setsockopt with a caller-supplied fd and a pointer to an i32 of the given
-        // size; a bad fd only makes the call fail.
-        unsafe {
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                opt,
-                &SOCKET_BUFFER_BYTES as *const i32 as *const libc::c_void,
-                std::mem::size_of::<i32>() as libc::socklen_t,
-            );
-        }
-    }
+pub fn size_socket_buffers(sock: &impl std::os::fd::AsFd) {
+    let sock = socket2::SockRef::from(sock);
+    let _ = sock.set_send_buffer_size(SOCKET_BUFFER_BYTES as usize);
+    let _ = sock.set_recv_buffer_size(SOCKET_BUFFER_BYTES as usize);
 }
 
 /// Makes room in `buf` for the rest of the frame starting at `buf[0]`, so that a large frame

@@ -171,8 +171,124 @@ impl Attr {
     }
 }
 
-/// Who is asking. Checked against permission bits on the server; the connection itself is
-/// authenticated with the cluster key.
+/// How a server rewrites the credentials of requests made with a client key (root squash,
+/// as NFS's `root_squash`/`all_squash`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Squash {
+    /// Credentials pass as the client sends them (the admin key; trusted clients only).
+    None,
+    /// uid 0 becomes the anonymous uid, gid 0 (primary or supplementary) the anonymous gid.
+    Root,
+    /// Every request runs as the anonymous uid and gid, without supplementary groups.
+    All,
+}
+
+/// An inclusive range of user or group ids a client key may claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdRange {
+    pub lo: u32,
+    pub hi: u32,
+}
+
+impl IdRange {
+    /// True if `id` is in the range.
+    pub fn contains(&self, id: u32) -> bool {
+        self.lo <= id && id <= self.hi
+    }
+}
+
+/// What a key may do with the credentials of its requests. Applied by the server to every
+/// request before anything else looks at it (see [`KeyPolicy::apply`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyPolicy {
+    pub squash: Squash,
+    /// The unprivileged ids squashed credentials become (65534, "nobody", by default).
+    pub anon_uid: u32,
+    pub anon_gid: u32,
+    /// If set, the uids a request may carry (after squashing); others are refused EPERM.
+    pub uids: Option<IdRange>,
+    /// If set, the primary gids a request may carry (after squashing; others are refused
+    /// EPERM); supplementary groups outside it are dropped from the request.
+    pub gids: Option<IdRange>,
+}
+
+/// The anonymous id squashed credentials become by default (Linux's "nobody").
+pub const NOBODY: u32 = 65534;
+
+impl KeyPolicy {
+    /// No squashing, no ranges: the admin key's policy.
+    pub const TRUSTED: KeyPolicy = KeyPolicy {
+        squash: Squash::None,
+        anon_uid: NOBODY,
+        anon_gid: NOBODY,
+        uids: None,
+        gids: None,
+    };
+
+    /// Rewrites `cred` as the policy says, or refuses it (EPERM). A few integer compares
+    /// per request, plus one pass over the supplementary groups when a rule needs it.
+    pub fn apply(&self, cred: &mut Credentials) -> Result<(), crate::FsError> {
+        match self.squash {
+            Squash::None => {}
+            Squash::Root => {
+                if cred.uid == 0 {
+                    cred.uid = self.anon_uid;
+                }
+                if cred.gid == 0 {
+                    cred.gid = self.anon_gid;
+                }
+                for g in cred.groups.iter_mut().filter(|g| **g == 0) {
+                    *g = self.anon_gid;
+                }
+            }
+            Squash::All => {
+                cred.uid = self.anon_uid;
+                cred.gid = self.anon_gid;
+                cred.groups.clear();
+            }
+        }
+        // The anonymous ids are always allowed: squashing must not make a request fail.
+        if let Some(r) = self.uids
+            && cred.uid != self.anon_uid
+            && !r.contains(cred.uid)
+        {
+            return Err(crate::fs_err!(
+                EPERM,
+                "uid {} is outside the range {}-{} this client's key may claim",
+                cred.uid,
+                r.lo,
+                r.hi
+            ));
+        }
+        if let Some(r) = self.gids {
+            if cred.gid != self.anon_gid && !r.contains(cred.gid) {
+                return Err(crate::fs_err!(
+                    EPERM,
+                    "gid {} is outside the range {}-{} this client's key may claim",
+                    cred.gid,
+                    r.lo,
+                    r.hi
+                ));
+            }
+            let anon = self.anon_gid;
+            cred.groups.retain(|&g| g == anon || r.contains(g));
+        }
+        Ok(())
+    }
+}
+
+/// A client key as `kochab key list` shows it (never its secret).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyInfo {
+    pub id: u32,
+    pub policy: KeyPolicy,
+    pub revoked: bool,
+    /// What the admin said the key is for.
+    pub note: String,
+}
+
+/// Who is asking. Checked against permission bits on the server, after the server applied
+/// the connection's key policy (root squash, id ranges) to it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Credentials {
     pub uid: u32,

@@ -1,21 +1,34 @@
 //! One client connection: the handshake, then a reader task that decodes and runs batches
 //! of requests and a writer task that sends their replies once the journal has made them
 //! durable. A malformed frame closes this connection only; everyone else is unaffected.
+//!
+//! Trust: the handshake proves a key both ways (see `kochab_proto::auth`); every request's
+//! credentials then go through that key's policy (root squash, id ranges) before anything
+//! else sees them, and the key's revocation closes the connection at once.
 
 use crate::core::Shared;
-use kochab_proto::auth::{ClusterKey, verify};
-use kochab_proto::frame::{FRAME_HEADER_BYTES, decode_payload, encode_frame, parse_header};
+use crate::keys::KeyEntry;
+use kochab_proto::auth::{ADMIN_KEY_ID, Transcript, prove_server, session_id, verify_client};
+use kochab_proto::frame::{
+    FRAME_HEADER_BYTES, PREAUTH_FRAME_BYTES_MAX, decode_payload, encode_frame, parse_header,
+    parse_header_limited,
+};
 use kochab_proto::*;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{Notify, Semaphore, mpsc, watch};
 
-/// Time a new connection has to authenticate.
+/// A connection's read side: plain TCP or TLS.
+pub type Rd = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+/// A connection's write side.
+pub type Wr = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
+
+/// Time a new connection has to authenticate: a real client needs one round trip; an
+/// unauthenticated peer holds a connection slot no longer than this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Reply batches queued for the writer before the reader stops reading (backpressure).
 const WRITER_QUEUE: usize = 64;
@@ -23,7 +36,102 @@ const WRITER_QUEUE: usize = 64;
 const WRITE_BATCH_BYTES: usize = 1 << 20;
 /// Data operations (reads, writes) one connection may have running at once.
 const DATA_OPS_IN_FLIGHT: usize = 64;
-use kochab_proto::net::READ_CHUNK;
+/// Requests run under one hold of the core lock. A readdirplus of a large directory costs
+/// about a millisecond, so a batch holds the lock for tens of milliseconds at worst and
+/// other connections are served between batches (the 850 pipelined readdirplus
+/// requests held it for a second in one batch).
+pub const BATCH_REQUESTS_MAX: usize = 64;
+/// Reply bytes one connection may have made but not yet sent. Past it the reader stops
+/// reading and running requests until the writer has sent enough: a client that pipelines
+/// requests but does not read replies costs the server this much, plus one batch, instead
+/// of memory without end (34 KB of readdirplus requests once grew a server by 270 MiB).
+pub const REPLY_BACKLOG_BYTES_MAX: usize = 16 << 20;
+/// Warnings about malformed frames logged per `BAD_FRAME_LOG_WINDOW` (any peer can send
+/// them; the log must not become the attack).
+const BAD_FRAME_LOGS_PER_WINDOW: u64 = 10;
+const BAD_FRAME_LOG_WINDOW: Duration = Duration::from_secs(60);
+
+/// Allows a few log lines per window and counts the ones it suppressed.
+#[derive(Default)]
+pub struct LogLimiter {
+    window: parking_lot::Mutex<Option<Instant>>,
+    in_window: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl LogLimiter {
+    /// True if a line may be logged now; otherwise it is counted as suppressed. Returns
+    /// how many were suppressed before this one when a new window opens.
+    pub fn allow(&self, now: Instant) -> Option<u64> {
+        let mut w = self.window.lock();
+        if w.is_none_or(|t| now.duration_since(t) >= BAD_FRAME_LOG_WINDOW) {
+            *w = Some(now);
+            self.in_window.store(1, Ordering::Relaxed);
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        if self.in_window.fetch_add(1, Ordering::Relaxed) < BAD_FRAME_LOGS_PER_WINDOW {
+            Some(0)
+        } else {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+}
+
+fn log_bad_frame(shared: &Shared, peer: SocketAddr, what: &str) {
+    match shared.bad_frame_log.allow(Instant::now()) {
+        Some(0) => tracing::warn!("closing connection from {peer}: {what}"),
+        Some(n) => tracing::warn!(
+            "closing connection from {peer}: {what} ({n} more such warnings suppressed)"
+        ),
+        None => {}
+    }
+}
+
+/// Reply bytes made but not yet sent, shared by the reader (adds) and the writer (takes).
+#[derive(Default)]
+struct Backlog {
+    bytes: AtomicUsize,
+    drained: Notify,
+    /// Set when the writer ends: nothing will drain any more, the reader must not wait.
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl Backlog {
+    fn add(&self, n: usize) {
+        self.bytes.fetch_add(n, Ordering::AcqRel);
+    }
+
+    fn sent(&self, n: usize) {
+        self.bytes.fetch_sub(n, Ordering::AcqRel);
+        self.drained.notify_waiters();
+    }
+
+    /// Waits until the backlog is under its bound.
+    async fn below_max(&self) {
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.bytes.load(Ordering::Acquire) <= REPLY_BACKLOG_BYTES_MAX
+                || self.closed.load(Ordering::Acquire)
+            {
+                return;
+            }
+            drained.await;
+        }
+    }
+}
+
+/// Closes the backlog when the writer ends, however it ends.
+struct WriterGone(Arc<Backlog>);
+
+impl Drop for WriterGone {
+    fn drop(&mut self) {
+        self.0.closed.store(true, Ordering::Release);
+        self.0.drained.notify_waiters();
+    }
+}
 
 /// Replies of one batch (or of one data operation), sent once the journal holds `lsn`.
 struct Replies {
@@ -60,46 +168,97 @@ enum Outgoing {
     Goodbye(Vec<u8>),
 }
 
-/// Serves one accepted connection until it closes or the server shuts down.
+/// Sends a group of replies to the writer, counting it in the backlog; false if the writer
+/// is gone.
+async fn send_replies(tx: &mpsc::Sender<Outgoing>, backlog: &Backlog, group: Replies) -> bool {
+    let n = group.bytes.len();
+    backlog.add(n);
+    if tx.send(Outgoing::Replies(group)).await.is_err() {
+        backlog.sent(n);
+        return false;
+    }
+    true
+}
+
+/// Counts a connection from accept to close (authenticated or not) against the limit.
+struct Counted<'a>(&'a AtomicU64);
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The authenticated identity of a connection.
+struct Identity {
+    session: u64,
+    key: Arc<KeyEntry>,
+}
+
+/// Serves one accepted connection until it closes or the server shuts down. The caller
+/// has counted it in `shared.connections`; this uncounts it when it ends.
 pub async fn serve(
     shared: Arc<Shared>,
-    key: ClusterKey,
     sock: TcpStream,
     peer: SocketAddr,
     shutdown: watch::Receiver<bool>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
+    let _counted = Counted(&shared.connections);
     let _ = sock.set_nodelay(true);
-    kochab_proto::net::size_socket_buffers(std::os::fd::AsRawFd::as_raw_fd(&sock));
-    let (mut rd, mut wr) = sock.into_split();
-    let mut buf = Vec::with_capacity(READ_CHUNK);
-    let client = match tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        handshake(&shared, &key, &mut rd, &mut wr, &mut buf),
-    )
-    .await
-    {
-        Ok(Ok(client)) => client,
-        Ok(Err(reason)) => {
-            tracing::info!("connection from {peer} refused: {reason}");
-            return;
+    kochab_proto::net::size_socket_buffers(&sock);
+    // TLS and the key handshake share one deadline.
+    let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+    let (mut rd, mut wr): (Rd, Wr) = match tls {
+        None => {
+            let (r, w) = sock.into_split();
+            (Box::new(r), Box::new(w))
         }
-        Err(_) => {
-            tracing::info!("connection from {peer} did not authenticate in time");
-            return;
-        }
+        Some(acceptor) => match tokio::time::timeout_at(deadline, acceptor.accept(sock)).await {
+            Ok(Ok(s)) => {
+                let (r, w) = tokio::io::split(s);
+                (Box::new(r), Box::new(w))
+            }
+            Ok(Err(e)) => {
+                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                    tracing::info!("TLS handshake with {peer} failed: {e}");
+                }
+                return;
+            }
+            Err(_) => return,
+        },
     };
-    shared.connections.fetch_add(1, Ordering::Relaxed);
-    shared.core.lock().sessions.connect(client);
+    let mut buf = Vec::with_capacity(PREAUTH_FRAME_BYTES_MAX + FRAME_HEADER_BYTES);
+    let who =
+        match tokio::time::timeout_at(deadline, handshake(&shared, &mut rd, &mut wr, &mut buf))
+            .await
+        {
+            Ok(Ok(who)) => who,
+            Ok(Err(reason)) => {
+                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                    tracing::info!("connection from {peer} refused: {reason}");
+                }
+                return;
+            }
+            Err(_) => {
+                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                    tracing::info!("connection from {peer} did not authenticate in time");
+                }
+                return;
+            }
+        };
+    let session = who.session;
+    shared.core.lock().sessions.connect(session);
+    let backlog = Arc::new(Backlog::default());
     let (tx, rx) = mpsc::channel(WRITER_QUEUE);
-    let writer = tokio::spawn(write_loop(shared.clone(), wr, rx, peer));
-    read_loop(&shared, client, rd, buf, tx, peer, shutdown).await;
+    let writer = tokio::spawn(write_loop(shared.clone(), wr, rx, peer, backlog.clone()));
+    read_loop(&shared, who, rd, buf, tx, peer, shutdown, backlog).await;
     let _ = writer.await;
-    shared.connections.fetch_sub(1, Ordering::Relaxed);
     shared
         .core
         .lock()
         .sessions
-        .disconnect(client, Instant::now());
+        .disconnect(session, Instant::now());
 }
 
 fn goodbye(errno: Errno, message: &str) -> Vec<u8> {
@@ -113,14 +272,13 @@ fn goodbye(errno: Errno, message: &str) -> Vec<u8> {
     out
 }
 
-/// Challenge, proof, welcome. Returns the client id.
+/// Challenge, mutual proof, welcome. Returns the session and key of the client.
 async fn handshake(
     shared: &Shared,
-    key: &ClusterKey,
-    rd: &mut OwnedReadHalf,
-    wr: &mut OwnedWriteHalf,
+    rd: &mut Rd,
+    wr: &mut Wr,
     buf: &mut Vec<u8>,
-) -> Result<u64, String> {
+) -> Result<Identity, String> {
     let mut nonce = [0u8; 32];
     getrandom::fill(&mut nonce).map_err(|e| format!("no randomness: {e}"))?;
     let mut out = Vec::new();
@@ -136,16 +294,18 @@ async fn handshake(
     .map_err(|e| e.to_string())?;
     wr.write_all(&out).await.map_err(|e| e.to_string())?;
     let header = loop {
-        match parse_header(buf) {
+        match parse_header_limited(buf, PREAUTH_FRAME_BYTES_MAX) {
             Ok(Some(h)) => break h,
             Ok(None) => {}
             Err(e) => {
                 let _ = wr.write_all(&goodbye(Errno::EPROTO, &e.to_string())).await;
-                return Err(e.to_string());
+                return Err(format!("{e} (before authenticating)"));
             }
         }
-        buf.reserve(READ_CHUNK);
-        if rd.read_buf(buf).await.map_err(|e| e.to_string())? == 0 {
+        // Never more than the small pre-authentication frame.
+        let room = PREAUTH_FRAME_BYTES_MAX + FRAME_HEADER_BYTES - buf.len();
+        let mut limited = (&mut *rd).take(room as u64);
+        if limited.read_buf(buf).await.map_err(|e| e.to_string())? == 0 {
             return Err("closed during handshake".into());
         }
     };
@@ -174,31 +334,96 @@ async fn handshake(
             .await;
         return Err(format!("protocol version {}", auth.version));
     }
-    if !verify(key, &nonce, auth.client_id, &auth.mac) {
-        let _ = wr.write_all(&refuse("wrong cluster key")).await;
-        return Err("wrong cluster key".into());
+    let t = Transcript {
+        server_nonce: nonce,
+        client_nonce: auth.client_nonce,
+        key_id: auth.key_id,
+        client_id: auth.client_id,
+    };
+    // One answer for an unknown key and a wrong one: the id alone proves nothing.
+    let key = match shared.keys.get(auth.key_id) {
+        Some(k) if verify_client(&k.key, &t, &auth.mac) => k,
+        _ => {
+            let _ = wr.write_all(&refuse("wrong key")).await;
+            return Err(format!("wrong key (key id {})", auth.key_id));
+        }
+    };
+    if key.is_revoked() {
+        let _ = wr
+            .write_all(&refuse(&format!("key {} is revoked", key.id)))
+            .await;
+        return Err(format!("revoked key {}", key.id));
     }
+    let session = session_id(&shared.keys.admin().key, key.id, auth.client_id);
     let root = shared.core.lock().engine.root();
     let welcome = Welcome {
         server_id: shared.server_id,
         root,
         max_frame_bytes: frame::MAX_FRAME_BYTES as u32,
+        session,
+        mac: prove_server(&key.key, &t),
     };
     out.clear();
     encode_frame(&mut out, FrameKind::Welcome, 0, &welcome).map_err(|e| e.to_string())?;
     wr.write_all(&out).await.map_err(|e| e.to_string())?;
-    Ok(auth.client_id)
+    Ok(Identity { session, key })
+}
+
+/// Sorts a batch by what the key may do: key administration goes to `admin` (refused
+/// unless this is the admin key), requests whose credentials the key's policy refuses are
+/// answered at once in `early`, and the others stay in `reqs` with their credentials
+/// rewritten by the policy.
+fn screen(
+    key: &KeyEntry,
+    reqs: &mut Vec<(u64, Request)>,
+    admin: &mut Vec<(u64, Request)>,
+    early: &mut Replies,
+) {
+    for (rid, mut req) in std::mem::take(reqs) {
+        let op = req.op.index() as u8;
+        if req.op.is_key_admin() {
+            if key.id == ADMIN_KEY_ID {
+                admin.push((rid, req));
+            } else {
+                let e = fs_err!(EPERM, "only the cluster (admin) key administers keys");
+                early.add(rid, op, &Reply::Error(e), 0);
+            }
+            continue;
+        }
+        match key.policy.apply(&mut req.cred) {
+            Ok(()) => reqs.push((rid, req)),
+            Err(e) => early.add(rid, op, &Reply::Error(e), 0),
+        }
+    }
+}
+
+/// Runs one key administration request (blocking: the key file is written and fsynced).
+fn key_admin(keys: &crate::keys::KeyStore, op: &Op) -> Reply {
+    let result = match op {
+        Op::KeyAdd { policy, note } => keys
+            .add(*policy, note)
+            .map(|(id, key)| Reply::KeyAdded { id, key }),
+        Op::KeyList => Ok(Reply::Keys(keys.list())),
+        Op::KeyRevoke { id } => keys.revoke(*id).map(|()| Reply::Empty),
+        _ => Err(fs_err!(EINVAL, "{} is no key operation", op.name())),
+    };
+    result.unwrap_or_else(Reply::Error)
 }
 
 /// Decodes every complete frame in `buf[*start..]`. An invalid one ends the connection.
+/// Stops after [`BATCH_REQUESTS_MAX`] requests; returns true if it did (more may follow
+/// in `buf` without another read).
 fn take_requests(
     buf: &[u8],
     start: &mut usize,
     reqs: &mut Vec<(u64, Request)>,
-) -> Result<(), String> {
+) -> Result<bool, String> {
     loop {
+        if reqs.len() >= BATCH_REQUESTS_MAX {
+            return Ok(true);
+        }
         match parse_header(&buf[*start..]) {
-            Ok(None) => return Ok(()),
+            Ok(None) => return Ok(false),
             Err(e) => return Err(e.to_string()),
             Ok(Some(h)) => {
                 if h.kind != FrameKind::Request {
@@ -213,22 +438,60 @@ fn take_requests(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn read_loop(
     shared: &Arc<Shared>,
-    client: u64,
-    mut rd: OwnedReadHalf,
+    who: Identity,
+    mut rd: Rd,
     mut buf: Vec<u8>,
     tx: mpsc::Sender<Outgoing>,
     peer: SocketAddr,
     mut shutdown: watch::Receiver<bool>,
+    backlog: Arc<Backlog>,
 ) {
+    let Identity { session, key } = who;
+    let client = session;
+    // The admin key with no rule skips the screening (the single-server fast path).
+    let screened = key.id != ADMIN_KEY_ID || key.policy != KeyPolicy::TRUSTED;
     let mut journal_failure = shared.journal.subscribe_failure();
+    let mut revocations = shared.keys.subscribe();
     let mut reqs = Vec::new();
+    let mut admin = Vec::new();
     let mut replies = Vec::new();
     let data_slots = Arc::new(Semaphore::new(DATA_OPS_IN_FLIGHT));
     loop {
+        if key.is_revoked() {
+            let bye = goodbye(Errno::EACCES, &format!("key {} was revoked", key.id));
+            let _ = tx.send(Outgoing::Goodbye(bye)).await;
+            return;
+        }
+        // Backpressure: no new work while too many reply bytes wait to be sent.
+        tokio::select! {
+            _ = backlog.below_max() => {}
+            _ = shutdown.changed() => return,
+        }
         let mut start = 0;
         let parsed = take_requests(&buf, &mut start, &mut reqs);
+        let more = matches!(parsed, Ok(true));
+        if screened || reqs.iter().any(|(_, r)| r.op.is_key_admin()) {
+            let mut early = Replies::new(Instant::now(), 0);
+            screen(&key, &mut reqs, &mut admin, &mut early);
+            if !early.ops.is_empty() && !send_replies(&tx, &backlog, early).await {
+                return;
+            }
+        }
+        for (rid, req) in admin.drain(..) {
+            let keys = shared.keys.clone();
+            let op = req.op.index() as u8;
+            let reply = tokio::task::spawn_blocking(move || key_admin(&keys, &req.op))
+                .await
+                .unwrap_or_else(|e| Reply::Error(fs_err!(EIO, "key operation failed: {e}")));
+            let mut group = Replies::new(Instant::now(), 1);
+            group.add(rid, op, &reply, 0);
+            if !send_replies(&tx, &backlog, group).await {
+                return;
+            }
+        }
         // Data operations run as their own tasks (their I/O must not hold up the batch).
         let data_ops: Vec<(u64, Request)> =
             if reqs.iter().any(|(_, r)| crate::filesvc::is_data_op(&r.op)) {
@@ -244,13 +507,13 @@ async fn read_loop(
             let Ok(permit) = data_slots.clone().acquire_owned().await else {
                 return;
             };
-            let (shared, tx) = (shared.clone(), tx.clone());
+            let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
             tokio::spawn(async move {
                 let mut group = Replies::new(Instant::now(), 1);
                 let op = req.op.index() as u8;
                 let (reply, lsn) = crate::filesvc::data_op(shared, client, req).await;
                 group.add(rid, op, &reply, lsn);
-                let _ = tx.send(Outgoing::Replies(group)).await;
+                let _ = send_replies(&tx, &backlog, group).await;
                 drop(permit);
             });
         }
@@ -267,19 +530,25 @@ async fn read_loop(
                 group.add(rid, req.op.index() as u8, &reply, lsn);
             }
             for group in [now, later] {
-                if !group.ops.is_empty() && tx.send(Outgoing::Replies(group)).await.is_err() {
+                if !group.ops.is_empty() && !send_replies(&tx, &backlog, group).await {
                     return;
                 }
             }
         }
         if let Err(reason) = parsed {
-            tracing::warn!("closing connection from {peer}: {reason}");
+            log_bad_frame(shared, peer, &reason);
             let _ = tx
                 .send(Outgoing::Goodbye(goodbye(Errno::EPROTO, &reason)))
                 .await;
             return;
         }
         buf.drain(..start);
+        if more {
+            // The buffer holds more requests: run them before reading (other connections
+            // had the core lock in between).
+            tokio::task::yield_now().await;
+            continue;
+        }
         kochab_proto::net::reserve_for_frame(&mut buf);
         let mut stopping = false;
         tokio::select! {
@@ -293,6 +562,8 @@ async fn read_loop(
             },
             _ = shutdown.changed() => stopping = true,
             _ = journal_failure.changed() => stopping = true,
+            // Checked at the top of the loop: a revoked key's connection closes at once.
+            _ = revocations.changed() => {}
         }
         // Fail-stop: the client learns why the server stops instead of waiting on replies
         // that will never come (the shutdown that follows a failure says so too).
@@ -331,10 +602,12 @@ fn accept(item: Outgoing, waiting: &mut Vec<Replies>, goodbye: &mut Option<Vec<u
 /// lookup never waits behind another request's fsync.
 async fn write_loop(
     shared: Arc<Shared>,
-    mut wr: OwnedWriteHalf,
+    mut wr: Wr,
     mut rx: mpsc::Receiver<Outgoing>,
     peer: SocketAddr,
+    backlog: Arc<Backlog>,
 ) {
+    let _gone = WriterGone(backlog.clone());
     let mut durable = shared.journal.subscribe();
     let mut out = Vec::with_capacity(WRITE_BATCH_BYTES);
     // Replies whose records are not durable yet.
@@ -395,8 +668,10 @@ async fn write_loop(
         }
         // Nothing leaves before the journal holds every record it could reflect.
         let on_disk = *durable.borrow_and_update();
+        let mut sent = 0;
         for r in waiting.extract_if(.., |r| r.lsn <= on_disk) {
             out.extend_from_slice(&r.bytes);
+            sent += r.bytes.len();
             done.push((r.started, r.ops));
         }
         let closing = waiting.is_empty() && goodbye.is_some();
@@ -407,6 +682,7 @@ async fn write_loop(
             if wr.write_all(&out).await.is_err() {
                 return;
             }
+            backlog.sent(sent);
             out.clear();
             out.shrink_to(WRITE_BATCH_BYTES);
         }

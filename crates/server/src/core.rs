@@ -152,6 +152,10 @@ pub struct Shared {
     /// The manifests of the hosted tables; held for a whole checkpoint round, and by a
     /// table's drop or add.
     pub checkpointer: Mutex<crate::checkpoint::Checkpointer>,
+    /// The cluster key and the client keys, with their policies.
+    pub keys: Arc<crate::keys::KeyStore>,
+    /// Rate limit of the warnings about malformed frames (any peer can cause them).
+    pub bad_frame_log: crate::conn::LogLimiter,
 }
 
 /// Nanoseconds since the epoch from the system clock.

@@ -158,8 +158,15 @@ impl DataDir {
 
     /// Opens `path`, creating a new cluster there if it holds none.
     pub fn open_or_create(path: &Path) -> io::Result<DataDir> {
-        fs::create_dir_all(path)?;
-        fs::set_permissions(path, fs::Permissions::from_mode(0o700))?;
+        // A new directory is made 0700; an existing one keeps the mode its owner gave it
+        // (the key files in it are 0600 whatever the directory's mode).
+        if !path.exists() {
+            use std::os::unix::fs::DirBuilderExt;
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(path)?;
+        }
         let key_path = path.join(KEY_FILE);
         let key = match read_key_file(&key_path) {
             Ok(k) => k,

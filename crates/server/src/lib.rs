@@ -18,6 +18,7 @@ pub mod data;
 pub mod datadir;
 pub mod filelocks;
 pub mod filesvc;
+pub mod keys;
 pub mod locks;
 pub mod membership;
 pub mod metrics;
@@ -25,6 +26,7 @@ pub mod recovery;
 pub mod replycache;
 pub mod server;
 pub mod session;
+pub mod tls;
 
 pub use datadir::{DataDir, KEY_FILE, read_key_file};
 pub use server::{RunningServer, ServerConfig, start, start_member};

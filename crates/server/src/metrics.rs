@@ -217,15 +217,51 @@ pub fn rss_bytes() -> u64 {
 /// Most bytes of an HTTP request head read before answering; we only need the first line.
 const HTTP_HEAD_MAX: usize = 8192;
 
-/// Serves `GET /metrics` (any path, in fact) on `listener` until the task is dropped.
+/// The pause after a failed accept (EMFILE and the like) before the next: a listener that
+/// cannot accept must not spin a core.
+const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// What a request head asks for: 200 with the metrics for `GET /metrics`, 405
+/// for another method, 404 for another path, 400 for a head that is no HTTP request.
+fn route(head: &[u8]) -> (u16, &'static str) {
+    let line = head
+        .split(|&b| b == b'\r' || b == b'\n')
+        .next()
+        .unwrap_or(&[]);
+    let mut parts = line.split(|&b| b == b' ');
+    let (Some(method), Some(target), Some(version)) = (parts.next(), parts.next(), parts.next())
+    else {
+        return (400, "Bad Request");
+    };
+    if !version.starts_with(b"HTTP/1.") {
+        return (400, "Bad Request");
+    }
+    // The query string, if any, does not change the answer.
+    let path = target.split(|&b| b == b'?').next().unwrap_or(&[]);
+    if path != b"/metrics" {
+        (404, "Not Found")
+    } else if method != b"GET" {
+        (405, "Method Not Allowed")
+    } else {
+        (200, "OK")
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until the task is dropped; any other method or
+/// path gets 405 or 404.
 pub async fn serve_http(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     refresh: Arc<dyn Fn() + Send + Sync>,
 ) {
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
+        let mut sock = match listener.accept().await {
+            Ok((sock, _)) => sock,
+            Err(e) => {
+                tracing::warn!("metrics: accept failed: {e}");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
         };
         let metrics = metrics.clone();
         let refresh = refresh.clone();
@@ -249,6 +285,15 @@ pub async fn serve_http(
             if !matches!(read, Ok(Ok(()))) {
                 return;
             }
+            let (status, reason) = route(&buf[..n]);
+            if status != 200 {
+                let allow = if status == 405 { "Allow: GET\r\n" } else { "" };
+                let head = format!(
+                    "HTTP/1.1 {status} {reason}\r\n{allow}Content-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+                let _ = sock.write_all(head.as_bytes()).await;
+                return;
+            }
             refresh();
             let body = metrics.encode();
             let head = format!(
@@ -264,4 +309,21 @@ pub async fn serve_http(
 /// Binds the metrics listener.
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
+}
+
+#[cfg(test)]
+mod route_tests {
+    use super::route;
+
+    #[test]
+    fn only_get_metrics_is_served() {
+        assert_eq!(route(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").0, 200);
+        assert_eq!(route(b"GET /metrics?x=1 HTTP/1.0\r\n\r\n").0, 200);
+        assert_eq!(route(b"GET / HTTP/1.1\r\n\r\n").0, 404);
+        assert_eq!(route(b"GET /metricsx HTTP/1.1\r\n\r\n").0, 404);
+        assert_eq!(route(b"POST /metrics HTTP/1.1\r\n\r\n").0, 405);
+        assert_eq!(route(b"DELETE /x HTTP/1.1\r\n\r\n").0, 404);
+        assert_eq!(route(b"garbage").0, 400);
+        assert_eq!(route(b"").0, 400);
+    }
 }

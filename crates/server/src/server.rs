@@ -22,8 +22,11 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-/// Most simultaneous client connections; more are refused with EAGAIN.
-const MAX_CONNECTIONS: u64 = 4096;
+/// Most simultaneous client connections, authenticated or still in the handshake; more
+/// are closed at once. Each costs two tasks and a 64 KiB read buffer (about 100 KiB), so
+/// the limit keeps idle or hostile connections under half a GiB, and under the default
+/// file-descriptor limits once raised for a server.
+pub const MAX_CONNECTIONS: u64 = 4096;
 
 /// Smallest journal segment a server uses: a record must fit in one segment, and the largest
 /// a client can cause (a 64 KiB xattr value with its inode, see `core::tests`) and the
@@ -47,6 +50,8 @@ pub struct ServerConfig {
     /// How long a client may be disconnected before its handles are closed and its locks
     /// released (and how long, after a restart, unlinked files wait to be reopened).
     pub session_grace: Duration,
+    /// TLS for client connections: a PEM certificate chain and its PEM private key.
+    pub tls_cert_key: Option<(PathBuf, PathBuf)>,
 }
 
 impl ServerConfig {
@@ -62,6 +67,7 @@ impl ServerConfig {
             checkpoint_interval: Duration::from_secs(30),
             segment_bytes: JournalOptions::default().segment_bytes,
             session_grace: Duration::from_secs(10),
+            tls_cert_key: None,
         }
     }
 }
@@ -220,6 +226,7 @@ async fn serve(
         tracing::info!("created a new cluster in {}", dir.data_path.display());
     }
     let root = engine.root();
+    let keys = Arc::new(crate::keys::KeyStore::load(&dir.data_path, dir.key)?);
     let data = Arc::new(DataStore::new(dir.store.clone()));
     // Data deletions and trims left over from before the restart run in the background
     // (`reclaim_loop`): serving never waits for bulk deletion, and a data operation on a
@@ -246,6 +253,8 @@ async fn serve(
         session_grace: config.session_grace,
         cleanup_wake: tokio::sync::Notify::new(),
         checkpointer: Mutex::new(Checkpointer::new(manifests, dir.me)),
+        keys,
+        bad_frame_log: Default::default(),
     });
     let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
     let reclaimer = tokio::spawn(reclaim_loop(shared.clone()));
@@ -264,15 +273,19 @@ async fn serve(
             .spawn(move || checkpoint_loop(shared, stopper, config))?
     };
 
+    let tls = match &config.tls_cert_key {
+        Some((cert, key)) => Some(crate::tls::acceptor(cert, key)?),
+        None => None,
+    };
     let listener = TcpListener::bind(config.listen).await?;
     let addr = listener.local_addr()?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let accept_task = tokio::spawn(accept_loop(
         listener,
         shared.clone(),
-        dir.key,
         shutdown_rx,
         shared.journal.subscribe_failure(),
+        tls,
     ));
     let (metrics_task, metrics_addr) = match config.metrics_listen {
         Some(a) => {
@@ -311,9 +324,9 @@ async fn serve(
 async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
-    key: ClusterKey,
     mut shutdown: watch::Receiver<bool>,
     mut journal_failure: watch::Receiver<Option<String>>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     loop {
         tokio::select! {
@@ -321,12 +334,17 @@ async fn accept_loop(
             _ = journal_failure.changed() => return,
             r = listener.accept() => match r {
                 Ok((sock, peer)) => {
-                    if shared.connections.load(Ordering::Relaxed) >= MAX_CONNECTIONS {
-                        tracing::warn!("refusing {peer}: {MAX_CONNECTIONS} connections open");
+                    // Counted from accept, not from authentication: unauthenticated
+                    // connections take slots too (each for at most the handshake timeout).
+                    if shared.connections.fetch_add(1, Ordering::Relaxed) >= MAX_CONNECTIONS {
+                        shared.connections.fetch_sub(1, Ordering::Relaxed);
+                        if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                            tracing::warn!("refusing {peer}: {MAX_CONNECTIONS} connections open");
+                        }
                         drop(sock);
                         continue;
                     }
-                    tokio::spawn(crate::conn::serve(shared.clone(), key, sock, peer, shutdown.clone()));
+                    tokio::spawn(crate::conn::serve(shared.clone(), sock, peer, shutdown.clone(), tls.clone()));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
