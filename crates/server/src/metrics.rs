@@ -12,7 +12,6 @@ use prometheus_client::registry::Registry;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -214,48 +213,67 @@ pub fn rss_bytes() -> u64 {
     pages * page
 }
 
-/// Most bytes of an HTTP request head read before answering; we only need the first line.
-const HTTP_HEAD_MAX: usize = 8192;
-
 /// The pause after a failed accept (EMFILE and the like) before the next: a listener that
 /// cannot accept must not spin a core.
 const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// What a request head asks for: 200 with the metrics for `GET /metrics`, 405
-/// for another method, 404 for another path, 400 for a head that is no HTTP request.
-fn route(head: &[u8]) -> (u16, &'static str) {
-    let line = head
-        .split(|&b| b == b'\r' || b == b'\n')
-        .next()
-        .unwrap_or(&[]);
-    let mut parts = line.split(|&b| b == b' ');
-    let (Some(method), Some(target), Some(version)) = (parts.next(), parts.next(), parts.next())
-    else {
-        return (400, "Bad Request");
-    };
-    if !version.starts_with(b"HTTP/1.") {
-        return (400, "Bad Request");
-    }
-    // The query string, if any, does not change the answer.
-    let path = target.split(|&b| b == b'?').next().unwrap_or(&[]);
-    if path != b"/metrics" {
-        (404, "Not Found")
-    } else if method != b"GET" {
-        (405, "Method Not Allowed")
+/// A scraper that has not sent its request head within this long is dropped (a slow or
+/// idle peer must not hold a task and a socket for ever).
+const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Longest a whole metrics connection may last.
+const CONNECTION_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// What a request gets: 200 with the metrics for `GET /metrics` (any query string), 405
+/// for another method on that path, 404 for any other path.
+fn route(method: &hyper::Method, path: &str) -> hyper::StatusCode {
+    if path != "/metrics" {
+        hyper::StatusCode::NOT_FOUND
+    } else if method != hyper::Method::GET {
+        hyper::StatusCode::METHOD_NOT_ALLOWED
     } else {
-        (200, "OK")
+        hyper::StatusCode::OK
     }
 }
 
-/// Serves `GET /metrics` on `listener` until the task is dropped; any other method or
-/// path gets 405 or 404.
+fn answer(
+    req: &hyper::Request<hyper::body::Incoming>,
+    metrics: &Metrics,
+    refresh: &(dyn Fn() + Send + Sync),
+) -> hyper::Response<http_body_util::Full<hyper::body::Bytes>> {
+    use hyper::header::{ALLOW, CONTENT_TYPE, HeaderValue};
+    let status = route(req.method(), req.uri().path());
+    let mut resp = hyper::Response::new(http_body_util::Full::default());
+    *resp.status_mut() = status;
+    match status {
+        hyper::StatusCode::OK => {
+            refresh();
+            *resp.body_mut() = http_body_util::Full::new(metrics.encode().into());
+            resp.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+        }
+        hyper::StatusCode::METHOD_NOT_ALLOWED => {
+            resp.headers_mut()
+                .insert(ALLOW, HeaderValue::from_static("GET"));
+        }
+        _ => {}
+    }
+    resp
+}
+
+/// Serves `GET /metrics` on `listener` with hyper (HTTP/1.1) until the task is dropped;
+/// any other method or path gets 405 or 404, and what is no HTTP request gets hyper's 400.
 pub async fn serve_http(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     refresh: Arc<dyn Fn() + Send + Sync>,
 ) {
     loop {
-        let mut sock = match listener.accept().await {
+        let sock = match listener.accept().await {
             Ok((sock, _)) => sock,
             Err(e) => {
                 tracing::warn!("metrics: accept failed: {e}");
@@ -266,42 +284,18 @@ pub async fn serve_http(
         let metrics = metrics.clone();
         let refresh = refresh.clone();
         tokio::spawn(async move {
-            let mut buf = vec![0u8; HTTP_HEAD_MAX];
-            let mut n = 0;
-            let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-                while n < buf.len() {
-                    let k = sock.read(&mut buf[n..]).await?;
-                    if k == 0 {
-                        break;
-                    }
-                    n += k;
-                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-                Ok::<_, std::io::Error>(())
-            })
-            .await;
-            if !matches!(read, Ok(Ok(()))) {
-                return;
-            }
-            let (status, reason) = route(&buf[..n]);
-            if status != 200 {
-                let allow = if status == 405 { "Allow: GET\r\n" } else { "" };
-                let head = format!(
-                    "HTTP/1.1 {status} {reason}\r\n{allow}Content-Length: 0\r\nConnection: close\r\n\r\n"
-                );
-                let _ = sock.write_all(head.as_bytes()).await;
-                return;
-            }
-            refresh();
-            let body = metrics.encode();
-            let head = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = sock.write_all(head.as_bytes()).await;
-            let _ = sock.write_all(body.as_bytes()).await;
+            let service = hyper::service::service_fn(move |req| {
+                let resp = answer(&req, &metrics, refresh.as_ref());
+                async move { Ok::<_, std::convert::Infallible>(resp) }
+            });
+            // One request per connection, as a scraper's interval is seconds long: nothing
+            // stays open between scrapes.
+            let conn = hyper::server::conn::http1::Builder::new()
+                .keep_alive(false)
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(sock), service);
+            let _ = tokio::time::timeout(CONNECTION_MAX, conn).await;
         });
     }
 }
@@ -315,15 +309,17 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 mod route_tests {
     use super::route;
 
+    use hyper::{Method, StatusCode};
+
     #[test]
     fn only_get_metrics_is_served() {
-        assert_eq!(route(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").0, 200);
-        assert_eq!(route(b"GET /metrics?x=1 HTTP/1.0\r\n\r\n").0, 200);
-        assert_eq!(route(b"GET / HTTP/1.1\r\n\r\n").0, 404);
-        assert_eq!(route(b"GET /metricsx HTTP/1.1\r\n\r\n").0, 404);
-        assert_eq!(route(b"POST /metrics HTTP/1.1\r\n\r\n").0, 405);
-        assert_eq!(route(b"DELETE /x HTTP/1.1\r\n\r\n").0, 404);
-        assert_eq!(route(b"garbage").0, 400);
-        assert_eq!(route(b"").0, 400);
+        assert_eq!(route(&Method::GET, "/metrics"), StatusCode::OK);
+        assert_eq!(route(&Method::GET, "/"), StatusCode::NOT_FOUND);
+        assert_eq!(route(&Method::GET, "/metricsx"), StatusCode::NOT_FOUND);
+        assert_eq!(
+            route(&Method::POST, "/metrics"),
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+        assert_eq!(route(&Method::DELETE, "/x"), StatusCode::NOT_FOUND);
     }
 }
