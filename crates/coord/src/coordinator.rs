@@ -26,6 +26,14 @@ impl ReplicatedState for CoordState {
     fn apply(&mut self, cmd: &CoordCommand) -> CoordReply {
         CoordState::apply(self, cmd)
     }
+
+    /// Servers' requests carry the leader's clock, not the sender's: leases are measured
+    /// on one clock (a new leader's may lag; `CoordState` never lets time run backwards).
+    fn stamp(cmd: &mut CoordCommand) {
+        if let CoordCommand::Request { now_ms, .. } = cmd {
+            *now_ms = wall_clock_ms();
+        }
+    }
 }
 
 /// Milliseconds of the leader's wall clock. Leases are measured in it; `CoordState` never

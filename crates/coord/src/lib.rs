@@ -59,6 +59,11 @@ pub trait ReplicatedState:
         + 'static;
     /// Pure and deterministic: time enters only inside commands.
     fn apply(&mut self, cmd: &Self::Command) -> Self::Reply;
+    /// Called by the replica that appends a proposed command, just before (only the
+    /// leader's append succeeds): lets the state put the leader's clock into commands that
+    /// carry time, so that every replica applies the same time from the log and `apply`
+    /// stays pure. The default leaves commands as proposed.
+    fn stamp(_cmd: &mut Self::Command) {}
 }
 
 /// openraft's type configuration for a state `S`. A zero-sized marker; the manual trait

@@ -332,7 +332,8 @@ impl<S: ReplicatedState> Core<S> {
         }
     }
 
-    async fn propose(&self, cmd: S::Command) -> Result<S::Reply, CoordError> {
+    async fn propose(&self, mut cmd: S::Command) -> Result<S::Reply, CoordError> {
+        S::stamp(&mut cmd);
         let res = tokio::time::timeout(self.timeout(), self.raft.client_write(cmd)).await;
         match res {
             Err(_) => Err(CoordError::Timeout(

@@ -173,14 +173,17 @@ fn a_new_leader_finishes_the_migration_its_predecessor_started() {
         }),
         CoordReply::Ok
     );
+    let before = wall_clock_ms();
     for s in [1, 2] {
+        // A sender whose clock is 41 days ahead: the leader stamps its own clock instead,
+        // so nobody's lease is cut short by the stranger's time.
         let reply = propose(CoordCommand::Request {
             req: ServerRequest::Register {
                 server: ServerId(s),
                 addr: format!("127.0.0.1:{}", 7000 + s),
                 nonce: s as u64,
             },
-            now_ms: wall_clock_ms(),
+            now_ms: wall_clock_ms() + 3_600_000_000,
         });
         assert!(matches!(reply, CoordReply::Registered { .. }), "{reply:?}");
     }
@@ -188,6 +191,12 @@ fn a_new_leader_finishes_the_migration_its_predecessor_started() {
     let placed = nodes[0].wait_state("every table placed", |s| {
         s.migrations.is_empty() && (0..4).all(|i| owner(s, i * 100).is_some())
     });
+    for m in placed.servers.values() {
+        assert!(
+            m.live && m.lease_until_ms >= before + 600_000 && m.lease_until_ms < before + 660_000,
+            "lease not measured on the leader's clock: {m:?}"
+        );
+    }
     let t = TableId(0);
     let from = placed.map.owner(t).unwrap();
     let to = if from == ServerId(1) {
