@@ -51,18 +51,19 @@ pub struct CoordStatusArgs {
     json: bool,
 }
 
-/// Reads a key file that no one but its owner can read (a key others can read is no secret).
+/// The cluster key from a key file, through the client's reader (which refuses a file
+/// group or others may read): replicas trust only the cluster (admin) key, never a
+/// client key.
 fn key_file(path: &Path) -> Result<[u8; 32], String> {
-    use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    if meta.permissions().mode() & 0o077 != 0 {
+    let k = kochab_client::read_key_file(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if k.id != kochab_proto::auth::ADMIN_KEY_ID {
         return Err(format!(
-            "{}: readable by group or others (mode {:o}); chmod 600 it",
+            "{}: a client key (id {}); the coordinator needs the cluster key",
             path.display(),
-            meta.permissions().mode() & 0o777
+            k.id
         ));
     }
-    kochab_coord::wire::load_key_file(path).map_err(|e| e.to_string())
+    Ok(k.key)
 }
 
 fn parse_peers(peers: &[String]) -> Result<BTreeMap<ReplicaId, SocketAddr>, String> {
