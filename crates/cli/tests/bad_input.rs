@@ -76,6 +76,7 @@ impl Raw {
                 cred,
                 seq: id,
                 seq_floor: 0,
+                map_version: 0,
                 op,
             },
         )
@@ -116,6 +117,7 @@ fn unauthenticated_connections_get_an_error_and_nothing_else() {
         cred: Credentials::root(),
         seq: 0,
         seq_floor: 0,
+        map_version: 0,
         op: Op::GetAttr { id: 1 << 62 },
     };
 
@@ -207,6 +209,7 @@ fn malformed_frames_close_only_their_connection() {
             cred: Credentials::root(),
             seq: 0,
             seq_floor: 0,
+            map_version: 0,
             op: Op::Lookup {
                 parent: root,
                 name: b"abc".to_vec(),

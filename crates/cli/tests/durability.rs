@@ -371,6 +371,7 @@ fn retried_create_after_a_crash_is_answered_from_the_reply_cache() {
         cred: Credentials::root(),
         seq: 77,
         seq_floor: 77,
+        map_version: 0,
         op: Op::Mknod {
             parent: root,
             name: b"once".to_vec(),
@@ -398,6 +399,7 @@ fn retried_create_after_a_crash_is_answered_from_the_reply_cache() {
     let again = Request {
         seq: 78,
         seq_floor: 78,
+        map_version: 0,
         ..create.clone()
     };
     match call(&mut s, &again) {

@@ -218,6 +218,7 @@ fn a_revoked_key_is_refused_and_its_live_connection_closed() {
             cred: Credentials::user(1000, 1000),
             seq: 0,
             seq_floor: 0,
+            map_version: 0,
             op: Op::GetAttr { id: conn.root },
         };
         assert!(matches!(conn.call(&req).await, Ok(Reply::Attr(_))));
@@ -285,6 +286,7 @@ fn another_key_holder_cannot_use_a_clients_handles() {
                 cred: Credentials::root(),
                 seq: 0,
                 seq_floor: 0,
+                map_version: 0,
                 op,
             };
             conn.call(&req).await.expect("reply")
@@ -440,6 +442,7 @@ fn unread_readdirplus_replies_do_not_grow_the_server() {
             cred: Credentials::root(),
             seq: 0,
             seq_floor: 0,
+            map_version: 0,
             op: Op::Readdir {
                 id: dir,
                 cookie: 0,

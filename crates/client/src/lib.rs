@@ -235,6 +235,7 @@ impl Client {
                 cred: cred.clone(),
                 seq: 0,
                 seq_floor: 0,
+                map_version: 0,
                 op,
             };
             return self.send(&req).await;
@@ -254,6 +255,7 @@ impl Client {
             cred: cred.clone(),
             seq,
             seq_floor,
+            map_version: 0,
             op,
         };
         self.send(&req).await
@@ -279,8 +281,11 @@ impl Client {
             };
             match tokio::time::timeout(cfg.request_timeout, conn.call(req)).await {
                 Ok(Ok(Reply::Error(e))) => return Err(e),
-                Ok(Ok(Reply::WrongServer { epoch })) => {
-                    last_err = fs_err!(ESTALE, "server does not serve this table (epoch {epoch})");
+                Ok(Ok(Reply::WrongServer { map_version, .. })) => {
+                    last_err = fs_err!(
+                        ESTALE,
+                        "server does not serve this table (map version {map_version})"
+                    );
                 }
                 Ok(Ok(reply)) => return Ok(reply),
                 Ok(Err(ConnError::Refused(e))) => return Err(e),
@@ -673,6 +678,7 @@ impl Client {
             cred: cred.clone(),
             seq: 0,
             seq_floor: 0,
+            map_version: 0,
             op,
         };
         match self.send(&req).await {

@@ -462,9 +462,11 @@ impl Engine {
                 out.truncate(start);
                 match fail {
                     Fail::Fs(e) => Reply::Error(e),
-                    Fail::NotHosted(id) if self.departed(id) => {
-                        Reply::WrongServer { epoch: self.epoch }
-                    }
+                    Fail::NotHosted(id) if self.departed(id) => Reply::WrongServer {
+                        map_version: self.epoch,
+                        owner: None,
+                        addr: None,
+                    },
                     Fail::NotHosted(id) => Reply::Error(not_in_any_table(id)),
                 }
             }

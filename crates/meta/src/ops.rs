@@ -212,7 +212,9 @@ impl Engine {
             | Op::EndSession
             | Op::KeyAdd { .. }
             | Op::KeyList
-            | Op::KeyRevoke { .. } => fs(fs_err!(
+            | Op::KeyRevoke { .. }
+            | Op::GetMap
+            | Op::Control { .. } => fs(fs_err!(
                 ENOSYS,
                 "{} is answered by the server's session layer",
                 op.name()

@@ -180,6 +180,7 @@ mod tests {
             cred: Credentials::user(1000, 100),
             seq: 7,
             seq_floor: 3,
+            map_version: 0,
             op: Op::Lookup {
                 parent: 42,
                 name: b"hello".to_vec(),

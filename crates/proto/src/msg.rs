@@ -1,5 +1,6 @@
 //! Messages: the handshake, requests (one `Op` each) and replies.
 
+use crate::cluster::{Control, ControlReply, DelegationMap, ServerId};
 use crate::errno::FsError;
 use crate::types::*;
 use serde::{Deserialize, Serialize};
@@ -10,7 +11,9 @@ pub const KEY_NOTE_MAX: usize = 256;
 /// Version of the message set below. A server refuses a client with another version.
 /// 2: mutual authentication with key ids (client and server nonces, a server proof in the
 /// welcome), server-derived session ids, key administration operations.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// 3: many servers: the map version in every request, GetMap and Control, WRONG_SERVER
+/// naming the owner.
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// First frame on every connection, server to client: a fresh nonce to prove the key against.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,11 +86,14 @@ pub struct Request {
     pub cred: Credentials,
     pub seq: u64,
     pub seq_floor: u64,
+    /// Version of the delegation map the client routed this request by (0: none yet). A
+    /// server that no longer serves the table answers WRONG_SERVER with a newer one.
+    pub map_version: u64,
     pub op: Op,
 }
 
 /// Names of the operation kinds, indexed by [`Op::index`].
-pub const OP_NAMES: [&str; 34] = [
+pub const OP_NAMES: [&str; 36] = [
     "lookup",
     "getattr",
     "setattr",
@@ -122,6 +128,8 @@ pub const OP_NAMES: [&str; 34] = [
     "keyadd",
     "keylist",
     "keyrevoke",
+    "getmap",
+    "control",
 ];
 
 /// Bytes of a name, serialized compactly.
@@ -304,6 +312,13 @@ pub enum Op {
     KeyRevoke {
         id: u32,
     },
+    /// The delegation map this server knows (any server answers; clients route by it).
+    GetMap,
+    /// A coordinator's control message for this server (admin key only; served by the
+    /// server's participant, never by the engine).
+    Control {
+        control: Control,
+    },
 }
 
 /// A byte-range lock: `[start, end]` inclusive (`end == u64::MAX` means to the end of the
@@ -379,6 +394,8 @@ impl Op {
             Op::KeyAdd { .. } => 31,
             Op::KeyList => 32,
             Op::KeyRevoke { .. } => 33,
+            Op::GetMap => 34,
+            Op::Control { .. } => 35,
         }
     }
 
@@ -391,6 +408,12 @@ impl Op {
     /// connection layer, never by the engine).
     pub fn is_key_admin(&self) -> bool {
         matches!(self, Op::KeyAdd { .. } | Op::KeyList | Op::KeyRevoke { .. })
+    }
+
+    /// True for the operations of the cluster layer (served by the server around the
+    /// engine, never by it): GetMap, and Control (admin key only).
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Op::GetMap | Op::Control { .. })
     }
 
     /// True if the operation changes the namespace and so must not run twice on a retry.
@@ -498,9 +521,13 @@ pub enum Reply {
     /// GetLk: the conflicting lock, or `LockKind::Unlock` if there is none.
     Lock(LockSpec),
     Error(FsError),
-    /// The server does not serve a table this operation needs; refresh the map and retry.
+    /// The server does not serve a table this operation needs (now): retry at `owner`
+    /// (at `addr`) when the server knows it, else refresh the map (at least `map_version`)
+    /// and retry after a pause (the table is moving or being loaded).
     WrongServer {
-        epoch: u64,
+        map_version: u64,
+        owner: Option<ServerId>,
+        addr: Option<String>,
     },
     /// A namespace change's reply with the attributes of the directories it changed, as
     /// they were right after it (the FUSE client answers the kernel's next getattr of
@@ -518,6 +545,10 @@ pub enum Reply {
     },
     /// KeyList.
     Keys(Vec<KeyInfo>),
+    /// GetMap.
+    Map(DelegationMap),
+    /// Control: the participant's answer, if it has one yet (the coordinator resends).
+    Control(Option<ControlReply>),
 }
 
 impl Reply {

@@ -205,12 +205,15 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn request() -> impl Strategy<Value = Request> {
-    (cred(), any::<u64>(), any::<u64>(), op()).prop_map(|(cred, seq, seq_floor, op)| Request {
-        cred,
-        seq,
-        seq_floor,
-        op,
-    })
+    (cred(), any::<u64>(), any::<u64>(), any::<u64>(), op()).prop_map(
+        |(cred, seq, seq_floor, map_version, op)| Request {
+            cred,
+            seq,
+            seq_floor,
+            map_version,
+            op,
+        },
+    )
 }
 
 fn attr() -> impl Strategy<Value = Attr> {
@@ -284,7 +287,16 @@ fn reply() -> impl Strategy<Value = Reply> {
         vec(".{0,20}", 0..4).prop_map(Reply::Problems),
         lock_spec().prop_map(Reply::Lock),
         fs_error().prop_map(Reply::Error),
-        any::<u64>().prop_map(|epoch| Reply::WrongServer { epoch }),
+        (
+            any::<u64>(),
+            proptest::option::of(any::<u32>()),
+            proptest::option::of("[a-z0-9.:]{0,20}")
+        )
+            .prop_map(|(map_version, owner, addr)| Reply::WrongServer {
+                map_version,
+                owner: owner.map(kochab_proto::cluster::ServerId),
+                addr
+            }),
         bytes(100).prop_map(Reply::ReadAtime),
     ];
     leaf.prop_recursive(2, 8, 3, |inner| {

@@ -683,6 +683,7 @@ mod tests {
             cred: Credentials::root(),
             seq: 0,
             seq_floor: 0,
+            map_version: 0,
             op,
         }
     }

@@ -26,6 +26,7 @@ fn run(shared: &Shared, client: u64, seq: u64, op: Op) -> Option<Reply> {
         cred: Credentials::root(),
         seq,
         seq_floor: 0,
+        map_version: 0,
         op,
     };
     let mut replies = Vec::new();
