@@ -45,6 +45,10 @@ pub struct BenchConfig {
     pub clients: usize,
     pub items: u64,
     pub shared_dir: bool,
+    /// Each client's directory is a directory of the root (`<base>.c<i>`) instead of
+    /// `<base>/c<i>`: the id policy deals top-level directories across tables, so with
+    /// several servers the clients start on different servers (Ursa Minor's Fig. 3 layout).
+    pub top_level: bool,
     pub phases: Vec<Phase>,
     /// Directory (under the root) that holds the benchmark's tree.
     pub base: String,
@@ -105,6 +109,13 @@ async fn prepare_dirs(client: &Client, cfg: &BenchConfig, create: bool) -> FsRes
             }
         }
     };
+    if cfg.top_level && !cfg.shared_dir {
+        let mut dirs = Vec::with_capacity(cfg.clients);
+        for c in 0..cfg.clients {
+            dirs.push(get(root, format!("{}.c{c}", cfg.base).into_bytes()).await?);
+        }
+        return Ok(dirs);
+    }
     let base = get(root, cfg.base.as_bytes().to_vec()).await?;
     if cfg.shared_dir {
         let d = get(base, b"shared".to_vec()).await?;

@@ -360,6 +360,10 @@ struct BenchArgs {
     /// All clients in one shared directory instead of one directory each.
     #[arg(long)]
     shared_dir: bool,
+    /// Each client's directory directly under the root (`<base>.c<i>`), so that clients
+    /// start in different tables and, with several servers, on different servers.
+    #[arg(long, conflicts_with = "shared_dir")]
+    top_level: bool,
     /// Phases to run, in order.
     #[arg(long, default_value = "create,stat,remove", value_delimiter = ',')]
     phases: Vec<String>,
@@ -561,6 +565,7 @@ async fn bench(args: BenchArgs) -> Result<(), String> {
         clients: args.clients,
         items: args.items,
         shared_dir: args.shared_dir,
+        top_level: args.top_level,
         phases,
         base: args.base.clone(),
         progress: !args.json,
