@@ -360,3 +360,89 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// `kochab status` of a cluster: every server the map names (pid, address, epoch, tables),
+/// the placement of every table, and the coordinator replicas the servers follow.
+pub async fn status(
+    conn: &crate::ConnArgs,
+    map: kochab_proto::cluster::DelegationMap,
+    json: bool,
+) -> Result<(), String> {
+    let key = conn.key.load()?;
+    let tls = conn.tls.load()?;
+    let mut servers = Vec::new();
+    for (id, addr) in &map.servers {
+        let report = async {
+            let sock = kochab_client::resolve_addr(addr).map_err(|e| e.to_string())?;
+            let mut cfg = ClientConfig::new(sock, key);
+            cfg.connections = 1;
+            cfg.tls = tls.clone();
+            let c = Client::connect(cfg).await.map_err(|e| e.to_string())?;
+            c.status().await.map_err(|e| e.to_string())
+        }
+        .await;
+        servers.push((*id, addr.clone(), report));
+    }
+    let coordinators: Vec<String> = servers
+        .iter()
+        .find_map(|(_, _, r)| r.as_ref().ok().map(|s| s.coordinators.clone()))
+        .unwrap_or_default();
+    if json {
+        let out = serde_json::json!({
+            "map_version": map.version.0,
+            "coordinators": coordinators,
+            "servers": servers.iter().map(|(id, addr, r)| match r {
+                Ok(s) => serde_json::json!({
+                    "id": id.0, "addr": addr, "pid": s.pid, "epoch": s.epoch,
+                    "tables": s.tables.iter().map(|t| format!("{:016x}", t.lo)).collect::<Vec<_>>(),
+                    "inodes": s.inodes, "rss_bytes": s.rss_bytes, "connections": s.connections,
+                    "status": s,
+                }),
+                Err(e) => serde_json::json!({"id": id.0, "addr": addr, "error": e}),
+            }).collect::<Vec<_>>(),
+            "tables": map.tables.iter().map(|(t, p)| serde_json::json!({
+                "lo": format!("{:016x}", t.0), "hi": format!("{:016x}", p.hi),
+                "owner": p.owner.0, "owner_epoch": p.epoch.0,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{out:#}");
+        return Ok(());
+    }
+    println!(
+        "cluster: map version {}, {} servers, {} tables, coordinators {}",
+        map.version.0,
+        map.servers.len(),
+        map.tables.len(),
+        if coordinators.is_empty() {
+            "unknown".to_string()
+        } else {
+            coordinators.join(",")
+        }
+    );
+    for (id, addr, r) in &servers {
+        match r {
+            Ok(s) => println!(
+                "server {} at {addr}: pid {}, epoch {}, {} tables, {} inodes, {:.1} MiB, {} connections",
+                id.0,
+                s.pid,
+                s.epoch,
+                s.tables.len(),
+                s.inodes,
+                s.rss_bytes as f64 / (1 << 20) as f64,
+                s.connections
+            ),
+            Err(e) => println!("server {} at {addr}: unreachable ({e})", id.0),
+        }
+    }
+    println!(
+        "{:<18} {:<18} {:>6} {:>6}",
+        "table lo", "table hi", "owner", "epoch"
+    );
+    for (t, p) in &map.tables {
+        println!(
+            "{:016x}   {:016x}   {:>6} {:>6}",
+            t.0, p.hi, p.owner.0, p.epoch.0
+        );
+    }
+    Ok(())
+}

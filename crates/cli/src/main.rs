@@ -605,6 +605,13 @@ async fn bench(args: BenchArgs) -> Result<(), String> {
 
 async fn status(conn: ConnArgs, json: bool) -> Result<(), String> {
     let client = connect(&conn).await?;
+    if let Ok(kochab_proto::Reply::Map(map)) = client
+        .call(&kochab_proto::Credentials::root(), kochab_proto::Op::GetMap)
+        .await
+        && !map.servers.is_empty()
+    {
+        return cluster_up::status(&conn, map, json).await;
+    }
     let s = client.status().await.map_err(|e| e.to_string())?;
     if json {
         println!(

@@ -608,6 +608,8 @@ pub struct StatusReport {
     pub pid: u32,
     /// This incarnation's epoch (its journal is `journal/<server_id>.<epoch>`).
     pub epoch: u64,
+    /// The coordinator replicas this server follows (none for a single server).
+    pub coordinators: Vec<String>,
     pub uptime_ms: u64,
     pub tables: Vec<TableStatus>,
     pub inodes: u64,

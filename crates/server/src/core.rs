@@ -377,6 +377,7 @@ impl Shared {
             server_id: self.server_id,
             pid: std::process::id(),
             epoch: self.journal.id().epoch,
+            coordinators: Vec::new(),
             uptime_ms: self.started.elapsed().as_millis() as u64,
             tables,
             inodes,
