@@ -313,11 +313,13 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
         args.data.display(),
         logs.display()
     );
-    println!(
-        "kochab: cluster ready at {} (coordinator {coord_addr}, {} servers)",
-        server_addrs.join(","),
-        args.servers
+    eprintln!(
+        "kochab: {} servers at {}, coordinator at {coord_addr}",
+        args.servers,
+        server_addrs.join(",")
     );
+    // Any server is an entry point; the first is named, as a single server's address is.
+    println!("kochab: cluster ready at {}", server_addrs[0]);
     let signal = crate::wait_for_signal();
     match mount_session {
         Some(session) => {
