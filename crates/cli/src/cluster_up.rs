@@ -79,7 +79,19 @@ impl Proc {
         let err = log
             .try_clone()
             .map_err(|e| format!("{}: {e}", self.log.display()))?;
-        let child = Command::new(exe)
+        let mut cmd = Command::new(exe);
+        // SAFETY: prctl(2) in the child between fork and exec touches no memory of the
+        // parent. The child dies with the thread that started it (the supervisor, which
+        // lives as long as `up`): a killed `up` leaves no server behind.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd
             .args(&self.args)
             .stdin(Stdio::null())
             .stdout(log)
@@ -229,51 +241,17 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
             pause: Duration::from_millis(200),
         });
     }
-    for p in &mut procs {
-        p.spawn()?;
-    }
     let stopping = Arc::new(AtomicBool::new(false));
-    let procs = Arc::new(std::sync::Mutex::new(procs));
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    // The children are started, watched and stopped by one thread that lives as long as
+    // the cluster: their parent-death signal is tied to it.
     let supervisor = {
-        let procs = procs.clone();
         let stopping = stopping.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(200));
-            loop {
-                tick.tick().await;
-                if stopping.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(mut procs) = procs.lock() else { break };
-                for p in procs.iter_mut() {
-                    let Some(child) = p.child.as_mut() else {
-                        if p.started.elapsed() >= p.pause
-                            && let Err(e) = p.spawn()
-                        {
-                            eprintln!("kochab: {e}");
-                        }
-                        continue;
-                    };
-                    if let Ok(Some(status)) = child.try_wait() {
-                        let quick = p.started.elapsed() < QUICK_EXIT;
-                        p.pause = if quick {
-                            (p.pause * 2).min(RESTART_PAUSE_MAX)
-                        } else {
-                            Duration::from_millis(200)
-                        };
-                        eprintln!(
-                            "kochab: {} exited ({status}); restarting it in {:?} (log: {})",
-                            p.name,
-                            p.pause,
-                            p.log.display()
-                        );
-                        p.child = None;
-                        p.started = Instant::now();
-                    }
-                }
-            }
-        })
+        std::thread::spawn(move || supervise(procs, &stopping, started_tx))
     };
+    started_rx
+        .recv()
+        .map_err(|_| "the supervisor thread ended".to_string())??;
     let key = kochab_client::read_key_file(&key_file).map_err(|e| format!("{key_path}: {e}"))?;
     let coord_sock: SocketAddr = coord_addr
         .parse()
@@ -329,11 +307,55 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     }
     eprintln!("kochab: shutting down the cluster");
     stopping.store(true, Ordering::SeqCst);
-    let _ = supervisor.await;
-    let mut procs = match procs.lock() {
-        Ok(mut p) => std::mem::take(&mut *p),
-        Err(_) => Vec::new(),
-    };
+    let _ = tokio::task::spawn_blocking(move || supervisor.join()).await;
+    Ok(())
+}
+
+/// Starts every child, restarts those that exit (with a growing pause if they exit right
+/// after starting), and once `stopping` is set stops them: servers first, with SIGTERM,
+/// then SIGKILL after 10 s; the coordinator last.
+fn supervise(
+    mut procs: Vec<Proc>,
+    stopping: &AtomicBool,
+    started: std::sync::mpsc::Sender<Result<(), String>>,
+) {
+    for p in &mut procs {
+        if let Err(e) = p.spawn() {
+            let _ = started.send(Err(e));
+            return;
+        }
+    }
+    let _ = started.send(Ok(()));
+    while !stopping.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(100));
+        for p in procs.iter_mut() {
+            let Some(child) = p.child.as_mut() else {
+                if p.started.elapsed() >= p.pause
+                    && let Err(e) = p.spawn()
+                {
+                    eprintln!("kochab: {e}");
+                    p.started = Instant::now();
+                }
+                continue;
+            };
+            if let Ok(Some(status)) = child.try_wait() {
+                let quick = p.started.elapsed() < QUICK_EXIT;
+                p.pause = if quick {
+                    (p.pause * 2).min(RESTART_PAUSE_MAX)
+                } else {
+                    Duration::from_millis(200)
+                };
+                eprintln!(
+                    "kochab: {} exited ({status}); restarting it in {:?} (log: {})",
+                    p.name,
+                    p.pause,
+                    p.log.display()
+                );
+                p.child = None;
+                p.started = Instant::now();
+            }
+        }
+    }
     // Servers first (they may still write their journals), the coordinator last.
     procs.rotate_left(1);
     for p in &mut procs {
@@ -351,7 +373,7 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
                 if let Ok(Some(_)) = child.try_wait() {
                     break;
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                std::thread::sleep(Duration::from_millis(50));
             }
             if let Ok(None) = child.try_wait() {
                 eprintln!("kochab: {} did not stop within 10 s; killing it", p.name);
@@ -360,7 +382,6 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
             }
         }
     }
-    Ok(())
 }
 
 /// `kochab status` of a cluster: every server the map names (pid, address, epoch, tables),
