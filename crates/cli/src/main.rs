@@ -364,6 +364,10 @@ struct BenchArgs {
     /// start in different tables and, with several servers, on different servers.
     #[arg(long, conflicts_with = "shared_dir")]
     top_level: bool,
+    /// In the create phase, also rename every Nth file into the next client's directory
+    /// (a multi-server operation when the directories are on different servers).
+    #[arg(long, default_value_t = 0)]
+    cross_every: u64,
     /// Phases to run, in order.
     #[arg(long, default_value = "create,stat,remove", value_delimiter = ',')]
     phases: Vec<String>,
@@ -566,6 +570,7 @@ async fn bench(args: BenchArgs) -> Result<(), String> {
         items: args.items,
         shared_dir: args.shared_dir,
         top_level: args.top_level,
+        cross_every: args.cross_every,
         phases,
         base: args.base.clone(),
         progress: !args.json,
