@@ -698,3 +698,66 @@ async fn write_loop(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request_frames(n: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        for i in 0..n {
+            let req = Request {
+                cred: Credentials::root(),
+                seq: 0,
+                seq_floor: 0,
+                op: Op::GetAttr { id: i },
+            };
+            encode_frame(&mut out, FrameKind::Request, i, &req).unwrap();
+        }
+        out
+    }
+
+    fn frames_holding(bytes: &[u8]) -> Frames {
+        let rd: Rd = Box::new(tokio::io::empty());
+        let mut frames = FramedRead::new(rd, FrameCodec::authenticated(MAX_FRAME_BYTES));
+        frames.read_buffer_mut().extend_from_slice(bytes);
+        frames
+    }
+
+    #[test]
+    fn frames_already_read_form_batches_of_at_most_64() {
+        let n = BATCH_REQUESTS_MAX as u64 + 6;
+        let mut bytes = request_frames(n);
+        // Half a frame more: it waits for the next read.
+        let half = request_frames(1);
+        bytes.extend_from_slice(&half[..half.len() / 2]);
+        let mut frames = frames_holding(&bytes);
+        let mut reqs = Vec::new();
+        assert_eq!(take_requests(&mut frames, &mut reqs), Ok(true));
+        assert_eq!(reqs.len(), BATCH_REQUESTS_MAX);
+        assert!(
+            reqs.iter()
+                .enumerate()
+                .all(|(i, (rid, _))| *rid == i as u64)
+        );
+        reqs.clear();
+        assert_eq!(take_requests(&mut frames, &mut reqs), Ok(false));
+        assert_eq!(reqs.len(), 6);
+        assert_eq!(frames.read_buffer().len(), half.len() / 2);
+    }
+
+    #[test]
+    fn a_bad_frame_after_good_ones_keeps_the_good_ones() {
+        let mut bytes = request_frames(3);
+        let mut reply = Vec::new();
+        encode_frame(&mut reply, FrameKind::Reply, 9, &Reply::Empty).unwrap();
+        bytes.extend_from_slice(&reply);
+        let mut frames = frames_holding(&bytes);
+        let mut reqs = Vec::new();
+        assert_eq!(
+            take_requests(&mut frames, &mut reqs),
+            Err("unexpected Reply frame".to_string())
+        );
+        assert_eq!(reqs.len(), 3);
+    }
+}
