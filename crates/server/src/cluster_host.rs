@@ -181,8 +181,26 @@ impl ClusterHost {
             shared: OnceLock::new(),
             fenced: watch::channel(None).0,
         });
-        tokio::spawn(run(host.clone(), rx));
         let deadline = Instant::now() + REGISTER_TIMEOUT;
+        // A group that has not recorded its tables yet has no lease length to give.
+        loop {
+            match host.reader.read_state().await {
+                Ok((state, _)) if state.bootstrapped => break,
+                Ok(_) => {}
+                Err(e) => tracing::debug!("coordinator not ready: {e}"),
+            }
+            if Instant::now() >= deadline {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the coordinator at {:?} was not ready within {REGISTER_TIMEOUT:?}",
+                        cfg.coord
+                    ),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::spawn(run(host.clone(), rx));
         let mut fenced = host.fenced.subscribe();
         loop {
             if let Some(inc) = host.p.lock().incarnation() {
@@ -524,11 +542,12 @@ impl ClusterHost {
                 tracing::debug!("borrow {id:?} refused");
             }
             Action::Fence => {
+                // (One lock at a time: `journal_id` may take the participant's lock too.)
+                let server = self.p.lock().server().0;
+                let journal = self.journal_id();
                 let why = format!(
-                    "server {} ({}) is fenced: its lease ended or a newer incarnation \
-                     registered; it serves and acknowledges nothing more",
-                    self.p.lock().server().0,
-                    self.journal_id()
+                    "server {server} ({journal}) is fenced: its lease ended or a newer \
+                     incarnation registered; it serves and acknowledges nothing more"
                 );
                 tracing::error!("{why}");
                 self.fenced.send_replace(Some(why));

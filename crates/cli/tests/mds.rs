@@ -1,0 +1,256 @@
+//! Metadata servers as processes: one `kochab coord` and two `kochab mds` on loopback over
+//! one data directory whose tables were all released. The coordinator places every table,
+//! moves one to the other server (DROP and ADD over the network), a native client creates
+//! and stats a file on the server of the root's table, and a request for the moved table
+//! gets WRONG_SERVER naming its owner and address.
+
+mod common;
+
+use common::kochab_bin;
+use kochab_client::conn::Conn;
+use kochab_client::{Client, ClientConfig};
+use kochab_cluster::state::CoordState;
+use kochab_coord::CoordClient;
+use kochab_proto::cluster::{CoordCommand, CoordReply, ServerId};
+use kochab_proto::{Credentials, Errno, Op, Reply, Request};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// Children killed with SIGKILL however the test ends.
+#[derive(Default)]
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Spawns `kochab ARGS`, logging to `log`, and waits for its first stdout line containing
+/// `ready` (EOF if it exits first).
+fn spawn(args: &[String], log: &Path, ready: &str) -> Child {
+    let mut child = Command::new(kochab_bin())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .expect("spawn kochab");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(
+        line.contains(ready),
+        "kochab {args:?} did not start: {line:?}\n{}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+    child
+}
+
+/// A data directory holding a cluster with a root whose every table is released, as
+/// `kochab up --servers N` leaves it: the single server starts once, lets every table go.
+fn prepare(data: &Path) {
+    let rt = common::runtime();
+    let server = rt
+        .block_on(kochab_server::start(kochab_server::ServerConfig::new(
+            data,
+            "127.0.0.1:0".parse().unwrap(),
+        )))
+        .unwrap();
+    let tables: Vec<u64> = {
+        let core = server.shared().core.lock();
+        core.engine.tables().iter().map(|t| t.lo).collect()
+    };
+    for lo in tables {
+        server.shared().drop_table(lo).unwrap();
+    }
+    rt.block_on(server.shutdown());
+}
+
+fn coord_status(coord: SocketAddr, key: &Path) -> serde_json::Value {
+    let out = Command::new(kochab_bin())
+        .args(["coord-status", "--json", "--coord", &coord.to_string()])
+        .arg("--key-file")
+        .arg(key)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn wait_until(what: &str, secs: u64, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn request(op: Op) -> Request {
+    Request {
+        cred: Credentials::root(),
+        seq: 0,
+        seq_floor: 0,
+        map_version: 0,
+        op,
+    }
+}
+
+#[test]
+fn two_mds_processes_serve_the_tables_the_coordinator_places() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    prepare(&data);
+    let key_file = data.join(kochab_server::KEY_FILE);
+    let key = kochab_server::read_key_file(&key_file).unwrap();
+    let mut procs = Procs::default();
+
+    let coord = free_addr();
+    let s = |x: &str| x.to_string();
+    procs.0.push(spawn(
+        &[
+            s("coord"),
+            s("--id"),
+            s("1"),
+            s("--listen"),
+            coord.to_string(),
+            s("--peers"),
+            format!("1={coord}"),
+            s("--data"),
+            tmp.path().join("coord").display().to_string(),
+            s("--bootstrap"),
+            s("--key-file"),
+            key_file.display().to_string(),
+        ],
+        &tmp.path().join("coord.log"),
+        "ready at",
+    ));
+    let mut addrs = std::collections::BTreeMap::new();
+    for id in [2u32, 3] {
+        let addr = free_addr();
+        addrs.insert(ServerId(id), addr);
+        procs.0.push(spawn(
+            &[
+                s("mds"),
+                s("--id"),
+                id.to_string(),
+                s("--listen"),
+                addr.to_string(),
+                s("--coord"),
+                coord.to_string(),
+                s("--data"),
+                data.display().to_string(),
+                s("--key-file"),
+                key_file.display().to_string(),
+            ],
+            &tmp.path().join(format!("mds{id}.log")),
+            "serving at",
+        ));
+    }
+    // Placement: every table has an owner and nothing is moving.
+    wait_until("every table placed", 60, || {
+        let st = &coord_status(coord, &key_file)["state"];
+        st["tables"].as_u64().is_some_and(|n| n > 0)
+            && st["placed"] == st["tables"]
+            && st["migrations"] == 0
+            && st["servers"].as_array().is_some_and(|v| v.len() == 2)
+    });
+
+    let rt = common::runtime();
+    let coord_client =
+        CoordClient::<CoordState>::new(kochab_coord::ClientConfig::new(vec![coord], key));
+    let map = || rt.block_on(coord_client.read_state()).unwrap().0.map;
+    let m = map();
+    // The root's id, as any server announces it.
+    let any = *addrs.values().next().unwrap();
+    let root = rt
+        .block_on(Client::connect(ClientConfig::new(any, key)))
+        .unwrap()
+        .root();
+    let (root_table, p) = m.table_of(root).expect("the root's table is placed");
+    let a = p.owner;
+    let b = *addrs.keys().find(|s| **s != a).unwrap();
+    // Move another table to the other server: a DROP and an ADD over the network.
+    let moved = *m.tables.keys().find(|t| **t != root_table).unwrap();
+    let r = rt
+        .block_on(coord_client.propose(CoordCommand::Move {
+            table: moved,
+            to: b,
+        }))
+        .unwrap();
+    if m.owner(moved) != Some(b) {
+        assert_eq!(r, CoordReply::Ok, "move of {moved:?} to {b:?}");
+    }
+    wait_until("the moved table at its new owner", 60, || {
+        let st = rt.block_on(coord_client.read_state()).unwrap().0;
+        st.map.owner(moved) == Some(b) && st.migrations.is_empty()
+    });
+
+    // A native client on the server of the root's table creates and stats a file.
+    let client = rt
+        .block_on(Client::connect(ClientConfig::new(addrs[&a], key)))
+        .unwrap();
+    let cred = Credentials::root();
+    let made = rt
+        .block_on(client.mknod(&cred, root, b"hello", 0o100644, 0, true))
+        .unwrap();
+    let seen = rt.block_on(client.lookup(&cred, root, b"hello")).unwrap();
+    assert_eq!(made.id, seen.id);
+    assert_eq!(
+        rt.block_on(client.getattr(&cred, made.id)).unwrap().id,
+        made.id
+    );
+
+    // The moved table's ids: WRONG_SERVER at the root's server, naming the owner; served
+    // by the owner (no such inode there, but admitted).
+    let conn_to = |addr: SocketAddr| {
+        rt.block_on(Conn::connect(addr, &key.into(), 77, Duration::from_secs(5)))
+            .unwrap_or_else(|_| panic!("connect {addr}"))
+    };
+    let at_a = conn_to(addrs[&a]);
+    let stat_moved = request(Op::GetAttr { id: moved.0 + 1 });
+    match rt.block_on(at_a.call(&stat_moved)).unwrap() {
+        Reply::WrongServer { owner, addr, .. } => {
+            assert_eq!(
+                owner,
+                Some(b),
+                "root's server {a:?}, moved {moved:?} to {b:?}"
+            );
+            assert_eq!(addr, Some(addrs[&b].to_string()));
+        }
+        other => panic!("expected WRONG_SERVER, got {other:?}"),
+    }
+    let at_b = conn_to(addrs[&b]);
+    match rt.block_on(at_b.call(&stat_moved)).unwrap() {
+        Reply::Error(e) => assert_eq!(e.errno, Errno::ENOENT, "{e}"),
+        other => panic!("expected ENOENT from the owner, got {other:?}"),
+    }
+    // Any server answers GetMap with the coordinator's map (at most ~200 ms old).
+    wait_until("GetMap showing the move", 10, || {
+        match rt.block_on(at_b.call(&request(Op::GetMap))).unwrap() {
+            Reply::Map(m) => {
+                assert_eq!(m.owner(root_table), Some(a));
+                assert_eq!(m.servers.get(&b), Some(&addrs[&b].to_string()));
+                m.owner(moved) == Some(b)
+            }
+            other => panic!("expected the map, got {other:?}"),
+        }
+    });
+}
