@@ -288,6 +288,9 @@ pub async fn status(args: CoordStatusArgs) -> Result<(), String> {
                 "servers": s.servers.iter().map(|(id, m)| serde_json::json!({
                     "id": id.0, "addr": m.addr, "epoch": m.epoch.0, "live": m.live,
                 })).collect::<Vec<_>>(),
+                "map": s.map.tables.iter().map(|(t, p)| serde_json::json!({
+                    "table": format!("{:016x}", t.0), "owner": p.owner.0, "epoch": p.epoch.0,
+                })).collect::<Vec<_>>(),
                 "migrations": s.migrations.len(),
                 "borrows": s.borrows.len(),
             })

@@ -11,8 +11,9 @@ use kochab_client::conn::Conn;
 use kochab_client::{Client, ClientConfig};
 use kochab_cluster::state::CoordState;
 use kochab_coord::CoordClient;
-use kochab_proto::cluster::{CoordCommand, CoordReply, ServerId};
-use kochab_proto::{Credentials, Errno, Op, Reply, Request};
+use kochab_proto::auth::ClientKey;
+use kochab_proto::cluster::{Control, ControlBody, CoordCommand, CoordReply, ServerId};
+use kochab_proto::{Credentials, Errno, KeyPolicy, Op, Reply, Request};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -242,6 +243,61 @@ fn two_mds_processes_serve_the_tables_the_coordinator_places() {
         Reply::Error(e) => assert_eq!(e.errno, Errno::ENOENT, "{e}"),
         other => panic!("expected ENOENT from the owner, got {other:?}"),
     }
+    // Control messages only with the cluster key: a client key gets EPERM.
+    let added = rt
+        .block_on(at_a.call(&request(Op::KeyAdd {
+            policy: KeyPolicy::TRUSTED,
+            note: "not the coordinator".into(),
+        })))
+        .unwrap();
+    let Reply::KeyAdded {
+        id,
+        key: client_key,
+    } = added
+    else {
+        panic!("key add: {added:?}");
+    };
+    let as_client = rt
+        .block_on(Conn::connect(
+            addrs[&a],
+            &ClientKey {
+                id,
+                key: client_key,
+            },
+            78,
+            Duration::from_secs(5),
+        ))
+        .unwrap_or_else(|_| panic!("connect with the client key"));
+    let st = rt.block_on(coord_client.read_state()).unwrap().0;
+    let control = Control {
+        to: st.live(b).unwrap(),
+        body: ControlBody::Drop {
+            table: moved,
+            map_version: st.map.version,
+            to: a,
+        },
+    };
+    match rt
+        .block_on(as_client.call(&request(Op::Control { control })))
+        .unwrap()
+    {
+        Reply::Error(e) => assert_eq!(e.errno, Errno::EPERM, "{e}"),
+        other => panic!("a client key's control was answered: {other:?}"),
+    }
+    // A second process with a server's id refuses to start (one journal per incarnation).
+    let out = Command::new(kochab_bin())
+        .args(["mds", "--id", &a.0.to_string(), "--listen"])
+        .arg(free_addr().to_string())
+        .args(["--coord", &coord.to_string(), "--data"])
+        .arg(&data)
+        .arg("--key-file")
+        .arg(&key_file)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is in use by"), "{err}");
+
     // Any server answers GetMap with the coordinator's map (at most ~200 ms old).
     wait_until("GetMap showing the move", 10, || {
         match rt.block_on(at_b.call(&request(Op::GetMap))).unwrap() {
@@ -253,4 +309,21 @@ fn two_mds_processes_serve_the_tables_the_coordinator_places() {
             other => panic!("expected the map, got {other:?}"),
         }
     });
+}
+
+#[test]
+fn id_1_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new(kochab_bin())
+        .args(["mds", "--id", "1", "--listen", "127.0.0.1:7999", "--coord"])
+        .arg("127.0.0.1:7998")
+        .arg("--data")
+        .arg(tmp.path())
+        .arg("--key-file")
+        .arg(tmp.path().join("none"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("ids from 2"), "{err}");
 }
