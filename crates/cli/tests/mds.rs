@@ -114,8 +114,21 @@ fn request(op: Op) -> Request {
     }
 }
 
-#[test]
-fn two_mds_processes_serve_the_tables_the_coordinator_places() {
+/// One coordinator (lease `lease` seconds) and servers 2 and 3 over a prepared data
+/// directory, once every table is placed.
+struct Cluster {
+    tmp: tempfile::TempDir,
+    procs: Procs,
+    coord: SocketAddr,
+    addrs: std::collections::BTreeMap<ServerId, SocketAddr>,
+    /// Index of each server's process in `procs`.
+    index: std::collections::BTreeMap<ServerId, usize>,
+    data: std::path::PathBuf,
+    key_file: std::path::PathBuf,
+    key: [u8; 32],
+}
+
+fn cluster(lease: u32) -> Cluster {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");
     prepare(&data);
@@ -137,6 +150,8 @@ fn two_mds_processes_serve_the_tables_the_coordinator_places() {
             s("--data"),
             tmp.path().join("coord").display().to_string(),
             s("--bootstrap"),
+            s("--lease"),
+            lease.to_string(),
             s("--key-file"),
             key_file.display().to_string(),
         ],
@@ -144,9 +159,11 @@ fn two_mds_processes_serve_the_tables_the_coordinator_places() {
         "ready at",
     ));
     let mut addrs = std::collections::BTreeMap::new();
+    let mut index = std::collections::BTreeMap::new();
     for id in [2u32, 3] {
         let addr = free_addr();
         addrs.insert(ServerId(id), addr);
+        index.insert(ServerId(id), procs.0.len());
         procs.0.push(spawn(
             &[
                 s("mds"),
@@ -174,6 +191,30 @@ fn two_mds_processes_serve_the_tables_the_coordinator_places() {
             && st["servers"].as_array().is_some_and(|v| v.len() == 2)
     });
 
+    Cluster {
+        tmp,
+        procs,
+        coord,
+        addrs,
+        index,
+        data,
+        key_file,
+        key,
+    }
+}
+
+#[test]
+fn two_mds_processes_serve_the_tables_the_coordinator_places() {
+    let Cluster {
+        tmp: _tmp,
+        procs: _procs,
+        coord,
+        addrs,
+        data,
+        key_file,
+        key,
+        ..
+    } = cluster(10);
     let rt = common::runtime();
     let coord_client =
         CoordClient::<CoordState>::new(kochab_coord::ClientConfig::new(vec![coord], key));
@@ -326,4 +367,76 @@ fn id_1_is_refused() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("ids from 2"), "{err}");
+}
+
+/// A server paused past its lease (SIGSTOP) is fenced: the coordinator recovers its tables
+/// on the other server from its journal, and when it resumes (SIGCONT) it serves nothing
+/// and exits with status 3.
+#[test]
+fn a_server_paused_past_its_lease_is_fenced_and_its_tables_recovered() {
+    let mut c = cluster(3);
+    let rt = common::runtime();
+    let coord_client =
+        CoordClient::<CoordState>::new(kochab_coord::ClientConfig::new(vec![c.coord], c.key));
+    let st = rt.block_on(coord_client.read_state()).unwrap().0;
+    let any = *c.addrs.values().next().unwrap();
+    let root = rt
+        .block_on(Client::connect(ClientConfig::new(any, c.key)))
+        .unwrap()
+        .root();
+    let (root_table, p) = st.map.table_of(root).unwrap();
+    let a = p.owner;
+    let b = *c.addrs.keys().find(|s| **s != a).unwrap();
+    // Give b the root's table, with a file made there (in b's journal only).
+    let r = rt
+        .block_on(coord_client.propose(CoordCommand::Move {
+            table: root_table,
+            to: b,
+        }))
+        .unwrap();
+    assert_eq!(r, CoordReply::Ok);
+    wait_until("the root's table at b", 60, || {
+        let st = rt.block_on(coord_client.read_state()).unwrap().0;
+        st.map.owner(root_table) == Some(b) && st.migrations.is_empty()
+    });
+    let at_b = rt
+        .block_on(Client::connect(ClientConfig::new(c.addrs[&b], c.key)))
+        .unwrap();
+    let cred = Credentials::root();
+    let made = rt
+        .block_on(at_b.mknod(&cred, root, b"before-pause", 0o100644, 0, true))
+        .unwrap();
+    drop(at_b);
+
+    let pid = c.procs.0[c.index[&b]].id() as i32;
+    // SAFETY: signals to our own child.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    wait_until("b's tables recovered on a", 60, || {
+        let st = rt.block_on(coord_client.read_state()).unwrap().0;
+        st.map.owner(root_table) == Some(a) && st.migrations.is_empty()
+    });
+    let at_a = rt
+        .block_on(Client::connect(ClientConfig::new(c.addrs[&a], c.key)))
+        .unwrap();
+    let seen = rt
+        .block_on(at_a.lookup(&cred, root, b"before-pause"))
+        .unwrap();
+    assert_eq!(
+        seen.id, made.id,
+        "the file b acknowledged is on a after recovery"
+    );
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let child = &mut c.procs.0[c.index[&b]];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the fenced server did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(3), "{status:?}");
+    let log = std::fs::read_to_string(c.tmp.path().join(format!("mds{}.log", b.0))).unwrap();
+    assert!(log.contains("is fenced"), "{log}");
 }
