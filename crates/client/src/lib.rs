@@ -978,7 +978,16 @@ impl Client {
         debug_assert!(!op.needs_reply_cache());
         let target = self.target_of(&op);
         let mut req = plain_request(cred, op);
-        match self.send(&mut req, target).await {
+        let first = match self.send(&mut req, target).await {
+            Err(e) if e.errno == Errno::ESTALE && self.routes_by_map() => {
+                // The server that answered may have let the file's table go and the map
+                // be stale: fetch it again and try once more (at the new owner, EBADF).
+                self.inner.routing.lock().forget_map();
+                self.send(&mut req, target).await
+            }
+            other => other,
+        };
+        match first {
             Err(e) if e.errno == Errno::EBADF => {
                 let known = self.inner.handles.lock().get(&handle).cloned();
                 let Some(h) = known else {

@@ -150,14 +150,19 @@ async fn serve_maps(
     }
 }
 
-/// Every table of `a` placed on server 1, except those in `on_b` (server 2).
-fn map_of(version: u64, ranges: &[(u64, u64)], on_b: &[u64], a: &str, b: &str) -> DelegationMap {
+/// Every table on server 1, except those `moved` (table id, owner); `servers` by id.
+fn map_of(
+    version: u64,
+    ranges: &[(u64, u64)],
+    moved: &[(u64, u32)],
+    servers: &[&str],
+) -> DelegationMap {
     let mut m = DelegationMap {
         version: MapVersion(version),
         ..Default::default()
     };
     for &(lo, hi) in ranges {
-        let owner = if on_b.contains(&lo) { 2 } else { 1 };
+        let owner = moved.iter().find(|m| m.0 == lo).map_or(1, |m| m.1);
         m.tables.insert(
             TableId(lo),
             Placement {
@@ -167,8 +172,9 @@ fn map_of(version: u64, ranges: &[(u64, u64)], on_b: &[u64], a: &str, b: &str) -
             },
         );
     }
-    m.servers.insert(ServerId(1), a.to_string());
-    m.servers.insert(ServerId(2), b.to_string());
+    for (i, addr) in servers.iter().enumerate() {
+        m.servers.insert(ServerId(i as u32 + 1), addr.to_string());
+    }
     m
 }
 
@@ -187,7 +193,7 @@ async fn requests_follow_their_tables_across_moves_and_a_lost_server() {
         core.engine.tables().iter().map(|t| (t.lo, t.hi)).collect()
     };
     let (sa, sb) = (a.addr.to_string(), b.addr.to_string());
-    let maps = MapServer::start(a.key, root, map_of(1, &ranges, &[], &sa, &sb)).await;
+    let maps = MapServer::start(a.key, root, map_of(1, &ranges, &[], &[&sa, &sb])).await;
 
     let mut cfg = ClientConfig::with_entries(vec![maps.addr], a.key);
     cfg.request_timeout = std::time::Duration::from_secs(10);
@@ -231,7 +237,7 @@ async fn requests_follow_their_tables_across_moves_and_a_lost_server() {
         .await
         .unwrap()
         .unwrap();
-    maps.set(map_of(2, &ranges, &[moved], &sa, &sb));
+    maps.set(map_of(2, &ranges, &[(moved, 2)], &[&sa, &sb]));
 
     // The client still routes by map 1: A answers WRONG_SERVER, the client fetches map 2
     // and goes to B, invisibly.
@@ -268,7 +274,7 @@ async fn requests_follow_their_tables_across_moves_and_a_lost_server() {
         .await
         .unwrap()
         .unwrap();
-    maps.set(map_of(3, &ranges, &[], &sa, &sb));
+    maps.set(map_of(3, &ranges, &[], &[&sa, &sb]));
     assert_eq!(
         c.read(&cred, h, 0, 5).await.unwrap(),
         b"AFTER".to_vec(),
@@ -276,8 +282,33 @@ async fn requests_follow_their_tables_across_moves_and_a_lost_server() {
     );
     assert_eq!(c.map_version(), 3);
     assert!(c.lookup(&cred, dir.id, b"on-b").await.is_ok());
+
+    // The table moves once more, to a third server, and the first request after it is a
+    // handle's: A still knows the handle but not the file (ESTALE), so the client fetches
+    // map 4 and reopens the handle at the new owner.
+    let s = a.shared().clone();
+    tokio::task::spawn_blocking(move || s.drop_table(moved))
+        .await
+        .unwrap()
+        .unwrap();
+    let d = member(&tmp.path().join("d"), &a, 3).await;
+    let s = d.shared().clone();
+    tokio::task::spawn_blocking(move || s.add_table(moved))
+        .await
+        .unwrap()
+        .unwrap();
+    let sd = d.addr.to_string();
+    maps.set(map_of(4, &ranges, &[(moved, 3)], &[&sa, &sb, &sd]));
+    assert_eq!(c.read(&cred, h, 0, 5).await.unwrap(), b"AFTER".to_vec());
+    assert_eq!(c.map_version(), 4);
+    c.write(&cred, h, 5, b"!".to_vec()).await.unwrap();
+    assert_eq!(
+        c.getattr(&cred, f.id).await.unwrap().size,
+        b"AFTERe the move".len() as u64
+    );
     c.close(&cred, h).await.unwrap();
     c.end_session().await.unwrap();
+    d.shutdown().await;
     a.shutdown().await;
 }
 
@@ -285,7 +316,13 @@ async fn requests_follow_their_tables_across_moves_and_a_lost_server() {
 async fn a_single_server_without_a_map_serves_everything() {
     let tmp = tempfile::tempdir().unwrap();
     let a = start(config(&tmp.path().join("a"))).await.unwrap();
-    let c = Client::connect(ClientConfig::new(a.addr, a.key))
+    // The first entry address is dead: the next one is used.
+    let dead = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let c = Client::connect(ClientConfig::with_entries(vec![dead, a.addr], a.key))
         .await
         .unwrap();
     assert!(!c.routes_by_map(), "GetMap is ENOSYS: single-server mode");
