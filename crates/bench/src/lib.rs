@@ -45,6 +45,14 @@ pub struct BenchConfig {
     pub clients: usize,
     pub items: u64,
     pub shared_dir: bool,
+    /// Each client's directory is a directory of the root (`<base>.c<i>`) instead of
+    /// `<base>/c<i>`: the id policy deals top-level directories across tables, so with
+    /// several servers the clients start on different servers (Ursa Minor's Fig. 3 layout).
+    pub top_level: bool,
+    /// In the create phase, every `cross_every`-th file (0: none) is also renamed into the
+    /// next client's directory: with directories on different servers, a multi-server
+    /// operation (Ursa Minor's Fig. 4 workload). Later phases then miss those files.
+    pub cross_every: u64,
     pub phases: Vec<Phase>,
     /// Directory (under the root) that holds the benchmark's tree.
     pub base: String,
@@ -61,6 +69,11 @@ pub struct PhaseReport {
     pub p50_us: f64,
     pub p99_us: f64,
     pub errors: u64,
+    /// Of `ops`, the renames into another client's directory, and their median latency.
+    pub cross_ops: u64,
+    pub cross_p50_us: f64,
+    /// Median latency of the other operations.
+    pub local_p50_us: f64,
 }
 
 /// Items of client `c` out of `total` over `clients`.
@@ -105,6 +118,13 @@ async fn prepare_dirs(client: &Client, cfg: &BenchConfig, create: bool) -> FsRes
             }
         }
     };
+    if cfg.top_level && !cfg.shared_dir {
+        let mut dirs = Vec::with_capacity(cfg.clients);
+        for c in 0..cfg.clients {
+            dirs.push(get(root, format!("{}.c{c}", cfg.base).into_bytes()).await?);
+        }
+        return Ok(dirs);
+    }
     let base = get(root, cfg.base.as_bytes().to_vec()).await?;
     if cfg.shared_dir {
         let d = get(base, b"shared".to_vec()).await?;
@@ -144,9 +164,16 @@ async fn run_phase(
         let first_error = first_error.clone();
         let n = share(cfg.items, cfg.clients, c);
         let shared = cfg.shared_dir;
+        let cross_every = if phase == Phase::Create {
+            cfg.cross_every
+        } else {
+            0
+        };
+        let next_dir = dirs[(c + 1) % dirs.len()];
         tasks.push(tokio::spawn(async move {
             let cred = Credentials::root();
             let mut lat = Vec::with_capacity(n as usize);
+            let mut cross = Vec::new();
             for i in 0..n {
                 let name = file_name(shared, c, i);
                 let t = Instant::now();
@@ -156,6 +183,17 @@ async fn run_phase(
                     Phase::Remove => client.unlink(&cred, dir, &name).await,
                 };
                 lat.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
+                let r = match r {
+                    Ok(()) if cross_every > 0 && (i + 1) % cross_every == 0 => {
+                        let to = format!("x{c}.{i}").into_bytes();
+                        let t = Instant::now();
+                        let r = client.rename(&cred, dir, &name, next_dir, &to, 0).await;
+                        cross.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
+                        done.fetch_add(1, Ordering::Relaxed);
+                        r
+                    }
+                    r => r,
+                };
                 if let Err(e) = r {
                     errors.fetch_add(1, Ordering::Relaxed);
                     first_error.set(format!(
@@ -166,7 +204,7 @@ async fn run_phase(
                 }
                 done.fetch_add(1, Ordering::Relaxed);
             }
-            lat
+            (lat, cross)
         }));
     }
     let progress = cfg.progress && std::io::stderr().is_terminal();
@@ -188,10 +226,12 @@ async fn run_phase(
             }
         })
     });
-    let mut all: Vec<u32> = Vec::with_capacity(cfg.items as usize);
+    let mut local: Vec<u32> = Vec::with_capacity(cfg.items as usize);
+    let mut cross: Vec<u32> = Vec::new();
     for t in tasks {
-        if let Ok(lat) = t.await {
-            all.extend(lat);
+        if let Ok((l, x)) = t.await {
+            local.extend(l);
+            cross.extend(x);
         }
     }
     let seconds = started.elapsed().as_secs_f64();
@@ -206,6 +246,9 @@ async fn run_phase(
             phase.name()
         );
     }
+    local.sort_unstable();
+    cross.sort_unstable();
+    let mut all: Vec<u32> = local.iter().chain(&cross).copied().collect();
     all.sort_unstable();
     let ops = all.len() as u64;
     PhaseReport {
@@ -215,6 +258,9 @@ async fn run_phase(
         p50_us: percentile(&all, 0.50),
         p99_us: percentile(&all, 0.99),
         errors: errors.load(Ordering::Relaxed),
+        cross_ops: cross.len() as u64,
+        cross_p50_us: percentile(&cross, 0.50),
+        local_p50_us: percentile(&local, 0.50),
     }
 }
 

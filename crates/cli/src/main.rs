@@ -1,5 +1,6 @@
 //! `kochab`: one binary for every role. See `kochab --help`.
 
+mod cluster_up;
 mod coord;
 mod fsshell;
 mod mount;
@@ -197,9 +198,18 @@ struct UpArgs {
     /// Address to listen on (loopback by default).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
-    /// Port of the metadata service (0 picks a free one).
+    /// Port of the metadata service (0 picks a free one). With --servers: the first
+    /// server's; the others follow it, then the coordinator.
     #[arg(long, default_value_t = DEFAULT_PORT)]
     port: u16,
+    /// Run a cluster: a coordinator and this many metadata servers, each its own process
+    /// (the data directory then belongs to the cluster; plain `up` refuses it).
+    #[arg(long)]
+    servers: Option<usize>,
+    /// With --servers: a server's lease in seconds. A server that dies is replaced (its
+    /// tables recovered by another) about this long after it stopped renewing.
+    #[arg(long, default_value_t = 2.0, requires = "servers")]
+    lease: f64,
     /// Port of the Prometheus metrics endpoint (0 picks a free one).
     #[arg(long)]
     metrics_port: Option<u16>,
@@ -351,6 +361,14 @@ struct BenchArgs {
     /// All clients in one shared directory instead of one directory each.
     #[arg(long)]
     shared_dir: bool,
+    /// Each client's directory directly under the root (`<base>.c<i>`), so that clients
+    /// start in different tables and, with several servers, on different servers.
+    #[arg(long, conflicts_with = "shared_dir")]
+    top_level: bool,
+    /// In the create phase, also rename every Nth file into the next client's directory
+    /// (a multi-server operation when the directories are on different servers).
+    #[arg(long, default_value_t = 0)]
+    cross_every: u64,
     /// Phases to run, in order.
     #[arg(long, default_value = "create,stat,remove", value_delimiter = ',')]
     phases: Vec<String>,
@@ -399,6 +417,39 @@ fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, String> {
 }
 
 async fn up(args: UpArgs) -> Result<(), String> {
+    if let Some(servers) = args.servers {
+        if args.tls_cert.is_some() {
+            return Err(
+                "--servers does not take TLS yet (a cluster's servers are on one machine)".into(),
+            );
+        }
+        let mut mds_extra = Vec::new();
+        if let Some(n) = args.checkpoint_records {
+            mds_extra.extend(["--checkpoint-records".to_string(), n.to_string()]);
+        }
+        if let Some(b) = args.segment_bytes {
+            mds_extra.extend(["--segment-bytes".to_string(), b.to_string()]);
+        }
+        return cluster_up::up_cluster(cluster_up::ClusterArgs {
+            data: args.data,
+            host: args.host,
+            port: args.port,
+            servers,
+            lease: args.lease,
+            no_fsync: args.no_fsync,
+            mount: args.mount,
+            mount_options: args.mount_options,
+            mds_extra,
+        })
+        .await;
+    }
+    if cluster_up::is_cluster_dir(&args.data) {
+        return Err(format!(
+            "{} belongs to a cluster of servers (it has {}/); start it with --servers N",
+            args.data.display(),
+            cluster_up::COORD_DIR
+        ));
+    }
     let listen: SocketAddr =
         resolve_addr(&format!("{}:{}", args.host, args.port)).map_err(|e| e.to_string())?;
     let mut config = ServerConfig::new(&args.data, listen);
@@ -519,6 +570,8 @@ async fn bench(args: BenchArgs) -> Result<(), String> {
         clients: args.clients,
         items: args.items,
         shared_dir: args.shared_dir,
+        top_level: args.top_level,
+        cross_every: args.cross_every,
         phases,
         base: args.base.clone(),
         progress: !args.json,
@@ -558,6 +611,13 @@ async fn bench(args: BenchArgs) -> Result<(), String> {
 
 async fn status(conn: ConnArgs, json: bool) -> Result<(), String> {
     let client = connect(&conn).await?;
+    if let Ok(kochab_proto::Reply::Map(map)) = client
+        .call(&kochab_proto::Credentials::root(), kochab_proto::Op::GetMap)
+        .await
+        && !map.servers.is_empty()
+    {
+        return cluster_up::status(&conn, map, json).await;
+    }
     let s = client.status().await.map_err(|e| e.to_string())?;
     if json {
         println!(

@@ -2,7 +2,8 @@
 //! matched by request id in any order.
 
 use kochab_proto::auth::{ClientKey, verify_server};
-use kochab_proto::frame::{FRAME_HEADER_BYTES, decode_payload, encode_frame, parse_header};
+use kochab_proto::codec::{CodecError, Frame, FrameCodec};
+use kochab_proto::frame::{MAX_FRAME_BYTES, decode_payload, encode_frame};
 use kochab_proto::*;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -10,18 +11,20 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
+use tokio_util::codec::FramedRead;
 
 /// Bytes the writer gathers into one write.
 const WRITE_BATCH_BYTES: usize = 256 << 10;
-use kochab_proto::net::READ_CHUNK;
 /// Frames queued for the writer before senders wait.
 const SEND_QUEUE: usize = 4096;
 
 type Rd = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
 type Wr = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
+/// The server's frames.
+type Frames = FramedRead<Rd, FrameCodec>;
 
 /// Why a request got no reply on this connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,7 +76,7 @@ impl Conn {
             .map_err(lost)?;
         let _ = sock.set_nodelay(true);
         kochab_proto::net::size_socket_buffers(&sock);
-        let (mut rd, mut wr): (Rd, Wr) = match tls {
+        let (rd, mut wr): (Rd, Wr) = match tls {
             None => {
                 let (r, w) = sock.into_split();
                 (Box::new(r), Box::new(w))
@@ -90,9 +93,11 @@ impl Conn {
                 (Box::new(r), Box::new(w))
             }
         };
-        let mut buf = Vec::with_capacity(READ_CHUNK);
+        // Until the server has proven the key, only small frames (as a server reads them).
+        let mut frames =
+            FramedRead::with_capacity(rd, FrameCodec::preauth(), FrameCodec::PREAUTH_BUFFER);
         let handshake = async {
-            let (kind, payload) = read_frame(&mut rd, &mut buf).await?;
+            let Frame { kind, payload, .. } = read_frame(&mut frames).await?;
             let challenge: Challenge = match kind {
                 FrameKind::Challenge => {
                     decode_payload(&payload).map_err(|e| ConnError::Lost(e.to_string()))?
@@ -115,7 +120,7 @@ impl Conn {
             encode_frame(&mut out, FrameKind::Auth, 0, &auth)
                 .map_err(|e| ConnError::Lost(e.to_string()))?;
             wr.write_all(&out).await.map_err(lost)?;
-            let (kind, payload) = read_frame(&mut rd, &mut buf).await?;
+            let Frame { kind, payload, .. } = read_frame(&mut frames).await?;
             match kind {
                 FrameKind::Welcome => {
                     let w = decode_payload::<Welcome>(&payload)
@@ -138,11 +143,14 @@ impl Conn {
         let welcome = tokio::time::timeout(timeout, handshake)
             .await
             .map_err(|_| ConnError::Lost(format!("{addr}: handshake timed out")))??;
+        // The welcome announces what the server accepts; replies may be as large as the
+        // protocol allows.
+        *frames.decoder_mut() = FrameCodec::authenticated(MAX_FRAME_BYTES);
         let (tx, rx) = mpsc::channel(SEND_QUEUE);
         let pending: Arc<Pending> = Arc::new(Mutex::new(FxHashMap::default()));
         let alive = Arc::new(AtomicBool::new(true));
         tokio::spawn(write_loop(wr, rx, alive.clone(), pending.clone()));
-        tokio::spawn(read_loop(rd, buf, pending.clone(), alive.clone()));
+        tokio::spawn(read_loop(frames, pending.clone(), alive.clone()));
         Ok(Arc::new(Conn {
             tx,
             pending,
@@ -221,23 +229,11 @@ fn refused(payload: &[u8]) -> ConnError {
     }
 }
 
-async fn read_frame(rd: &mut Rd, buf: &mut Vec<u8>) -> Result<(FrameKind, Vec<u8>), ConnError> {
-    loop {
-        match parse_header(buf) {
-            Ok(Some(h)) => {
-                let payload = buf[FRAME_HEADER_BYTES..h.total_len].to_vec();
-                buf.drain(..h.total_len);
-                return Ok((h.kind, payload));
-            }
-            Ok(None) => {}
-            Err(e) => return Err(ConnError::Lost(e.to_string())),
-        }
-        buf.reserve(READ_CHUNK);
-        match rd.read_buf(buf).await {
-            Ok(0) => return Err(ConnError::Lost("server closed the connection".into())),
-            Ok(_) => {}
-            Err(e) => return Err(ConnError::Lost(e.to_string())),
-        }
+async fn read_frame(frames: &mut Frames) -> Result<Frame, ConnError> {
+    match kochab_proto::codec::next(frames).await {
+        Some(Ok(f)) => Ok(f),
+        Some(Err(e)) => Err(ConnError::Lost(e.to_string())),
+        None => Err(ConnError::Lost("server closed the connection".into())),
     }
 }
 
@@ -292,58 +288,43 @@ async fn write_loop(
     }
 }
 
-async fn read_loop(mut rd: Rd, mut buf: Vec<u8>, pending: Arc<Pending>, alive: Arc<AtomicBool>) {
-    let mut start = 0;
+async fn read_loop(mut frames: Frames, pending: Arc<Pending>, alive: Arc<AtomicBool>) {
     loop {
-        loop {
-            match parse_header(&buf[start..]) {
-                Ok(None) => break,
-                Err(e) => {
-                    fail_all(&pending, &alive, &format!("bad frame from server: {e}"));
-                    return;
-                }
-                Ok(Some(h)) => {
-                    let payload = &buf[start + FRAME_HEADER_BYTES..start + h.total_len];
-                    match h.kind {
-                        FrameKind::Reply => {
-                            let reply = decode_payload::<Reply>(payload)
-                                .map_err(|e| ConnError::Lost(format!("bad reply: {e}")));
-                            if let Some(tx) = pending.lock().remove(&h.request_id) {
-                                let _ = tx.send(reply);
-                            }
-                        }
-                        FrameKind::Goodbye => {
-                            match decode_payload::<FsError>(payload) {
-                                // The server said why it closes (EIO: its journal failed):
-                                // that is every waiting caller's answer, not a reason to
-                                // retry against a server that is stopping.
-                                Ok(e) => refuse_all(&pending, &alive, &e),
-                                Err(_) => {
-                                    fail_all(&pending, &alive, "server closed the connection")
-                                }
-                            }
-                            return;
-                        }
-                        k => {
-                            fail_all(&pending, &alive, &format!("unexpected {k:?} frame"));
-                            return;
-                        }
-                    }
-                    start += h.total_len;
-                }
+        let f = match kochab_proto::codec::next(&mut frames).await {
+            Some(Ok(f)) => f,
+            Some(Err(CodecError::Frame(e))) => {
+                fail_all(&pending, &alive, &format!("bad frame from server: {e}"));
+                return;
             }
-        }
-        buf.drain(..start);
-        start = 0;
-        kochab_proto::net::reserve_for_frame(&mut buf);
-        match rd.read_buf(&mut buf).await {
-            Ok(0) => {
+            Some(Err(CodecError::Io(e))) => {
+                fail_all(&pending, &alive, &format!("read failed: {e}"));
+                return;
+            }
+            None => {
                 fail_all(&pending, &alive, "server closed the connection");
                 return;
             }
-            Ok(_) => {}
-            Err(e) => {
-                fail_all(&pending, &alive, &format!("read failed: {e}"));
+        };
+        match f.kind {
+            FrameKind::Reply => {
+                let reply = decode_payload::<Reply>(&f.payload)
+                    .map_err(|e| ConnError::Lost(format!("bad reply: {e}")));
+                if let Some(tx) = pending.lock().remove(&f.request_id) {
+                    let _ = tx.send(reply);
+                }
+            }
+            FrameKind::Goodbye => {
+                match decode_payload::<FsError>(&f.payload) {
+                    // The server said why it closes (EIO: its journal failed): that is every
+                    // waiting caller's answer, not a reason to retry against a server that
+                    // is stopping.
+                    Ok(e) => refuse_all(&pending, &alive, &e),
+                    Err(_) => fail_all(&pending, &alive, "server closed the connection"),
+                }
+                return;
+            }
+            k => {
+                fail_all(&pending, &alive, &format!("unexpected {k:?} frame"));
                 return;
             }
         }

@@ -22,6 +22,8 @@ pub struct DriverConfig {
     pub retry_ms: u64,
     /// Propose a `Tick` this often (lease expiry is noticed within this).
     pub tick_ms: u64,
+    /// Move tables toward an even spread over the live servers ([`crate::balance`]).
+    pub balance: bool,
 }
 
 impl Default for DriverConfig {
@@ -29,6 +31,7 @@ impl Default for DriverConfig {
         DriverConfig {
             retry_ms: 1_000,
             tick_ms: 250,
+            balance: true,
         }
     }
 }
@@ -78,6 +81,13 @@ impl Driver {
         {
             self.last_tick_ms = Some(now_ms);
             out.push(DriverAction::Propose(CoordCommand::Tick { now_ms }));
+            // At most one balancing move per tick: a duplicate (the previous one not yet
+            // applied) is refused by the state, as the table is already moving.
+            if self.cfg.balance
+                && let Some(m) = crate::balance::next_move(state)
+            {
+                out.push(DriverAction::Propose(m));
+            }
         }
         out.extend(self.controls(state, now_ms));
         out

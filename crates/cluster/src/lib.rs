@@ -3,6 +3,7 @@
 //! leader's driver ([`driver`]), the metadata server's side ([`participant`]), client
 //! routing ([`router`]) and a seeded whole-cluster simulation ([`sim`]).
 
+pub mod balance;
 pub mod driver;
 pub mod participant;
 pub mod router;

@@ -93,6 +93,7 @@ impl Node {
         let cfg = DriverConfig {
             retry_ms: 200,
             tick_ms: 100,
+            balance: false,
         };
         let _guard = rt.enter();
         spawn_driver(Arc::clone(&replica), link, cfg, Arc::new(wall_clock_ms));

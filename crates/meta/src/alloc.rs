@@ -98,6 +98,11 @@ impl Engine {
             return None;
         }
         let (id_parent, value) = layout.id_parent(layout.dir_base(current))?;
+        if self.deals_top_level(id_parent) {
+            // Top-level slots are dealt across tables (see `subdir_value`): the next value
+            // is not the next one handed out, so there is no sibling range to take over.
+            return None;
+        }
         let sibling = layout.child_dir(id_parent, value + 1)?;
         let parent = self.inode(id_parent)?;
         if !parent.is_dir() || parent.dir().map_or(1, |d| d.subdir_next.max(1)) > value + 1 {
@@ -114,6 +119,30 @@ impl Engine {
         Some((id_parent, p))
     }
 
+    /// True for the primary root, whose subdirectories' slots are dealt across tables.
+    fn deals_top_level(&self, parent: InodeId) -> bool {
+        Region::of(parent) == Region::Primary && self.policy.primary.depth(parent) == 0
+    }
+
+    /// The slot value of the `counter`-th subdirectory of `parent`. Under the primary root
+    /// the counter is dealt across the primary tables (the i-th top-level directory lands in
+    /// table i mod n), so independent top-level trees start in different tables and, once
+    /// tables are spread over servers, on different servers; everywhere else values are
+    /// sequential, so a subtree stays one contiguous range. A bijection on `0..=slot_max`
+    /// (0, the root's own slot, is never asked for).
+    fn subdir_value(&self, parent: InodeId, counter: u64) -> u64 {
+        if !self.deals_top_level(parent) {
+            return counter;
+        }
+        let slots = self.policy.primary.slot_max(0) + 1;
+        let tables = u64::from(self.config.primary_tables).clamp(1, slots);
+        if !tables.is_power_of_two() || counter >= slots {
+            return counter;
+        }
+        let per_table = slots / tables;
+        (counter % tables) * per_table + counter / tables
+    }
+
     /// Chooses the id of a new subdirectory of `parent`, updating its allocator `pm`.
     pub(crate) fn alloc_dir(&mut self, parent: InodeId, pm: &mut DirMeta) -> OpResult<InodeId> {
         if let Some(layout) = self.policy.tree_layout(parent) {
@@ -123,7 +152,8 @@ impl Engine {
                 let mut v = pm.subdir_next.max(1);
                 for pass in 0..2 {
                     for _ in 0..SCAN_MAX {
-                        let Some(id) = layout.child_dir(parent, v) else {
+                        let value = self.subdir_value(parent, v);
+                        let Some(id) = layout.child_dir(parent, value) else {
                             break;
                         };
                         v += 1;

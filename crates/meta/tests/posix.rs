@@ -2646,10 +2646,11 @@ fn children_get_ids_next_to_their_directory() {
     let d = fs.dir(r, "d");
     assert_eq!(
         d,
-        r + (1 << 54),
-        "the first subdirectory takes value 1 in the first slot"
+        r + (16 << 54),
+        "top-level directories are dealt across the 16 primary tables of 16 slot values: \
+         the first takes the first value of table 1"
     );
-    assert_eq!(fs.dir(r, "d2"), r + (2 << 54));
+    assert_eq!(fs.dir(r, "d2"), r + (32 << 54), "the second, table 2's");
     assert_eq!(
         fs.symlink_as(&root(), r, "l", "f1").unwrap().id,
         r + 3,
@@ -2664,7 +2665,11 @@ fn children_get_ids_next_to_their_directory() {
     assert_eq!(fs.file(d, "a"), d + 1);
     assert_eq!(fs.file(d, "b"), d + 2);
     let sub = fs.dir(d, "sub");
-    assert_eq!(sub, d + (1 << 47), "the next slot");
+    assert_eq!(
+        sub,
+        d + (1 << 47),
+        "below the top level the first subdirectory takes value 1 in its slot"
+    );
     assert_eq!(fs.file(sub, "x"), sub + 1);
     // The whole subtree of d lies between d and its next sibling.
     let mut stack = vec![d];
@@ -2676,7 +2681,7 @@ fn children_get_ids_next_to_their_directory() {
             .skip(2)
         {
             assert!(
-                d <= e.id && e.id < r + (2 << 54),
+                d <= e.id && e.id < r + (17 << 54),
                 "{:?} {:#x}",
                 e.name,
                 e.id
@@ -2690,13 +2695,29 @@ fn children_get_ids_next_to_their_directory() {
 }
 
 #[test]
+fn top_level_directories_are_dealt_across_the_primary_tables() {
+    let mut fs = Fs::new();
+    let r = fs.root();
+    // 16 tables of 16 top-level slot values each; the root is value 0 of table 0.
+    let table_of = |id: u64| ((id - r) >> 54) / 16;
+    let tables: Vec<u64> = (0..32)
+        .map(|i| table_of(fs.dir(r, format!("top{i}"))))
+        .collect();
+    let expected: Vec<u64> = (1..16).chain([0]).chain(1..16).chain([0]).collect();
+    assert_eq!(tables, expected, "one per table, round after round");
+    fs.check();
+}
+
+#[test]
 fn deep_trees_overflow_into_the_too_deep_region() {
     let mut fs = Fs::new();
     let r = fs.root();
     let mut cur = r;
-    for shift in SLOT_SHIFTS {
+    for (level, shift) in SLOT_SHIFTS.into_iter().enumerate() {
         let next = fs.dir(cur, "n");
-        assert_eq!(next, cur + (1 << shift));
+        // The top level is dealt across tables (the first goes to table 1, value 16).
+        let value = if level == 0 { 16 } else { 1 };
+        assert_eq!(next, cur + (value << shift));
         assert_eq!(Region::of(next), Region::Primary);
         cur = next;
     }
@@ -2811,12 +2832,15 @@ fn a_full_file_range_borrows_the_next_siblings_range_then_the_too_wide_region() 
     let mut fs = Fs::with_config(cfg);
     fs.check_unchanged = false;
     let r = fs.root();
-    let d = fs.dir(r, "d");
-    assert_eq!(d, r + (1 << 54));
+    // One level down: top-level slots are dealt across tables, so siblings there are not
+    // handed out in order and have no range to lend.
+    let top = fs.dir(r, "top");
+    let d = fs.dir(top, "d");
+    assert_eq!(d, top + (1 << 31));
     for i in 1..=255 {
         assert_eq!(fs.file(d, format!("f{i}")), d + i);
     }
-    let sibling = r + (2 << 54);
+    let sibling = top + (2 << 31);
     assert_eq!(
         fs.file(d, "f256"),
         sibling + 1,
@@ -2824,8 +2848,8 @@ fn a_full_file_range_borrows_the_next_siblings_range_then_the_too_wide_region() 
     );
     assert_eq!(fs.file(d, "f257"), sibling + 2);
     assert_eq!(
-        fs.dir(r, "d2"),
-        r + (3 << 54),
+        fs.dir(top, "d2"),
+        top + (3 << 31),
         "that sibling's slot value is taken"
     );
     for i in 1..=255 {

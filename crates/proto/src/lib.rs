@@ -5,6 +5,7 @@
 
 pub mod auth;
 pub mod cluster;
+pub mod codec;
 pub mod errno;
 pub mod frame;
 pub mod msg;

@@ -604,6 +604,12 @@ pub struct TableStatus {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StatusReport {
     pub server_id: u64,
+    /// The serving process (an operator or a benchmark puts it in a cgroup by it).
+    pub pid: u32,
+    /// This incarnation's epoch (its journal is `journal/<server_id>.<epoch>`).
+    pub epoch: u64,
+    /// The coordinator replicas this server follows (none for a single server).
+    pub coordinators: Vec<String>,
     pub uptime_ms: u64,
     pub tables: Vec<TableStatus>,
     pub inodes: u64,

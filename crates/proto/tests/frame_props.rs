@@ -5,12 +5,16 @@
 //! Case counts are set per test (see `cases`) so the file runs in a few seconds in CI;
 //! `PROPTEST_CASES=N` runs N cases of every test instead (docs/TESTING.md).
 
+use bytes::BytesMut;
+use kochab_proto::codec::FrameCodec;
 use kochab_proto::frame::{
     FRAME_HEADER_BYTES, MAX_FRAME_BYTES, decode_payload, encode_frame, parse_header,
 };
 use kochab_proto::*;
 use proptest::collection::vec;
 use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+use tokio_util::codec::Decoder;
 
 /// `default` cases, or what PROPTEST_CASES says.
 fn cases(default: u32) -> ProptestConfig {
@@ -89,6 +93,38 @@ fn atime_rule() -> impl Strategy<Value = AtimeRule> {
         Just(AtimeRule::Relative),
         Just(AtimeRule::Always)
     ]
+}
+
+fn id_range() -> impl Strategy<Value = IdRange> {
+    (any::<u32>(), any::<u32>()).prop_map(|(lo, hi)| IdRange { lo, hi })
+}
+
+fn key_policy() -> impl Strategy<Value = KeyPolicy> {
+    (
+        prop_oneof![Just(Squash::None), Just(Squash::Root), Just(Squash::All)],
+        any::<u32>(),
+        any::<u32>(),
+        proptest::option::of(id_range()),
+        proptest::option::of(id_range()),
+    )
+        .prop_map(|(squash, anon_uid, anon_gid, uids, gids)| KeyPolicy {
+            squash,
+            anon_uid,
+            anon_gid,
+            uids,
+            gids,
+        })
+}
+
+fn key_info() -> impl Strategy<Value = KeyInfo> {
+    (any::<u32>(), key_policy(), any::<bool>(), ".{0,40}").prop_map(
+        |(id, policy, revoked, note)| KeyInfo {
+            id,
+            policy,
+            revoked,
+            note,
+        },
+    )
 }
 
 /// Every `Op` variant, with field values over their whole ranges.
@@ -201,6 +237,9 @@ fn op() -> impl Strategy<Value = Op> {
         (any::<u64>(), lock_spec()).prop_map(|(handle, lock)| Op::SetLk { handle, lock }),
         (any::<u64>(), any::<u64>()).prop_map(|(handle, owner)| Op::ReleaseLocks { handle, owner }),
         Just(Op::EndSession),
+        (key_policy(), ".{0,40}").prop_map(|(policy, note)| Op::KeyAdd { policy, note }),
+        Just(Op::KeyList),
+        any::<u32>().prop_map(|id| Op::KeyRevoke { id }),
     ]
 }
 
@@ -276,6 +315,77 @@ fn fs_error() -> impl Strategy<Value = FsError> {
     })
 }
 
+fn stat_fs() -> impl Strategy<Value = StatFs> {
+    (
+        (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()),
+        (any::<u64>(), any::<u32>(), any::<u32>(), any::<u32>()),
+    )
+        .prop_map(
+            |((blocks, bfree, bavail, files), (ffree, bsize, namelen, frsize))| StatFs {
+                blocks,
+                bfree,
+                bavail,
+                files,
+                ffree,
+                bsize,
+                namelen,
+                frsize,
+            },
+        )
+}
+
+fn table_status() -> impl Strategy<Value = TableStatus> {
+    (
+        any::<u64>(),
+        any::<u64>(),
+        ".{0,20}",
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(lo, hi, region, inodes, dentries, checkpoint_lsn)| TableStatus {
+                lo,
+                hi,
+                region,
+                inodes,
+                dentries,
+                checkpoint_lsn,
+            },
+        )
+}
+
+fn status_report() -> impl Strategy<Value = StatusReport> {
+    (
+        (any::<u64>(), any::<u64>(), vec(table_status(), 0..3)),
+        (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()),
+        (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()),
+        any::<bool>(),
+    )
+        .prop_map(
+            |(
+                (server_id, uptime_ms, tables),
+                (inodes, dentries, journal_bytes, journal_segments),
+                (applied_lsn, durable_lsn, rss_bytes, connections),
+                durable_mode,
+            )| StatusReport {
+                server_id,
+                uptime_ms,
+                tables,
+                inodes,
+                dentries,
+                journal_bytes,
+                journal_segments,
+                applied_lsn,
+                durable_lsn,
+                rss_bytes,
+                connections,
+                durable_mode,
+            },
+        )
+}
+
+/// Every `Reply` variant, nested replies included.
 fn reply() -> impl Strategy<Value = Reply> {
     let leaf = prop_oneof![
         attr().prop_map(Reply::Entry),
@@ -298,6 +408,10 @@ fn reply() -> impl Strategy<Value = Reply> {
                 addr
             }),
         bytes(100).prop_map(Reply::ReadAtime),
+        (any::<u32>(), any::<[u8; 32]>()).prop_map(|(id, key)| Reply::KeyAdded { id, key }),
+        vec(key_info(), 0..4).prop_map(Reply::Keys),
+        stat_fs().prop_map(Reply::StatFs),
+        status_report().prop_map(Reply::Status),
     ];
     leaf.prop_recursive(2, 8, 3, |inner| {
         (inner, vec(attr(), 0..3)).prop_map(|(r, dirs)| Reply::WithDirs {
@@ -333,11 +447,12 @@ fn decode_any(kind: FrameKind, payload: &[u8]) -> bool {
     }
 }
 
-/// Splits a byte stream into frames the way a connection's reader does (append what
-/// arrives, take every complete frame from the front), with the stream delivered in
-/// pieces of the given sizes. Returns the frames found and the first error, if any.
+/// Splits a byte stream into frames the way a connection's reader does (the codec over a
+/// buffer that grows as bytes arrive), with the stream delivered in pieces of the given
+/// sizes. Returns the frames found and whether a frame was refused.
 fn read_stream(stream: &[u8], pieces: &[usize]) -> (Vec<(FrameKind, u64, Vec<u8>)>, bool) {
-    let mut buf = Vec::new();
+    let mut codec = FrameCodec::authenticated(MAX_FRAME_BYTES);
+    let mut buf = BytesMut::new();
     let mut frames = Vec::new();
     let mut at = 0;
     let mut sizes = pieces.iter().copied().cycle();
@@ -346,16 +461,8 @@ fn read_stream(stream: &[u8], pieces: &[usize]) -> (Vec<(FrameKind, u64, Vec<u8>
         buf.extend_from_slice(&stream[at..at + n]);
         at += n;
         loop {
-            match parse_header(&buf) {
-                Ok(Some(h)) => {
-                    assert!(h.total_len >= FRAME_HEADER_BYTES && h.total_len <= buf.len());
-                    frames.push((
-                        h.kind,
-                        h.request_id,
-                        buf[FRAME_HEADER_BYTES..h.total_len].to_vec(),
-                    ));
-                    buf.drain(..h.total_len);
-                }
+            match codec.decode(&mut buf) {
+                Ok(Some(f)) => frames.push((f.kind, f.request_id, f.payload.to_vec())),
                 Ok(None) => break,
                 Err(_) => return (frames, true),
             }
@@ -497,7 +604,8 @@ proptest! {
     #![proptest_config(cases(1000))]
 
     /// A stream of frames delivered in arbitrary pieces yields the same frames, in order,
-    /// and a garbage tail after them is an error (or an incomplete frame), never a panic.
+    /// through the connections' codec, and a garbage tail after them is an error (or an
+    /// incomplete frame), never a panic.
     #[test]
     fn frame_streams_split_anywhere(reqs in vec((kind(), any::<u64>(), request()), 1..6),
                                     pieces in vec(1usize..200, 1..8),
@@ -543,4 +651,61 @@ fn frame_size_limit_is_exact() {
             );
         }
     }
+}
+
+/// The strategies above make every `Op` variant: a new operation must be added to `op()`.
+#[test]
+fn every_op_variant_is_generated() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = op();
+    let mut seen = [false; OP_NAMES.len()];
+    for _ in 0..5000 {
+        let tree = strategy.new_tree(&mut runner).unwrap();
+        seen[tree.current().index()] = true;
+    }
+    let missing: Vec<&str> = OP_NAMES
+        .iter()
+        .zip(seen)
+        .filter(|(_, s)| !s)
+        .map(|(n, _)| *n)
+        .collect();
+    assert!(missing.is_empty(), "op() never makes {missing:?}");
+}
+
+/// Position of a reply's variant. No wildcard arm: a new variant fails to compile here
+/// until it is listed, and then the test below fails until `reply()` makes it.
+fn reply_variant(r: &Reply) -> usize {
+    match r {
+        Reply::Entry(_) => 0,
+        Reply::Attr(_) => 1,
+        Reply::Empty => 2,
+        Reply::Bytes(_) => 3,
+        Reply::Dir { .. } => 4,
+        Reply::StatFs(_) => 5,
+        Reply::Status(_) => 6,
+        Reply::Problems(_) => 7,
+        Reply::Lock(_) => 8,
+        Reply::Error(_) => 9,
+        Reply::WrongServer { .. } => 10,
+        Reply::WithDirs { .. } => 11,
+        Reply::ReadAtime(_) => 12,
+        Reply::KeyAdded { .. } => 13,
+        Reply::Keys(_) => 14,
+    }
+}
+
+#[test]
+fn every_reply_variant_is_generated() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = reply();
+    let mut seen = [false; 15];
+    for _ in 0..5000 {
+        let tree = strategy.new_tree(&mut runner).unwrap();
+        seen[reply_variant(&tree.current())] = true;
+    }
+    let missing: Vec<usize> = (0..seen.len()).filter(|&i| !seen[i]).collect();
+    assert!(
+        missing.is_empty(),
+        "reply() never makes variants {missing:?}"
+    );
 }

@@ -9,23 +9,24 @@
 use crate::core::Shared;
 use crate::keys::KeyEntry;
 use kochab_proto::auth::{ADMIN_KEY_ID, Transcript, prove_server, session_id, verify_client};
-use kochab_proto::frame::{
-    FRAME_HEADER_BYTES, PREAUTH_FRAME_BYTES_MAX, decode_payload, encode_frame, parse_header,
-    parse_header_limited,
-};
+use kochab_proto::codec::{CodecError, Frame, FrameCodec};
+use kochab_proto::frame::{MAX_FRAME_BYTES, decode_payload, encode_frame};
 use kochab_proto::*;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
+use tokio_util::codec::{Decoder, FramedRead};
 
 /// A connection's read side: plain TCP or TLS.
 pub type Rd = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
 /// A connection's write side.
 pub type Wr = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
+/// A connection's incoming frames.
+type Frames = FramedRead<Rd, FrameCodec>;
 
 /// Time a new connection has to authenticate: a real client needs one round trip; an
 /// unauthenticated peer holds a connection slot no longer than this.
@@ -209,7 +210,7 @@ pub async fn serve(
     kochab_proto::net::size_socket_buffers(&sock);
     // TLS and the key handshake share one deadline.
     let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
-    let (mut rd, mut wr): (Rd, Wr) = match tls {
+    let (rd, mut wr): (Rd, Wr) = match tls {
         None => {
             let (r, w) = sock.into_split();
             (Box::new(r), Box::new(w))
@@ -228,11 +229,11 @@ pub async fn serve(
             Err(_) => return,
         },
     };
-    let mut buf = Vec::with_capacity(PREAUTH_FRAME_BYTES_MAX + FRAME_HEADER_BYTES);
+    // Never more than the small pre-authentication frame is read before the key is proven.
+    let mut frames =
+        FramedRead::with_capacity(rd, FrameCodec::preauth(), FrameCodec::PREAUTH_BUFFER);
     let who =
-        match tokio::time::timeout_at(deadline, handshake(&shared, &mut rd, &mut wr, &mut buf))
-            .await
-        {
+        match tokio::time::timeout_at(deadline, handshake(&shared, &mut frames, &mut wr)).await {
             Ok(Ok(who)) => who,
             Ok(Err(reason)) => {
                 if shared.bad_frame_log.allow(Instant::now()).is_some() {
@@ -247,12 +248,14 @@ pub async fn serve(
                 return;
             }
         };
+    // Authenticated: frames up to the size the welcome announced.
+    *frames.decoder_mut() = FrameCodec::authenticated(MAX_FRAME_BYTES);
     let session = who.session;
     shared.core.lock().sessions.connect(session);
     let backlog = Arc::new(Backlog::default());
     let (tx, rx) = mpsc::channel(WRITER_QUEUE);
     let writer = tokio::spawn(write_loop(shared.clone(), wr, rx, peer, backlog.clone()));
-    read_loop(&shared, who, rd, buf, tx, peer, shutdown, backlog).await;
+    read_loop(&shared, who, frames, tx, peer, shutdown, backlog).await;
     let _ = writer.await;
     shared
         .core
@@ -273,12 +276,7 @@ fn goodbye(errno: Errno, message: &str) -> Vec<u8> {
 }
 
 /// Challenge, mutual proof, welcome. Returns the session and key of the client.
-async fn handshake(
-    shared: &Shared,
-    rd: &mut Rd,
-    wr: &mut Wr,
-    buf: &mut Vec<u8>,
-) -> Result<Identity, String> {
+async fn handshake(shared: &Shared, frames: &mut Frames, wr: &mut Wr) -> Result<Identity, String> {
     let mut nonce = [0u8; 32];
     getrandom::fill(&mut nonce).map_err(|e| format!("no randomness: {e}"))?;
     let mut out = Vec::new();
@@ -293,35 +291,27 @@ async fn handshake(
     )
     .map_err(|e| e.to_string())?;
     wr.write_all(&out).await.map_err(|e| e.to_string())?;
-    let header = loop {
-        match parse_header_limited(buf, PREAUTH_FRAME_BYTES_MAX) {
-            Ok(Some(h)) => break h,
-            Ok(None) => {}
-            Err(e) => {
-                let _ = wr.write_all(&goodbye(Errno::EPROTO, &e.to_string())).await;
-                return Err(format!("{e} (before authenticating)"));
-            }
+    let frame = match kochab_proto::codec::next(frames).await {
+        Some(Ok(f)) => f,
+        Some(Err(CodecError::Frame(e))) => {
+            let _ = wr.write_all(&goodbye(Errno::EPROTO, &e.to_string())).await;
+            return Err(format!("{e} (before authenticating)"));
         }
-        // Never more than the small pre-authentication frame.
-        let room = PREAUTH_FRAME_BYTES_MAX + FRAME_HEADER_BYTES - buf.len();
-        let mut limited = (&mut *rd).take(room as u64);
-        if limited.read_buf(buf).await.map_err(|e| e.to_string())? == 0 {
-            return Err("closed during handshake".into());
-        }
+        Some(Err(CodecError::Io(e))) => return Err(e.to_string()),
+        None => return Err("closed during handshake".into()),
     };
     let refuse = |why: &str| goodbye(Errno::EACCES, why);
-    if header.kind != FrameKind::Auth {
+    if frame.kind != FrameKind::Auth {
         let _ = wr.write_all(&refuse("authenticate first")).await;
-        return Err(format!("sent {:?} before authenticating", header.kind));
+        return Err(format!("sent {:?} before authenticating", frame.kind));
     }
-    let auth: Auth = match decode_payload(&buf[FRAME_HEADER_BYTES..header.total_len]) {
+    let auth: Auth = match decode_payload(&frame.payload) {
         Ok(a) => a,
         Err(e) => {
             let _ = wr.write_all(&goodbye(Errno::EPROTO, &e.to_string())).await;
             return Err(e.to_string());
         }
     };
-    buf.drain(..header.total_len);
     if auth.version != PROTOCOL_VERSION {
         let _ = wr
             .write_all(&goodbye(
@@ -359,7 +349,7 @@ async fn handshake(
     let welcome = Welcome {
         server_id: shared.server_id,
         root,
-        max_frame_bytes: frame::MAX_FRAME_BYTES as u32,
+        max_frame_bytes: MAX_FRAME_BYTES as u32,
         session,
         mac: prove_server(&key.key, &t),
     };
@@ -410,30 +400,30 @@ fn key_admin(keys: &crate::keys::KeyStore, op: &Op) -> Reply {
     result.unwrap_or_else(Reply::Error)
 }
 
-/// Decodes every complete frame in `buf[*start..]`. An invalid one ends the connection.
-/// Stops after [`BATCH_REQUESTS_MAX`] requests; returns true if it did (more may follow
-/// in `buf` without another read).
-fn take_requests(
-    buf: &[u8],
-    start: &mut usize,
-    reqs: &mut Vec<(u64, Request)>,
-) -> Result<bool, String> {
+/// The request a frame carries. Any other frame ends the connection.
+fn to_request(f: Frame) -> Result<(u64, Request), String> {
+    if f.kind != FrameKind::Request {
+        return Err(format!("unexpected {:?} frame", f.kind));
+    }
+    let req: Request = decode_payload(&f.payload).map_err(|e| e.to_string())?;
+    Ok((f.request_id, req))
+}
+
+/// Decodes every complete frame already read (no new read). An invalid one ends the
+/// connection. Stops once `reqs` holds [`BATCH_REQUESTS_MAX`] requests; returns true if it
+/// did (more may follow in the buffer without another read).
+fn take_requests(frames: &mut Frames, reqs: &mut Vec<(u64, Request)>) -> Result<bool, String> {
+    // The codec is a pair of limits: a copy decodes the `FramedRead`'s buffer in place.
+    let mut codec = *frames.decoder();
+    let buf = frames.read_buffer_mut();
     loop {
         if reqs.len() >= BATCH_REQUESTS_MAX {
             return Ok(true);
         }
-        match parse_header(&buf[*start..]) {
+        match codec.decode(buf) {
             Ok(None) => return Ok(false),
             Err(e) => return Err(e.to_string()),
-            Ok(Some(h)) => {
-                if h.kind != FrameKind::Request {
-                    return Err(format!("unexpected {:?} frame", h.kind));
-                }
-                let payload = &buf[*start + FRAME_HEADER_BYTES..*start + h.total_len];
-                let req: Request = decode_payload(payload).map_err(|e| e.to_string())?;
-                reqs.push((h.request_id, req));
-                *start += h.total_len;
-            }
+            Ok(Some(f)) => reqs.push(to_request(f)?),
         }
     }
 }
@@ -442,8 +432,7 @@ fn take_requests(
 async fn read_loop(
     shared: &Arc<Shared>,
     who: Identity,
-    mut rd: Rd,
-    mut buf: Vec<u8>,
+    mut frames: Frames,
     tx: mpsc::Sender<Outgoing>,
     peer: SocketAddr,
     mut shutdown: watch::Receiver<bool>,
@@ -459,6 +448,9 @@ async fn read_loop(
     let mut admin = Vec::new();
     let mut replies = Vec::new();
     let data_slots = Arc::new(Semaphore::new(DATA_OPS_IN_FLIGHT));
+    // A bad frame met by the read itself; it ends the connection where a bad frame met in
+    // the buffer would (after the batch before it ran).
+    let mut broken: Option<String> = None;
     loop {
         if key.is_revoked() {
             let bye = goodbye(Errno::EACCES, &format!("key {} was revoked", key.id));
@@ -470,8 +462,12 @@ async fn read_loop(
             _ = backlog.below_max() => {}
             _ = shutdown.changed() => return,
         }
-        let mut start = 0;
-        let parsed = take_requests(&buf, &mut start, &mut reqs);
+        // The frame the read returned (in `reqs`) and every frame after it in the buffer
+        // form one batch: one hold of the core lock.
+        let parsed = match broken.take() {
+            Some(reason) => Err(reason),
+            None => take_requests(&mut frames, &mut reqs),
+        };
         let more = matches!(parsed, Ok(true));
         if screened || reqs.iter().any(|(_, r)| r.op.is_key_admin()) {
             let mut early = Replies::new(Instant::now(), 0);
@@ -542,20 +538,23 @@ async fn read_loop(
                 .await;
             return;
         }
-        buf.drain(..start);
         if more {
             // The buffer holds more requests: run them before reading (other connections
             // had the core lock in between).
             tokio::task::yield_now().await;
             continue;
         }
-        kochab_proto::net::reserve_for_frame(&mut buf);
         let mut stopping = false;
         tokio::select! {
-            r = rd.read_buf(&mut buf) => match r {
-                Ok(0) => return,
-                Ok(_) => {}
-                Err(e) => {
+            // Cancel-safe: a frame half read stays in the `FramedRead`'s buffer.
+            f = kochab_proto::codec::next(&mut frames) => match f {
+                None => return,
+                Some(Ok(f)) => match to_request(f) {
+                    Ok(r) => reqs.push(r),
+                    Err(reason) => broken = Some(reason),
+                },
+                Some(Err(CodecError::Frame(e))) => broken = Some(e.to_string()),
+                Some(Err(CodecError::Io(e))) => {
                     tracing::debug!("connection from {peer}: {e}");
                     return;
                 }
@@ -697,5 +696,68 @@ async fn write_loop(
             let _ = wr.shutdown().await;
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request_frames(n: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        for i in 0..n {
+            let req = Request {
+                cred: Credentials::root(),
+                seq: 0,
+                seq_floor: 0,
+                op: Op::GetAttr { id: i },
+            };
+            encode_frame(&mut out, FrameKind::Request, i, &req).unwrap();
+        }
+        out
+    }
+
+    fn frames_holding(bytes: &[u8]) -> Frames {
+        let rd: Rd = Box::new(tokio::io::empty());
+        let mut frames = FramedRead::new(rd, FrameCodec::authenticated(MAX_FRAME_BYTES));
+        frames.read_buffer_mut().extend_from_slice(bytes);
+        frames
+    }
+
+    #[test]
+    fn frames_already_read_form_batches_of_at_most_64() {
+        let n = BATCH_REQUESTS_MAX as u64 + 6;
+        let mut bytes = request_frames(n);
+        // Half a frame more: it waits for the next read.
+        let half = request_frames(1);
+        bytes.extend_from_slice(&half[..half.len() / 2]);
+        let mut frames = frames_holding(&bytes);
+        let mut reqs = Vec::new();
+        assert_eq!(take_requests(&mut frames, &mut reqs), Ok(true));
+        assert_eq!(reqs.len(), BATCH_REQUESTS_MAX);
+        assert!(
+            reqs.iter()
+                .enumerate()
+                .all(|(i, (rid, _))| *rid == i as u64)
+        );
+        reqs.clear();
+        assert_eq!(take_requests(&mut frames, &mut reqs), Ok(false));
+        assert_eq!(reqs.len(), 6);
+        assert_eq!(frames.read_buffer().len(), half.len() / 2);
+    }
+
+    #[test]
+    fn a_bad_frame_after_good_ones_keeps_the_good_ones() {
+        let mut bytes = request_frames(3);
+        let mut reply = Vec::new();
+        encode_frame(&mut reply, FrameKind::Reply, 9, &Reply::Empty).unwrap();
+        bytes.extend_from_slice(&reply);
+        let mut frames = frames_holding(&bytes);
+        let mut reqs = Vec::new();
+        assert_eq!(
+            take_requests(&mut frames, &mut reqs),
+            Err("unexpected Reply frame".to_string())
+        );
+        assert_eq!(reqs.len(), 3);
     }
 }

@@ -375,6 +375,9 @@ impl Shared {
         let (inodes, dentries) = core.engine.counts();
         StatusReport {
             server_id: self.server_id,
+            pid: std::process::id(),
+            epoch: self.journal.id().epoch,
+            coordinators: Vec::new(),
             uptime_ms: self.started.elapsed().as_millis() as u64,
             tables,
             inodes,

@@ -139,3 +139,19 @@ impl Shared {
         Ok(())
     }
 }
+
+impl crate::server::RunningServer {
+    /// Releases every table this server hosts (a clean checkpoint each, its manifest naming
+    /// no owner): how a single server's data directory becomes a cluster's, whose servers
+    /// then ADD the tables. Blocks until each is durable.
+    pub fn release_all_tables(&self) -> io::Result<Vec<u64>> {
+        let los: Vec<u64> = {
+            let core = self.shared().core.lock();
+            core.engine.tables().iter().map(|t| t.lo).collect()
+        };
+        for &lo in &los {
+            self.shared().drop_table(lo)?;
+        }
+        Ok(los)
+    }
+}

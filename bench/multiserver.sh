@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Multi-server penalty, Ursa Minor Fig. 4 style: `kochab bench` creates files, each client
+# in its own top-level directory, on a cluster of 2 metadata server processes whose tables
+# are spread so that neighbouring clients' directories are on different servers; every
+# Nth file is also renamed into the next client's directory (a multi-server operation,
+# run by BORROW/RETURN). F = measured fraction of multi-server operations; slowdown is
+# against F = 0, medians of ROUNDS fresh clusters per point.
+#
+# Usage: bench/multiserver.sh [--json] [ROUNDS]
+# Env: CLIENTS (16), ITEMS (60000), EVERY ("0 1667 400 100 50"), KOCHAB_BIN, PORT (7700).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JSON=0
+if [ "${1:-}" = "--json" ]; then JSON=1; shift; fi
+ROUNDS=${1:-3}
+BIN=${KOCHAB_BIN:-target/release/kochab}
+PORT=${PORT:-7700}
+CLIENTS=${CLIENTS:-16}
+ITEMS=${ITEMS:-60000}
+EVERY=${EVERY:-"0 1667 400 100 50"}
+tmp=$(mktemp -d /var/tmp/kochab-multi.XXXXXX)
+cleanup() {
+  [ -f "$tmp/pid" ] && kill -TERM "$(cat "$tmp/pid")" 2>/dev/null || true
+  sleep 1
+  pkill -KILL -f -- "--data $tmp/" 2>/dev/null || true
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+start() {
+  : >"$tmp/out"
+  "$BIN" up --data "$1" --servers 2 --port $PORT >"$tmp/out" 2>>"$tmp/log" &
+  echo $! >"$tmp/pid"
+  for _ in $(seq 600); do grep -q "cluster ready" "$tmp/out" 2>/dev/null && break; sleep 0.1; done
+  grep -q "cluster ready" "$tmp/out" || { echo "cluster did not start" >&2; tail -20 "$tmp/log" >&2; exit 1; }
+}
+stop() {
+  local p; p=$(cat "$tmp/pid")
+  kill -TERM "$p" 2>/dev/null || true
+  while kill -0 "$p" 2>/dev/null; do sleep 0.05; done
+}
+
+: >"$tmp/results"
+for r in $(seq "$ROUNDS"); do
+  for every in $EVERY; do
+    d="$tmp/data-$every-$r"
+    start "$d"
+    j=$("$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
+          --items "$ITEMS" --top-level --cross-every "$every" --phases create --json)
+    stop
+    echo "$every $r $j" >>"$tmp/results"
+    [ $JSON = 1 ] || echo "every $every round $r: $j"
+    rm -rf "$d"
+  done
+done
+python3 - "$tmp/results" "$JSON" <<'PY'
+import json, sys, statistics as st
+rows = {}
+for line in open(sys.argv[1]):
+    every, r, rest = line.split(' ', 2)
+    c = json.loads(rest)['create']
+    rows.setdefault(int(every), []).append(c)
+points = []
+base = None
+for every in sorted(rows, key=lambda e: (e != 0, -e if e else 0)):
+    v = rows[every]
+    ops = st.median(x['ops_per_sec'] for x in v)
+    frac = st.median(x['cross_ops'] / max(1, x['ops']) for x in v)
+    if every == 0:
+        base = ops
+    p = {"every": every, "fraction": frac, "ops_per_sec": ops,
+         "slowdown": (1 - ops / base) if base else None,
+         "multi_p50_us": st.median(x['cross_p50_us'] for x in v),
+         "single_p50_us": st.median(x['local_p50_us'] for x in v),
+         "errors": sum(x['errors'] for x in v), "runs": [x['ops_per_sec'] for x in v]}
+    points.append(p)
+if sys.argv[2] == "1":
+    print(json.dumps({"points": points}))
+else:
+    print(f"{'F (measured)':>13} {'ops/s':>9} {'slowdown':>9} {'multi p50 us':>13} {'single p50 us':>14} errors")
+    for p in points:
+        sd = f"{100 * p['slowdown']:.2f}%" if p['slowdown'] is not None else "-"
+        print(f"{100 * p['fraction']:>12.3f}% {p['ops_per_sec']:>9.0f} {sd:>9} {p['multi_p50_us']:>13.0f} {p['single_p50_us']:>14.0f} {p['errors']}")
+PY

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Scaling, Ursa Minor Fig. 3 style: `kochab bench` (durable) against clusters of 1, 2, 4
+# and 8 metadata server processes (`kochab up --servers N`), each server capped at
+# CPU_SHARE of one CPU with cgroup v1 (its own group under /sys/fs/cgroup/cpu, the pid
+# written to cgroup.procs so later threads follow), the coordinator and the load generator
+# uncapped. Two workloads per point: every client in its own top-level directory
+# (`--top-level`: the id policy deals them across tables) and all clients in one shared
+# directory (one table: it cannot scale until huge directories are split).
+#
+# Usage: bench/scaling.sh [ROUNDS] [SERVER_COUNTS...]   (default: 3 rounds of 1 2 4 8)
+# Env: CPU_SHARE (0.1), CLIENTS (64), ITEMS_PER_SERVER (40000), KOCHAB_BIN, PORT (7600),
+#      JSON_OUT (file for the raw rows).
+# Needs root (cgroups) and a release build (cargo build --release).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${1:-3}
+shift || true
+COUNTS=("$@")
+[ ${#COUNTS[@]} -eq 0 ] && COUNTS=(1 2 4 8)
+BIN=${KOCHAB_BIN:-target/release/kochab}
+PORT=${PORT:-7600}
+CPU_SHARE=${CPU_SHARE:-0.1}
+CLIENTS=${CLIENTS:-64}
+PER=${ITEMS_PER_SERVER:-40000}
+CG=/sys/fs/cgroup/cpu/kochab-scaling
+tmp=$(mktemp -d /var/tmp/kochab-scaling.XXXXXX)
+cleanup() {
+  [ -f "$tmp/pid" ] && kill -TERM "$(cat "$tmp/pid")" 2>/dev/null || true
+  sleep 1
+  pkill -KILL -f -- "--data $tmp/" 2>/dev/null || true
+  for g in "$CG"/s*; do [ -d "$g" ] && rmdir "$g" 2>/dev/null; done
+  rmdir "$CG" 2>/dev/null || true
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+mkdir -p "$CG"
+period=100000
+quota=$(python3 -c "print(int($period*$CPU_SHARE))")
+
+start() {  # start DATA N
+  local d=$1 n=$2
+  : >"$tmp/out"
+  "$BIN" up --data "$d" --servers "$n" --port $PORT >"$tmp/out" 2>>"$tmp/log" &
+  echo $! >"$tmp/pid"
+  for _ in $(seq 600); do grep -q "cluster ready" "$tmp/out" 2>/dev/null && break; sleep 0.1; done
+  grep -q "cluster ready" "$tmp/out" || { echo "cluster of $n did not start; log:"; tail -20 "$tmp/log"; exit 1; }
+  # Cap each server process in its own group.
+  local i=0 pid
+  for pid in $(pgrep -f -- "mds --id .* --data $d\$|mds --id .* --data $d "); do
+    mkdir -p "$CG/s$i"
+    echo $period >"$CG/s$i/cpu.cfs_period_us"
+    echo "$quota" >"$CG/s$i/cpu.cfs_quota_us"
+    echo "$pid" >"$CG/s$i/cgroup.procs"
+    i=$((i + 1))
+  done
+  [ "$i" -eq "$n" ] || { echo "found $i server processes, expected $n"; exit 1; }
+}
+stop() {
+  local p; p=$(cat "$tmp/pid")
+  kill -TERM "$p" 2>/dev/null || true
+  while kill -0 "$p" 2>/dev/null; do sleep 0.05; done
+}
+
+: >"$tmp/results"
+for r in $(seq "$ROUNDS"); do
+  for n in "${COUNTS[@]}"; do
+    for mode in unique shared; do
+      d="$tmp/data-$n-$mode-$r"
+      start "$d" "$n"
+      flag=(--top-level); [ $mode = shared ] && flag=(--shared-dir)
+      items=$((PER * n))
+      j=$("$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
+            --items $items "${flag[@]}" --phases create,stat --json)
+      restarts=$(grep -c "exited" "$tmp/log" || true)
+      stop
+      echo "$n $mode $r $restarts $j" | tee -a "$tmp/results"
+      rm -rf "$d"
+    done
+  done
+done
+[ -n "${JSON_OUT:-}" ] && cp "$tmp/results" "$JSON_OUT"
+python3 - "$tmp/results" <<'PY'
+import json, sys, statistics as st
+rows = {}
+for line in open(sys.argv[1]):
+    n, mode, r, restarts, rest = line.split(' ', 4)
+    d = json.loads(rest)
+    for ph, v in d.items():
+        rows.setdefault((mode, ph, int(n)), []).append(v['ops_per_sec'])
+print(f"{'workload':<8} {'phase':<7} {'servers':>7} {'ops/s (median)':>15} {'vs 1 server':>12}  runs")
+for mode in ('unique', 'shared'):
+    for ph in ('create', 'stat'):
+        base = None
+        for n in sorted({k[2] for k in rows if k[0] == mode and k[1] == ph}):
+            v = rows[(mode, ph, n)]
+            m = st.median(v)
+            base = base or (m if n == 1 else None)
+            ratio = f"{m / base:.2f}x" if base else "-"
+            print(f"{mode:<8} {ph:<7} {n:>7} {m:>15.0f} {ratio:>12}  {' '.join(f'{x:.0f}' for x in v)}")
+PY

@@ -1,0 +1,471 @@
+//! `kochab up --servers N`: a coordinator replica and N metadata servers on this machine,
+//! each its own OS process (children of this one, restarted when they exit), over one data
+//! directory: its object store is shared, each server keeps its own journal in it.
+//!
+//! The first start as a cluster turns the directory's tables over to the cluster: a single
+//! server recovers the directory (creating it if new) and releases every table (a clean
+//! checkpoint, no owner); the coordinator then places them on the servers, which ADD them.
+//! From then on the directory belongs to the cluster (`coord/` exists) and a plain
+//! `kochab up` refuses it.
+
+use crate::mount;
+use kochab_client::{Client, ClientConfig};
+use kochab_cluster::state::CoordState;
+use kochab_coord::CoordClient;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Id of the first metadata server of a cluster: id 1 names the single-server mode's
+/// journals (`journal/1.<epoch>`), which the cluster's data may still hold.
+pub const FIRST_SERVER_ID: u32 = 2;
+
+/// The coordinator's data inside the cluster's data directory; its presence marks a
+/// directory that belongs to a cluster.
+pub const COORD_DIR: &str = "coord";
+
+/// How long `up` waits for every table to be placed before it reports the cluster ready
+/// anyway (loading a large table takes about a second per million inodes).
+const PLACEMENT_WAIT: Duration = Duration::from_secs(120);
+
+/// A child that exits sooner than this after its start is restarted only after a pause
+/// (doubling up to `RESTART_PAUSE_MAX`), so a server that cannot start does not spin.
+const QUICK_EXIT: Duration = Duration::from_secs(5);
+const RESTART_PAUSE_MAX: Duration = Duration::from_secs(5);
+
+/// What `kochab up --servers N` needs from its arguments.
+pub struct ClusterArgs {
+    pub data: PathBuf,
+    pub host: String,
+    /// First server's port (0: free ports for everything).
+    pub port: u16,
+    pub servers: usize,
+    /// Lease of a server, in seconds (a killed server's tables are recovered elsewhere
+    /// about this long after it died).
+    pub lease: f64,
+    pub no_fsync: bool,
+    pub mount: Option<PathBuf>,
+    pub mount_options: Option<String>,
+    /// Extra arguments for every `kochab mds` (tests' checkpoint and segment sizes).
+    pub mds_extra: Vec<String>,
+}
+
+/// True if `data` belongs to a cluster of servers.
+pub fn is_cluster_dir(data: &Path) -> bool {
+    data.join(COORD_DIR).exists()
+}
+
+/// One child process and how to start it again.
+struct Proc {
+    name: String,
+    args: Vec<String>,
+    log: PathBuf,
+    child: Option<Child>,
+    started: Instant,
+    pause: Duration,
+}
+
+impl Proc {
+    fn spawn(&mut self) -> Result<(), String> {
+        let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(|e| format!("{}: {e}", self.log.display()))?;
+        let err = log
+            .try_clone()
+            .map_err(|e| format!("{}: {e}", self.log.display()))?;
+        let mut cmd = Command::new(exe);
+        // SAFETY: prctl(2) in the child between fork and exec touches no memory of the
+        // parent. The child dies with the thread that started it (the supervisor, which
+        // lives as long as `up`): a killed `up` leaves no server behind.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", self.name))?;
+        self.child = Some(child);
+        self.started = Instant::now();
+        Ok(())
+    }
+}
+
+/// Free loopback ports, found by binding port 0 (released before the children bind them;
+/// a race with another program is possible and shows as a child that cannot listen).
+fn free_ports(host: &str, n: usize) -> Result<Vec<u16>, String> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind((host, 0)).map_err(|e| format!("{host}: {e}")))
+        .collect::<Result<_, _>>()?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()).map_err(|e| e.to_string()))
+        .collect()
+}
+
+/// Turns a single server's directory (or a new one) over to the cluster: every table
+/// released, so the coordinator can place it.
+async fn prepare(data: &Path) -> Result<(), String> {
+    let listen: SocketAddr = "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?;
+    let config = kochab_server::ServerConfig::new(data, listen);
+    let server = kochab_server::start(config)
+        .await
+        .map_err(|e| format!("cannot prepare {}: {e}", data.display()))?;
+    let released = tokio::task::block_in_place(|| server.release_all_tables())
+        .map_err(|e| format!("cannot release the tables of {}: {e}", data.display()))?;
+    server.shutdown().await;
+    eprintln!(
+        "kochab: {} tables of {} released to the cluster",
+        released.len(),
+        data.display()
+    );
+    Ok(())
+}
+
+/// Waits until the coordinator has placed every table and nothing moves, or `deadline`.
+async fn wait_placed(coord: &CoordClient<CoordState>, deadline: Instant) -> bool {
+    while Instant::now() < deadline {
+        if let Ok((s, _)) = coord.read_state().await
+            && s.bootstrapped
+            && s.unplaced.is_empty()
+            && s.migrations.is_empty()
+            && !s.map.tables.is_empty()
+            && all_live(&s)
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// Every server the map names is live.
+fn all_live(s: &CoordState) -> bool {
+    s.map.tables.values().all(|p| s.live(p.owner).is_some())
+}
+
+pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
+    if args.servers == 0 {
+        return Err("--servers must be at least 1".into());
+    }
+    if !args.lease.is_finite() || args.lease < 1.0 {
+        return Err("--lease must be at least 1 second".into());
+    }
+    if !is_cluster_dir(&args.data) {
+        prepare(&args.data).await?;
+    }
+    // Held for the life of the cluster: a plain `kochab up` on the directory refuses.
+    let _lock =
+        kochab_server::datadir::DataDirLock::acquire(&args.data).map_err(|e| e.to_string())?;
+    let logs = args.data.join("logs");
+    std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
+    let ports = if args.port == 0 {
+        free_ports(&args.host, args.servers + 1)?
+    } else {
+        (0..=args.servers)
+            .map(|i| {
+                args.port
+                    .checked_add(i as u16)
+                    .ok_or_else(|| "--port too high for that many servers".to_string())
+            })
+            .collect::<Result<_, _>>()?
+    };
+    let coord_addr = format!("{}:{}", args.host, ports[args.servers]);
+    let key_file = args.data.join(kochab_server::KEY_FILE);
+    let key_path = key_file.display().to_string();
+    let data = args.data.display().to_string();
+    let mut procs = vec![Proc {
+        name: "coordinator".into(),
+        args: vec![
+            "coord".into(),
+            "--id".into(),
+            "1".into(),
+            "--listen".into(),
+            coord_addr.clone(),
+            "--peers".into(),
+            format!("1={coord_addr}"),
+            "--data".into(),
+            args.data.join(COORD_DIR).display().to_string(),
+            "--key-file".into(),
+            key_path.clone(),
+            "--bootstrap".into(),
+            "--lease".into(),
+            args.lease.to_string(),
+        ],
+        log: logs.join("coord.log"),
+        child: None,
+        started: Instant::now(),
+        pause: Duration::from_millis(200),
+    }];
+    let mut server_addrs = Vec::new();
+    for (i, port) in ports[..args.servers].iter().enumerate() {
+        let id = FIRST_SERVER_ID + i as u32;
+        let addr = format!("{}:{port}", args.host);
+        server_addrs.push(addr.clone());
+        let mut a = vec![
+            "mds".into(),
+            "--id".into(),
+            id.to_string(),
+            "--listen".into(),
+            addr,
+            "--coord".into(),
+            coord_addr.clone(),
+            "--data".into(),
+            data.clone(),
+            "--key-file".into(),
+            key_path.clone(),
+        ];
+        if args.no_fsync {
+            a.push("--no-fsync".into());
+        }
+        a.extend(args.mds_extra.iter().cloned());
+        procs.push(Proc {
+            name: format!("server {id}"),
+            args: a,
+            log: logs.join(format!("mds-{id}.log")),
+            child: None,
+            started: Instant::now(),
+            pause: Duration::from_millis(200),
+        });
+    }
+    let stopping = Arc::new(AtomicBool::new(false));
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    // The children are started, watched and stopped by one thread that lives as long as
+    // the cluster: their parent-death signal is tied to it.
+    let supervisor = {
+        let stopping = stopping.clone();
+        std::thread::spawn(move || supervise(procs, &stopping, started_tx))
+    };
+    started_rx
+        .recv()
+        .map_err(|_| "the supervisor thread ended".to_string())??;
+    let key = kochab_client::read_key_file(&key_file).map_err(|e| format!("{key_path}: {e}"))?;
+    let coord_sock: SocketAddr = coord_addr
+        .parse()
+        .map_err(|e| format!("coordinator address {coord_addr}: {e}"))?;
+    let coord =
+        CoordClient::<CoordState>::new(kochab_coord::ClientConfig::new(vec![coord_sock], key.key));
+    if !wait_placed(&coord, Instant::now() + PLACEMENT_WAIT).await {
+        eprintln!(
+            "kochab: not every table is placed after {PLACEMENT_WAIT:?}; see {}",
+            logs.display()
+        );
+    }
+    let mount_session = match &args.mount {
+        Some(dir) => {
+            let entry: SocketAddr = server_addrs[0]
+                .parse()
+                .map_err(|e| format!("server address: {e}"))?;
+            let mut cfg = ClientConfig::new(entry, key);
+            cfg.connections = 2;
+            let client = Client::connect(cfg)
+                .await
+                .map_err(|e| format!("cannot connect the mount: {e}"))?;
+            let session = mount::mount(
+                client,
+                &server_addrs[0],
+                dir,
+                mount::options(args.mount_options.as_deref()),
+            )
+            .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
+            eprintln!("kochab: mounted at {}", dir.display());
+            Some(session)
+        }
+        None => None,
+    };
+    eprintln!(
+        "kochab: data in {}, key in {key_path}, logs in {}",
+        args.data.display(),
+        logs.display()
+    );
+    eprintln!(
+        "kochab: {} servers at {}, coordinator at {coord_addr}",
+        args.servers,
+        server_addrs.join(",")
+    );
+    // Any server is an entry point; the first is named, as a single server's address is.
+    println!("kochab: cluster ready at {}", server_addrs[0]);
+    let signal = crate::wait_for_signal();
+    match mount_session {
+        Some(session) => {
+            mount::wait(session, Box::pin(signal)).await;
+        }
+        None => signal.await,
+    }
+    eprintln!("kochab: shutting down the cluster");
+    stopping.store(true, Ordering::SeqCst);
+    let _ = tokio::task::spawn_blocking(move || supervisor.join()).await;
+    Ok(())
+}
+
+/// Starts every child, restarts those that exit (with a growing pause if they exit right
+/// after starting), and once `stopping` is set stops them: servers first, with SIGTERM,
+/// then SIGKILL after 10 s; the coordinator last.
+fn supervise(
+    mut procs: Vec<Proc>,
+    stopping: &AtomicBool,
+    started: std::sync::mpsc::Sender<Result<(), String>>,
+) {
+    for p in &mut procs {
+        if let Err(e) = p.spawn() {
+            let _ = started.send(Err(e));
+            return;
+        }
+    }
+    let _ = started.send(Ok(()));
+    while !stopping.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(100));
+        for p in procs.iter_mut() {
+            let Some(child) = p.child.as_mut() else {
+                if p.started.elapsed() >= p.pause
+                    && let Err(e) = p.spawn()
+                {
+                    eprintln!("kochab: {e}");
+                    p.started = Instant::now();
+                }
+                continue;
+            };
+            if let Ok(Some(status)) = child.try_wait() {
+                let quick = p.started.elapsed() < QUICK_EXIT;
+                p.pause = if quick {
+                    (p.pause * 2).min(RESTART_PAUSE_MAX)
+                } else {
+                    Duration::from_millis(200)
+                };
+                eprintln!(
+                    "kochab: {} exited ({status}); restarting it in {:?} (log: {})",
+                    p.name,
+                    p.pause,
+                    p.log.display()
+                );
+                p.child = None;
+                p.started = Instant::now();
+            }
+        }
+    }
+    // Servers first (they may still write their journals), the coordinator last.
+    procs.rotate_left(1);
+    for p in &mut procs {
+        if let Some(child) = p.child.as_mut() {
+            // SAFETY: kill(2) on a pid this process spawned and has not reaped.
+            unsafe {
+                libc::kill(child.id() as i32, libc::SIGTERM);
+            }
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for p in &mut procs {
+        if let Some(child) = p.child.as_mut() {
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if let Ok(None) = child.try_wait() {
+                eprintln!("kochab: {} did not stop within 10 s; killing it", p.name);
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+/// `kochab status` of a cluster: every server the map names (pid, address, epoch, tables),
+/// the placement of every table, and the coordinator replicas the servers follow.
+pub async fn status(
+    conn: &crate::ConnArgs,
+    map: kochab_proto::cluster::DelegationMap,
+    json: bool,
+) -> Result<(), String> {
+    let key = conn.key.load()?;
+    let tls = conn.tls.load()?;
+    let mut servers = Vec::new();
+    for (id, addr) in &map.servers {
+        let report = async {
+            let sock = kochab_client::resolve_addr(addr).map_err(|e| e.to_string())?;
+            let mut cfg = ClientConfig::new(sock, key);
+            cfg.connections = 1;
+            cfg.tls = tls.clone();
+            let c = Client::connect(cfg).await.map_err(|e| e.to_string())?;
+            c.status().await.map_err(|e| e.to_string())
+        }
+        .await;
+        servers.push((*id, addr.clone(), report));
+    }
+    let coordinators: Vec<String> = servers
+        .iter()
+        .find_map(|(_, _, r)| r.as_ref().ok().map(|s| s.coordinators.clone()))
+        .unwrap_or_default();
+    if json {
+        let out = serde_json::json!({
+            "map_version": map.version.0,
+            "coordinators": coordinators,
+            "servers": servers.iter().map(|(id, addr, r)| match r {
+                Ok(s) => serde_json::json!({
+                    "id": id.0, "addr": addr, "pid": s.pid, "epoch": s.epoch,
+                    "tables": s.tables.iter().map(|t| format!("{:016x}", t.lo)).collect::<Vec<_>>(),
+                    "inodes": s.inodes, "rss_bytes": s.rss_bytes, "connections": s.connections,
+                    "status": s,
+                }),
+                Err(e) => serde_json::json!({"id": id.0, "addr": addr, "error": e}),
+            }).collect::<Vec<_>>(),
+            "tables": map.tables.iter().map(|(t, p)| serde_json::json!({
+                "lo": format!("{:016x}", t.0), "hi": format!("{:016x}", p.hi),
+                "owner": p.owner.0, "owner_epoch": p.epoch.0,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{out:#}");
+        return Ok(());
+    }
+    println!(
+        "cluster: map version {}, {} servers, {} tables, coordinators {}",
+        map.version.0,
+        map.servers.len(),
+        map.tables.len(),
+        if coordinators.is_empty() {
+            "unknown".to_string()
+        } else {
+            coordinators.join(",")
+        }
+    );
+    for (id, addr, r) in &servers {
+        match r {
+            Ok(s) => println!(
+                "server {} at {addr}: pid {}, epoch {}, {} tables, {} inodes, {:.1} MiB, {} connections",
+                id.0,
+                s.pid,
+                s.epoch,
+                s.tables.len(),
+                s.inodes,
+                s.rss_bytes as f64 / (1 << 20) as f64,
+                s.connections
+            ),
+            Err(e) => println!("server {} at {addr}: unreachable ({e})", id.0),
+        }
+    }
+    println!(
+        "{:<18} {:<18} {:>6} {:>6}",
+        "table lo", "table hi", "owner", "epoch"
+    );
+    for (t, p) in &map.tables {
+        println!(
+            "{:016x}   {:016x}   {:>6} {:>6}",
+            t.0, p.hi, p.owner.0, p.epoch.0
+        );
+    }
+    Ok(())
+}
