@@ -164,6 +164,8 @@ struct Inner {
     handles: Mutex<rustc_hash::FxHashMap<u64, Handle>>,
     next_handle: AtomicU64,
     client_id: u64,
+    /// The entry server that answered at connect: `status` reports on it.
+    home: Arc<str>,
     root: Mutex<InodeId>,
     /// Directories this client just changed, as the servers' replies left them.
     dirs: Mutex<DirCache>,
@@ -266,10 +268,11 @@ impl Client {
                 r
             }
             (None, Some(m)) => Routing::cluster(entries, m, budget),
-            (None, None) => Routing::Single { addr },
+            (None, None) => Routing::Single { addr: addr.clone() },
         };
         let inner = Arc::new(Inner {
             client_id: pool.client_id(),
+            home: addr,
             pool,
             routing: Mutex::new(routing),
             seq: AtomicU64::new(1),
@@ -875,8 +878,11 @@ impl Client {
         }
     }
 
+    /// The status of the server this client connected to (its first entry address that
+    /// answered), also when it routes by a map.
     pub async fn status(&self) -> FsResult<StatusReport> {
-        match self.call(&Credentials::root(), Op::Status).await? {
+        let req = plain_request(&Credentials::root(), Op::Status);
+        match self.send_single(&self.inner.home, &req).await? {
             Reply::Status(s) => Ok(s),
             other => Err(unexpected(other)),
         }

@@ -265,6 +265,22 @@ async fn requests_follow_their_tables_across_moves_and_a_lost_server() {
     assert_eq!(c.readdir_all(&cred, dir.id, false).await.unwrap().len(), 2);
     assert_eq!(maps.asked(), 2, "routed by map 2 without a detour");
 
+    // A client entering at a server with a map of its own (the servers do not hand one
+    // out) routes by it, and its status is that server's.
+    for (entry, holds_moved) in [(a.addr, false), (b.addr, true)] {
+        let mut cfg = ClientConfig::with_entries(vec![entry], a.key);
+        cfg.map = Some(map_of(2, &ranges, &[(moved, 2)], &[&sa, &sb]));
+        let pinned = Client::connect(cfg).await.unwrap();
+        assert!(pinned.routes_by_map());
+        let s = pinned.status().await.unwrap();
+        assert_eq!(s.tables.iter().any(|t| t.lo == moved), holds_moved);
+        assert_eq!(
+            pinned.lookup(&cred, dir.id, b"on-b").await.unwrap().id,
+            on_b.id
+        );
+        pinned.end_session().await.unwrap();
+    }
+
     // B goes away (a clean stop); A takes the table back from B's journal. The client
     // finds B unreachable, fetches map 3 and follows the table to A.
     let b_journal = b.shared().journal.id();
