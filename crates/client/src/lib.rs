@@ -205,6 +205,21 @@ enum Outcome {
     Unreachable(FsError),
 }
 
+/// How a request to a single server failed.
+enum SingleError {
+    /// Its last attempt was answered WRONG_SERVER: the server is one of many.
+    WrongServer(FsError),
+    Other(FsError),
+}
+
+impl From<SingleError> for FsError {
+    fn from(e: SingleError) -> FsError {
+        match e {
+            SingleError::WrongServer(e) | SingleError::Other(e) => e,
+        }
+    }
+}
+
 fn plain_request(cred: &Credentials, op: Op) -> Request {
     Request {
         cred: cred.clone(),
@@ -411,19 +426,47 @@ impl Client {
             Routing::Cluster(_) => None,
         };
         match single {
-            Some(addr) => {
-                let reply = self.send_single(&addr, req).await?;
-                Ok((reply, addr))
-            }
+            Some(addr) => match self.send_single(&addr, req).await {
+                Ok(reply) => Ok((reply, addr)),
+                // A server that says another serves the table is one of many: if it hands
+                // out a map now (it had none at connect), route by it from here on.
+                Err(SingleError::WrongServer(e)) => {
+                    if self.learn_map(&addr).await {
+                        self.send_routed(req, target).await
+                    } else {
+                        Err(e)
+                    }
+                }
+                Err(SingleError::Other(e)) => Err(e),
+            },
             None => self.send_routed(req, target).await,
         }
     }
 
+    /// Asks the single server for a map; with one, switches to routing by it.
+    async fn learn_map(&self, addr: &Arc<str>) -> bool {
+        let Outcome::Reply(Reply::Map(m)) = self
+            .attempt(addr, &plain_request(&Credentials::root(), Op::GetMap))
+            .await
+        else {
+            return false;
+        };
+        if m.tables.is_empty() {
+            return false;
+        }
+        let cfg = &self.inner.config;
+        let entries = cfg.entries.iter().map(|a| a.to_string()).collect();
+        let budget = cfg.retry_budget.as_millis() as u64;
+        *self.inner.routing.lock() = Routing::cluster(entries, m, budget);
+        true
+    }
+
     /// One server serves everything: a few quick retries, so that a mount whose server is
     /// gone fails promptly.
-    async fn send_single(&self, addr: &Arc<str>, req: &Request) -> FsResult<Reply> {
+    async fn send_single(&self, addr: &Arc<str>, req: &Request) -> Result<Reply, SingleError> {
         let cfg = &self.inner.config;
         let mut last_err = fs_err!(ETIMEDOUT, "no attempt made");
+        let mut wrong_server = false;
         for attempt in 0..cfg.attempts.max(1) {
             if attempt > 0 {
                 // 50, 100, 200 ms...: long enough for a restarting server, short enough
@@ -433,31 +476,39 @@ impl Client {
             let conn = match self.inner.pool.conn(addr).await {
                 Ok(c) => c,
                 Err(e) if e.errno == Errno::ENOTCONN => {
+                    wrong_server = false;
                     last_err = e;
                     continue;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(SingleError::Other(e)),
             };
             match tokio::time::timeout(cfg.request_timeout, conn.call(req)).await {
-                Ok(Ok(Reply::Error(e))) => return Err(e),
+                Ok(Ok(Reply::Error(e))) => return Err(SingleError::Other(e)),
                 Ok(Ok(Reply::WrongServer { map_version, .. })) => {
+                    wrong_server = true;
                     last_err = fs_err!(
                         ESTALE,
                         "server does not serve this table (map version {map_version})"
                     );
                 }
                 Ok(Ok(reply)) => return Ok(reply),
-                Ok(Err(ConnError::Refused(e))) => return Err(e),
+                Ok(Err(ConnError::Refused(e))) => return Err(SingleError::Other(e)),
                 Ok(Err(ConnError::Lost(why))) => {
+                    wrong_server = false;
                     last_err = fs_err!(ENOTCONN, "connection lost: {why}")
                 }
                 Err(_) => {
+                    wrong_server = false;
                     conn.mark_dead();
                     last_err = fs_err!(ETIMEDOUT, "no reply within {:?}", cfg.request_timeout);
                 }
             }
         }
-        Err(last_err)
+        Err(if wrong_server {
+            SingleError::WrongServer(last_err)
+        } else {
+            SingleError::Other(last_err)
+        })
     }
 
     /// Many servers: route by the map, follow WrongServer, refetch the map when a server
@@ -882,7 +933,11 @@ impl Client {
     /// answered), also when it routes by a map.
     pub async fn status(&self) -> FsResult<StatusReport> {
         let req = plain_request(&Credentials::root(), Op::Status);
-        match self.send_single(&self.inner.home, &req).await? {
+        match self
+            .send_single(&self.inner.home, &req)
+            .await
+            .map_err(FsError::from)?
+        {
             Reply::Status(s) => Ok(s),
             other => Err(unexpected(other)),
         }

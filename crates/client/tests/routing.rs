@@ -46,12 +46,12 @@ async fn member(dir: &Path, a: &RunningServer, server: u64) -> RunningServer {
 /// The fake entry server: the current map, and how many times it was asked for it.
 struct MapServer {
     addr: std::net::SocketAddr,
-    map: Arc<Mutex<DelegationMap>>,
+    map: Arc<Mutex<Option<DelegationMap>>>,
     asked: Arc<AtomicU64>,
 }
 
 impl MapServer {
-    async fn start(key: ClusterKey, root: InodeId, map: DelegationMap) -> MapServer {
+    async fn start(key: ClusterKey, root: InodeId, map: Option<DelegationMap>) -> MapServer {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let map = Arc::new(Mutex::new(map));
@@ -66,7 +66,7 @@ impl MapServer {
     }
 
     fn set(&self, map: DelegationMap) {
-        *self.map.lock() = map;
+        *self.map.lock() = Some(map);
     }
 
     fn asked(&self) -> u64 {
@@ -100,7 +100,7 @@ async fn serve_maps(
     mut s: TcpStream,
     key: ClusterKey,
     root: InodeId,
-    map: Arc<Mutex<DelegationMap>>,
+    map: Arc<Mutex<Option<DelegationMap>>>,
     asked: Arc<AtomicU64>,
 ) {
     let nonce = [7u8; 32];
@@ -141,10 +141,18 @@ async fn serve_maps(
         let reply = match req.op {
             Op::GetMap => {
                 asked.fetch_add(1, Ordering::SeqCst);
-                Reply::Map(map.lock().clone())
+                match map.lock().clone() {
+                    Some(m) => Reply::Map(m),
+                    None => Reply::Error(fs_err!(ENOSYS, "no map yet")),
+                }
             }
             Op::EndSession => Reply::Empty,
-            _ => Reply::Error(fs_err!(ENOSYS, "a map server only")),
+            // It serves no table.
+            _ => Reply::WrongServer {
+                map_version: 0,
+                owner: None,
+                addr: None,
+            },
         };
         send(&mut s, FrameKind::Reply, id, &reply).await;
     }
@@ -193,7 +201,7 @@ async fn requests_follow_their_tables_across_moves_and_a_lost_server() {
         core.engine.tables().iter().map(|t| (t.lo, t.hi)).collect()
     };
     let (sa, sb) = (a.addr.to_string(), b.addr.to_string());
-    let maps = MapServer::start(a.key, root, map_of(1, &ranges, &[], &[&sa, &sb])).await;
+    let maps = MapServer::start(a.key, root, Some(map_of(1, &ranges, &[], &[&sa, &sb]))).await;
 
     let mut cfg = ClientConfig::with_entries(vec![maps.addr], a.key);
     cfg.request_timeout = std::time::Duration::from_secs(10);
@@ -350,5 +358,28 @@ async fn a_single_server_without_a_map_serves_everything() {
     assert_eq!(c.read(&cred, h, 0, 10).await.unwrap(), b"x".to_vec());
     c.close(&cred, h).await.unwrap();
     c.end_session().await.unwrap();
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_found_no_map_routes_by_one_once_a_server_says_wrong_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(config(&tmp.path().join("a"))).await.unwrap();
+    let ranges: Vec<(u64, u64)> = {
+        let core = a.shared().core.lock();
+        core.engine.tables().iter().map(|t| (t.lo, t.hi)).collect()
+    };
+    let maps = MapServer::start(a.key, a.root, None).await;
+    let c = Client::connect(ClientConfig::new(maps.addr, a.key))
+        .await
+        .unwrap();
+    assert!(!c.routes_by_map(), "no map at connect: single-server mode");
+    let sa = a.addr.to_string();
+    maps.set(map_of(1, &ranges, &[], &[&sa]));
+    // The entry serves no table; when it says so, the client asks it for a map again.
+    let cred = Credentials::root();
+    let d = c.mkdir(&cred, c.root(), b"d", 0o755).await.unwrap();
+    assert!(c.routes_by_map());
+    assert!(hosts(&a, d.id));
     a.shutdown().await;
 }
