@@ -158,6 +158,7 @@ mod tests {
             cred: Credentials::user(1000, 100),
             seq: n,
             seq_floor: 0,
+            map_version: 0,
             op: Op::Lookup {
                 parent: n,
                 name: format!("file{n}").into_bytes(),

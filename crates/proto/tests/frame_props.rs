@@ -6,6 +6,7 @@
 //! `PROPTEST_CASES=N` runs N cases of every test instead (docs/TESTING.md).
 
 use bytes::BytesMut;
+use kochab_proto::cluster::*;
 use kochab_proto::codec::FrameCodec;
 use kochab_proto::frame::{
     FRAME_HEADER_BYTES, MAX_FRAME_BYTES, decode_payload, encode_frame, parse_header,
@@ -240,7 +241,91 @@ fn op() -> impl Strategy<Value = Op> {
         (key_policy(), ".{0,40}").prop_map(|(policy, note)| Op::KeyAdd { policy, note }),
         Just(Op::KeyList),
         any::<u32>().prop_map(|id| Op::KeyRevoke { id }),
+        Just(Op::GetMap),
+        control().prop_map(|control| Op::Control { control }),
     ]
+}
+
+fn incarnation() -> impl Strategy<Value = Incarnation> {
+    (any::<u32>(), any::<u64>()).prop_map(|(s, e)| Incarnation {
+        server: ServerId(s),
+        epoch: Epoch(e),
+    })
+}
+
+fn control() -> impl Strategy<Value = Control> {
+    let body = prop_oneof![
+        (any::<u64>(), any::<u64>(), any::<u32>()).prop_map(|(t, v, to)| ControlBody::Drop {
+            table: TableId(t),
+            map_version: MapVersion(v),
+            to: ServerId(to),
+        }),
+        (
+            vec(any::<u64>(), 0..4),
+            any::<u64>(),
+            vec(incarnation(), 0..3)
+        )
+            .prop_map(|(tables, v, epochs)| ControlBody::Add {
+                tables: tables.into_iter().map(TableId).collect(),
+                map_version: MapVersion(v),
+                epochs,
+            }),
+        (incarnation(), any::<u64>()).prop_map(|(i, seq)| ControlBody::Grant {
+            id: BorrowId {
+                server: i.server,
+                epoch: i.epoch,
+                seq,
+            },
+        }),
+    ];
+    (incarnation(), body).prop_map(|(to, body)| Control { to, body })
+}
+
+fn control_reply() -> impl Strategy<Value = ControlReply> {
+    prop_oneof![
+        (any::<u64>(), incarnation(), any::<u64>()).prop_map(|(t, by, v)| {
+            ControlReply::Dropped {
+                table: TableId(t),
+                by,
+                map_version: MapVersion(v),
+            }
+        }),
+        (vec(any::<u64>(), 0..4), incarnation(), ".{0,20}").prop_map(|(t, by, reason)| {
+            ControlReply::AddFailed {
+                tables: t.into_iter().map(TableId).collect(),
+                by,
+                reason,
+            }
+        }),
+    ]
+}
+
+fn delegation_map() -> impl Strategy<Value = DelegationMap> {
+    (
+        any::<u64>(),
+        vec(
+            (any::<u64>(), any::<u64>(), any::<u32>(), any::<u64>()),
+            0..5,
+        ),
+        vec((any::<u32>(), "[a-z0-9.:]{0,20}"), 0..4),
+    )
+        .prop_map(|(v, tables, servers)| DelegationMap {
+            version: MapVersion(v),
+            tables: tables
+                .into_iter()
+                .map(|(lo, hi, o, e)| {
+                    (
+                        TableId(lo),
+                        Placement {
+                            hi,
+                            owner: ServerId(o),
+                            epoch: Epoch(e),
+                        },
+                    )
+                })
+                .collect(),
+            servers: servers.into_iter().map(|(s, a)| (ServerId(s), a)).collect(),
+        })
 }
 
 fn request() -> impl Strategy<Value = Request> {
@@ -360,16 +445,24 @@ fn status_report() -> impl Strategy<Value = StatusReport> {
         (any::<u64>(), any::<u64>(), vec(table_status(), 0..3)),
         (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()),
         (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()),
-        any::<bool>(),
+        (
+            any::<bool>(),
+            any::<u32>(),
+            any::<u64>(),
+            vec("[a-z0-9.:]{0,20}", 0..3),
+        ),
     )
         .prop_map(
             |(
                 (server_id, uptime_ms, tables),
                 (inodes, dentries, journal_bytes, journal_segments),
                 (applied_lsn, durable_lsn, rss_bytes, connections),
-                durable_mode,
+                (durable_mode, pid, epoch, coordinators),
             )| StatusReport {
                 server_id,
+                pid,
+                epoch,
+                coordinators,
                 uptime_ms,
                 tables,
                 inodes,
@@ -404,7 +497,7 @@ fn reply() -> impl Strategy<Value = Reply> {
         )
             .prop_map(|(map_version, owner, addr)| Reply::WrongServer {
                 map_version,
-                owner: owner.map(kochab_proto::cluster::ServerId),
+                owner: owner.map(ServerId),
                 addr
             }),
         bytes(100).prop_map(Reply::ReadAtime),
@@ -412,6 +505,8 @@ fn reply() -> impl Strategy<Value = Reply> {
         vec(key_info(), 0..4).prop_map(Reply::Keys),
         stat_fs().prop_map(Reply::StatFs),
         status_report().prop_map(Reply::Status),
+        delegation_map().prop_map(Reply::Map),
+        proptest::option::of(control_reply()).prop_map(Reply::Control),
     ];
     leaf.prop_recursive(2, 8, 3, |inner| {
         (inner, vec(attr(), 0..3)).prop_map(|(r, dirs)| Reply::WithDirs {
@@ -691,6 +786,8 @@ fn reply_variant(r: &Reply) -> usize {
         Reply::ReadAtime(_) => 12,
         Reply::KeyAdded { .. } => 13,
         Reply::Keys(_) => 14,
+        Reply::Map(_) => 15,
+        Reply::Control(_) => 16,
     }
 }
 
@@ -698,7 +795,7 @@ fn reply_variant(r: &Reply) -> usize {
 fn every_reply_variant_is_generated() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = reply();
-    let mut seen = [false; 15];
+    let mut seen = [false; 17];
     for _ in 0..5000 {
         let tree = strategy.new_tree(&mut runner).unwrap();
         seen[reply_variant(&tree.current())] = true;

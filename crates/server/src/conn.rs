@@ -710,6 +710,7 @@ mod tests {
                 cred: Credentials::root(),
                 seq: 0,
                 seq_floor: 0,
+                map_version: 0,
                 op: Op::GetAttr { id: i },
             };
             encode_frame(&mut out, FrameKind::Request, i, &req).unwrap();
