@@ -166,6 +166,8 @@ struct Inner {
     client_id: u64,
     /// The entry server that answered at connect: `status` reports on it.
     home: Arc<str>,
+    /// Held while a map is fetched.
+    fetching: tokio::sync::Mutex<()>,
     root: Mutex<InodeId>,
     /// Directories this client just changed, as the servers' replies left them.
     dirs: Mutex<DirCache>,
@@ -288,6 +290,7 @@ impl Client {
         let inner = Arc::new(Inner {
             client_id: pool.client_id(),
             home: addr,
+            fetching: tokio::sync::Mutex::new(()),
             pool,
             routing: Mutex::new(routing),
             seq: AtomicU64::new(1),
@@ -520,15 +523,24 @@ impl Client {
         loop {
             let step = self.inner.routing.lock().step(target);
             let err = match step {
-                Step::Fetch { entry } if !fetched => match self.fetch_map(&entry).await {
-                    Ok(()) => {
+                Step::Fetch { entry } if !fetched => {
+                    // One fetch at a time: after a move, every request in flight finds the
+                    // map dropped, and one GetMap answers them all.
+                    let _one = self.inner.fetching.lock().await;
+                    if self.inner.routing.lock().routes(target) {
                         fetched = true;
                         continue;
                     }
-                    Err(Outcome::Refused(e)) => return Err(e),
-                    Err(Outcome::Error(e) | Outcome::Unreachable(e)) => e,
-                    Err(_) => fs_err!(EPROTO, "{entry} answered GetMap with no map"),
-                },
+                    match self.fetch_map(&entry).await {
+                        Ok(()) => {
+                            fetched = true;
+                            continue;
+                        }
+                        Err(Outcome::Refused(e)) => return Err(e),
+                        Err(Outcome::Error(e) | Outcome::Unreachable(e)) => e,
+                        Err(_) => fs_err!(EPROTO, "{entry} answered GetMap with no map"),
+                    }
+                }
                 Step::Fetch { .. } => fs_err!(
                     ESTALE,
                     "the delegation map places no table at inode {target:#x}"
@@ -549,6 +561,7 @@ impl Client {
                         } => {
                             self.inner.routing.lock().on_wrong_server(
                                 table,
+                                req.map_version,
                                 map_version,
                                 owner,
                                 hint,
@@ -560,7 +573,8 @@ impl Client {
                             )
                         }
                         Outcome::Unreachable(e) => {
-                            self.inner.routing.lock().on_unreachable(table);
+                            let routed_by = req.map_version;
+                            self.inner.routing.lock().on_unreachable(table, routed_by);
                             e
                         }
                     }

@@ -47,6 +47,18 @@ impl Routing {
         matches!(self, Routing::Cluster(_))
     }
 
+    /// True if a request about inode `id` has a server to go to (the cached map places
+    /// its table on a server whose address it knows, or there is one server).
+    pub fn routes(&self, id: InodeId) -> bool {
+        match self {
+            Routing::Single { .. } => true,
+            Routing::Cluster(r) => r.map().is_some_and(|m| {
+                m.table_of(id)
+                    .is_some_and(|(_, p)| m.servers.contains_key(&p.owner))
+            }),
+        }
+    }
+
     /// The cached map's version (0 without one, and in single-server mode).
     pub fn map_version(&self) -> u64 {
         match self {
@@ -90,10 +102,13 @@ impl Routing {
         }
     }
 
-    /// A server does not serve `table` (now): follow its hint, else drop the map.
+    /// A server does not serve `table` (now) to a request routed by map `routed_by`:
+    /// follow its hint, else drop the map. A map newer than `routed_by` is kept (another
+    /// request already fetched it after the move).
     pub fn on_wrong_server(
         &mut self,
         table: Option<TableId>,
+        routed_by: u64,
         map_version: u64,
         owner: Option<ServerId>,
         addr: Option<String>,
@@ -101,6 +116,9 @@ impl Routing {
         let Routing::Cluster(r) = self else {
             return;
         };
+        if r.map_version().0 > routed_by {
+            return;
+        }
         if let (Some(o), Some(a)) = (owner, addr) {
             r.learn_server(o, a);
         }
@@ -113,8 +131,10 @@ impl Routing {
 
     /// The server of `table` could not be reached, dropped the connection or did not
     /// answer in time: it may be dead and its tables recovered elsewhere.
-    pub fn on_unreachable(&mut self, table: Option<TableId>) {
-        if let Routing::Cluster(r) = self {
+    pub fn on_unreachable(&mut self, table: Option<TableId>, routed_by: u64) {
+        if let Routing::Cluster(r) = self
+            && r.map_version().0 <= routed_by
+        {
             match table {
                 Some(t) => r.on_timeout(t),
                 None => r.forget_map(),
@@ -182,8 +202,8 @@ mod tests {
                 map_version: 0
             }
         );
-        r.on_wrong_server(None, 3, None, None);
-        r.on_unreachable(None);
+        r.on_wrong_server(None, 0, 3, None, None);
+        r.on_unreachable(None, 0);
         assert_eq!(sent_to(&r.step(1)), Some("s:1"));
         assert_eq!(
             r.retry(0, 0),
@@ -210,6 +230,7 @@ mod tests {
         );
         assert_eq!(sent_to(&r.step(99)), Some("a:1"));
         // An inode no table covers: fetch a map rather than guess.
+        assert!(r.routes(99) && !r.routes(500));
         assert!(matches!(r.step(500), Step::Fetch { .. }));
     }
 
@@ -217,10 +238,19 @@ mod tests {
     fn wrong_server_hints_are_followed_and_otherwise_the_map_is_fetched_again() {
         let mut r = Routing::cluster(vec!["e:9".into()], map(4, &[(0, 100, 1)]), 15_000);
         // The hint names a server the map does not list, with its address.
-        r.on_wrong_server(Some(TableId(0)), 5, Some(ServerId(3)), Some("c:3".into()));
+        // A WrongServer to a request routed by an older map changes nothing.
+        r.on_wrong_server(Some(TableId(0)), 3, 5, None, None);
+        assert_eq!(sent_to(&r.step(7)), Some("a:1"));
+        r.on_wrong_server(
+            Some(TableId(0)),
+            4,
+            5,
+            Some(ServerId(3)),
+            Some("c:3".into()),
+        );
         assert_eq!(sent_to(&r.step(7)), Some("c:3"));
         // No hint: the map is dropped; entries and every server seen are fetch sources.
-        r.on_wrong_server(Some(TableId(0)), 6, None, None);
+        r.on_wrong_server(Some(TableId(0)), 4, 6, None, None);
         let mut fetched = std::collections::BTreeSet::new();
         for _ in 0..4 {
             match r.step(7) {
@@ -243,7 +273,9 @@ mod tests {
     #[test]
     fn an_unreachable_owner_drops_the_map_and_the_budget_covers_a_failover() {
         let mut r = Routing::cluster(vec!["e:9".into()], map(4, &[(0, 100, 1)]), 15_000);
-        r.on_unreachable(Some(TableId(0)));
+        r.on_unreachable(Some(TableId(0)), 3);
+        assert_eq!(sent_to(&r.step(7)), Some("a:1"), "routed by an older map");
+        r.on_unreachable(Some(TableId(0)), 4);
         assert!(matches!(r.step(7), Step::Fetch { .. }));
         assert_eq!(r.retry(5_000, 3), Retry::After { delay_ms: 80 });
         assert_eq!(r.retry(14_999, 20), Retry::After { delay_ms: 1_000 });
