@@ -8,7 +8,7 @@ mod mount;
 
 use clap::{Args, Parser, Subcommand};
 use kochab_bench::{BenchConfig, Phase};
-use kochab_client::{Client, ClientConfig, resolve_addr};
+use kochab_client::{Client, ClientConfig, resolve_addr, resolve_addrs};
 use kochab_proto::auth::{ClientKey, client_key_from_text};
 use kochab_server::ServerConfig;
 use std::net::SocketAddr;
@@ -270,7 +270,7 @@ struct FsckArgs {
 
 #[derive(Args)]
 struct MountArgs {
-    /// The cluster's HOST:PORT.
+    /// HOST:PORT of any server of the cluster; several, comma-separated, are tried in turn.
     cluster: String,
     /// Where to mount.
     mountpoint: PathBuf,
@@ -339,7 +339,8 @@ impl TlsArgs {
 
 #[derive(Args, Clone)]
 struct ConnArgs {
-    /// The cluster's HOST:PORT.
+    /// HOST:PORT of any server of the cluster; several, comma-separated, are tried in
+    /// turn (each hands out the map of the whole cluster).
     #[arg(long, env = "KOCHAB_CLUSTER", default_value = "127.0.0.1:7420")]
     cluster: String,
     #[command(flatten)]
@@ -388,8 +389,8 @@ struct BenchArgs {
 
 async fn connect(conn: &ConnArgs) -> Result<Client, String> {
     let key = conn.key.load()?;
-    let addr = resolve_addr(&conn.cluster).map_err(|e| e.to_string())?;
-    let mut cfg = ClientConfig::new(addr, key);
+    let addrs = resolve_addrs(&conn.cluster).map_err(|e| e.to_string())?;
+    let mut cfg = ClientConfig::with_entries(addrs, key);
     cfg.connections = conn.connections;
     cfg.tls = conn.tls.load()?;
     Client::connect(cfg)

@@ -43,6 +43,12 @@ pub struct MdsArgs {
     /// Do not fdatasync before replying (a machine crash may lose acknowledged operations).
     #[arg(long)]
     no_fsync: bool,
+    /// Journal records between checkpoint rounds (tests set it low).
+    #[arg(long, hide = true)]
+    checkpoint_records: Option<u64>,
+    /// Bytes per journal segment (tests set it low).
+    #[arg(long, hide = true)]
+    segment_bytes: Option<u64>,
 }
 
 pub async fn run(args: MdsArgs) -> Result<(), String> {
@@ -84,7 +90,12 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
         coord: args.coord.clone(),
         key,
         ranges: dir.meta.tables.clone(),
-        participant: ParticipantConfig::default(),
+        // Renewed four times per lease of `kochab up` (2 s): a renewal delayed by a busy
+        // coordinator does not cost the server its lease.
+        participant: ParticipantConfig {
+            renew_every_ms: 400,
+            ..ParticipantConfig::default()
+        },
         clock: monotonic_clock(),
     })
     .await
@@ -92,6 +103,12 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
     let mut config = ServerConfig::new(&args.data, args.listen);
     config.metrics_listen = args.metrics;
     config.fsync = !args.no_fsync;
+    if let Some(n) = args.checkpoint_records {
+        config.checkpoint_records = n.max(1);
+    }
+    if let Some(b) = args.segment_bytes {
+        config.segment_bytes = (b.max(kochab_server::server::SEGMENT_BYTES_MIN) / 4096) * 4096;
+    }
     let server = kochab_server::server::start_cluster_member(
         config,
         dir.store.clone(),

@@ -1,7 +1,7 @@
 //! `kochab mount` and the mount of `kochab up --mount`.
 
 use crate::{MountArgs, wait_for_signal};
-use kochab_client::{Client, ClientConfig, resolve_addr};
+use kochab_client::{Client, ClientConfig, resolve_addrs};
 use kochab_fuse::{KochabFs, MountConfig};
 use kochab_proto::AtimeRule;
 use std::path::Path;
@@ -48,7 +48,8 @@ pub fn mount(
 ) -> std::io::Result<fuser::BackgroundSession> {
     std::fs::create_dir_all(dir)?;
     let config = MountConfig {
-        source: source.to_string(),
+        // Mount options are comma-separated: a list of entry addresses is named with '+'.
+        source: source.replace(',', "+"),
         atime: options.atime,
         read_only: options.read_only,
         suid: options.suid,
@@ -109,8 +110,8 @@ pub async fn wait<T>(
 
 /// `kochab mount --foreground`.
 pub async fn foreground(args: MountArgs) -> Result<(), String> {
-    let addr = resolve_addr(&args.cluster).map_err(|e| e.to_string())?;
-    let mut cfg = ClientConfig::new(addr, args.key.load()?);
+    let addrs = resolve_addrs(&args.cluster).map_err(|e| e.to_string())?;
+    let mut cfg = ClientConfig::with_entries(addrs, args.key.load()?);
     cfg.connections = 2;
     cfg.tls = args.tls.load()?;
     let client = Client::connect(cfg)

@@ -7,16 +7,22 @@
 
 pub mod conn;
 pub mod dircache;
+mod pool;
+pub mod routing;
 pub mod tls;
 
-use conn::{Conn, ConnError};
+use conn::ConnError;
 use dircache::DirCache;
+use kochab_cluster::router::Retry;
 use kochab_proto::auth::ClientKey;
+use kochab_proto::cluster::DelegationMap;
 use kochab_proto::*;
 use parking_lot::Mutex;
+use pool::Pool;
+use routing::{Routing, Step};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub use kochab_proto as proto;
@@ -27,15 +33,23 @@ pub const SYMLINK_FOLLOW_MAX: u32 = 40;
 /// How a client behaves.
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
-    pub addr: SocketAddr,
+    /// Entry addresses: any of the cluster's servers (each hands out the map). The first
+    /// that answers is asked for the delegation map; the others are where a map is fetched
+    /// again when the cached one is stale.
+    pub entries: Vec<SocketAddr>,
     /// The key and its id (the cluster key is id 0; `kochab key add` makes others).
     pub key: ClientKey,
     /// Connections in the pool; requests are spread over them.
     pub connections: usize,
     /// Time one attempt may take before it is retried.
     pub request_timeout: Duration,
-    /// Attempts per request (the first included).
+    /// Attempts per request (the first included), against a single server.
     pub attempts: u32,
+    /// How long a request keeps retrying after its first failed attempt when routed by a
+    /// map (many servers): long enough to ride out a failover.
+    pub retry_budget: Duration,
+    /// A delegation map to start from, for servers that do not hand one out yet.
+    pub map: Option<DelegationMap>,
     /// Time to connect and authenticate.
     pub connect_timeout: Duration,
     /// TLS to the server (`--tls-ca`); plain TCP if `None`.
@@ -45,12 +59,19 @@ pub struct ClientConfig {
 impl ClientConfig {
     /// A configuration for `key`: a [`ClientKey`], or a bare cluster key (the admin key).
     pub fn new(addr: SocketAddr, key: impl Into<ClientKey>) -> ClientConfig {
+        ClientConfig::with_entries(vec![addr], key)
+    }
+
+    /// A configuration with several entry addresses (any servers of one cluster).
+    pub fn with_entries(entries: Vec<SocketAddr>, key: impl Into<ClientKey>) -> ClientConfig {
         ClientConfig {
-            addr,
+            entries,
             key: key.into(),
             connections: 2,
             request_timeout: Duration::from_secs(15),
             attempts: 4,
+            retry_budget: Duration::from_millis(kochab_cluster::router::RETRY_BUDGET_MS),
+            map: None,
             connect_timeout: Duration::from_secs(5),
             tls: None,
         }
@@ -104,18 +125,49 @@ pub fn resolve_addr(s: &str) -> FsResult<SocketAddr> {
         .ok_or_else(|| fs_err!(EINVAL, "{s:?} resolves to no address"))
 }
 
+/// Resolves a comma-separated list of "host:port" entry addresses.
+pub fn resolve_addrs(s: &str) -> FsResult<Vec<SocketAddr>> {
+    let addrs = s
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .map(resolve_addr)
+        .collect::<FsResult<Vec<_>>>()?;
+    if addrs.is_empty() {
+        return Err(fs_err!(EINVAL, "no address in {s:?}"));
+    }
+    Ok(addrs)
+}
+
+/// The open(2) flags a reopen must not repeat: it reopens an existing file as it is.
+const REOPEN_STRIP: u32 = 0o1000 | 0o100 | 0o200; // O_TRUNC | O_CREAT | O_EXCL
+
+/// An open handle, remembered to route its operations (by the inode it was opened on) and
+/// to reopen it where it is not known (a restarted server, or a table that moved).
+#[derive(Clone)]
+struct Handle {
+    id: InodeId,
+    flags: u32,
+    cred: Credentials,
+    /// Servers the handle was opened on: a close goes to each.
+    servers: Vec<Arc<str>>,
+}
+
 struct Inner {
     config: ClientConfig,
-    pool: Vec<tokio::sync::Mutex<Option<Arc<Conn>>>>,
-    next: AtomicUsize,
+    pool: Pool,
+    routing: Mutex<Routing>,
     seq: AtomicU64,
     /// Sequence numbers whose replies have not arrived; the smallest is the floor the
     /// server may forget below.
     in_flight: Mutex<std::collections::BTreeSet<u64>>,
-    /// Open handles, to reopen them after a server restart: handle -> (inode, flags, cred).
-    handles: Mutex<rustc_hash::FxHashMap<u64, (InodeId, u32, Credentials)>>,
+    handles: Mutex<rustc_hash::FxHashMap<u64, Handle>>,
     next_handle: AtomicU64,
     client_id: u64,
+    /// The entry server that answered at connect: `status` reports on it.
+    home: Arc<str>,
+    /// Held while a map is fetched.
+    fetching: tokio::sync::Mutex<()>,
     root: Mutex<InodeId>,
     /// Directories this client just changed, as the servers' replies left them.
     dirs: Mutex<DirCache>,
@@ -139,26 +191,117 @@ fn random_u64() -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// How one attempt at one server ended.
+enum Outcome {
+    Reply(Reply),
+    /// The server's answer is an error: the request's result.
+    Error(FsError),
+    /// The server refused this client (bad key, revoked key): nowhere else will differ.
+    Refused(FsError),
+    WrongServer {
+        map_version: u64,
+        owner: Option<kochab_proto::cluster::ServerId>,
+        addr: Option<String>,
+    },
+    /// No answer: not reachable, connection lost, no reply in time, or stopping.
+    Unreachable(FsError),
+}
+
+/// How a request to a single server failed.
+enum SingleError {
+    /// Its last attempt was answered WRONG_SERVER: the server is one of many.
+    WrongServer(FsError),
+    Other(FsError),
+}
+
+impl From<SingleError> for FsError {
+    fn from(e: SingleError) -> FsError {
+        match e {
+            SingleError::WrongServer(e) | SingleError::Other(e) => e,
+        }
+    }
+}
+
+fn plain_request(cred: &Credentials, op: Op) -> Request {
+    Request {
+        cred: cred.clone(),
+        seq: 0,
+        seq_floor: 0,
+        map_version: 0,
+        op,
+    }
+}
+
 impl Client {
-    /// Connects to the cluster (one connection first, to check the key).
+    /// Connects to the cluster through the first entry address that answers (one
+    /// connection, to check the key), and asks it for the delegation map: a server that
+    /// has none (a single server) then serves every request, as it always did.
     pub async fn connect(config: ClientConfig) -> FsResult<Client> {
-        let n = config.connections.clamp(1, 64);
+        if config.entries.is_empty() {
+            return Err(fs_err!(EINVAL, "no server address given"));
+        }
+        let pool = Pool::new(
+            pool::Dial {
+                key: config.key,
+                client_id: random_u64(),
+                timeout: config.connect_timeout,
+                tls: config.tls.clone(),
+            },
+            config.connections,
+        );
+        let mut found = None;
+        let mut last = fs_err!(ENOTCONN, "no server address given");
+        for e in &config.entries {
+            let addr: Arc<str> = e.to_string().into();
+            match pool.conn(&addr).await {
+                Ok(c) => {
+                    found = Some((addr, c));
+                    break;
+                }
+                Err(e) if e.errno == Errno::ENOTCONN => last = e,
+                Err(e) => return Err(e),
+            }
+        }
+        let Some((addr, conn)) = found else {
+            return Err(last);
+        };
+        let probe = tokio::time::timeout(
+            config.request_timeout,
+            conn.call(&plain_request(&Credentials::root(), Op::GetMap)),
+        )
+        .await;
+        let served = match probe {
+            Ok(Ok(Reply::Map(m))) if !m.tables.is_empty() => Some(m),
+            _ => None,
+        };
+        let budget = config.retry_budget.as_millis() as u64;
+        let entries: Vec<String> = config.entries.iter().map(|a| a.to_string()).collect();
+        let routing = match (config.map.clone(), served) {
+            (Some(given), served) => {
+                let mut r = Routing::cluster(entries, given, budget);
+                if let Some(m) = served {
+                    r.on_map(m);
+                }
+                r
+            }
+            (None, Some(m)) => Routing::cluster(entries, m, budget),
+            (None, None) => Routing::Single { addr: addr.clone() },
+        };
         let inner = Arc::new(Inner {
-            pool: (0..n).map(|_| tokio::sync::Mutex::new(None)).collect(),
-            next: AtomicUsize::new(0),
+            client_id: pool.client_id(),
+            home: addr,
+            fetching: tokio::sync::Mutex::new(()),
+            pool,
+            routing: Mutex::new(routing),
             seq: AtomicU64::new(1),
             in_flight: Mutex::new(Default::default()),
             handles: Mutex::new(Default::default()),
             next_handle: AtomicU64::new(1),
-            client_id: random_u64(),
-            root: Mutex::new(0),
+            root: Mutex::new(conn.root),
             dirs: Mutex::new(DirCache::default()),
             config,
         });
-        let client = Client { inner };
-        let conn = client.conn(0).await?;
-        *client.inner.root.lock() = conn.root;
-        Ok(client)
+        Ok(Client { inner })
     }
 
     /// The root directory's id.
@@ -171,35 +314,52 @@ impl Client {
         self.inner.client_id
     }
 
-    async fn conn(&self, slot: usize) -> FsResult<Arc<Conn>> {
-        let mut guard = self.inner.pool[slot].lock().await;
-        if let Some(c) = guard.as_ref()
-            && c.is_alive()
-        {
-            return Ok(c.clone());
-        }
-        let cfg = &self.inner.config;
-        match Conn::connect_with(
-            cfg.addr,
-            &cfg.key,
-            self.inner.client_id,
-            cfg.connect_timeout,
-            cfg.tls.as_ref(),
-        )
-        .await
-        {
-            Ok(c) => {
-                *guard = Some(c.clone());
-                Ok(c)
-            }
-            Err(ConnError::Refused(e)) => Err(e),
-            Err(ConnError::Lost(why)) => Err(fs_err!(ENOTCONN, "cannot reach {}: {why}", cfg.addr)),
-        }
+    /// True if requests are routed by a delegation map (many servers), false if one server
+    /// serves them all.
+    pub fn routes_by_map(&self) -> bool {
+        self.inner.routing.lock().is_cluster()
+    }
+
+    /// The version of the cached delegation map (0: none, or a single server).
+    pub fn map_version(&self) -> u64 {
+        self.inner.routing.lock().map_version()
     }
 
     /// Sends one operation and returns the reply, retrying lost or slow attempts with the
     /// same sequence number. Errors from the server come back as `Err`.
     pub async fn call(&self, cred: &Credentials, op: Op) -> FsResult<Reply> {
+        let target = self.target_of(&op);
+        Ok(self.call_at(cred, op, target).await?.0)
+    }
+
+    /// The inode a request is routed by: the first it names, for a handle operation the
+    /// inode the handle was opened on, else the root (its server answers for the cluster).
+    fn target_of(&self, op: &Op) -> InodeId {
+        let handle = match *op {
+            Op::Close { handle }
+            | Op::Read { handle, .. }
+            | Op::Write { handle, .. }
+            | Op::Fsync { handle, .. }
+            | Op::Fallocate { handle, .. }
+            | Op::GetLk { handle, .. }
+            | Op::SetLk { handle, .. }
+            | Op::ReleaseLocks { handle, .. } => Some(handle),
+            _ => None,
+        };
+        let id = match handle {
+            Some(h) => self.inner.handles.lock().get(&h).map(|h| h.id),
+            None => op.inode_ids()[0],
+        };
+        id.unwrap_or_else(|| self.root())
+    }
+
+    /// [`Client::call`] routed by inode `target`; also says which server answered.
+    async fn call_at(
+        &self,
+        cred: &Credentials,
+        op: Op,
+        target: InodeId,
+    ) -> FsResult<(Reply, Arc<str>)> {
         // Reads change no directory: they skip the cache's lock.
         let ticket = if op.is_read_only() {
             None
@@ -212,14 +372,14 @@ impl Client {
             ticket,
             dirs: Vec::new(),
         };
-        let reply = self.call_once(cred, op).await?;
+        let (reply, addr) = self.call_once(cred, op, target).await?;
         reply.check_attrs()?;
         match reply {
             Reply::WithDirs { reply, dirs } => {
                 guard.dirs = dirs;
-                Ok(*reply)
+                Ok((*reply, addr))
             }
-            reply => Ok(reply),
+            reply => Ok((reply, addr)),
         }
     }
 
@@ -229,16 +389,14 @@ impl Client {
         self.inner.dirs.lock().get(id, max_age, Instant::now())
     }
 
-    async fn call_once(&self, cred: &Credentials, op: Op) -> FsResult<Reply> {
+    async fn call_once(
+        &self,
+        cred: &Credentials,
+        op: Op,
+        target: InodeId,
+    ) -> FsResult<(Reply, Arc<str>)> {
         if !op.needs_reply_cache() {
-            let req = Request {
-                cred: cred.clone(),
-                seq: 0,
-                seq_floor: 0,
-                map_version: 0,
-                op,
-            };
-            return self.send(&req).await;
+            return self.send(&mut plain_request(cred, op), target).await;
         }
         let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
         let seq_floor = {
@@ -251,54 +409,242 @@ impl Client {
             inner: &self.inner,
             seq,
         };
-        let req = Request {
+        // The same seq on every attempt, at whichever server: the reply cache (which moves
+        // with a table) answers a retry of a change that already ran.
+        let mut req = Request {
             cred: cred.clone(),
             seq,
             seq_floor,
             map_version: 0,
             op,
         };
-        self.send(&req).await
+        self.send(&mut req, target).await
     }
 
-    async fn send(&self, req: &Request) -> FsResult<Reply> {
+    /// Sends `req` about inode `target` to the server that serves it, retrying; returns the
+    /// reply and the server that gave it.
+    async fn send(&self, req: &mut Request, target: InodeId) -> FsResult<(Reply, Arc<str>)> {
+        let single = match &*self.inner.routing.lock() {
+            Routing::Single { addr } => Some(addr.clone()),
+            Routing::Cluster(_) => None,
+        };
+        match single {
+            Some(addr) => match self.send_single(&addr, req).await {
+                Ok(reply) => Ok((reply, addr)),
+                // A server that says another serves the table is one of many: if it hands
+                // out a map now (it had none at connect), route by it from here on.
+                Err(SingleError::WrongServer(e)) => {
+                    if self.learn_map(&addr).await {
+                        self.send_routed(req, target).await
+                    } else {
+                        Err(e)
+                    }
+                }
+                Err(SingleError::Other(e)) => Err(e),
+            },
+            None => self.send_routed(req, target).await,
+        }
+    }
+
+    /// Asks the single server for a map; with one, switches to routing by it.
+    async fn learn_map(&self, addr: &Arc<str>) -> bool {
+        let Outcome::Reply(Reply::Map(m)) = self
+            .attempt(addr, &plain_request(&Credentials::root(), Op::GetMap))
+            .await
+        else {
+            return false;
+        };
+        if m.tables.is_empty() {
+            return false;
+        }
+        let cfg = &self.inner.config;
+        let entries = cfg.entries.iter().map(|a| a.to_string()).collect();
+        let budget = cfg.retry_budget.as_millis() as u64;
+        *self.inner.routing.lock() = Routing::cluster(entries, m, budget);
+        true
+    }
+
+    /// One server serves everything: a few quick retries, so that a mount whose server is
+    /// gone fails promptly.
+    async fn send_single(&self, addr: &Arc<str>, req: &Request) -> Result<Reply, SingleError> {
         let cfg = &self.inner.config;
         let mut last_err = fs_err!(ETIMEDOUT, "no attempt made");
+        let mut wrong_server = false;
         for attempt in 0..cfg.attempts.max(1) {
             if attempt > 0 {
                 // 50, 100, 200 ms...: long enough for a restarting server, short enough
                 // that a mount whose cluster is gone fails promptly.
                 tokio::time::sleep(Duration::from_millis(50 << (attempt - 1).min(5))).await;
             }
-            let slot = self.inner.next.fetch_add(1, Ordering::Relaxed) % self.inner.pool.len();
-            let conn = match self.conn(slot).await {
+            let conn = match self.inner.pool.conn(addr).await {
                 Ok(c) => c,
                 Err(e) if e.errno == Errno::ENOTCONN => {
+                    wrong_server = false;
                     last_err = e;
                     continue;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(SingleError::Other(e)),
             };
             match tokio::time::timeout(cfg.request_timeout, conn.call(req)).await {
-                Ok(Ok(Reply::Error(e))) => return Err(e),
+                Ok(Ok(Reply::Error(e))) => return Err(SingleError::Other(e)),
                 Ok(Ok(Reply::WrongServer { map_version, .. })) => {
+                    wrong_server = true;
                     last_err = fs_err!(
                         ESTALE,
                         "server does not serve this table (map version {map_version})"
                     );
                 }
                 Ok(Ok(reply)) => return Ok(reply),
-                Ok(Err(ConnError::Refused(e))) => return Err(e),
+                Ok(Err(ConnError::Refused(e))) => return Err(SingleError::Other(e)),
                 Ok(Err(ConnError::Lost(why))) => {
+                    wrong_server = false;
                     last_err = fs_err!(ENOTCONN, "connection lost: {why}")
                 }
                 Err(_) => {
+                    wrong_server = false;
                     conn.mark_dead();
                     last_err = fs_err!(ETIMEDOUT, "no reply within {:?}", cfg.request_timeout);
                 }
             }
         }
-        Err(last_err)
+        Err(if wrong_server {
+            SingleError::WrongServer(last_err)
+        } else {
+            SingleError::Other(last_err)
+        })
+    }
+
+    /// Many servers: route by the map, follow WrongServer, refetch the map when a server
+    /// cannot be reached, and keep retrying for the retry budget (which covers a failover).
+    async fn send_routed(&self, req: &mut Request, target: InodeId) -> FsResult<(Reply, Arc<str>)> {
+        let mut attempts = 0u32;
+        let mut first_failure: Option<Instant> = None;
+        let mut fetched = false;
+        loop {
+            let step = self.inner.routing.lock().step(target);
+            let err = match step {
+                Step::Fetch { entry } if !fetched => {
+                    // One fetch at a time: after a move, every request in flight finds the
+                    // map dropped, and one GetMap answers them all.
+                    let _one = self.inner.fetching.lock().await;
+                    if self.inner.routing.lock().routes(target) {
+                        fetched = true;
+                        continue;
+                    }
+                    match self.fetch_map(&entry).await {
+                        Ok(()) => {
+                            fetched = true;
+                            continue;
+                        }
+                        Err(Outcome::Refused(e)) => return Err(e),
+                        Err(Outcome::Error(e) | Outcome::Unreachable(e)) => e,
+                        Err(_) => fs_err!(EPROTO, "{entry} answered GetMap with no map"),
+                    }
+                }
+                Step::Fetch { .. } => fs_err!(
+                    ESTALE,
+                    "the delegation map places no table at inode {target:#x}"
+                ),
+                Step::Send {
+                    addr,
+                    table,
+                    map_version,
+                } => {
+                    req.map_version = map_version;
+                    match self.attempt(&addr, req).await {
+                        Outcome::Reply(r) => return Ok((r, addr)),
+                        Outcome::Error(e) | Outcome::Refused(e) => return Err(e),
+                        Outcome::WrongServer {
+                            map_version,
+                            owner,
+                            addr: hint,
+                        } => {
+                            self.inner.routing.lock().on_wrong_server(
+                                table,
+                                req.map_version,
+                                map_version,
+                                owner,
+                                hint,
+                            );
+                            fs_err!(
+                                ESTALE,
+                                "{addr} does not serve inode {target:#x} (map version \
+                                 {map_version}) and no server took it over in time"
+                            )
+                        }
+                        Outcome::Unreachable(e) => {
+                            let routed_by = req.map_version;
+                            self.inner.routing.lock().on_unreachable(table, routed_by);
+                            e
+                        }
+                    }
+                }
+            };
+            fetched = false;
+            let started = *first_failure.get_or_insert_with(Instant::now);
+            let failed_for = started.elapsed().as_millis() as u64;
+            let next = self.inner.routing.lock().retry(failed_for, attempts);
+            match next {
+                Retry::GiveUp => return Err(err),
+                Retry::After { delay_ms } => {
+                    tokio::time::sleep(Duration::from_millis(delay_ms)).await
+                }
+            }
+            attempts = attempts.saturating_add(1);
+        }
+    }
+
+    /// Asks `entry` for the delegation map and caches it if newer.
+    async fn fetch_map(&self, entry: &Arc<str>) -> Result<(), Outcome> {
+        match self
+            .attempt(entry, &plain_request(&Credentials::root(), Op::GetMap))
+            .await
+        {
+            Outcome::Reply(Reply::Map(m)) => {
+                self.inner.routing.lock().on_map(m);
+                Ok(())
+            }
+            Outcome::Reply(other) => Err(Outcome::Error(unexpected(other))),
+            other => Err(other),
+        }
+    }
+
+    /// One attempt of `req` at `addr`.
+    async fn attempt(&self, addr: &Arc<str>, req: &Request) -> Outcome {
+        let cfg = &self.inner.config;
+        let conn = match self.inner.pool.conn(addr).await {
+            Ok(c) => c,
+            Err(e) if e.errno == Errno::ENOTCONN => return Outcome::Unreachable(e),
+            Err(e) => return Outcome::Refused(e),
+        };
+        match tokio::time::timeout(cfg.request_timeout, conn.call(req)).await {
+            Ok(Ok(Reply::Error(e))) => Outcome::Error(e),
+            Ok(Ok(Reply::WrongServer {
+                map_version,
+                owner,
+                addr,
+            })) => Outcome::WrongServer {
+                map_version,
+                owner,
+                addr,
+            },
+            Ok(Ok(reply)) => Outcome::Reply(reply),
+            // A server that says goodbye with EIO is stopping (its journal failed, it was
+            // fenced): another server will take its tables over.
+            Ok(Err(ConnError::Refused(e))) if e.errno == Errno::EIO => Outcome::Unreachable(e),
+            Ok(Err(ConnError::Refused(e))) => Outcome::Refused(e),
+            Ok(Err(ConnError::Lost(why))) => {
+                Outcome::Unreachable(fs_err!(ENOTCONN, "{addr}: connection lost: {why}"))
+            }
+            Err(_) => {
+                conn.mark_dead();
+                Outcome::Unreachable(fs_err!(
+                    ETIMEDOUT,
+                    "{addr}: no reply within {:?}",
+                    cfg.request_timeout
+                ))
+            }
+        }
     }
 
     async fn entry(&self, cred: &Credentials, op: Op) -> FsResult<Attr> {
@@ -597,8 +943,15 @@ impl Client {
         }
     }
 
+    /// The status of the server this client connected to (its first entry address that
+    /// answered), also when it routes by a map.
     pub async fn status(&self) -> FsResult<StatusReport> {
-        match self.call(&Credentials::root(), Op::Status).await? {
+        let req = plain_request(&Credentials::root(), Op::Status);
+        match self
+            .send_single(&self.inner.home, &req)
+            .await
+            .map_err(FsError::from)?
+        {
             Reply::Status(s) => Ok(s),
             other => Err(unexpected(other)),
         }
@@ -625,11 +978,19 @@ impl Client {
         flags: u32,
         handle: u64,
     ) -> FsResult<Attr> {
-        let attr = self.entry(cred, Op::Open { id, flags, handle }).await?;
-        self.inner
-            .handles
-            .lock()
-            .insert(handle, (id, flags, cred.clone()));
+        let (reply, addr) = self
+            .call_at(cred, Op::Open { id, flags, handle }, id)
+            .await?;
+        let attr = as_attr(reply)?;
+        self.inner.handles.lock().insert(
+            handle,
+            Handle {
+                id,
+                flags,
+                cred: cred.clone(),
+                servers: vec![addr],
+            },
+        );
         Ok(attr)
     }
 
@@ -643,59 +1004,91 @@ impl Client {
         flags: u32,
     ) -> FsResult<(Attr, u64)> {
         let handle = self.inner.next_handle.fetch_add(1, Ordering::Relaxed);
-        let attr = self
-            .entry(
-                cred,
-                Op::Create {
-                    parent,
-                    name: name.to_vec(),
-                    mode,
-                    flags,
-                    handle,
-                },
-            )
-            .await?;
-        self.inner
-            .handles
-            .lock()
-            .insert(handle, (attr.id, flags, cred.clone()));
+        let op = Op::Create {
+            parent,
+            name: name.to_vec(),
+            mode,
+            flags,
+            handle,
+        };
+        let (reply, addr) = self.call_at(cred, op, parent).await?;
+        let attr = as_attr(reply)?;
+        self.inner.handles.lock().insert(
+            handle,
+            Handle {
+                id: attr.id,
+                flags,
+                cred: cred.clone(),
+                servers: vec![addr],
+            },
+        );
         Ok((attr, handle))
     }
 
-    /// Closes a handle.
+    /// Closes a handle, on every server it was opened on (after its table moved, the old
+    /// server still holds it in this client's session there).
     pub async fn close(&self, cred: &Credentials, handle: u64) -> FsResult<()> {
-        self.inner.handles.lock().remove(&handle);
-        self.empty(cred, Op::Close { handle }).await
+        let known = self.inner.handles.lock().remove(&handle);
+        let target = known.as_ref().map_or_else(|| self.root(), |h| h.id);
+        let result = self.call_at(cred, Op::Close { handle }, target).await;
+        let answered = result.as_ref().ok().map(|(_, a)| a.clone());
+        for addr in known.iter().flat_map(|h| &h.servers) {
+            if Some(addr) != answered.as_ref() {
+                // Best effort: a server that is gone has dropped the handle anyway.
+                let _ = self
+                    .attempt(addr, &plain_request(cred, Op::Close { handle }))
+                    .await;
+            }
+        }
+        as_empty(result?.0)
     }
 
-    /// Runs a handle operation; if the server no longer knows the handle (it restarted),
-    /// reopens it once and tries again.
+    /// Runs a handle operation. A server that does not know the handle (it restarted, or
+    /// the file's table moved to it from the server the handle was opened on) answers
+    /// EBADF: the handle is reopened there, with the same number and flags (never
+    /// truncating or creating), and the operation tried once more.
     async fn with_handle(&self, cred: &Credentials, handle: u64, op: Op) -> FsResult<Reply> {
         // Handle operations are idempotent: no sequence number, and the request (which may
         // carry a MiB of data) is built once and reused for a retry.
         debug_assert!(!op.needs_reply_cache());
-        let req = Request {
-            cred: cred.clone(),
-            seq: 0,
-            seq_floor: 0,
-            map_version: 0,
-            op,
+        let target = self.target_of(&op);
+        let mut req = plain_request(cred, op);
+        let first = match self.send(&mut req, target).await {
+            Err(e) if e.errno == Errno::ESTALE && self.routes_by_map() => {
+                // The server that answered may have let the file's table go and the map
+                // be stale: fetch it again and try once more (at the new owner, EBADF).
+                self.inner.routing.lock().forget_map();
+                self.send(&mut req, target).await
+            }
+            other => other,
         };
-        match self.send(&req).await {
+        match first {
             Err(e) if e.errno == Errno::EBADF => {
                 let known = self.inner.handles.lock().get(&handle).cloned();
-                let Some((id, flags, open_cred)) = known else {
+                let Some(h) = known else {
                     return Err(e);
                 };
-                match self.call(&open_cred, Op::Open { id, flags, handle }).await {
-                    Ok(_) => self.send(&req).await,
+                let reopen = Op::Open {
+                    id: h.id,
+                    flags: h.flags & !REOPEN_STRIP,
+                    handle,
+                };
+                match self.call_at(&h.cred, reopen, h.id).await {
+                    Ok((_, addr)) => {
+                        if let Some(h) = self.inner.handles.lock().get_mut(&handle)
+                            && !h.servers.contains(&addr)
+                        {
+                            h.servers.push(addr);
+                        }
+                        Ok(self.send(&mut req, h.id).await?.0)
+                    }
                     Err(reopen) if reopen.errno == Errno::ENOENT => {
                         Err(fs_err!(ESTALE, "the file is gone: {reopen}"))
                     }
                     Err(_) => Err(e),
                 }
             }
-            other => other,
+            other => Ok(other?.0),
         }
     }
 
@@ -812,10 +1205,26 @@ impl Client {
         self.empty(cred, Op::ReleaseLocks { handle, owner }).await
     }
 
-    /// Ends this client's session on the server (closes handles, releases locks).
+    /// Ends this client's sessions (closes handles, releases locks): on the server, or on
+    /// every server it talked to when routing by a map.
     pub async fn end_session(&self) -> FsResult<()> {
         self.inner.handles.lock().clear();
-        self.empty(&Credentials::root(), Op::EndSession).await
+        if !self.routes_by_map() {
+            return self.empty(&Credentials::root(), Op::EndSession).await;
+        }
+        let mut first_err = None;
+        for addr in self.inner.pool.sessions() {
+            let req = plain_request(&Credentials::root(), Op::EndSession);
+            let err = match self.attempt(&addr, &req).await {
+                // A server that is gone keeps no session (it expires, or went with it).
+                Outcome::Reply(_) | Outcome::WrongServer { .. } | Outcome::Unreachable(_) => {
+                    continue;
+                }
+                Outcome::Error(e) | Outcome::Refused(e) => e,
+            };
+            first_err.get_or_insert(err);
+        }
+        first_err.map_or(Ok(()), Err)
     }
 
     /// Checks the namespace invariants on the server; returns the problems found.
@@ -995,4 +1404,23 @@ fn as_lock(reply: Reply) -> FsResult<LockSpec> {
 
 fn unexpected(reply: Reply) -> FsError {
     fs_err!(EPROTO, "unexpected reply {reply:?}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_lists_are_comma_separated() {
+        let a = resolve_addrs("127.0.0.1:1, 127.0.0.2:2,").unwrap();
+        assert_eq!(
+            a,
+            vec![
+                "127.0.0.1:1".parse::<SocketAddr>().unwrap(),
+                "127.0.0.2:2".parse().unwrap()
+            ]
+        );
+        assert_eq!(resolve_addrs(" , ").unwrap_err().errno, Errno::EINVAL);
+        assert!(resolve_addrs("127.0.0.1:1,nonsense").is_err());
+    }
 }

@@ -131,6 +131,29 @@ impl Router {
         }
     }
 
+    /// A WrongServer named `owner`'s address: remember it, so that the hint can be followed
+    /// even when the cached map does not list that server yet.
+    pub fn learn_server(&mut self, owner: ServerId, addr: String) {
+        if let Some(m) = self.map.as_mut() {
+            m.servers.insert(owner, addr);
+        }
+    }
+
+    /// Drops the cached map (it did not help): the next `route` fetches a fresh one.
+    pub fn forget_map(&mut self) {
+        self.map = None;
+    }
+
+    /// More addresses a map can be fetched from (the servers of a map seen before), kept
+    /// after the map itself is dropped.
+    pub fn learn_entries<'a>(&mut self, addrs: impl IntoIterator<Item = &'a String>) {
+        for a in addrs {
+            if !self.entries.contains(a) {
+                self.entries.push(a.clone());
+            }
+        }
+    }
+
     /// A request to the owner of `table` got no answer in time: the owner may be dead and
     /// its tables recovered elsewhere, so the next attempt asks for a fresh map first.
     pub fn on_timeout(&mut self, table: TableId) {
@@ -198,6 +221,26 @@ mod tests {
         ));
         r.on_wrong_server(TableId(0), MapVersion(7), None);
         assert!(matches!(r.route(TableId(0)), Route::FetchMap { .. }));
+    }
+
+    #[test]
+    fn a_hinted_owner_with_its_address_is_routed_to() {
+        let mut r = Router::new(vec!["x".into()]);
+        r.on_map(map(5, 1));
+        r.learn_server(ServerId(3), "c".into());
+        r.on_wrong_server(TableId(0), MapVersion(6), Some(ServerId(3)));
+        assert_eq!(
+            r.route(TableId(0)),
+            Route::Server {
+                id: ServerId(3),
+                addr: "c".into()
+            }
+        );
+        r.learn_entries(&["a".to_string(), "x".to_string()]);
+        r.on_timeout(TableId(0));
+        let a = r.route(TableId(0));
+        let b = r.route(TableId(0));
+        assert_ne!(a, b, "two distinct entries: x and a");
     }
 
     #[test]
