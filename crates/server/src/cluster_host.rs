@@ -160,32 +160,12 @@ impl ClusterHost {
             c.attempt_timeout = Duration::from_millis(1000);
             CoordClient::<CoordState>::new(c)
         };
-        let (tx, rx) = mpsc::unbounded_channel();
-        let host = Arc::new(ClusterHost {
-            p: Mutex::new(Participant::new(
-                cfg.server,
-                cfg.addr.clone(),
-                random_nonce(),
-                cfg.participant,
-            )),
-            coord: client(Duration::from_secs(2)),
-            reader: client(MAP_READ_TIMEOUT),
-            clock: cfg.clock.clone(),
-            ranges,
-            me: OnceLock::new(),
-            map: Mutex::new(MapCache::default()),
-            refreshing: tokio::sync::Mutex::new(()),
-            actions: tx,
-            control_replies: broadcast::channel(64).0,
-            ends: Mutex::new(BTreeMap::new()),
-            shared: OnceLock::new(),
-            fenced: watch::channel(None).0,
-        });
+        let reader = client(MAP_READ_TIMEOUT);
         let deadline = Instant::now() + REGISTER_TIMEOUT;
         // A group that has not recorded its tables yet has no lease length to give.
-        loop {
-            match host.reader.read_state().await {
-                Ok((state, _)) if state.bootstrapped => break,
+        let lease_ms = loop {
+            match reader.read_state().await {
+                Ok((state, _)) if state.bootstrapped => break state.lease_ms,
                 Ok(_) => {}
                 Err(e) => tracing::debug!("coordinator not ready: {e}"),
             }
@@ -199,7 +179,33 @@ impl ClusterHost {
                 ));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        };
+        // Renew often enough for the group's lease: a third of it leaves two retries.
+        let mut participant = cfg.participant;
+        participant.renew_every_ms = participant.renew_every_ms.min(lease_ms / 3).max(50);
+        participant.margin_ms = participant.margin_ms.min(lease_ms / 6);
+        participant.retry_ms = participant.retry_ms.min(participant.renew_every_ms);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let host = Arc::new(ClusterHost {
+            p: Mutex::new(Participant::new(
+                cfg.server,
+                cfg.addr.clone(),
+                random_nonce(),
+                participant,
+            )),
+            coord: client(Duration::from_secs(2)),
+            reader,
+            clock: cfg.clock.clone(),
+            ranges,
+            me: OnceLock::new(),
+            map: Mutex::new(MapCache::default()),
+            refreshing: tokio::sync::Mutex::new(()),
+            actions: tx,
+            control_replies: broadcast::channel(64).0,
+            ends: Mutex::new(BTreeMap::new()),
+            shared: OnceLock::new(),
+            fenced: watch::channel(None).0,
+        });
         tokio::spawn(run(host.clone(), rx));
         let mut fenced = host.fenced.subscribe();
         loop {
