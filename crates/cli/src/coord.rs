@@ -3,9 +3,11 @@
 //! see it.
 
 use clap::Args;
+use kochab_cluster::driver::DriverConfig;
 use kochab_cluster::state::CoordState;
+use kochab_coord::coordinator::{ControlFuture, ServerLink, spawn_driver, wall_clock_ms};
 use kochab_coord::{ClientConfig, CoordClient, Replica, ReplicaConfig, ReplicaId, Timing};
-use kochab_proto::cluster::{CoordCommand, CoordReply, TableId};
+use kochab_proto::cluster::{Control, ControlReply, CoordCommand, CoordReply, TableId};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -54,7 +56,7 @@ pub struct CoordStatusArgs {
 /// The cluster key from a key file, through the client's reader (which refuses a file
 /// group or others may read): replicas trust only the cluster (admin) key, never a
 /// client key.
-fn key_file(path: &Path) -> Result<[u8; 32], String> {
+pub(crate) fn key_file(path: &Path) -> Result<[u8; 32], String> {
     let k = kochab_client::read_key_file(path).map_err(|e| format!("{}: {e}", path.display()))?;
     if k.id != kochab_proto::auth::ADMIN_KEY_ID {
         return Err(format!(
@@ -122,13 +124,111 @@ pub async fn run(args: CoordArgs) -> Result<(), String> {
         let lease_ms = (args.lease * 1000.0) as u64;
         record_tables(&replica, lease_ms).await?;
     }
+    // While this replica leads, the driver sends the ADDs, DROPs and grants the state calls
+    // for to the metadata servers and proposes their answers.
+    let replica = std::sync::Arc::new(replica);
+    let driver = spawn_driver(
+        replica.clone(),
+        std::sync::Arc::new(ClientLink::new(key)),
+        DriverConfig::default(),
+        std::sync::Arc::new(wall_clock_ms),
+    );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| format!("signal handler: {e}"))?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
-    replica.shutdown().await.map_err(|e| e.to_string())
+    driver.abort();
+    let _ = driver.await;
+    match std::sync::Arc::try_unwrap(replica) {
+        Ok(r) => r.shutdown().await.map_err(|e| e.to_string()),
+        Err(_) => Ok(()),
+    }
+}
+
+/// Most time one control may take, connecting included; `None` after it (the driver
+/// resends on its timer).
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// The coordinator's link to metadata servers: `Op::Control` over the metadata protocol
+/// with the cluster key, one cached connection per address.
+struct ClientLink {
+    inner: std::sync::Arc<LinkInner>,
+}
+
+struct LinkInner {
+    key: kochab_proto::auth::ClientKey,
+    client_id: u64,
+    conns: tokio::sync::Mutex<BTreeMap<String, std::sync::Arc<kochab_client::conn::Conn>>>,
+}
+
+impl ClientLink {
+    fn new(key: [u8; 32]) -> ClientLink {
+        let mut b = [0u8; 8];
+        // The id only names the link's session on each server; any value works.
+        let _ = getrandom::fill(&mut b);
+        ClientLink {
+            inner: std::sync::Arc::new(LinkInner {
+                key: key.into(),
+                client_id: u64::from_le_bytes(b),
+                conns: Default::default(),
+            }),
+        }
+    }
+}
+
+impl LinkInner {
+    async fn conn(&self, addr: &str) -> Option<std::sync::Arc<kochab_client::conn::Conn>> {
+        let mut conns = self.conns.lock().await;
+        if let Some(c) = conns.get(addr)
+            && c.is_alive()
+        {
+            return Some(c.clone());
+        }
+        conns.remove(addr);
+        let sock = kochab_client::resolve_addr(addr).ok()?;
+        let c =
+            kochab_client::conn::Conn::connect(sock, &self.key, self.client_id, CONTROL_TIMEOUT)
+                .await
+                .ok()?;
+        conns.insert(addr.to_string(), c.clone());
+        Some(c)
+    }
+
+    async fn send(&self, addr: String, control: Control) -> Option<ControlReply> {
+        let conn = self.conn(&addr).await?;
+        let req = kochab_proto::Request {
+            cred: kochab_proto::Credentials::root(),
+            seq: 0,
+            seq_floor: 0,
+            map_version: 0,
+            op: kochab_proto::Op::Control { control },
+        };
+        match conn.call(&req).await {
+            Ok(kochab_proto::Reply::Control(r)) => r,
+            Ok(other) => {
+                tracing::debug!("{addr} answered a control with {other:?}");
+                None
+            }
+            Err(_) => {
+                conn.mark_dead();
+                None
+            }
+        }
+    }
+}
+
+impl ServerLink for ClientLink {
+    fn send(&self, addr: String, control: Control) -> ControlFuture {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            tokio::time::timeout(CONTROL_TIMEOUT, inner.send(addr, control))
+                .await
+                .ok()
+                .flatten()
+        })
+    }
 }
 
 /// Once this replica leads, records the cluster's tables (the first command of a group;
@@ -187,6 +287,9 @@ pub async fn status(args: CoordStatusArgs) -> Result<(), String> {
                 "placed": s.map.tables.len(),
                 "servers": s.servers.iter().map(|(id, m)| serde_json::json!({
                     "id": id.0, "addr": m.addr, "epoch": m.epoch.0, "live": m.live,
+                })).collect::<Vec<_>>(),
+                "map": s.map.tables.iter().map(|(t, p)| serde_json::json!({
+                    "table": format!("{:016x}", t.0), "owner": p.owner.0, "epoch": p.epoch.0,
                 })).collect::<Vec<_>>(),
                 "migrations": s.migrations.len(),
                 "borrows": s.borrows.len(),

@@ -3,6 +3,7 @@
 mod cluster_up;
 mod coord;
 mod fsshell;
+mod mds;
 mod mount;
 
 use clap::{Args, Parser, Subcommand};
@@ -49,6 +50,9 @@ enum Command {
     Fsck(FsckArgs),
     /// Run one replica of the coordinator group until SIGINT or SIGTERM.
     Coord(coord::CoordArgs),
+    /// Run one metadata server of a many-server cluster under the coordinator, until
+    /// SIGINT or SIGTERM (cluster server ids start at 2).
+    Mds(mds::MdsArgs),
     /// Show the coordinator group: each replica's role, term and applied index, and the
     /// delegation map's summary.
     CoordStatus(coord::CoordStatusArgs),
@@ -726,6 +730,10 @@ fn main() -> ExitCode {
         Command::Coord(args) => {
             init_logging("info");
             runtime(None).and_then(|rt| rt.block_on(coord::run(args)))
+        }
+        Command::Mds(args) => {
+            init_logging("info");
+            runtime(None).and_then(|rt| rt.block_on(mds::run(args)))
         }
         Command::CoordStatus(args) => {
             init_logging("warn");

@@ -103,6 +103,12 @@ pub struct Engine {
     /// Ranges of tables this engine gave away at run time: an operation on them is answered
     /// WRONG_SERVER (served elsewhere now), not ESTALE (no file anywhere).
     departed: Vec<(InodeId, InodeId)>,
+    /// A member of a many-server cluster: an id outside the hosted tables is served by
+    /// another server (WRONG_SERVER), never "no file anywhere".
+    pub member: bool,
+    /// The last id an operation needed outside the hosted tables (a member's host names
+    /// that table's owner in the WRONG_SERVER it sends).
+    pub last_not_hosted: Option<InodeId>,
 }
 
 /// The id ranges of a new cluster's tables: the catch-all, too-deep and too-wide regions
@@ -169,6 +175,8 @@ impl Engine {
             clock: 0,
             epoch: 1,
             departed: Vec::new(),
+            member: false,
+            last_not_hosted: None,
         })
     }
 
@@ -462,11 +470,14 @@ impl Engine {
                 out.truncate(start);
                 match fail {
                     Fail::Fs(e) => Reply::Error(e),
-                    Fail::NotHosted(id) if self.departed(id) => Reply::WrongServer {
-                        map_version: self.epoch,
-                        owner: None,
-                        addr: None,
-                    },
+                    Fail::NotHosted(id) if self.member || self.departed(id) => {
+                        self.last_not_hosted = Some(id);
+                        Reply::WrongServer {
+                            map_version: self.epoch,
+                            owner: None,
+                            addr: None,
+                        }
+                    }
                     Fail::NotHosted(id) => Reply::Error(not_in_any_table(id)),
                 }
             }

@@ -371,6 +371,11 @@ fn screen(
 ) {
     for (rid, mut req) in std::mem::take(reqs) {
         let op = req.op.index() as u8;
+        if matches!(req.op, Op::Control { .. }) && key.id != ADMIN_KEY_ID {
+            let e = fs_err!(EPERM, "only the cluster (admin) key sends control messages");
+            early.add(rid, op, &Reply::Error(e), 0);
+            continue;
+        }
         if req.op.is_key_admin() {
             if key.id == ADMIN_KEY_ID {
                 admin.push((rid, req));
@@ -489,16 +494,16 @@ async fn read_loop(
             }
         }
         // Data operations run as their own tasks (their I/O must not hold up the batch).
-        let data_ops: Vec<(u64, Request)> =
-            if reqs.iter().any(|(_, r)| crate::filesvc::is_data_op(&r.op)) {
-                let (data, meta): (Vec<_>, Vec<_>) = reqs
-                    .drain(..)
-                    .partition(|(_, r)| crate::filesvc::is_data_op(&r.op));
-                reqs = meta;
-                data
-            } else {
-                Vec::new()
-            };
+        // So do a member's cluster operations (they wait on the coordinator).
+        let member = shared.cluster.is_some();
+        let own_task = |op: &Op| crate::filesvc::is_data_op(op) || (member && op.is_cluster());
+        let data_ops: Vec<(u64, Request)> = if reqs.iter().any(|(_, r)| own_task(&r.op)) {
+            let (data, meta): (Vec<_>, Vec<_>) = reqs.drain(..).partition(|(_, r)| own_task(&r.op));
+            reqs = meta;
+            data
+        } else {
+            Vec::new()
+        };
         for (rid, req) in data_ops {
             let Ok(permit) = data_slots.clone().acquire_owned().await else {
                 return;
@@ -507,7 +512,7 @@ async fn read_loop(
             tokio::spawn(async move {
                 let mut group = Replies::new(Instant::now(), 1);
                 let op = req.op.index() as u8;
-                let (reply, lsn) = crate::filesvc::data_op(shared, client, req).await;
+                let (reply, lsn) = crate::cluster_host::task_op(shared, client, req).await;
                 group.add(rid, op, &reply, lsn);
                 let _ = send_replies(&tx, &backlog, group).await;
                 drop(permit);
@@ -678,6 +683,11 @@ async fn write_loop(
             out.extend_from_slice(&bytes);
         }
         if !out.is_empty() {
+            if !shared.may_ack() {
+                // A member past its lease acknowledges nothing: the client retries elsewhere.
+                tracing::warn!("closing the connection from {peer}: this server's lease is over");
+                return;
+            }
             if wr.write_all(&out).await.is_err() {
                 return;
             }

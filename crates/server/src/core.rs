@@ -156,6 +156,9 @@ pub struct Shared {
     pub keys: Arc<crate::keys::KeyStore>,
     /// Rate limit of the warnings about malformed frames (any peer can cause them).
     pub bad_frame_log: crate::conn::LogLimiter,
+    /// The participant of a member under the coordinator; `None` for the single server of
+    /// `kochab up`, which hosts every table and admits everything.
+    pub cluster: Option<Arc<crate::cluster_host::ClusterHost>>,
 }
 
 /// Nanoseconds since the epoch from the system clock.
@@ -255,6 +258,17 @@ impl Shared {
         let now = now_ns();
         let mut core = self.core.lock();
         for (rid, req) in reqs {
+            // A member runs only what its participant admits (see `cluster_host`).
+            let admitted = match &self.cluster {
+                Some(host) => match host.admit_op(&core, client, &req.op) {
+                    Ok(tables) => tables,
+                    Err(reply) => {
+                        replies.push((*rid, reply, 0));
+                        continue;
+                    }
+                },
+                None => Vec::new(),
+            };
             let before = self.journal.last_lsn();
             let global = matches!(req.op, Op::Status | Op::StatFs | Op::Fsck);
             let reply = match req.op {
@@ -273,7 +287,14 @@ impl Shared {
             // An operation that journaled waits for its record; every reply waits for what
             // it observed; whole-server answers wait for everything.
             let own = if after > before || global { after } else { 0 };
+            let reply = match &self.cluster {
+                Some(host) => host.fix_reply(&mut core.engine, reply),
+                None => reply,
+            };
             let needed = own.max(core.needed_lsn(&req.op, &reply));
+            if let Some(host) = &self.cluster {
+                host.op_done(admitted, needed, self.journal.durable_lsn());
+            }
             let reply = if after > before {
                 with_changed_dirs(&core.engine, &req.op, reply)
             } else {

@@ -5,6 +5,8 @@
 //! - [`core`]: the engine and reply cache behind one lock; journal records.
 //! - [`checkpoint`] / [`recovery`]: per-table incremental checkpoints, versioned manifests
 //!   that name each table's owner and journals, and start-up.
+//! - [`cluster_host`]: a member's participant in the coordinator's protocols (admission,
+//!   lease, ADD/DROP over the network).
 //! - [`membership`]: tables joining and leaving a running server (drop, add, takeover).
 //! - [`replycache`]: answers to retried non-idempotent requests.
 //! - [`datadir`]: the cluster key and description; [`metrics`]: Prometheus endpoint.
@@ -12,6 +14,7 @@
 //!   operations; [`filelocks`]: the per-file lock that orders writes against truncation.
 
 pub mod checkpoint;
+pub mod cluster_host;
 pub mod conn;
 pub mod core;
 pub mod data;

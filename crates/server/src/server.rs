@@ -134,6 +134,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         status_id: dir.meta.server_id,
         me,
         data_path: dir.path.clone(),
+        cluster: None,
     };
     serve(config, member, recovered, Some(lock)).await
 }
@@ -162,6 +163,36 @@ pub async fn start_member(
         status_id: me.server,
         me,
         data_path: config.data_dir.clone(),
+        cluster: None,
+    };
+    serve(config, member, recovered, None).await
+}
+
+/// A metadata server under the coordinator (`kochab mds`): it starts with no tables as the
+/// incarnation `host` registered, and from then on `host` admits every operation and
+/// carries out the coordinator's ADD and DROP (see `cluster_host`).
+pub async fn start_cluster_member(
+    config: ServerConfig,
+    store: Arc<dyn ObjectStore>,
+    key: ClusterKey,
+    engine: EngineConfig,
+    host: Arc<crate::cluster_host::ClusterHost>,
+) -> io::Result<RunningServer> {
+    let me = host.journal_id();
+    let s = store.clone();
+    let mut recovered = tokio::task::spawn_blocking(move || {
+        crate::recovery::recover_tables(s.as_ref(), engine, &[], me, None, None)
+    })
+    .await
+    .map_err(io::Error::other)??;
+    recovered.engine.member = true;
+    let member = Member {
+        store,
+        key,
+        status_id: me.server,
+        me,
+        data_path: config.data_dir.clone(),
+        cluster: Some(host),
     };
     serve(config, member, recovered, None).await
 }
@@ -174,6 +205,8 @@ struct Member {
     status_id: u64,
     me: JournalId,
     data_path: PathBuf,
+    /// The participant of a member under the coordinator (none: every table is hosted).
+    cluster: Option<Arc<crate::cluster_host::ClusterHost>>,
 }
 
 async fn serve(
@@ -255,7 +288,11 @@ async fn serve(
         checkpointer: Mutex::new(Checkpointer::new(manifests, dir.me)),
         keys,
         bad_frame_log: Default::default(),
+        cluster: dir.cluster.clone(),
     });
+    if let Some(host) = &dir.cluster {
+        host.attach(&shared);
+    }
     let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
     let reclaimer = tokio::spawn(reclaim_loop(shared.clone()));
     let cleanup = tokio::spawn(cleanup_loop(shared.clone()));

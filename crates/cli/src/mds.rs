@@ -1,0 +1,128 @@
+//! `kochab mds`: one metadata server process of a many-server cluster. It registers with
+//! the coordinator group as a new incarnation, starts with no tables, and serves the tables
+//! the coordinator ADDs to it (until they are DROPped), over the cluster's shared object
+//! store.
+
+use clap::Args;
+use kochab_cluster::participant::ParticipantConfig;
+use kochab_proto::cluster::ServerId;
+use kochab_server::ServerConfig;
+use kochab_server::cluster_host::{ClusterHost, HostConfig, monotonic_clock};
+use kochab_server::datadir::{DataDir, DataDirLock};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Exit status of a fenced server (its supervisor starts a new incarnation).
+pub const EXIT_FENCED: i32 = 3;
+
+#[derive(Args)]
+pub struct MdsArgs {
+    /// This server's id, stable across its restarts. At least 2: id 1 names the journals
+    /// of the single-server mode (`kochab up`, journal/1.<epoch>).
+    #[arg(long)]
+    id: u32,
+    /// Address to serve clients and the coordinator on (a concrete port).
+    #[arg(long)]
+    listen: SocketAddr,
+    /// Address clients and the coordinator reach this server at (default: --listen).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// The coordinator replicas' addresses, comma separated (any one suffices).
+    #[arg(long, value_delimiter = ',', required = true)]
+    coord: Vec<SocketAddr>,
+    /// The cluster's data directory shared by the servers of this machine: its object
+    /// store is DIR/store; this server's own files go under DIR/mds/<id>/.
+    #[arg(long)]
+    data: PathBuf,
+    /// The cluster key (the one in DIR/cluster.key).
+    #[arg(long)]
+    key_file: PathBuf,
+    /// Serve Prometheus metrics on this address.
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    /// Do not fdatasync before replying (a machine crash may lose acknowledged operations).
+    #[arg(long)]
+    no_fsync: bool,
+}
+
+pub async fn run(args: MdsArgs) -> Result<(), String> {
+    if args.id < 2 {
+        return Err(format!(
+            "--id {}: cluster servers use ids from 2 (id 1 names the single-server mode's \
+             journals)",
+            args.id
+        ));
+    }
+    if args.listen.port() == 0 {
+        return Err(
+            "--listen needs a concrete port (it is registered with the coordinator)".into(),
+        );
+    }
+    let key = crate::coord::key_file(&args.key_file)?;
+    let own = args.data.join("mds").join(args.id.to_string());
+    // Two processes with one id would write one journal.
+    let _lock = DataDirLock::acquire(&own).map_err(|e| format!("{}: {e}", own.display()))?;
+    let data = args.data.clone();
+    let dir = tokio::task::spawn_blocking(move || DataDir::open_existing(&data))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("{}: {e}", args.data.display()))?;
+    if dir.key != key {
+        return Err(format!(
+            "{} is not the key of the cluster in {}",
+            args.key_file.display(),
+            args.data.display()
+        ));
+    }
+    let addr = args
+        .advertise
+        .clone()
+        .unwrap_or_else(|| args.listen.to_string());
+    let host = ClusterHost::register(HostConfig {
+        server: ServerId(args.id),
+        addr: addr.clone(),
+        coord: args.coord.clone(),
+        key,
+        ranges: dir.meta.tables.clone(),
+        participant: ParticipantConfig::default(),
+        clock: monotonic_clock(),
+    })
+    .await
+    .map_err(|e| format!("server {}: {e}", args.id))?;
+    let mut config = ServerConfig::new(&args.data, args.listen);
+    config.metrics_listen = args.metrics;
+    config.fsync = !args.no_fsync;
+    let server = kochab_server::server::start_cluster_member(
+        config,
+        dir.store.clone(),
+        dir.key,
+        dir.meta.engine.clone(),
+        host.clone(),
+    )
+    .await
+    .map_err(|e| format!("cannot start server {}: {e}", args.id))?;
+    println!(
+        "kochab: metadata server {} ({}) serving at {addr}",
+        args.id,
+        host.journal_id()
+    );
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| format!("signal handler: {e}"))?;
+    let journal_failure = server.journal_failure();
+    let fenced = host.fenced();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+        why = journal_failure => {
+            server.shutdown().await;
+            return Err(format!("stopped: the journal failed: {why}"));
+        }
+        why = fenced => {
+            // Nothing of this incarnation may be acknowledged any more; a restart is a new one.
+            eprintln!("kochab: {why}; exiting");
+            std::process::exit(EXIT_FENCED);
+        }
+    }
+    server.shutdown().await;
+    Ok(())
+}

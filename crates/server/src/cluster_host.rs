@@ -1,0 +1,754 @@
+//! A member server's side of the coordinator's protocols: it hosts the pure
+//! [`Participant`] (registration, lease, self-fencing, DROP with drain, ADD) and carries
+//! out what it asks over the network and the store.
+//!
+//! - Before an operation runs, [`ClusterHost::admit_op`] maps every id it names to its table
+//!   and asks the participant; after it, [`ClusterHost::op_done`] ends it once its reply is
+//!   durable (that count is the drain of a DROP).
+//! - A loop ticks the participant (~every 100 ms) and carries out its actions: requests go
+//!   to the coordinator as `CoordCommand::Request` (the leader stamps the time), loads run
+//!   [`Shared::add_table`] / [`Shared::recover_tables`], checkpoints [`Shared::drop_table`],
+//!   and a fence ends the process (its supervisor starts a new incarnation).
+//! - `GetMap` and `Control` requests are answered here, never by the engine.
+//!
+//! Multi-table operations whose tables are not all here are refused with EXDEV for now
+//! (the borrow is not wired); see docs/SCALEOUT.md "Servers as processes".
+
+use crate::checkpoint::read_manifest_by_id;
+use crate::core::{Core, Shared};
+use kochab_cluster::participant::{Action, Admit, Participant, ParticipantConfig};
+use kochab_cluster::state::CoordState;
+use kochab_coord::{ClientConfig, CoordClient};
+use kochab_journal::JournalId;
+use kochab_proto::cluster::{
+    Control, ControlBody, ControlReply, CoordCommand, DelegationMap, Incarnation, MapVersion,
+    ServerId, TableId,
+};
+use kochab_proto::*;
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+use tokio::sync::{broadcast, mpsc, watch};
+
+/// How often the participant is ticked (lease renewal, retries, fencing).
+pub const TICK: Duration = Duration::from_millis(100);
+/// A cached map older than this is refreshed from the coordinator before `GetMap` answers.
+pub const MAP_FRESH: Duration = Duration::from_millis(200);
+/// The map is refreshed in the background this often (for WRONG_SERVER hints).
+const MAP_REFRESH_EVERY: Duration = Duration::from_secs(1);
+/// How long a `GetMap` waits for the coordinator before answering from the cache.
+const MAP_READ_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a `Control` waits for the participant's answer (the driver resends after).
+pub const CONTROL_WAIT: Duration = Duration::from_secs(2);
+/// How long registration may take before the start fails.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Milliseconds from a clock the host reads (monotonic in production, injected in tests).
+pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
+
+/// A monotonic millisecond clock starting at 0 now.
+pub fn monotonic_clock() -> Clock {
+    let base = Instant::now();
+    Arc::new(move || base.elapsed().as_millis() as u64)
+}
+
+/// Who a member is and how it reaches the coordinator.
+#[derive(Clone)]
+pub struct HostConfig {
+    pub server: ServerId,
+    /// The address clients and the coordinator reach this server at.
+    pub addr: String,
+    pub coord: Vec<SocketAddr>,
+    pub key: [u8; 32],
+    /// The id ranges of the cluster's tables (`lo`, `hi`): how ids map to tables.
+    pub ranges: Vec<(u64, u64)>,
+    pub participant: ParticipantConfig,
+    pub clock: Clock,
+}
+
+#[derive(Default)]
+struct MapCache {
+    map: DelegationMap,
+    fetched: Option<Instant>,
+}
+
+/// The participant of one member incarnation and what carries out its actions.
+pub struct ClusterHost {
+    p: Mutex<Participant>,
+    /// Proposals (registration, renewals, borrows) go through this one...
+    coord: CoordClient<CoordState>,
+    /// ...and map reads through this one, so a burst of GetMap never delays a renewal.
+    reader: CoordClient<CoordState>,
+    clock: Clock,
+    ranges: Vec<(u64, u64)>,
+    me: OnceLock<JournalId>,
+    map: Mutex<MapCache>,
+    /// One map read at a time; later callers use its result.
+    refreshing: tokio::sync::Mutex<()>,
+    actions: mpsc::UnboundedSender<Action>,
+    control_replies: broadcast::Sender<ControlReply>,
+    /// Admitted operations waiting for their record to be durable: lsn -> their tables.
+    ends: Mutex<BTreeMap<u64, Vec<Vec<TableId>>>>,
+    shared: OnceLock<Weak<Shared>>,
+    fenced: watch::Sender<Option<String>>,
+}
+
+fn random_nonce() -> u64 {
+    let mut b = [0u8; 8];
+    if getrandom::fill(&mut b).is_err() {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        return t ^ ((std::process::id() as u64) << 32);
+    }
+    u64::from_le_bytes(b)
+}
+
+/// True if `r` answers the control `c` (the driver matches replies to what it sent).
+pub fn answers(c: &Control, r: &ControlReply) -> bool {
+    match (&c.body, r) {
+        (ControlBody::Drop { table, .. }, ControlReply::Dropped { table: t, .. }) => t == table,
+        (
+            ControlBody::Add { tables, .. },
+            ControlReply::Added { tables: ts, .. } | ControlReply::AddFailed { tables: ts, .. },
+        ) => ts.iter().any(|t| tables.contains(t)),
+        (ControlBody::Grant { id }, ControlReply::GrantAck { id: i }) => i == id,
+        _ => false,
+    }
+}
+
+/// The table of `ranges` (sorted by `lo`) that holds `id`.
+pub fn table_of(ranges: &[(u64, u64)], id: InodeId) -> Option<TableId> {
+    let i = ranges.partition_point(|&(lo, _)| lo <= id);
+    (i > 0 && id < ranges[i - 1].1).then(|| TableId(ranges[i - 1].0))
+}
+
+/// The inodes an operation touches by id or through a handle of this client.
+fn op_ids(core: &Core, client: u64, op: &Op) -> Vec<InodeId> {
+    let mut ids: Vec<InodeId> = op.inode_ids().into_iter().flatten().collect();
+    let handle = match op {
+        Op::Close { handle }
+        | Op::Read { handle, .. }
+        | Op::Write { handle, .. }
+        | Op::Fsync { handle, .. }
+        | Op::Fallocate { handle, .. }
+        | Op::GetLk { handle, .. }
+        | Op::SetLk { handle, .. }
+        | Op::ReleaseLocks { handle, .. } => Some(*handle),
+        _ => None,
+    };
+    if let Some(h) = handle
+        && let Some(of) = core.sessions.get(client, h)
+    {
+        ids.push(of.id);
+    }
+    ids
+}
+
+impl ClusterHost {
+    /// Registers a new incarnation of `cfg.server` with the coordinator (a random nonce)
+    /// and keeps its lease from then on. Fails if the coordinator does not answer within
+    /// 30 s or refuses.
+    pub async fn register(cfg: HostConfig) -> std::io::Result<Arc<ClusterHost>> {
+        let mut ranges = cfg.ranges.clone();
+        ranges.sort_unstable();
+        let client = |budget: Duration| {
+            let mut c = ClientConfig::new(cfg.coord.clone(), cfg.key);
+            c.budget = budget;
+            c.attempt_timeout = Duration::from_millis(1000);
+            CoordClient::<CoordState>::new(c)
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let host = Arc::new(ClusterHost {
+            p: Mutex::new(Participant::new(
+                cfg.server,
+                cfg.addr.clone(),
+                random_nonce(),
+                cfg.participant,
+            )),
+            coord: client(Duration::from_secs(2)),
+            reader: client(MAP_READ_TIMEOUT),
+            clock: cfg.clock.clone(),
+            ranges,
+            me: OnceLock::new(),
+            map: Mutex::new(MapCache::default()),
+            refreshing: tokio::sync::Mutex::new(()),
+            actions: tx,
+            control_replies: broadcast::channel(64).0,
+            ends: Mutex::new(BTreeMap::new()),
+            shared: OnceLock::new(),
+            fenced: watch::channel(None).0,
+        });
+        let deadline = Instant::now() + REGISTER_TIMEOUT;
+        // A group that has not recorded its tables yet has no lease length to give.
+        loop {
+            match host.reader.read_state().await {
+                Ok((state, _)) if state.bootstrapped => break,
+                Ok(_) => {}
+                Err(e) => tracing::debug!("coordinator not ready: {e}"),
+            }
+            if Instant::now() >= deadline {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the coordinator at {:?} was not ready within {REGISTER_TIMEOUT:?}",
+                        cfg.coord
+                    ),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::spawn(run(host.clone(), rx));
+        let mut fenced = host.fenced.subscribe();
+        loop {
+            if let Some(inc) = host.p.lock().incarnation() {
+                let _ = host.me.set(JournalId {
+                    server: u64::from(inc.server.0),
+                    epoch: inc.epoch.0,
+                });
+                break;
+            }
+            if let Some(why) = fenced.borrow_and_update().clone() {
+                return Err(std::io::Error::other(format!(
+                    "registration refused: {why}"
+                )));
+            }
+            if Instant::now() >= deadline {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the coordinator at {:?} did not register server {} within {:?}",
+                        cfg.coord, cfg.server.0, REGISTER_TIMEOUT
+                    ),
+                ));
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(20), fenced.changed()).await;
+        }
+        let _ = host.refresh_map().await;
+        Ok(host)
+    }
+
+    /// The journal this incarnation writes: (server id, epoch the coordinator gave it).
+    pub fn journal_id(&self) -> JournalId {
+        self.me.get().copied().unwrap_or(JournalId {
+            server: u64::from(self.p.lock().server().0),
+            epoch: 0,
+        })
+    }
+
+    /// The incarnation, while registered and not fenced.
+    pub fn incarnation(&self) -> Option<Incarnation> {
+        self.p.lock().incarnation()
+    }
+
+    /// Tables held now (serving or draining).
+    pub fn tables(&self) -> Vec<TableId> {
+        self.p.lock().tables()
+    }
+
+    /// Resolves with the reason once this incarnation is fenced: it serves and
+    /// acknowledges nothing more; its process should exit (a new one is a new incarnation).
+    pub fn fenced(&self) -> impl std::future::Future<Output = String> + Send + 'static {
+        let mut rx = self.fenced.subscribe();
+        async move {
+            loop {
+                if let Some(why) = rx.borrow_and_update().clone() {
+                    return why;
+                }
+                if rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        }
+    }
+
+    /// Connects the host to the server it runs in (once).
+    pub fn attach(self: &Arc<Self>, shared: &Arc<Shared>) {
+        if self.shared.set(Arc::downgrade(shared)).is_err() {
+            return;
+        }
+        let mut durable = shared.journal.subscribe();
+        let host = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let lsn = *durable.borrow_and_update();
+                match host.upgrade() {
+                    Some(h) => h.flush_ends(lsn),
+                    None => return,
+                }
+                if durable.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    fn now(&self) -> u64 {
+        (self.clock)()
+    }
+
+    fn push(&self, actions: Vec<Action>) {
+        for a in actions {
+            let _ = self.actions.send(a);
+        }
+    }
+
+    /// True while this incarnation may acknowledge anything (its lease is valid).
+    pub fn can_ack(&self) -> bool {
+        self.p.lock().can_ack(self.now())
+    }
+
+    /// Admission of one operation (the caller holds the core lock). `Ok`: run it, then call
+    /// [`ClusterHost::op_done`] with the tables returned; `Err`: answer this instead.
+    pub fn admit_op(&self, core: &Core, client: u64, op: &Op) -> Result<Vec<TableId>, Reply> {
+        let mut tables = Vec::new();
+        for id in op_ids(core, client, op) {
+            let Some(t) = table_of(&self.ranges, id) else {
+                return Err(Reply::Error(kochab_meta::not_in_any_table(id)));
+            };
+            if !tables.contains(&t) {
+                tables.push(t);
+            }
+        }
+        if tables.is_empty() {
+            return Ok(tables);
+        }
+        let admit = self.p.lock().admit(&tables, self.now());
+        match admit {
+            Admit::Ok => Ok(tables),
+            Admit::WrongServer { map_version, owner } => {
+                Err(self.wrong_server(tables[0], map_version, owner))
+            }
+            Admit::NotReady => Err(Reply::WrongServer {
+                map_version: self.map.lock().map.version.0,
+                owner: None,
+                addr: None,
+            }),
+            Admit::NeedBorrow => Err(Reply::Error(fs_err!(
+                EXDEV,
+                "{} needs tables held by other servers, and borrowing them is not wired yet",
+                op.name()
+            ))),
+        }
+    }
+
+    /// WRONG_SERVER for `table`, naming its owner (the participant's hint, else the cached
+    /// map's) and the owner's address when known.
+    fn wrong_server(&self, table: TableId, version: MapVersion, hint: Option<ServerId>) -> Reply {
+        let mine = self.p.lock().server();
+        let cache = self.map.lock();
+        let owner = hint
+            .or_else(|| cache.map.owner(table))
+            .filter(|o| *o != mine);
+        Reply::WrongServer {
+            map_version: version.0.max(cache.map.version.0),
+            owner,
+            addr: owner.and_then(|o| cache.map.servers.get(&o).cloned()),
+        }
+    }
+
+    /// Names the owner in an engine's WRONG_SERVER (an id outside the hosted tables found
+    /// while the operation ran).
+    pub fn fix_reply(&self, engine: &mut kochab_meta::Engine, reply: Reply) -> Reply {
+        match reply {
+            Reply::WrongServer {
+                map_version,
+                owner: None,
+                ..
+            } => match engine
+                .last_not_hosted
+                .take()
+                .and_then(|id| table_of(&self.ranges, id))
+            {
+                Some(t) => self.wrong_server(t, MapVersion(map_version), None),
+                None => reply,
+            },
+            other => other,
+        }
+    }
+
+    /// An admitted operation ran; its reply leaves once `lsn` is durable (`durable` is now).
+    pub fn op_done(&self, tables: Vec<TableId>, lsn: u64, durable: u64) {
+        if tables.is_empty() {
+            return;
+        }
+        if lsn <= durable {
+            let acts = self.p.lock().end_op(&tables);
+            self.push(acts);
+        } else {
+            self.ends.lock().entry(lsn).or_default().push(tables);
+        }
+    }
+
+    fn flush_ends(&self, durable: u64) {
+        let done: Vec<Vec<TableId>> = {
+            let mut ends = self.ends.lock();
+            let later = ends.split_off(&(durable + 1));
+            std::mem::replace(&mut *ends, later)
+                .into_values()
+                .flatten()
+                .collect()
+        };
+        if done.is_empty() {
+            return;
+        }
+        let mut p = self.p.lock();
+        let acts: Vec<Action> = done.iter().flat_map(|t| p.end_op(t)).collect();
+        drop(p);
+        self.push(acts);
+    }
+
+    /// Answers a `GetMap` or `Control` request.
+    pub async fn cluster_op(&self, op: Op) -> Reply {
+        match op {
+            Op::GetMap => self.get_map().await,
+            Op::Control { control } => Reply::Control(self.control(control).await),
+            other => Reply::Error(fs_err!(EINVAL, "{} is no cluster operation", other.name())),
+        }
+    }
+
+    async fn get_map(&self) -> Reply {
+        let stale = self
+            .map
+            .lock()
+            .fetched
+            .is_none_or(|t| t.elapsed() > MAP_FRESH);
+        if stale {
+            let _ = tokio::time::timeout(MAP_READ_TIMEOUT, self.refresh_map()).await;
+        }
+        let cache = self.map.lock();
+        if cache.fetched.is_none() {
+            return Reply::Error(fs_err!(
+                EAGAIN,
+                "this server has no delegation map yet (the coordinator did not answer)"
+            ));
+        }
+        Reply::Map(cache.map.clone())
+    }
+
+    /// Reads the map from the coordinator unless another caller just did.
+    async fn refresh_map(&self) -> Result<(), String> {
+        let asked = Instant::now();
+        let _one = self.refreshing.lock().await;
+        if self.map.lock().fetched.is_some_and(|t| t >= asked) {
+            return Ok(());
+        }
+        let (state, _) = self.reader.read_state().await.map_err(|e| e.to_string())?;
+        let mut cache = self.map.lock();
+        if state.map.version >= cache.map.version {
+            cache.map = state.map;
+        }
+        cache.fetched = Some(Instant::now());
+        Ok(())
+    }
+
+    async fn control(&self, c: Control) -> Option<ControlReply> {
+        let mut rx = self.control_replies.subscribe();
+        let acts = self.p.lock().on_control(&c, self.now());
+        let mut found = None;
+        for a in &acts {
+            if let Action::Reply(r) = a
+                && answers(&c, r)
+            {
+                found = Some(r.clone());
+            }
+        }
+        self.push(acts);
+        if found.is_some() {
+            return found;
+        }
+        if self.incarnation() != Some(c.to) {
+            return None;
+        }
+        tokio::time::timeout(CONTROL_WAIT, async {
+            loop {
+                match rx.recv().await {
+                    Ok(r) if answers(&c, &r) => return Some(r),
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// Carries out one action of the participant.
+    fn exec(self: &Arc<Self>, action: Action) {
+        match action {
+            Action::ToCoord { req_id, req } => {
+                let host = self.clone();
+                tokio::spawn(async move {
+                    let cmd = CoordCommand::Request { req, now_ms: 0 };
+                    match host.coord.propose(cmd).await {
+                        Ok(reply) => {
+                            let acts = host.p.lock().on_reply(req_id, &reply, host.now());
+                            host.push(acts);
+                        }
+                        Err(e) => tracing::debug!("coordinator request {req_id:#x}: {e}"),
+                    }
+                });
+            }
+            Action::Reply(r) => {
+                let _ = self.control_replies.send(r);
+            }
+            Action::Load { tables, epochs } => {
+                let host = self.clone();
+                tokio::spawn(async move {
+                    let result = match host.shared.get().and_then(Weak::upgrade) {
+                        Some(shared) => {
+                            let me = host.journal_id();
+                            let (t, e) = (tables.clone(), epochs.clone());
+                            tokio::task::spawn_blocking(move || load(&shared, me, &t, &e))
+                                .await
+                                .unwrap_or_else(|e| Err(format!("load task failed: {e}")))
+                        }
+                        None => Err("the server is still starting".to_string()),
+                    };
+                    if let Err(e) = &result {
+                        tracing::warn!("cannot load tables {tables:x?}: {e}");
+                    }
+                    let acts = host.p.lock().loaded(&tables, result);
+                    host.push(acts);
+                });
+            }
+            Action::Checkpoint { table } => {
+                let host = self.clone();
+                tokio::spawn(async move {
+                    let result = match host.shared.get().and_then(Weak::upgrade) {
+                        Some(shared) => tokio::task::spawn_blocking(move || {
+                            shared.drop_table(table.0).map_err(|e| e.to_string())
+                        })
+                        .await
+                        .unwrap_or_else(|e| Err(format!("drop task failed: {e}"))),
+                        None => Err("the server is still starting".to_string()),
+                    };
+                    if let Err(e) = &result {
+                        tracing::error!("cannot release table {:016x}: {e}", table.0);
+                    }
+                    let acts = host.p.lock().checkpointed(table, result);
+                    host.push(acts);
+                });
+            }
+            Action::RunBorrowed { id } => {
+                // No operation waits for a borrow yet: give it back at once.
+                let acts = self.p.lock().borrow_done(id, self.now());
+                self.push(acts);
+            }
+            Action::BorrowFailed { id } => {
+                tracing::debug!("borrow {id:?} refused");
+            }
+            Action::Fence => {
+                // (One lock at a time: `journal_id` may take the participant's lock too.)
+                let server = self.p.lock().server().0;
+                let journal = self.journal_id();
+                let why = format!(
+                    "server {server} ({journal}) is fenced: its lease ended or a newer \
+                     incarnation registered; it serves and acknowledges nothing more"
+                );
+                tracing::error!("{why}");
+                self.fenced.send_replace(Some(why));
+            }
+        }
+    }
+}
+
+/// Ticks the participant and carries out every action, until the host is dropped.
+async fn run(host: Arc<ClusterHost>, mut rx: mpsc::UnboundedReceiver<Action>) {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_map = Instant::now();
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                let acts = host.p.lock().tick(host.now());
+                for a in acts {
+                    host.exec(a);
+                }
+                if last_map.elapsed() >= MAP_REFRESH_EVERY {
+                    last_map = Instant::now();
+                    let h = host.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = h.refresh_map().await {
+                            tracing::debug!("map refresh: {e}");
+                        }
+                    });
+                }
+            }
+            a = rx.recv() => match a {
+                Some(a) => host.exec(a),
+                None => return,
+            },
+        }
+    }
+}
+
+/// Loads `tables` for incarnation `me`: every manifest is checked before any is written (a
+/// released table is added; a fenced incarnation's, whose epoch is below the one `epochs`
+/// lists, is recovered from its journal; one already naming `me` and loaded is an earlier
+/// try of this load).
+fn load(
+    shared: &Shared,
+    me: JournalId,
+    tables: &[TableId],
+    epochs: &[Incarnation],
+) -> Result<(), String> {
+    let mut fresh = Vec::new();
+    let mut fenced: BTreeMap<JournalId, Vec<u64>> = BTreeMap::new();
+    for t in tables {
+        let lo = t.0;
+        let m = read_manifest_by_id(shared.store.as_ref(), lo)
+            .map_err(|e| format!("table {lo:016x}: {e}"))?
+            .ok_or_else(|| format!("table {lo:016x} has no manifest in the store"))?;
+        match m.owner {
+            None => fresh.push(lo),
+            Some(o) if (o.server, o.epoch) == (me.server, me.epoch) => {
+                let hosted = shared
+                    .core
+                    .lock()
+                    .engine
+                    .tables()
+                    .iter()
+                    .any(|x| x.lo == lo);
+                if !hosted {
+                    return Err(format!(
+                        "table {lo:016x}'s manifest names this incarnation ({me}) but it is \
+                         not loaded: an earlier load failed half-way"
+                    ));
+                }
+            }
+            Some(o) => {
+                let dead = epochs
+                    .iter()
+                    .any(|i| u64::from(i.server.0) == o.server && i.epoch.0 > o.epoch);
+                if !dead {
+                    return Err(format!(
+                        "table {lo:016x} is owned by server {} at epoch {}, which is not \
+                         fenced",
+                        o.server, o.epoch
+                    ));
+                }
+                fenced
+                    .entry(JournalId {
+                        server: o.server,
+                        epoch: o.epoch,
+                    })
+                    .or_default()
+                    .push(lo);
+            }
+        }
+    }
+    for lo in fresh {
+        shared.add_table(lo).map_err(|e| e.to_string())?;
+    }
+    for (journal, ids) in fenced {
+        shared
+            .recover_tables(&ids, journal)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// A request a connection task runs outside the batch: cluster operations of a member,
+/// and data operations (admitted first in a member).
+pub async fn task_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, u64) {
+    let Some(host) = shared.cluster.clone() else {
+        return crate::filesvc::data_op(shared, client, req).await;
+    };
+    if req.op.is_cluster() {
+        return (host.cluster_op(req.op).await, 0);
+    }
+    let tables = {
+        let core = shared.core.lock();
+        match host.admit_op(&core, client, &req.op) {
+            Ok(t) => t,
+            Err(reply) => return (reply, 0),
+        }
+    };
+    let (reply, lsn) = crate::filesvc::data_op(shared.clone(), client, req).await;
+    host.op_done(tables, lsn, shared.journal.durable_lsn());
+    (reply, lsn)
+}
+
+impl Shared {
+    /// True unless this is a member whose lease is over: checked right before replies
+    /// leave (a paused server that resumes late acknowledges nothing).
+    pub fn may_ack(&self) -> bool {
+        self.cluster.as_ref().is_none_or(|h| h.can_ack())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kochab_proto::cluster::{BorrowId, Epoch};
+
+    #[test]
+    fn ids_map_to_the_table_whose_range_holds_them() {
+        let ranges = [(10, 20), (20, 30), (50, 60)];
+        assert_eq!(table_of(&ranges, 9), None);
+        assert_eq!(table_of(&ranges, 10), Some(TableId(10)));
+        assert_eq!(table_of(&ranges, 29), Some(TableId(20)));
+        assert_eq!(table_of(&ranges, 30), None);
+        assert_eq!(table_of(&ranges, 55), Some(TableId(50)));
+        assert_eq!(table_of(&ranges, u64::MAX), None);
+    }
+
+    #[test]
+    fn a_control_is_answered_only_by_its_own_reply() {
+        let by = Incarnation {
+            server: ServerId(2),
+            epoch: Epoch(3),
+        };
+        let drop = Control {
+            to: by,
+            body: ControlBody::Drop {
+                table: TableId(5),
+                map_version: MapVersion(4),
+                to: ServerId(3),
+            },
+        };
+        let dropped = |t| ControlReply::Dropped {
+            table: TableId(t),
+            by,
+            map_version: MapVersion(4),
+        };
+        assert!(answers(&drop, &dropped(5)));
+        assert!(!answers(&drop, &dropped(6)));
+        let add = Control {
+            to: by,
+            body: ControlBody::Add {
+                tables: vec![TableId(1), TableId(2)],
+                map_version: MapVersion(4),
+                epochs: vec![],
+            },
+        };
+        let added = |ts: Vec<u64>| ControlReply::Added {
+            tables: ts.into_iter().map(TableId).collect(),
+            by,
+            map_version: MapVersion(4),
+        };
+        assert!(answers(&add, &added(vec![2])));
+        assert!(!answers(&add, &added(vec![3])));
+        assert!(!answers(&add, &dropped(1)));
+        let id = BorrowId {
+            server: ServerId(2),
+            epoch: Epoch(3),
+            seq: 7,
+        };
+        let grant = Control {
+            to: by,
+            body: ControlBody::Grant { id },
+        };
+        assert!(answers(&grant, &ControlReply::GrantAck { id }));
+        assert!(!answers(
+            &grant,
+            &ControlReply::GrantAck {
+                id: BorrowId { seq: 8, ..id }
+            }
+        ));
+    }
+}
