@@ -350,6 +350,21 @@ fn two_mds_processes_serve_the_tables_the_coordinator_places() {
             other => panic!("expected the map, got {other:?}"),
         }
     });
+
+    // The native client routes by the map: entering at either server, a request for the
+    // moved table's ids reaches its owner (ENOENT there, not WRONG_SERVER), and the file
+    // made under the root is found through both.
+    for entry in [addrs[&a], addrs[&b]] {
+        let c = rt
+            .block_on(Client::connect(ClientConfig::new(entry, key)))
+            .unwrap();
+        assert!(c.routes_by_map(), "entered at {entry}");
+        let e = rt.block_on(c.getattr(&cred, moved.0 + 1)).unwrap_err();
+        assert_eq!(e.errno, Errno::ENOENT, "{e}");
+        let seen = rt.block_on(c.lookup(&cred, root, b"hello")).unwrap();
+        assert_eq!(seen.id, made.id);
+        rt.block_on(c.end_session()).unwrap();
+    }
 }
 
 #[test]

@@ -520,6 +520,7 @@ impl Client {
         let mut attempts = 0u32;
         let mut first_failure: Option<Instant> = None;
         let mut fetched = false;
+        let mut stale_retried = false;
         loop {
             let step = self.inner.routing.lock().step(target);
             let err = match step {
@@ -553,6 +554,16 @@ impl Client {
                     req.map_version = map_version;
                     match self.attempt(&addr, req).await {
                         Outcome::Reply(r) => return Ok((r, addr)),
+                        Outcome::Error(e) if e.errno == Errno::ESTALE && !stale_retried => {
+                            // A server that let the table go may say "no such file" rather
+                            // than WrongServer (a handle it still knows whose file moved):
+                            // fetch the map again and try once more.
+                            stale_retried = true;
+                            let routed_by = req.map_version;
+                            let mut r = self.inner.routing.lock();
+                            r.on_wrong_server(table, routed_by, 0, None, None);
+                            continue;
+                        }
                         Outcome::Error(e) | Outcome::Refused(e) => return Err(e),
                         Outcome::WrongServer {
                             map_version,
@@ -1053,16 +1064,7 @@ impl Client {
         debug_assert!(!op.needs_reply_cache());
         let target = self.target_of(&op);
         let mut req = plain_request(cred, op);
-        let first = match self.send(&mut req, target).await {
-            Err(e) if e.errno == Errno::ESTALE && self.routes_by_map() => {
-                // The server that answered may have let the file's table go and the map
-                // be stale: fetch it again and try once more (at the new owner, EBADF).
-                self.inner.routing.lock().forget_map();
-                self.send(&mut req, target).await
-            }
-            other => other,
-        };
-        match first {
+        match self.send(&mut req, target).await {
             Err(e) if e.errno == Errno::EBADF => {
                 let known = self.inner.handles.lock().get(&handle).cloned();
                 let Some(h) = known else {

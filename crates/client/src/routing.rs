@@ -142,13 +142,6 @@ impl Routing {
         }
     }
 
-    /// Drops the cached map: the next request fetches a fresh one.
-    pub fn forget_map(&mut self) {
-        if let Routing::Cluster(r) = self {
-            r.forget_map();
-        }
-    }
-
     /// After a failed attempt `failed_for_ms` after the first failure of this request,
     /// with `attempts` made since: the pause before the next, or give up.
     pub fn retry(&self, failed_for_ms: u64, attempts: u32) -> Retry {

@@ -334,6 +334,26 @@ async fn requests_follow_their_tables_across_moves_and_a_lost_server() {
     maps.set(map_of(4, &ranges, &[(moved, 3)], &[&sa, &sb, &sd]));
     assert_eq!(c.read(&cred, h, 0, 5).await.unwrap(), b"AFTER".to_vec());
     assert_eq!(c.map_version(), 4);
+    assert_eq!(maps.asked(), 4);
+
+    // And back to A, with an open as the first request: D, having let the table go,
+    // answers it ESTALE (not WRONG_SERVER); the client refetches the map all the same.
+    let s = d.shared().clone();
+    tokio::task::spawn_blocking(move || s.drop_table(moved))
+        .await
+        .unwrap()
+        .unwrap();
+    let s = a.shared().clone();
+    tokio::task::spawn_blocking(move || s.add_table(moved))
+        .await
+        .unwrap()
+        .unwrap();
+    maps.set(map_of(5, &ranges, &[], &[&sa, &sb, &sd]));
+    let (_, h2) = c.open(&cred, f.id, 0).await.unwrap();
+    assert_eq!(c.map_version(), 5);
+    assert_eq!(maps.asked(), 5);
+    assert_eq!(c.read(&cred, h2, 0, 5).await.unwrap(), b"AFTER".to_vec());
+    c.close(&cred, h2).await.unwrap();
     c.write(&cred, h, 5, b"!".to_vec()).await.unwrap();
     assert_eq!(
         c.getattr(&cred, f.id).await.unwrap().size,
