@@ -7,6 +7,12 @@
 # (`--top-level`: the id policy deals them across tables) and all clients in one shared
 # directory (one table: it cannot scale until huge directories are split).
 #
+# The directories are made first by a one-server cluster, which holds every table: a mkdir
+# whose new id lands in a table of another server needs BORROW/RETURN, which is not wired
+# yet (such a server allocates in its own tables instead). The cluster is then restarted
+# with N servers over the same data, and the coordinator spreads the tables before the
+# measured run.
+#
 # Usage: bench/scaling.sh [ROUNDS] [SERVER_COUNTS...]   (default: 3 rounds of 1 2 4 8)
 # Env: CPU_SHARE (0.1), CLIENTS (64), ITEMS_PER_SERVER (40000), KOCHAB_BIN, PORT (7600),
 #      JSON_OUT (file for the raw rows).
@@ -37,13 +43,32 @@ mkdir -p "$CG"
 period=100000
 quota=$(python3 -c "print(int($period*$CPU_SHARE))")
 
-start() {  # start DATA N
-  local d=$1 n=$2
+start() {  # start DATA N [nocap]
+  local d=$1 n=$2 nocap=${3:-}
   : >"$tmp/out"
   "$BIN" up --data "$d" --servers "$n" --port $PORT >"$tmp/out" 2>>"$tmp/log" &
   echo $! >"$tmp/pid"
   for _ in $(seq 600); do grep -q "cluster ready" "$tmp/out" 2>/dev/null && break; sleep 0.1; done
   grep -q "cluster ready" "$tmp/out" || { echo "cluster of $n did not start; log:"; tail -20 "$tmp/log"; exit 1; }
+  [ -n "$nocap" ] && return 0
+  # Wait until the coordinator has spread the tables evenly and nothing moves.
+  local want=$((19 / n)) coord=127.0.0.1:$((PORT + n)) ok=0
+  for _ in $(seq 900); do
+    if "$BIN" coord-status --json --coord "$coord" --key-file "$d/cluster.key" 2>/dev/null \
+      | python3 -c "
+import json, sys, collections
+s = json.load(sys.stdin)['state']
+owners = collections.Counter(t['owner'] for t in s['map'])
+even = len(owners) == $n and min(owners.values()) >= $want
+sys.exit(0 if even and s['migrations'] == 0 and s['placed'] == s['tables'] else 1)" 2>/dev/null; then
+      ok=$((ok + 1)); [ $ok -ge 3 ] && break
+    else
+      ok=0
+    fi
+    sleep 0.2
+  done
+  [ $ok -ge 3 ] || { echo "tables not spread over $n servers"; exit 1; }
+  sleep 1  # servers' cached maps refresh (they answer GetMap from a copy up to 200 ms old)
   # Cap each server process in its own group.
   local i=0 pid
   for pid in $(pgrep -f -- "mds --id .* --data $d\$|mds --id .* --data $d "); do
@@ -66,8 +91,13 @@ for r in $(seq "$ROUNDS"); do
   for n in "${COUNTS[@]}"; do
     for mode in unique shared; do
       d="$tmp/data-$n-$mode-$r"
-      start "$d" "$n"
       flag=(--top-level); [ $mode = shared ] && flag=(--shared-dir)
+      # The clients' directories, made while one server holds every table.
+      start "$d" 1 nocap
+      "$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
+        --items "$CLIENTS" "${flag[@]}" --phases create,remove --json >/dev/null
+      stop
+      start "$d" "$n"
       items=$((PER * n))
       j=$("$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
             --items $items "${flag[@]}" --phases create,stat --json)

@@ -79,6 +79,8 @@ pub struct ClusterHost {
     p: Mutex<Participant>,
     /// Proposals (registration, renewals, borrows) go through this one...
     coord: CoordClient<CoordState>,
+    /// The coordinator replicas' addresses (for `kochab status`).
+    pub coord_addrs: Vec<String>,
     /// ...and map reads through this one, so a burst of GetMap never delays a renewal.
     reader: CoordClient<CoordState>,
     clock: Clock,
@@ -194,6 +196,7 @@ impl ClusterHost {
                 participant,
             )),
             coord: client(Duration::from_secs(2)),
+            coord_addrs: cfg.coord.iter().map(|a| a.to_string()).collect(),
             reader,
             clock: cfg.clock.clone(),
             ranges,
@@ -308,11 +311,11 @@ impl ClusterHost {
 
     /// Admission of one operation (the caller holds the core lock). `Ok`: run it, then call
     /// [`ClusterHost::op_done`] with the tables returned; `Err`: answer this instead.
-    pub fn admit_op(&self, core: &Core, client: u64, op: &Op) -> Result<Vec<TableId>, Reply> {
+    pub fn admit_op(&self, core: &Core, client: u64, op: &Op) -> Result<Vec<TableId>, Box<Reply>> {
         let mut tables = Vec::new();
         for id in op_ids(core, client, op) {
             let Some(t) = table_of(&self.ranges, id) else {
-                return Err(Reply::Error(kochab_meta::not_in_any_table(id)));
+                return Err(Box::new(Reply::Error(kochab_meta::not_in_any_table(id))));
             };
             if !tables.contains(&t) {
                 tables.push(t);
@@ -325,18 +328,18 @@ impl ClusterHost {
         match admit {
             Admit::Ok => Ok(tables),
             Admit::WrongServer { map_version, owner } => {
-                Err(self.wrong_server(tables[0], map_version, owner))
+                Err(Box::new(self.wrong_server(tables[0], map_version, owner)))
             }
-            Admit::NotReady => Err(Reply::WrongServer {
+            Admit::NotReady => Err(Box::new(Reply::WrongServer {
                 map_version: self.map.lock().map.version.0,
                 owner: None,
                 addr: None,
-            }),
-            Admit::NeedBorrow => Err(Reply::Error(fs_err!(
+            })),
+            Admit::NeedBorrow => Err(Box::new(Reply::Error(fs_err!(
                 EXDEV,
                 "{} needs tables held by other servers, and borrowing them is not wired yet",
                 op.name()
-            ))),
+            )))),
         }
     }
 
@@ -671,7 +674,7 @@ pub async fn task_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, 
         let core = shared.core.lock();
         match host.admit_op(&core, client, &req.op) {
             Ok(t) => t,
-            Err(reply) => return (reply, 0),
+            Err(reply) => return (*reply, 0),
         }
     };
     let (reply, lsn) = crate::filesvc::data_op(shared.clone(), client, req).await;

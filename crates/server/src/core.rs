@@ -263,7 +263,7 @@ impl Shared {
                 Some(host) => match host.admit_op(&core, client, &req.op) {
                     Ok(tables) => tables,
                     Err(reply) => {
-                        replies.push((*rid, reply, 0));
+                        replies.push((*rid, *reply, 0));
                         continue;
                     }
                 },
@@ -398,7 +398,11 @@ impl Shared {
             server_id: self.server_id,
             pid: std::process::id(),
             epoch: self.journal.id().epoch,
-            coordinators: Vec::new(),
+            coordinators: self
+                .cluster
+                .as_ref()
+                .map(|h| h.coord_addrs.clone())
+                .unwrap_or_default(),
             uptime_ms: self.started.elapsed().as_millis() as u64,
             tables,
             inodes,

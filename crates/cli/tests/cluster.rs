@@ -1,0 +1,259 @@
+//! `kochab up --servers N`: a coordinator and N metadata server processes serving one
+//! namespace; a server killed or paused past its lease is replaced and clients ride it out.
+
+mod common;
+
+use common::{ServerProc, kochab_bin, runtime};
+use kochab_client::Client;
+use kochab_proto::{Credentials, InodeId};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// `kochab status --json` of the cluster, or None while it does not answer as one.
+fn status(server: &ServerProc) -> Option<serde_json::Value> {
+    let out = Command::new(kochab_bin())
+        .args(["status", "--json", "--cluster", &server.addr.to_string()])
+        .arg("--key-file")
+        .arg(server.data.join("cluster.key"))
+        .output()
+        .ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    v.get("servers").is_some().then_some(v)
+}
+
+/// Server id -> (pid, number of tables), once every server answers and the tables are
+/// spread evenly (each holds at least `min_tables`). Panics with the log after 90 s.
+fn wait_spread(server: &ServerProc, n: usize, min_tables: usize) -> BTreeMap<u64, (i32, usize)> {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut last = None;
+    while Instant::now() < deadline {
+        if let Some(v) = status(server) {
+            let servers = v["servers"].as_array().cloned().unwrap_or_default();
+            let got: BTreeMap<u64, (i32, usize)> = servers
+                .iter()
+                .filter_map(|s| {
+                    Some((
+                        s["id"].as_u64()?,
+                        (s["pid"].as_i64()? as i32, s["tables"].as_array()?.len()),
+                    ))
+                })
+                .collect();
+            if got.len() == n && got.values().all(|&(_, t)| t >= min_tables) {
+                return got;
+            }
+            last = Some(v);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!(
+        "tables not spread over {n} servers within 90 s; last status {last:#?}\nlog:\n{}",
+        server.log_text()
+    );
+}
+
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill(2) on a server process this test's cluster started.
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
+
+/// The server that holds `id`'s table, by the cluster's status.
+fn owner_of(server: &ServerProc, id: InodeId) -> Option<(u64, i32)> {
+    let v = status(server)?;
+    let owner = v["tables"].as_array()?.iter().find_map(|t| {
+        let lo = u64::from_str_radix(t["lo"].as_str()?, 16).ok()?;
+        let hi = u64::from_str_radix(t["hi"].as_str()?, 16).ok()?;
+        (lo <= id && id < hi).then(|| t["owner"].as_u64())?
+    })?;
+    let pid = v["servers"]
+        .as_array()?
+        .iter()
+        .find(|s| s["id"].as_u64() == Some(owner))?["pid"]
+        .as_i64()? as i32;
+    Some((owner, pid))
+}
+
+async fn names_of(c: &Client, dir: InodeId) -> BTreeSet<String> {
+    c.readdir_all(&Credentials::root(), dir, false)
+        .await
+        .expect("readdir")
+        .into_iter()
+        .map(|e| String::from_utf8_lossy(&e.name).into_owned())
+        .filter(|n| n != "." && n != "..")
+        .collect()
+}
+
+fn start(dir: &Path, servers: &str) -> ServerProc {
+    ServerProc::start(&dir.join("data"), &["--servers", servers, "--lease", "2"])
+}
+
+/// A new cluster of `n` servers, its tables spread, whose root holds the directories
+/// `dirs`. (They land in the root's table: a mkdir whose new id would land on another
+/// server needs BORROW, which is not wired, so a server allocates in its own tables.)
+fn start_with_dirs(dir: &Path, n: usize, dirs: &[&str]) -> ServerProc {
+    let server = start(dir, &n.to_string());
+    wait_spread(&server, n, 19 / n);
+    runtime().block_on(async {
+        let c = server.client(3).await;
+        for d in dirs {
+            c.mkdir(&Credentials::root(), c.root(), d.as_bytes(), 0o755)
+                .await
+                .unwrap_or_else(|e| panic!("mkdir {d}: {e}"));
+        }
+    });
+    server
+}
+
+async fn dir_ids(c: &Client, names: &[&str]) -> Vec<InodeId> {
+    let mut out = Vec::new();
+    for d in names {
+        out.push(
+            c.lookup(&Credentials::root(), c.root(), d.as_bytes())
+                .await
+                .unwrap_or_else(|e| panic!("lookup {d}: {e}"))
+                .id,
+        );
+    }
+    out
+}
+
+#[test]
+fn three_server_processes_serve_one_namespace_and_spread_its_tables() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let names = ["d0", "d1", "d2", "d3", "d4", "d5"];
+    let server = start_with_dirs(dir.path(), 3, &names);
+    // 19 tables over 3 servers: 6, 6 and 7.
+    let spread = wait_spread(&server, 3, 6);
+    let pids: BTreeSet<i32> = spread.values().map(|&(p, _)| p).collect();
+    assert_eq!(pids.len(), 3, "each server its own process: {spread:?}");
+    assert!(pids.iter().all(|&p| alive(p)));
+    let rt = runtime();
+    rt.block_on(async {
+        let c = server.client(3).await;
+        let cred = Credentials::root();
+        let dirs = dir_ids(&c, &names).await;
+        // The entry server is not the root's: every request is routed by the map.
+        let (root_owner, _) = owner_of(&server, c.root()).expect("root's owner");
+        assert_ne!(root_owner, 2, "the root's table moved off the first server");
+        for (i, &d) in dirs.iter().enumerate() {
+            for f in 0..30 {
+                c.create(&cred, d, format!("f{f}").as_bytes(), 0o644)
+                    .await
+                    .unwrap_or_else(|e| panic!("create d{i}/f{f}: {e}"));
+            }
+            c.mkdir(&cred, d, b"sub", 0o755).await.expect("mkdir below");
+        }
+        for (i, &d) in dirs.iter().enumerate() {
+            let got = names_of(&c, d).await;
+            assert_eq!(got.len(), 31, "d{i}: {got:?}");
+            let a = c.lookup(&cred, d, b"f7").await.expect("lookup");
+            c.getattr(&cred, a.id).await.expect("getattr");
+            c.rename(&cred, d, b"f0", d, b"g0", 0)
+                .await
+                .expect("rename in a directory");
+            c.unlink(&cred, d, b"f1").await.expect("unlink");
+        }
+        let top = names_of(&c, c.root()).await;
+        assert_eq!(top, names.iter().map(|s| s.to_string()).collect());
+    });
+}
+
+#[test]
+fn a_killed_server_is_replaced_and_its_clients_ride_it_out() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = start_with_dirs(dir.path(), 2, &["work"]);
+    let rt = runtime();
+    rt.block_on(async {
+        let c = server.client(3).await;
+        let d = dir_ids(&c, &["work"]).await[0];
+        let (victim, pid) = owner_of(&server, d).expect("owner of the directory");
+        let writer = {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let mut acked = Vec::new();
+                let mut longest = Duration::ZERO;
+                let mut last = Instant::now();
+                for i in 0..400u32 {
+                    let name = format!("f{i}");
+                    match c
+                        .create(&Credentials::root(), d, name.as_bytes(), 0o644)
+                        .await
+                    {
+                        Ok(_) => {
+                            longest = longest.max(last.elapsed());
+                            last = Instant::now();
+                            acked.push(name);
+                        }
+                        Err(e) => panic!("create {name} failed: {e}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                (acked, longest)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        signal(pid, libc::SIGKILL);
+        let (acked, longest) = writer.await.expect("writer");
+        eprintln!("server {victim} killed; longest pause between acknowledged creates {longest:?}");
+        assert!(
+            longest < Duration::from_secs(20),
+            "clients did not ride out the failover: {longest:?}"
+        );
+        let got = names_of(&c, d).await;
+        for name in &acked {
+            assert!(got.contains(name), "acknowledged {name} lost");
+        }
+        assert_eq!(got.len(), acked.len());
+    });
+    // The killed server comes back as a new process (a new incarnation).
+    let spread = wait_spread(&server, 2, 1);
+    assert!(spread.values().all(|&(p, _)| alive(p)));
+}
+
+#[test]
+fn a_server_paused_past_its_lease_never_serves_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = start_with_dirs(dir.path(), 2, &["work"]);
+    let rt = runtime();
+    rt.block_on(async {
+        let c = server.client(3).await;
+        let cred = Credentials::root();
+        let d = dir_ids(&c, &["work"]).await[0];
+        let (_, pid) = owner_of(&server, d).expect("owner");
+        c.create(&cred, d, b"before", 0o644).await.expect("create");
+        signal(pid, libc::SIGSTOP);
+        // Past the 2 s lease: the coordinator fences it and another server recovers its
+        // tables; the client follows.
+        c.create(&cred, d, b"during", 0o644)
+            .await
+            .expect("create while the owner is stopped");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        signal(pid, libc::SIGCONT);
+        // Resumed, it finds its lease over: it must not serve or acknowledge; it stops and
+        // is restarted as a new incarnation.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while alive(pid) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(!alive(pid), "a fenced server kept running");
+        c.create(&cred, d, b"after", 0o644).await.expect("create");
+        let got = names_of(&c, d).await;
+        assert_eq!(
+            got,
+            ["after", "before", "during"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        );
+    });
+    let log = server.log_text();
+    assert!(log.contains("exited"), "the supervisor saw it go:\n{log}");
+}
