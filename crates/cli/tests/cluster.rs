@@ -257,3 +257,45 @@ fn a_server_paused_past_its_lease_never_serves_again() {
     let log = server.log_text();
     assert!(log.contains("exited"), "the supervisor saw it go:\n{log}");
 }
+
+#[test]
+fn a_cluster_restarted_with_more_servers_serves_what_one_server_made() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let names = ["t0", "t1", "t2", "t3"];
+    let mut one = start(dir.path(), "1");
+    runtime().block_on(async {
+        let c = one.client(3).await;
+        let cred = Credentials::root();
+        for d in names {
+            // One server holds every table: top-level directories are dealt across them.
+            let a = c
+                .mkdir(&cred, c.root(), d.as_bytes(), 0o755)
+                .await
+                .expect("mkdir");
+            c.create(&cred, a.id, b"kept", 0o644).await.expect("create");
+        }
+    });
+    assert_eq!(one.stop(), Some(0), "clean stop; log:\n{}", one.log_text());
+    drop(one);
+    let server = start(dir.path(), "2");
+    wait_spread(&server, 2, 9);
+    runtime().block_on(async {
+        let c = server.client(3).await;
+        let cred = Credentials::root();
+        // The root's entries name directories whose inodes another server may hold: the
+        // lookup is answered with the id and the attributes come from its owner.
+        let dirs = dir_ids(&c, &names).await;
+        let owners: BTreeSet<u64> = dirs
+            .iter()
+            .filter_map(|&d| owner_of(&server, d).map(|o| o.0))
+            .collect();
+        assert_eq!(owners.len(), 2, "the directories are on both servers");
+        for (i, &d) in dirs.iter().enumerate() {
+            c.lookup(&cred, d, b"kept")
+                .await
+                .expect("a file made before the restart");
+            c.create(&cred, d, b"new", 0o644).await.expect("create");
+            assert_eq!(names_of(&c, d).await.len(), 2, "t{i}");
+        }
+    });
+}

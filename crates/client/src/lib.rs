@@ -680,14 +680,16 @@ impl Client {
     }
 
     pub async fn lookup(&self, cred: &Credentials, parent: InodeId, name: &[u8]) -> FsResult<Attr> {
-        self.entry(
-            cred,
-            Op::Lookup {
-                parent,
-                name: name.to_vec(),
-            },
-        )
-        .await
+        let op = Op::Lookup {
+            parent,
+            name: name.to_vec(),
+        };
+        match self.call(cred, op).await? {
+            Reply::Entry(a) | Reply::Attr(a) => Ok(a),
+            // The name is on the parent's server, the inode on another: ask its owner.
+            Reply::Child { id } => self.getattr(cred, id).await,
+            other => Err(unexpected(other)),
+        }
     }
 
     pub async fn getattr(&self, cred: &Credentials, id: InodeId) -> FsResult<Attr> {

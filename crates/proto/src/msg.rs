@@ -545,6 +545,11 @@ pub enum Reply {
     },
     /// KeyList.
     Keys(Vec<KeyInfo>),
+    /// Lookup whose name exists but names an inode another server holds: the caller asks
+    /// that inode's owner for its attributes (as NFS clients follow LOOKUP with GETATTR).
+    Child {
+        id: InodeId,
+    },
     /// GetMap.
     Map(DelegationMap),
     /// Control: the participant's answer, if it has one yet (the coordinator resends).

@@ -505,6 +505,7 @@ fn reply() -> impl Strategy<Value = Reply> {
         vec(key_info(), 0..4).prop_map(Reply::Keys),
         stat_fs().prop_map(Reply::StatFs),
         status_report().prop_map(Reply::Status),
+        any::<u64>().prop_map(|id| Reply::Child { id }),
         delegation_map().prop_map(Reply::Map),
         proptest::option::of(control_reply()).prop_map(Reply::Control),
     ];
@@ -788,6 +789,7 @@ fn reply_variant(r: &Reply) -> usize {
         Reply::Keys(_) => 14,
         Reply::Map(_) => 15,
         Reply::Control(_) => 16,
+        Reply::Child { .. } => 17,
     }
 }
 
@@ -795,7 +797,7 @@ fn reply_variant(r: &Reply) -> usize {
 fn every_reply_variant_is_generated() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = reply();
-    let mut seen = [false; 17];
+    let mut seen = [false; 18];
     for _ in 0..5000 {
         let tree = strategy.new_tree(&mut runner).unwrap();
         seen[reply_variant(&tree.current())] = true;

@@ -360,7 +360,17 @@ impl ClusterHost {
 
     /// Names the owner in an engine's WRONG_SERVER (an id outside the hosted tables found
     /// while the operation ran).
-    pub fn fix_reply(&self, engine: &mut kochab_meta::Engine, reply: Reply) -> Reply {
+    /// A lookup whose child lies in a table held elsewhere is answered with the child's id
+    /// (`Reply::Child`): the name is here, the attributes are with the child's owner.
+    pub fn fix_reply(&self, engine: &mut kochab_meta::Engine, op: &Op, reply: Reply) -> Reply {
+        if let (Op::Lookup { parent, .. }, Reply::WrongServer { owner: None, .. }) = (op, &reply)
+            && let Some(id) = engine.last_not_hosted
+            && engine.table_index(*parent).is_some()
+            && engine.table_index(id).is_none()
+        {
+            engine.last_not_hosted = None;
+            return Reply::Child { id };
+        }
         match reply {
             Reply::WrongServer {
                 map_version,
