@@ -269,20 +269,9 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
             let entry: SocketAddr = server_addrs[0]
                 .parse()
                 .map_err(|e| format!("server address: {e}"))?;
-            let mut cfg = ClientConfig::new(entry, key);
-            cfg.connections = 2;
-            let client = Client::connect(cfg)
-                .await
-                .map_err(|e| format!("cannot connect the mount: {e}"))?;
-            let session = mount::mount(
-                client,
-                &server_addrs[0],
-                dir,
-                mount::options(args.mount_options.as_deref()),
-            )
-            .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
-            eprintln!("kochab: mounted at {}", dir.display());
-            Some(session)
+            let cfg = ClientConfig::new(entry, key);
+            let options = args.mount_options.as_deref();
+            Some(mount::connect_and_mount(cfg, &server_addrs[0], dir, options).await?)
         }
         None => None,
     };

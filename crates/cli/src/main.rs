@@ -494,20 +494,10 @@ async fn up(args: UpArgs) -> Result<(), String> {
     let mount = match &args.mount {
         Some(dir) => {
             let mut cfg = ClientConfig::new(server.addr, server.key);
-            cfg.connections = 2;
             cfg.tls = mount_tls;
-            let client = Client::connect(cfg)
-                .await
-                .map_err(|e| format!("cannot connect the mount: {e}"))?;
-            let session = mount::mount(
-                client,
-                &server.addr.to_string(),
-                dir,
-                mount::options(args.mount_options.as_deref()),
-            )
-            .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
-            eprintln!("kochab: mounted at {}", dir.display());
-            Some(session)
+            let source = server.addr.to_string();
+            let options = args.mount_options.as_deref();
+            Some(mount::connect_and_mount(cfg, &source, dir, options).await?)
         }
         None => None,
     };

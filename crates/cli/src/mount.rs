@@ -65,6 +65,25 @@ pub fn mount(
     Ok(session)
 }
 
+/// Connects a mount's client (two connections per server) with `cfg` and mounts the
+/// cluster (`source`, its address) at `dir` with `-o`-style `options`: the mount of
+/// `kochab up --mount`, one server or many.
+pub async fn connect_and_mount(
+    mut cfg: ClientConfig,
+    source: &str,
+    dir: &Path,
+    options_text: Option<&str>,
+) -> Result<fuser::BackgroundSession, String> {
+    cfg.connections = 2;
+    let client = Client::connect(cfg)
+        .await
+        .map_err(|e| format!("cannot connect the mount: {e}"))?;
+    let session = mount(client, source, dir, options(options_text))
+        .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
+    eprintln!("kochab: mounted at {}", dir.display());
+    Ok(session)
+}
+
 /// Read-ahead of the mount, in KiB. FUSE's default of 128 KiB makes a sequential read one
 /// small round trip after another (measured: 1 GiB cold read 307 MB/s at 128 KiB, 632 MB/s
 /// at 1 MiB).

@@ -179,18 +179,6 @@ pub struct Client {
     inner: Arc<Inner>,
 }
 
-fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    if getrandom::fill(&mut b).is_err() {
-        // No OS randomness: fall back to time and pid, still distinct across clients.
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        return t ^ ((std::process::id() as u64) << 32);
-    }
-    u64::from_le_bytes(b)
-}
-
 /// How one attempt at one server ended.
 enum Outcome {
     Reply(Reply),
@@ -243,7 +231,7 @@ impl Client {
         let pool = Pool::new(
             pool::Dial {
                 key: config.key,
-                client_id: random_u64(),
+                client_id: kochab_proto::auth::random_u64(),
                 timeout: config.connect_timeout,
                 tls: config.tls.clone(),
             },
@@ -335,18 +323,7 @@ impl Client {
     /// The inode a request is routed by: the first it names, for a handle operation the
     /// inode the handle was opened on, else the root (its server answers for the cluster).
     fn target_of(&self, op: &Op) -> InodeId {
-        let handle = match *op {
-            Op::Close { handle }
-            | Op::Read { handle, .. }
-            | Op::Write { handle, .. }
-            | Op::Fsync { handle, .. }
-            | Op::Fallocate { handle, .. }
-            | Op::GetLk { handle, .. }
-            | Op::SetLk { handle, .. }
-            | Op::ReleaseLocks { handle, .. } => Some(handle),
-            _ => None,
-        };
-        let id = match handle {
+        let id = match op.handle() {
             Some(h) => self.inner.handles.lock().get(&h).map(|h| h.id),
             None => op.inode_ids()[0],
         };

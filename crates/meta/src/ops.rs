@@ -262,6 +262,11 @@ impl Engine {
                 }
             },
         };
+        if self.member && self.table_index(id).is_none() {
+            // The name is here, the inode in a table another server holds: its owner
+            // answers for the attributes.
+            return Ok(Reply::Child { id });
+        }
         Ok(Reply::Entry(self.get(id)?.attr(id)))
     }
 

@@ -14,6 +14,19 @@ use sha2::Sha256;
 /// Bytes of a key.
 pub const KEY_BYTES: usize = 32;
 
+/// A random 64-bit name (a client's id, a server process's nonce): from the OS, or without
+/// OS randomness from the time and pid, which still differ between processes.
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    if getrandom::fill(&mut b).is_err() {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        return t ^ (u64::from(std::process::id()) << 32);
+    }
+    u64::from_le_bytes(b)
+}
+
 /// A key (the cluster key or a client key).
 pub type ClusterKey = [u8; KEY_BYTES];
 

@@ -461,6 +461,22 @@ impl Op {
         }
     }
 
+    /// The open handle the operation acts through, for the operations that name one (they
+    /// reach an inode only through it: whoever routes or admits them looks the handle up).
+    pub fn handle(&self) -> Option<u64> {
+        match *self {
+            Op::Close { handle }
+            | Op::Read { handle, .. }
+            | Op::Write { handle, .. }
+            | Op::Fsync { handle, .. }
+            | Op::Fallocate { handle, .. }
+            | Op::GetLk { handle, .. }
+            | Op::SetLk { handle, .. }
+            | Op::ReleaseLocks { handle, .. } => Some(handle),
+            _ => None,
+        }
+    }
+
     /// The directories whose entries the operation adds or removes: a successful reply
     /// carries their attributes afterwards (see [`Reply::WithDirs`]).
     pub fn changed_dirs(&self) -> [Option<InodeId>; 2] {

@@ -97,17 +97,6 @@ pub struct ClusterHost {
     fenced: watch::Sender<Option<String>>,
 }
 
-fn random_nonce() -> u64 {
-    let mut b = [0u8; 8];
-    if getrandom::fill(&mut b).is_err() {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        return t ^ ((std::process::id() as u64) << 32);
-    }
-    u64::from_le_bytes(b)
-}
-
 /// True if `r` answers the control `c` (the driver matches replies to what it sent).
 pub fn answers(c: &Control, r: &ControlReply) -> bool {
     match (&c.body, r) {
@@ -130,18 +119,7 @@ pub fn table_of(ranges: &[(u64, u64)], id: InodeId) -> Option<TableId> {
 /// The inodes an operation touches by id or through a handle of this client.
 fn op_ids(core: &Core, client: u64, op: &Op) -> Vec<InodeId> {
     let mut ids: Vec<InodeId> = op.inode_ids().into_iter().flatten().collect();
-    let handle = match op {
-        Op::Close { handle }
-        | Op::Read { handle, .. }
-        | Op::Write { handle, .. }
-        | Op::Fsync { handle, .. }
-        | Op::Fallocate { handle, .. }
-        | Op::GetLk { handle, .. }
-        | Op::SetLk { handle, .. }
-        | Op::ReleaseLocks { handle, .. } => Some(*handle),
-        _ => None,
-    };
-    if let Some(h) = handle
+    if let Some(h) = op.handle()
         && let Some(of) = core.sessions.get(client, h)
     {
         ids.push(of.id);
@@ -192,7 +170,7 @@ impl ClusterHost {
             p: Mutex::new(Participant::new(
                 cfg.server,
                 cfg.addr.clone(),
-                random_nonce(),
+                kochab_proto::auth::random_u64(),
                 participant,
             )),
             coord: client(Duration::from_secs(2)),
@@ -260,17 +238,7 @@ impl ClusterHost {
     /// Resolves with the reason once this incarnation is fenced: it serves and
     /// acknowledges nothing more; its process should exit (a new one is a new incarnation).
     pub fn fenced(&self) -> impl std::future::Future<Output = String> + Send + 'static {
-        let mut rx = self.fenced.subscribe();
-        async move {
-            loop {
-                if let Some(why) = rx.borrow_and_update().clone() {
-                    return why;
-                }
-                if rx.changed().await.is_err() {
-                    std::future::pending::<()>().await;
-                }
-            }
-        }
+        crate::server::first_reason(self.fenced.subscribe())
     }
 
     /// Connects the host to the server it runs in (once).
@@ -360,17 +328,7 @@ impl ClusterHost {
 
     /// Names the owner in an engine's WRONG_SERVER (an id outside the hosted tables found
     /// while the operation ran).
-    /// A lookup whose child lies in a table held elsewhere is answered with the child's id
-    /// (`Reply::Child`): the name is here, the attributes are with the child's owner.
-    pub fn fix_reply(&self, engine: &mut kochab_meta::Engine, op: &Op, reply: Reply) -> Reply {
-        if let (Op::Lookup { parent, .. }, Reply::WrongServer { owner: None, .. }) = (op, &reply)
-            && let Some(id) = engine.last_not_hosted
-            && engine.table_index(*parent).is_some()
-            && engine.table_index(id).is_none()
-        {
-            engine.last_not_hosted = None;
-            return Reply::Child { id };
-        }
+    pub fn fix_reply(&self, engine: &mut kochab_meta::Engine, reply: Reply) -> Reply {
         match reply {
             Reply::WrongServer {
                 map_version,

@@ -288,7 +288,7 @@ impl Shared {
             // it observed; whole-server answers wait for everything.
             let own = if after > before || global { after } else { 0 };
             let reply = match &self.cluster {
-                Some(host) => host.fix_reply(&mut core.engine, &req.op, reply),
+                Some(host) => host.fix_reply(&mut core.engine, reply),
                 None => reply,
             };
             let needed = own.max(core.needed_lsn(&req.op, &reply));

@@ -141,8 +141,8 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
 
 /// A server over a shared store that starts with the tables `ranges` (possibly none) as
 /// incarnation `me` (its id and a fresh epoch, which the caller guarantees unique), and
-/// gets others at run time through [`Shared::add_table`] / [`Shared::recover_tables`]. In
-/// process for now (tests); `kochab mds` will start one per process under the coordinator.
+/// gets others at run time through [`Shared::add_table`] / [`Shared::recover_tables`]
+/// (tests run such members in process; `kochab mds` starts with [`start_cluster_member`]).
 pub async fn start_member(
     config: ServerConfig,
     store: Arc<dyn ObjectStore>,
@@ -151,21 +151,7 @@ pub async fn start_member(
     me: JournalId,
     ranges: Vec<(u64, u64)>,
 ) -> io::Result<RunningServer> {
-    let s = store.clone();
-    let recovered = tokio::task::spawn_blocking(move || {
-        crate::recovery::recover_tables(s.as_ref(), engine, &ranges, me, None, None)
-    })
-    .await
-    .map_err(io::Error::other)??;
-    let member = Member {
-        store,
-        key,
-        status_id: me.server,
-        me,
-        data_path: config.data_dir.clone(),
-        cluster: None,
-    };
-    serve(config, member, recovered, None).await
+    start_over_store(config, store, key, engine, me, ranges, None).await
 }
 
 /// A metadata server under the coordinator (`kochab mds`): it starts with no tables as the
@@ -179,20 +165,34 @@ pub async fn start_cluster_member(
     host: Arc<crate::cluster_host::ClusterHost>,
 ) -> io::Result<RunningServer> {
     let me = host.journal_id();
+    start_over_store(config, store, key, engine, me, Vec::new(), Some(host)).await
+}
+
+/// A server over a shared store, starting with the tables `ranges` as incarnation `me`;
+/// with `cluster`, a member whose host admits its operations.
+async fn start_over_store(
+    config: ServerConfig,
+    store: Arc<dyn ObjectStore>,
+    key: ClusterKey,
+    engine: EngineConfig,
+    me: JournalId,
+    ranges: Vec<(u64, u64)>,
+    cluster: Option<Arc<crate::cluster_host::ClusterHost>>,
+) -> io::Result<RunningServer> {
     let s = store.clone();
     let mut recovered = tokio::task::spawn_blocking(move || {
-        crate::recovery::recover_tables(s.as_ref(), engine, &[], me, None, None)
+        crate::recovery::recover_tables(s.as_ref(), engine, &ranges, me, None, None)
     })
     .await
     .map_err(io::Error::other)??;
-    recovered.engine.member = true;
+    recovered.engine.member = cluster.is_some();
     let member = Member {
         store,
         key,
         status_id: me.server,
         me,
         data_path: config.data_dir.clone(),
-        cluster: Some(host),
+        cluster,
     };
     serve(config, member, recovered, None).await
 }
@@ -597,17 +597,7 @@ impl RunningServer {
     /// owner should shut it down and exit with an error (fail-stop: a server that cannot
     /// make operations durable must not look alive).
     pub fn journal_failure(&self) -> impl std::future::Future<Output = String> + Send + 'static {
-        let mut rx = self.shared.journal.subscribe_failure();
-        async move {
-            loop {
-                if let Some(why) = rx.borrow_and_update().clone() {
-                    return why;
-                }
-                if rx.changed().await.is_err() {
-                    std::future::pending::<()>().await;
-                }
-            }
-        }
+        first_reason(self.shared.journal.subscribe_failure())
     }
 
     /// Stops accepting, closes connections, takes a final checkpoint (so the next start
@@ -636,5 +626,18 @@ impl RunningServer {
             let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }
         self.shared.journal.shutdown();
+    }
+}
+
+/// Resolves with the first reason `rx` carries (now or later); never, if its sender goes
+/// without one.
+pub(crate) async fn first_reason(mut rx: watch::Receiver<Option<String>>) -> String {
+    loop {
+        if let Some(why) = rx.borrow_and_update().clone() {
+            return why;
+        }
+        if rx.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
     }
 }
