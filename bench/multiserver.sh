@@ -19,35 +19,21 @@ CLIENTS=${CLIENTS:-16}
 ITEMS=${ITEMS:-60000}
 EVERY=${EVERY:-"0 1667 400 100 50"}
 tmp=$(mktemp -d /var/tmp/kochab-multi.XXXXXX)
+. bench/cluster_lib.sh
 cleanup() {
-  [ -f "$tmp/pid" ] && kill -TERM "$(cat "$tmp/pid")" 2>/dev/null || true
-  sleep 1
-  pkill -KILL -f -- "--data $tmp/" 2>/dev/null || true
+  cluster_cleanup
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-
-start() {
-  : >"$tmp/out"
-  "$BIN" up --data "$1" --servers 2 --port $PORT >"$tmp/out" 2>>"$tmp/log" &
-  echo $! >"$tmp/pid"
-  for _ in $(seq 600); do grep -q "cluster ready" "$tmp/out" 2>/dev/null && break; sleep 0.1; done
-  grep -q "cluster ready" "$tmp/out" || { echo "cluster did not start" >&2; tail -20 "$tmp/log" >&2; exit 1; }
-}
-stop() {
-  local p; p=$(cat "$tmp/pid")
-  kill -TERM "$p" 2>/dev/null || true
-  while kill -0 "$p" 2>/dev/null; do sleep 0.05; done
-}
 
 : >"$tmp/results"
 for r in $(seq "$ROUNDS"); do
   for every in $EVERY; do
     d="$tmp/data-$every-$r"
-    start "$d"
+    cluster_up "$d" 2
     j=$("$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
           --items "$ITEMS" --top-level --cross-every "$every" --phases create --json)
-    stop
+    cluster_down
     echo "$every $r $j" >>"$tmp/results"
     [ $JSON = 1 ] || echo "every $every round $r: $j"
     rm -rf "$d"

@@ -30,10 +30,9 @@ CLIENTS=${CLIENTS:-64}
 PER=${ITEMS_PER_SERVER:-40000}
 CG=/sys/fs/cgroup/cpu/kochab-scaling
 tmp=$(mktemp -d /var/tmp/kochab-scaling.XXXXXX)
+. bench/cluster_lib.sh
 cleanup() {
-  [ -f "$tmp/pid" ] && kill -TERM "$(cat "$tmp/pid")" 2>/dev/null || true
-  sleep 1
-  pkill -KILL -f -- "--data $tmp/" 2>/dev/null || true
+  cluster_cleanup
   for g in "$CG"/s*; do [ -d "$g" ] && rmdir "$g" 2>/dev/null; done
   rmdir "$CG" 2>/dev/null || true
   rm -rf "$tmp"
@@ -45,11 +44,7 @@ quota=$(python3 -c "print(int($period*$CPU_SHARE))")
 
 start() {  # start DATA N [nocap]
   local d=$1 n=$2 nocap=${3:-}
-  : >"$tmp/out"
-  "$BIN" up --data "$d" --servers "$n" --port $PORT >"$tmp/out" 2>>"$tmp/log" &
-  echo $! >"$tmp/pid"
-  for _ in $(seq 600); do grep -q "cluster ready" "$tmp/out" 2>/dev/null && break; sleep 0.1; done
-  grep -q "cluster ready" "$tmp/out" || { echo "cluster of $n did not start; log:"; tail -20 "$tmp/log"; exit 1; }
+  cluster_up "$d" "$n"
   [ -n "$nocap" ] && return 0
   # Wait until the coordinator has spread the tables evenly and nothing moves.
   local want=$((19 / n)) coord=127.0.0.1:$((PORT + n)) ok=0
@@ -80,11 +75,6 @@ sys.exit(0 if even and s['migrations'] == 0 and s['placed'] == s['tables'] else 
   done
   [ "$i" -eq "$n" ] || { echo "found $i server processes, expected $n"; exit 1; }
 }
-stop() {
-  local p; p=$(cat "$tmp/pid")
-  kill -TERM "$p" 2>/dev/null || true
-  while kill -0 "$p" 2>/dev/null; do sleep 0.05; done
-}
 
 : >"$tmp/results"
 for r in $(seq "$ROUNDS"); do
@@ -96,13 +86,13 @@ for r in $(seq "$ROUNDS"); do
       start "$d" 1 nocap
       "$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
         --items "$CLIENTS" "${flag[@]}" --phases create,remove --json >/dev/null
-      stop
+      cluster_down
       start "$d" "$n"
       items=$((PER * n))
       j=$("$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
             --items $items "${flag[@]}" --phases create,stat --json)
       restarts=$(grep -c "exited" "$tmp/log" || true)
-      stop
+      cluster_down
       echo "$n $mode $r $restarts $j" | tee -a "$tmp/results"
       rm -rf "$d"
     done

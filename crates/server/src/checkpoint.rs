@@ -169,50 +169,37 @@ pub fn swap_manifest(store: &dyn ObjectStore, m: &mut Manifest) -> io::Result<()
 /// Reads a table's newest manifest (an empty one, version 0, if the table was never
 /// checkpointed or claimed).
 pub fn read_manifest(store: &dyn ObjectStore, lo: u64, hi: u64) -> io::Result<Manifest> {
-    match newest_version(store, &manifest_base(lo))? {
+    match read_manifest_by_id(store, lo)? {
         None => Ok(Manifest {
             lo,
             hi,
             ..Default::default()
         }),
-        Some((version, bytes)) => {
-            let mut m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
-                io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("manifest of table {lo:016x}: {e}"),
-                )
-            })?;
-            m.version = version;
-            if m.lo != lo || m.hi != hi {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!(
-                        "manifest of table {lo:016x} describes {:x}..{:x}",
-                        m.lo, m.hi
-                    ),
-                ));
-            }
-            Ok(m)
-        }
+        Some(m) if m.lo != lo || m.hi != hi => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "manifest of table {lo:016x} describes {:x}..{:x}",
+                m.lo, m.hi
+            ),
+        )),
+        Some(m) => Ok(m),
     }
 }
 
 /// The newest manifest of the table whose id is `lo`, whatever its range (`None` if it was
 /// never written).
 pub fn read_manifest_by_id(store: &dyn ObjectStore, lo: u64) -> io::Result<Option<Manifest>> {
-    match newest_version(store, &manifest_base(lo))? {
-        None => Ok(None),
-        Some((version, bytes)) => {
-            let mut m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
-                io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("manifest of table {lo:016x}: {e}"),
-                )
-            })?;
-            m.version = version;
-            Ok(Some(m))
-        }
-    }
+    let Some((version, bytes)) = newest_version(store, &manifest_base(lo))? else {
+        return Ok(None);
+    };
+    let mut m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("manifest of table {lo:016x}: {e}"),
+        )
+    })?;
+    m.version = version;
+    Ok(Some(m))
 }
 
 /// The manifests of every table in the store (hosted here or not), for collecting journals
