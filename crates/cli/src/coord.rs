@@ -38,6 +38,10 @@ pub struct CoordArgs {
     /// long is fenced and its tables are recovered elsewhere.
     #[arg(long, default_value_t = 10.0)]
     lease: f64,
+    /// Leave placement to the operator: never move a table to even out the servers'
+    /// table counts (moves are then only an operator's, and recoveries).
+    #[arg(long)]
+    no_balance: bool,
 }
 
 #[derive(Args)]
@@ -130,7 +134,10 @@ pub async fn run(args: CoordArgs) -> Result<(), String> {
     let driver = spawn_driver(
         replica.clone(),
         std::sync::Arc::new(ClientLink::new(key)),
-        DriverConfig::default(),
+        DriverConfig {
+            balance: !args.no_balance,
+            ..DriverConfig::default()
+        },
         std::sync::Arc::new(wall_clock_ms),
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -150,6 +150,8 @@ fn cluster(lease: u32) -> Cluster {
             s("--data"),
             tmp.path().join("coord").display().to_string(),
             s("--bootstrap"),
+            // These tests place tables by hand.
+            s("--no-balance"),
             s("--lease"),
             lease.to_string(),
             s("--key-file"),

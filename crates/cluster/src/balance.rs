@@ -1,13 +1,17 @@
 //! Placement balancing: which table the coordinator leader moves next so that tables end
 //! up spread evenly over the live servers.
 //!
-//! The target is fixed by ids alone: the i-th table (by id) belongs on the (i mod n)-th
-//! live server (by id). Consecutive tables therefore land on different servers, which is
-//! what spreads independent top-level trees (the id policy deals them across consecutive
-//! primary tables). One move at a time, and only while nothing else is in motion (no
-//! migration, no borrow, nothing unplaced), so balancing never competes with a borrow or
-//! a recovery. Load-based moves (hot tables to cool servers) are not built; `load` is
-//! recorded but not read here.
+//! Balance is by count: while the live server with the most tables has at least two more
+//! than the one with the fewest, one of its tables moves there. A placement an operator
+//! chose is therefore left alone as long as it is even; the balancer never undoes a move
+//! that did not unbalance the counts. Which table moves: preferably one whose slot in the
+//! id order (the i-th table by id on the (i mod n)-th live server) is the receiving
+//! server, so a cluster filled from one server ends with consecutive tables on different
+//! servers, which spreads independent top-level trees (the id policy deals them across
+//! consecutive primary tables). One move at a time, and only while nothing else is in
+//! motion (no migration, no borrow, nothing unplaced), so balancing never competes with a
+//! borrow or a recovery. Load-based moves (hot tables to cool servers) are not built;
+//! `load` is recorded but not read here.
 
 use kochab_proto::cluster::{CoordCommand, ServerId, TableId};
 
@@ -32,18 +36,35 @@ pub fn next_move(state: &CoordState) -> Option<CoordCommand> {
     if live.len() < 2 {
         return None;
     }
-    state
+    let mut counts: std::collections::BTreeMap<ServerId, usize> =
+        live.iter().map(|s| (*s, 0)).collect();
+    for p in state.map.tables.values() {
+        if let Some(c) = counts.get_mut(&p.owner) {
+            *c += 1;
+        }
+    }
+    // Ties go to the lowest server id, so the choice is deterministic.
+    let (&from, &most) = counts.iter().rev().max_by_key(|(_, c)| **c)?;
+    let (&to, &fewest) = counts.iter().min_by_key(|(_, c)| **c)?;
+    if most < fewest + 2 {
+        return None;
+    }
+    let slot = |i: usize| live[i % live.len()];
+    let mine: Vec<(usize, TableId)> = state
         .map
         .tables
         .iter()
         .enumerate()
-        .find_map(|(i, (table, placement))| {
-            let target = live[i % live.len()];
-            (placement.owner != target).then_some(CoordCommand::Move {
-                table: TableId(table.0),
-                to: target,
-            })
-        })
+        .filter(|(_, (_, p))| p.owner == from)
+        .map(|(i, (t, _))| (i, *t))
+        .collect();
+    let table = mine
+        .iter()
+        .find(|(i, _)| slot(*i) == to)
+        .or_else(|| mine.iter().find(|(i, _)| slot(*i) != from))
+        .or(mine.first())
+        .map(|(_, t)| *t)?;
+    Some(CoordCommand::Move { table, to })
 }
 
 #[cfg(test)]
@@ -112,5 +133,26 @@ mod tests {
         let owners: Vec<u32> = s.map.tables.values().map(|p| p.owner.0).collect();
         assert_eq!(owners, vec![1, 2, 3, 1, 2, 3, 1, 2]);
         assert_eq!(moves, 5, "tables already in place stay");
+
+        // An operator's move that keeps the counts even stays where it was put.
+        let t = *s.map.tables.keys().next().expect("tables");
+        s.apply(&CoordCommand::Move {
+            table: t,
+            to: ServerId(3),
+        });
+        settle(&mut s);
+        assert_eq!(next_move(&s), None, "3/3/2 -> 2/3/3 is still even");
+        assert_eq!(s.map.owner(t), Some(ServerId(3)));
+        // One that unbalances them is evened out again, by one move.
+        let t2 = *s.map.tables.keys().nth(1).expect("tables");
+        s.apply(&CoordCommand::Move {
+            table: t2,
+            to: ServerId(3),
+        });
+        settle(&mut s);
+        let m = next_move(&s).expect("2/2/4 is uneven");
+        s.apply(&m);
+        settle(&mut s);
+        assert_eq!(next_move(&s), None);
     }
 }
