@@ -299,3 +299,85 @@ fn a_cluster_restarted_with_more_servers_serves_what_one_server_made() {
         }
     });
 }
+
+/// Operations whose inodes lie on two servers borrow every table they need and run as one
+/// record: a rename and a link between directories of different servers, a directory moved
+/// between them (with its subtree check), an rmdir whose directory's inode is not on the
+/// root's server. The servers' fsck finds their tables consistent afterwards.
+#[test]
+fn operations_across_servers_borrow_the_tables_they_need() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let names = ["t0", "t1", "t2", "t3", "t4", "t5"];
+    let mut one = start(dir.path(), "1");
+    runtime().block_on(async {
+        let c = one.client(3).await;
+        for d in names {
+            c.mkdir(&Credentials::root(), c.root(), d.as_bytes(), 0o755)
+                .await
+                .expect("mkdir");
+        }
+    });
+    assert_eq!(one.stop(), Some(0), "clean stop; log:\n{}", one.log_text());
+    drop(one);
+    let server = start(dir.path(), "2");
+    wait_spread(&server, 2, 9);
+    runtime().block_on(async {
+        let c = server.client(3).await;
+        let cred = Credentials::root();
+        let dirs = dir_ids(&c, &names).await;
+        let owner = |id| owner_of(&server, id).expect("owner").0;
+        let root_owner = owner(c.root());
+        let a = dirs[0];
+        let b = *dirs
+            .iter()
+            .find(|&&d| owner(d) != owner(a))
+            .expect("directories on both servers");
+        let log = || server.log_text();
+
+        c.create(&cred, a, b"f", 0o644).await.expect("create");
+        c.rename(&cred, a, b"f", b, b"f", 0)
+            .await
+            .unwrap_or_else(|e| panic!("rename across servers: {e}\n{}", log()));
+        let f = c.lookup(&cred, b, b"f").await.expect("moved file");
+        assert!(c.lookup(&cred, a, b"f").await.is_err(), "old name gone");
+        c.link(&cred, f.id, a, b"l")
+            .await
+            .unwrap_or_else(|e| panic!("link across servers: {e}\n{}", log()));
+        assert_eq!(c.getattr(&cred, f.id).await.expect("stat").nlink, 2);
+
+        let sub = c.mkdir(&cred, a, b"sub", 0o755).await.expect("mkdir");
+        c.create(&cred, sub.id, b"x", 0o644)
+            .await
+            .expect("create below");
+        c.rename(&cred, a, b"sub", b, b"sub", 0)
+            .await
+            .unwrap_or_else(|e| panic!("directory across servers: {e}\n{}", log()));
+        let moved = c.lookup(&cred, b, b"sub").await.expect("moved directory");
+        assert_eq!(moved.id, sub.id);
+        c.lookup(&cred, moved.id, b"x").await.expect("its entry");
+        assert_eq!(c.getattr(&cred, a).await.expect("stat a").nlink, 2);
+        assert_eq!(c.getattr(&cred, b).await.expect("stat b").nlink, 3);
+        // Into its own subtree, across servers: refused by the subtree check.
+        let e = c
+            .rename(&cred, b, b"sub", moved.id, b"loop", 0)
+            .await
+            .expect_err("a directory into itself");
+        assert_eq!(e.errno, kochab_proto::Errno::EINVAL, "{e}");
+
+        c.unlink(&cred, a, b"l").await.expect("unlink the link");
+        assert_eq!(c.getattr(&cred, f.id).await.expect("stat").nlink, 1);
+        // An empty top-level directory whose inode is not on the root's server.
+        let (name, _) = names
+            .iter()
+            .zip(&dirs)
+            .find(|(_, d)| owner(**d) != root_owner && **d != a && **d != b)
+            .expect("an empty directory away from the root's server");
+        c.rmdir(&cred, c.root(), name.as_bytes())
+            .await
+            .unwrap_or_else(|e| panic!("rmdir across servers: {e}\n{}", log()));
+        assert!(c.lookup(&cred, c.root(), name.as_bytes()).await.is_err());
+        assert_eq!(names_of(&c, c.root()).await.len(), names.len() - 1);
+        let problems = c.fsck().await.expect("fsck");
+        assert!(problems.is_empty(), "{problems:?}");
+    });
+}
