@@ -96,8 +96,8 @@ fn start(dir: &Path, servers: &str) -> ServerProc {
 }
 
 /// A new cluster of `n` servers, its tables spread, whose root holds the directories
-/// `dirs`. (They land in the root's table: a mkdir whose new id would land on another
-/// server needs BORROW, which is not wired, so a server allocates in its own tables.)
+/// `dirs` (dealt across the tables, so across the servers: a mkdir whose slot is on
+/// another server borrows its table).
 fn start_with_dirs(dir: &Path, n: usize, dirs: &[&str]) -> ServerProc {
     let server = start(dir, &n.to_string());
     wait_spread(&server, n, 19 / n);
@@ -143,6 +143,12 @@ fn three_server_processes_serve_one_namespace_and_spread_its_tables() {
         // The entry server is not the root's: every request is routed by the map.
         let (root_owner, _) = owner_of(&server, c.root()).expect("root's owner");
         assert_ne!(root_owner, 2, "the root's table moved off the first server");
+        // Top-level directories made on the running cluster are spread over its servers.
+        let homes: BTreeSet<u64> = dirs
+            .iter()
+            .filter_map(|&d| owner_of(&server, d).map(|o| o.0))
+            .collect();
+        assert_eq!(homes.len(), 3, "six top-level directories on three servers");
         for (i, &d) in dirs.iter().enumerate() {
             for f in 0..30 {
                 c.create(&cred, d, format!("f{f}").as_bytes(), 0o644)

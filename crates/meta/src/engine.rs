@@ -336,8 +336,9 @@ impl Engine {
 
     /// The inodes an operation touches beyond the ids it names, as far as the hosted tables
     /// show: the first step of plan-then-execute for operations that span servers. Named:
-    /// the entries an unlink, rmdir or rename removes or replaces, and for a directory that
-    /// moves to another parent, the new parent's ancestors (the subtree check walks them).
+    /// the entries an unlink, rmdir or rename removes or replaces, for a directory that
+    /// moves to another parent the new parent's ancestors (the subtree check walks them),
+    /// and for a new top-level directory the slot its table's turn gives it.
     /// A directory whose table is not hosted hides what lies behind it; the plan then ends
     /// at that directory, and a server that borrowed its table plans again (the engine
     /// still refuses, with `NotHosted`, anything the plan missed). Costs a few lookups.
@@ -350,6 +351,7 @@ impl Engine {
         };
         let mut ids = Vec::new();
         match op {
+            Op::Mkdir { parent, .. } => ids.extend(self.planned_dir(*parent)),
             Op::Unlink { parent, name } | Op::Rmdir { parent, name } => {
                 ids.extend(child(*parent, name).map(|(c, _)| c));
             }
