@@ -706,6 +706,7 @@ pub async fn borrowed_op(
             0,
         );
     };
+    shared.metrics.borrowed_ops.inc();
     loop {
         if tables.len() > kochab_cluster::state::BORROW_TABLES_MAX {
             return (
@@ -718,7 +719,13 @@ pub async fn borrowed_op(
                 0,
             );
         }
-        let held = match host.borrow_tables(&tables).await {
+        let asked = Instant::now();
+        let held = host.borrow_tables(&tables).await;
+        shared
+            .metrics
+            .borrow_wait_seconds
+            .observe(asked.elapsed().as_secs_f64());
+        let held = match held {
             Ok(held) => held,
             Err(reply) => return (reply, 0),
         };

@@ -22,6 +22,7 @@ impl Shared {
     /// Gives up the table whose id is `lo` (see the module). Afterwards another server can
     /// [`Shared::add_table`] it; operations on it here get WRONG_SERVER.
     pub fn drop_table(&self, lo: u64) -> io::Result<()> {
+        let started = std::time::Instant::now();
         let mut ckpt = self.checkpointer.lock();
         if ckpt.manifest(lo).is_none() {
             return Err(io::Error::new(
@@ -55,7 +56,7 @@ impl Shared {
             }
             return Err(e);
         }
-        tracing::info!("released table {lo:016x}");
+        tracing::info!("released table {lo:016x} in {:?}", started.elapsed());
         Ok(())
     }
 
@@ -111,6 +112,7 @@ impl Shared {
     /// Loads `ranges` as start-up does (checkpoints, sealed journals, claims) and adds them
     /// to the engine.
     fn load_tables(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        let started = std::time::Instant::now();
         let mut ckpt = self.checkpointer.lock();
         let config = self.core.lock().engine.config().clone();
         // Only records after this one can touch the tables (they are not served yet).
@@ -133,7 +135,11 @@ impl Shared {
             core.engine
                 .insert_table(table)
                 .map_err(|e| io::Error::new(ErrorKind::AlreadyExists, e))?;
-            tracing::info!("serving table {:016x} from now on", m.lo);
+            tracing::info!(
+                "serving table {:016x} from now on (loaded in {:?})",
+                m.lo,
+                started.elapsed()
+            );
             ckpt.adopt(m);
         }
         Ok(())
