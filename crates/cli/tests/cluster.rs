@@ -387,3 +387,70 @@ fn operations_across_servers_borrow_the_tables_they_need() {
         assert!(problems.is_empty(), "{problems:?}");
     });
 }
+
+/// Through the FUSE mount of a two-server cluster, as a user would: top-level directories
+/// land on both servers, `ls -l` lists entries whose inodes the other server holds, and
+/// `mv` and `ln` between directories of different servers work and keep the counts exact.
+#[test]
+fn the_mount_of_two_servers_lists_moves_and_links_across_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cluster = common::Cluster::start(dir.path(), &["--servers", "2", "--lease", "2"]);
+    wait_spread(&cluster.server, 2, 9);
+    let m = &cluster.mnt;
+    let names: Vec<String> = (0..6).map(|i| format!("top{i}")).collect();
+    for n in &names {
+        std::fs::create_dir(m.join(n)).expect("mkdir");
+        std::fs::write(m.join(n).join("file"), n.as_bytes()).expect("write");
+    }
+    let owners: BTreeSet<u64> = names
+        .iter()
+        .filter_map(|n| {
+            use std::os::unix::fs::MetadataExt;
+            let ino = std::fs::metadata(m.join(n)).expect("stat").ino();
+            owner_of(&cluster.server, ino).map(|o| o.0)
+        })
+        .collect();
+    assert_eq!(owners.len(), 2, "top-level directories on both servers");
+    // `ls -l` of the root: every directory listed, with attributes.
+    let mut listed: Vec<String> = std::fs::read_dir(m)
+        .expect("readdir")
+        .map(|e| {
+            let e = e.expect("entry");
+            assert!(e.metadata().expect("attributes").is_dir());
+            e.file_name().to_string_lossy().into_owned()
+        })
+        .collect();
+    listed.sort();
+    assert_eq!(listed, names);
+    // Every file into top0, and top1 below top0, whichever servers they are on.
+    for n in &names[1..] {
+        std::fs::rename(m.join(n).join("file"), m.join("top0").join(n))
+            .unwrap_or_else(|e| panic!("mv {n}/file: {e}\n{}", cluster.server.log_text()));
+        std::fs::hard_link(m.join("top0").join(n), m.join(n).join("link")).expect("ln");
+    }
+    std::fs::rename(m.join("top1"), m.join("top0").join("moved")).expect("mv a directory");
+    for n in &names[1..] {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(m.join("top0").join(n)).expect("stat moved file");
+        assert_eq!(meta.nlink(), 2, "{n}");
+        assert_eq!(
+            std::fs::read(m.join("top0").join(n)).expect("read"),
+            n.as_bytes()
+        );
+    }
+    assert_eq!(
+        std::fs::read(m.join("top0/moved/link")).expect("read through the moved directory"),
+        b"top1"
+    );
+    let listed = std::fs::read_dir(m.join("top0")).expect("readdir").count();
+    assert_eq!(
+        listed,
+        1 + 5 + 1,
+        "file, five moved files, the moved directory"
+    );
+    std::fs::remove_dir_all(m.join("top0")).expect("rm -r across servers");
+    for n in &names[2..] {
+        std::fs::remove_dir_all(m.join(n)).expect("rm -r");
+    }
+    assert_eq!(std::fs::read_dir(m).expect("readdir").count(), 0);
+}
