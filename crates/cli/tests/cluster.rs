@@ -370,6 +370,27 @@ fn operations_across_servers_borrow_the_tables_they_need() {
             .expect_err("a directory into itself");
         assert_eq!(e.errno, kochab_proto::Errno::EINVAL, "{e}");
 
+        // A file open at its server and replaced by a rename from the other server (which
+        // borrows its table): it lives on until closed, as on one server.
+        let (_, h) = c
+            .create_open(&cred, b, b"open", 0o644, libc::O_RDWR as u32)
+            .await
+            .expect("create and open");
+        c.write(&cred, h, 0, b"still here".to_vec())
+            .await
+            .expect("write");
+        c.create(&cred, a, b"new", 0o644).await.expect("create");
+        c.rename(&cred, a, b"new", b, b"open", 0)
+            .await
+            .unwrap_or_else(|e| panic!("rename over an open file: {e}\n{}", log()));
+        assert_eq!(
+            c.read(&cred, h, 0, 64)
+                .await
+                .expect("read the replaced file"),
+            b"still here"
+        );
+        c.close(&cred, h).await.expect("close");
+
         c.unlink(&cred, a, b"l").await.expect("unlink the link");
         assert_eq!(c.getattr(&cred, f.id).await.expect("stat").nlink, 1);
         // An empty top-level directory whose inode is not on the root's server.

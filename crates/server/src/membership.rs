@@ -30,7 +30,7 @@ impl Shared {
                 format!("table {lo:016x} is not hosted here"),
             ));
         }
-        let (table, last) = {
+        let (table, open, last) = {
             let mut core = self.core.lock();
             let table = core.engine.remove_table(lo).ok_or_else(|| {
                 io::Error::new(
@@ -38,11 +38,12 @@ impl Shared {
                     format!("table {lo:016x} is not hosted"),
                 )
             })?;
-            (table, self.journal.last_lsn())
+            let open = core.engine.take_open_counts(table.lo, table.hi);
+            (table, open, self.journal.last_lsn())
         };
         self.journal.flush_now();
         let result = if self.journal.wait_durable(last) {
-            ckpt.release(self, &table).map(|_| ())
+            ckpt.release(self, &table, open.clone()).map(|_| ())
         } else {
             Err(io::Error::other("journal failed; table not released"))
         };
@@ -53,6 +54,7 @@ impl Shared {
                 if let Err(e2) = core.engine.insert_table(table) {
                     tracing::error!("table {lo:016x} could not be put back: {e2}");
                 }
+                core.engine.add_open_counts(&open);
             }
             return Err(e);
         }
@@ -73,7 +75,7 @@ impl Shared {
                 ),
             ));
         }
-        self.load_tables(&[(m.lo, m.hi)])
+        self.load_tables(&[(m.lo, m.hi)], true)
     }
 
     /// Takes over the tables `ids` of the failed incarnation `journal`: seals its journal
@@ -97,7 +99,7 @@ impl Shared {
             }
             ranges.push((m.lo, m.hi));
         }
-        self.load_tables(&ranges)
+        self.load_tables(&ranges, false)
     }
 
     fn manifest_of(&self, lo: u64) -> io::Result<Manifest> {
@@ -110,8 +112,9 @@ impl Shared {
     }
 
     /// Loads `ranges` as start-up does (checkpoints, sealed journals, claims) and adds them
-    /// to the engine.
-    fn load_tables(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+    /// to the engine. `live`: the tables come from a live server's release, whose clients
+    /// may hold their inodes open (counted here too, see `Manifest::open_elsewhere`).
+    fn load_tables(&self, ranges: &[(u64, u64)], live: bool) -> io::Result<()> {
         let started = std::time::Instant::now();
         let mut ckpt = self.checkpointer.lock();
         let config = self.core.lock().engine.config().clone();
@@ -135,6 +138,9 @@ impl Shared {
             core.engine
                 .insert_table(table)
                 .map_err(|e| io::Error::new(ErrorKind::AlreadyExists, e))?;
+            if live {
+                core.engine.add_open_counts(&m.open_elsewhere);
+            }
             tracing::info!(
                 "serving table {:016x} from now on (loaded in {:?})",
                 m.lo,
