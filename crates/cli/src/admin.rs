@@ -214,19 +214,32 @@ pub async fn table(cmd: TableCommand) -> Result<(), String> {
         return Ok(());
     }
     let started = Instant::now();
-    wait_until(&coord, until, false, "move", |s| {
-        !s.migrations.contains_key(&t) && s.map.owner(t) != from
+    // Done when no migration of the table toward `to` is left. A move that unbalanced
+    // the table counts may be followed at once by a balancing move of this very table
+    // (the leader's balancer), so "the owner is `to`" alone could be missed between polls.
+    let s = wait_until(&coord, until, false, "move", |s| {
+        s.migrations.get(&t).is_none_or(|m| m.to != to)
     })
     .await?;
-    let s = read(&coord).await?;
+    let moving_on = s
+        .migrations
+        .get(&t)
+        .filter(|m| m.from.map(|f| f.server) == Some(to));
     match s.map.owner(t) {
-        Some(o) if o == to => {
+        Some(o) if o == to || moving_on.is_some() => {
             println!(
                 "table {:016x}: moved to server {} in {:.2} s",
                 t.0,
                 to.0,
                 started.elapsed().as_secs_f64()
             );
+            if let Some(m) = moving_on {
+                println!(
+                    "table {:016x}: the balancer moves it on to server {} (the table counts \
+                     were uneven; a coordinator run with --no-balance keeps hand placements)",
+                    t.0, m.to.0
+                );
+            }
             Ok(())
         }
         // The target died during the move and another server took the table.
