@@ -121,20 +121,27 @@ moves_done=$(now_ms)
 rc=0
 wait "$bench_pid" || rc=$?
 cat "$tmp/churn.err" >&2
+st >"$tmp/final.json"
 cluster_down
 if [ -n "${JSON_OUT:-}" ]; then
   { cat "$tmp/churn.json"; cat "$tmp/moves"; } >"$JSON_OUT"
 fi
-python3 - "$tmp/churn.json" "$tmp/moves" "$moves_done" "$rc" "$CLIENTS" <<'PY'
+python3 - "$tmp/churn.json" "$tmp/moves" "$moves_done" "$rc" "$CLIENTS" "$tmp/final.json" <<'PY'
 import json, sys, statistics as st
 r = json.load(open(sys.argv[1]))
+try:
+    final = json.load(open(sys.argv[6]))
+    sizes = ' '.join(f"{t['lo'][:4]}:{t['inodes']}" for t in final['tables'] if t.get('inodes'))
+    print(f"inodes per table at the end (tables with any): {sizes}")
+except Exception as e:
+    print(f"no final status ({e})")
 moves = [l.split() for l in open(sys.argv[2]) if l.strip()]
 moves_done, rc, clients = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 t0 = r['started_unix_ms']
 marks = {}
 for lo, frm, to, a, b, extra in moves:
     for s in range((int(a) - t0) // 1000, (int(b) - t0) // 1000 + 1):
-        marks.setdefault(s, []).append(f"{lo[-8:]} {frm}->{to}")
+        marks.setdefault(s, []).append(f"{lo[:4]} {frm}->{to}")
 print(f"{'second':>6} {'ops':>7}  moves in this second")
 for i, n in enumerate(r['per_second']):
     print(f"{i:>6} {n:>7}  {', '.join(marks.get(i, []))}")
