@@ -332,7 +332,9 @@ fn phase_name(p: Phase) -> &'static str {
 }
 
 /// `kochab status` of a cluster: the servers' part (`cluster_up::status`) and the
-/// coordinator's (per-table load, migrations, borrows, draining servers).
+/// coordinator's (per-table load, migrations, borrows, draining servers). The JSON form
+/// is built here whole, with every field `cluster_up::status` prints and the
+/// coordinator's under `coordinator` (one JSON document, so it cannot be appended).
 pub async fn status(conn: &ConnArgs, map: DelegationMap, json: bool) -> Result<(), String> {
     if !json {
         crate::cluster_up::status(conn, map.clone(), false).await?;
@@ -347,12 +349,14 @@ pub async fn status(conn: &ConnArgs, map: DelegationMap, json: bool) -> Result<(
     let reports = server_reports(conn, &map).await?;
     let coordinators = coordinators_of(&reports);
     let state = coord_state(conn, &coordinators).await;
+    let replicas = replica_statuses(conn, &coordinators).await;
     let st = state.as_ref().ok();
     let draining = |id: ServerId| st.is_some_and(|s| s.draining.contains(&id));
     let sizes = table_sizes(&reports);
     let out = serde_json::json!({
         "map_version": map.version.0,
         "coordinators": coordinators,
+        "coordinator_replicas": replicas,
         "servers": reports.iter().map(|(id, addr, r)| match r {
             Ok(s) => serde_json::json!({
                 "id": id.0, "addr": addr, "pid": s.pid, "epoch": s.epoch,
@@ -392,6 +396,31 @@ fn table_sizes(reports: &[ServerReport]) -> BTreeMap<TableId, (u64, u64)> {
         .flat_map(|s| s.tables.iter())
         .map(|t| (TableId(t.lo), (t.inodes, t.dentries)))
         .collect()
+}
+
+/// Each coordinator replica's own view (role, term, leader, applied index); nothing with a
+/// client key, which replicas do not answer.
+async fn replica_statuses(conn: &ConnArgs, coordinators: &[String]) -> Vec<serde_json::Value> {
+    let Ok(key) = conn.key.load() else {
+        return Vec::new();
+    };
+    if key.id != ADMIN_KEY_ID {
+        return Vec::new();
+    }
+    let socks: Vec<SocketAddr> = coordinators.iter().filter_map(|a| a.parse().ok()).collect();
+    let client =
+        CoordClient::<CoordState>::new(kochab_coord::ClientConfig::new(socks.clone(), key.key));
+    let mut out = Vec::new();
+    for a in socks {
+        out.push(match client.status_of(a).await {
+            Ok(s) => serde_json::json!({
+                "addr": a.to_string(), "id": s.id, "role": s.role, "term": s.term,
+                "leader": s.leader, "last_applied": s.last_applied,
+            }),
+            Err(e) => serde_json::json!({"addr": a.to_string(), "error": e.to_string()}),
+        });
+    }
+    out
 }
 
 fn coordinators_of(reports: &[ServerReport]) -> Vec<String> {
