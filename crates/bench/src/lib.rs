@@ -3,6 +3,8 @@
 //! directory. Names are deterministic, so phases can run in separate invocations (as
 //! mdtest's -C, -T and -r do) and a stat run after a restart checks what a create run made.
 
+pub mod churn;
+
 use kochab_client::Client;
 use kochab_client::proto::{Credentials, Errno, FsResult, InodeId, fs_err};
 use serde::Serialize;

@@ -1,5 +1,6 @@
 //! `kochab`: one binary for every role. See `kochab --help`.
 
+mod admin;
 mod cluster_up;
 mod coord;
 mod fsshell;
@@ -62,6 +63,17 @@ enum Command {
         conn: ConnArgs,
         #[command(subcommand)]
         cmd: KeyCommand,
+    },
+    /// Tables of a cluster of servers (cluster key): move one to another server, online.
+    Table {
+        #[command(subcommand)]
+        cmd: admin::TableCommand,
+    },
+    /// Servers of a cluster (cluster key): drain one (move all its tables off and keep
+    /// it empty) or bring a drained one back into service.
+    Server {
+        #[command(subcommand)]
+        cmd: admin::ServerCommand,
     },
     /// A small file-system shell over the native client.
     Fs {
@@ -385,6 +397,12 @@ struct BenchArgs {
     /// Worker threads of the benchmark's runtime (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
+    /// Instead of the phases: for this many seconds (at most --items items) each client
+    /// repeats create, stat and rename-in-its-directory, counting every error; then
+    /// checks that each acknowledged create and rename is present exactly once, and
+    /// reports operations per second over time.
+    #[arg(long, conflicts_with_all = ["shared_dir", "cross_every"])]
+    churn: Option<f64>,
 }
 
 async fn connect(conn: &ConnArgs) -> Result<Client, String> {
@@ -560,7 +578,7 @@ async fn bench(args: BenchArgs) -> Result<(), String> {
         );
     }
     let client = connect(&args.conn).await?;
-    let cfg = BenchConfig {
+    let mut cfg = BenchConfig {
         clients: args.clients,
         items: args.items,
         shared_dir: args.shared_dir,
@@ -570,6 +588,10 @@ async fn bench(args: BenchArgs) -> Result<(), String> {
         base: args.base.clone(),
         progress: !args.json,
     };
+    if let Some(seconds) = args.churn {
+        cfg.phases.clear();
+        return churn(&client, &cfg, seconds, args.json).await;
+    }
     let report = kochab_bench::run(&client, &cfg)
         .await
         .map_err(|e| format!("benchmark failed: {e}"))?;
@@ -603,6 +625,42 @@ async fn bench(args: BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
+async fn churn(client: &Client, cfg: &BenchConfig, seconds: f64, json: bool) -> Result<(), String> {
+    let r = kochab_bench::churn::run(client, cfg, seconds)
+        .await
+        .map_err(|e| format!("benchmark failed: {e}"))?;
+    if json {
+        println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
+    } else {
+        println!(
+            "{} clients, {:.1} s: {} ops, {:.0} ops/s; per second: {:?}",
+            cfg.clients, r.seconds, r.ops, r.ops_per_sec, r.per_second
+        );
+        println!(
+            "lowest second {} vs median {:.0} ({:.2}); errors {}; creates acked {}, renames acked {}; lost {}, doubled {}, ambiguous {}",
+            r.min_window,
+            r.median_window,
+            r.dip,
+            r.errors,
+            r.creates_acked,
+            r.renames_acked,
+            r.lost,
+            r.doubled,
+            r.ambiguous
+        );
+        if let Some(e) = &r.first_error {
+            println!("first error: {e}");
+        }
+    }
+    if r.errors > 0 || r.lost > 0 || r.doubled > 0 {
+        return Err(format!(
+            "{} errors, {} lost, {} doubled",
+            r.errors, r.lost, r.doubled
+        ));
+    }
+    Ok(())
+}
+
 async fn status(conn: ConnArgs, json: bool) -> Result<(), String> {
     let client = connect(&conn).await?;
     if let Ok(kochab_proto::Reply::Map(map)) = client
@@ -610,7 +668,7 @@ async fn status(conn: ConnArgs, json: bool) -> Result<(), String> {
         .await
         && !map.servers.is_empty()
     {
-        return cluster_up::status(&conn, map, json).await;
+        return admin::status(&conn, map, json).await;
     }
     let s = client.status().await.map_err(|e| e.to_string())?;
     if json {
@@ -751,6 +809,14 @@ fn main() -> ExitCode {
         Command::Key { conn, cmd } => {
             init_logging("warn");
             runtime(Some(1)).and_then(|rt| rt.block_on(key_command(conn, cmd)))
+        }
+        Command::Table { cmd } => {
+            init_logging("warn");
+            runtime(Some(1)).and_then(|rt| rt.block_on(admin::table(cmd)))
+        }
+        Command::Server { cmd } => {
+            init_logging("warn");
+            runtime(Some(1)).and_then(|rt| rt.block_on(admin::server(cmd)))
         }
         Command::Fs { conn, cmd } => {
             init_logging("warn");

@@ -12,6 +12,11 @@
 //! motion (no migration, no borrow, nothing unplaced), so balancing never competes with a
 //! borrow or a recovery. Load-based moves (hot tables to cool servers) are not built;
 //! `load` is recorded but not read here.
+//!
+//! A draining server ([`CoordState::draining`]) is neither counted nor a target: its
+//! tables move off first, one at a time, each to the server in service with the fewest
+//! tables. Once it is back in service (`Drain { drain: false }`) it is counted again, so
+//! the count rule hands it tables.
 
 use kochab_proto::cluster::{CoordCommand, ServerId, TableId};
 
@@ -31,11 +36,8 @@ pub fn next_move(state: &CoordState) -> Option<CoordCommand> {
         .servers
         .keys()
         .copied()
-        .filter(|s| state.live(*s).is_some())
+        .filter(|s| state.in_service(*s))
         .collect();
-    if live.len() < 2 {
-        return None;
-    }
     let mut counts: std::collections::BTreeMap<ServerId, usize> =
         live.iter().map(|s| (*s, 0)).collect();
     for p in state.map.tables.values() {
@@ -44,6 +46,18 @@ pub fn next_move(state: &CoordState) -> Option<CoordCommand> {
         }
     }
     // Ties go to the lowest server id, so the choice is deterministic.
+    if let Some((&to, _)) = counts.iter().min_by_key(|(_, c)| **c)
+        && let Some((&table, _)) = state
+            .map
+            .tables
+            .iter()
+            .find(|(_, p)| state.draining.contains(&p.owner) && state.live(p.owner).is_some())
+    {
+        return Some(CoordCommand::Move { table, to });
+    }
+    if live.len() < 2 {
+        return None;
+    }
     let (&from, &most) = counts.iter().rev().max_by_key(|(_, c)| **c)?;
     let (&to, &fewest) = counts.iter().min_by_key(|(_, c)| **c)?;
     if most < fewest + 2 {
@@ -154,5 +168,70 @@ mod tests {
         s.apply(&m);
         settle(&mut s);
         assert_eq!(next_move(&s), None);
+    }
+
+    #[test]
+    fn a_drained_server_is_emptied_one_move_at_a_time_and_refilled_when_added() {
+        let mut s = CoordState::default();
+        let tables: Vec<(TableId, u64)> = (0..9).map(|i| (TableId(i * 10), i * 10 + 10)).collect();
+        s.apply(&CoordCommand::Bootstrap {
+            tables,
+            lease_ms: 10_000,
+        });
+        for id in 1..=3 {
+            register(&mut s, id, 1);
+        }
+        settle(&mut s);
+        while let Some(m) = next_move(&s) {
+            s.apply(&m);
+            settle(&mut s);
+        }
+        let count = |s: &CoordState, id: u32| {
+            s.map
+                .tables
+                .values()
+                .filter(|p| p.owner == ServerId(id))
+                .count()
+        };
+        assert_eq!((count(&s, 1), count(&s, 2), count(&s, 3)), (3, 3, 3));
+        let r = s.apply(&CoordCommand::Drain {
+            server: ServerId(2),
+            drain: true,
+        });
+        assert_eq!(r, CoordReply::Ok);
+        let mut moves = 0;
+        while let Some(m) = next_move(&s) {
+            let CoordCommand::Move { table, to } = m else {
+                panic!("not a move: {m:?}");
+            };
+            assert_eq!(
+                s.map.owner(table),
+                Some(ServerId(2)),
+                "only 2's tables move"
+            );
+            assert_ne!(to, ServerId(2));
+            s.apply(&m);
+            assert_eq!(next_move(&s), None, "one move at a time");
+            settle(&mut s);
+            moves += 1;
+            assert!(moves <= 3, "draining does not converge");
+        }
+        assert_eq!(moves, 3);
+        assert_eq!(count(&s, 2), 0, "drained");
+        assert!(
+            count(&s, 1).abs_diff(count(&s, 3)) <= 1,
+            "spread over the rest"
+        );
+        // Back in service: the count rule hands it tables again.
+        let r = s.apply(&CoordCommand::Drain {
+            server: ServerId(2),
+            drain: false,
+        });
+        assert_eq!(r, CoordReply::Ok);
+        while let Some(m) = next_move(&s) {
+            s.apply(&m);
+            settle(&mut s);
+        }
+        assert_eq!((count(&s, 1), count(&s, 2), count(&s, 3)), (3, 3, 3));
     }
 }

@@ -115,6 +115,10 @@ pub struct CoordState {
     pub history: BTreeMap<ServerId, BorrowHistory>,
     /// Last reported load of each table.
     pub load: BTreeMap<TableId, TableLoad>,
+    /// Servers an operator is draining: no placement, recovery or balancing move picks
+    /// them while another live server can take the table, and the balancer moves their
+    /// tables off. (Last field: a snapshot without it is older than draining.)
+    pub draining: BTreeSet<ServerId>,
 }
 
 /// A map serialized as a list of pairs.
@@ -165,6 +169,7 @@ impl CoordState {
                 by,
                 map_version,
             } => self.added(tables, *by, *map_version),
+            CoordCommand::Drain { server, drain } => self.set_draining(*server, *drain),
         };
         self.progress();
         reply
@@ -432,12 +437,26 @@ impl CoordState {
         );
     }
 
-    /// The live server with the fewest tables (ties: lowest id), other than `except`.
+    /// True if `server` is live and not draining: a server placements may pick.
+    pub fn in_service(&self, server: ServerId) -> bool {
+        self.live(server).is_some() && !self.draining.contains(&server)
+    }
+
+    /// The live server with the fewest tables (ties: lowest id), other than `except`;
+    /// a draining one only when no other is live (a table served by a draining server is
+    /// better than one served by nobody).
     fn least_loaded(&self, except: Option<ServerId>) -> Option<ServerId> {
+        self.least_loaded_of(except, false)
+            .or_else(|| self.least_loaded_of(except, true))
+    }
+
+    fn least_loaded_of(&self, except: Option<ServerId>, draining: bool) -> Option<ServerId> {
         let mut count: BTreeMap<ServerId, usize> = self
             .servers
             .iter()
-            .filter(|(s, m)| m.live && Some(**s) != except)
+            .filter(|(s, m)| {
+                m.live && Some(**s) != except && (draining || !self.draining.contains(s))
+            })
             .map(|(s, _)| (*s, 0))
             .collect();
         for p in self.map.tables.values() {
@@ -464,10 +483,44 @@ impl CoordState {
         if self.live(to).is_none() {
             return CoordReply::Refused(format!("server {} is not live", to.0));
         }
+        if self.draining.contains(&to) {
+            return CoordReply::Refused(format!(
+                "server {} is draining (`kochab server add {}` ends that)",
+                to.0, to.0
+            ));
+        }
         if p.owner == to {
             return CoordReply::Stale("already there".into());
         }
         self.begin_drop(table, p, to);
+        CoordReply::Ok
+    }
+
+    fn set_draining(&mut self, server: ServerId, drain: bool) -> CoordReply {
+        if !self.servers.contains_key(&server) {
+            return CoordReply::Refused(format!("server {} has never registered", server.0));
+        }
+        if !drain {
+            return if self.draining.remove(&server) {
+                CoordReply::Ok
+            } else {
+                CoordReply::Stale(format!("server {} is not draining", server.0))
+            };
+        }
+        if self.draining.contains(&server) {
+            return CoordReply::Stale(format!("server {} is already draining", server.0));
+        }
+        let others = self
+            .servers
+            .keys()
+            .any(|s| *s != server && self.in_service(*s));
+        if !others {
+            return CoordReply::Refused(format!(
+                "no other live server in service could take the tables of server {}",
+                server.0
+            ));
+        }
+        self.draining.insert(server);
         CoordReply::Ok
     }
 
@@ -616,7 +669,7 @@ impl CoordState {
                 continue;
             };
             let free = !self.locks.contains_key(t) && !self.migrations.contains_key(t);
-            if free && p.owner == borrower && *home != borrower && self.live(*home).is_some() {
+            if free && p.owner == borrower && *home != borrower && self.in_service(*home) {
                 self.begin_drop(*t, p, *home);
             }
         }
@@ -714,6 +767,9 @@ impl CoordState {
     /// Checks the state's own invariants; a violation is a bug (tests and the simulation
     /// call this after every command).
     pub fn check(&self) -> Result<(), String> {
+        if let Some(s) = self.draining.iter().find(|s| !self.servers.contains_key(s)) {
+            return Err(format!("unregistered server {} is draining", s.0));
+        }
         for t in self.map.tables.keys() {
             if self.unplaced.contains_key(t) {
                 return Err(format!("table {:#x} both placed and unplaced", t.0));
@@ -749,5 +805,162 @@ impl CoordState {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn register(s: &mut CoordState, id: u32, now_ms: u64) -> Incarnation {
+        let r = s.apply(&CoordCommand::Request {
+            req: ServerRequest::Register {
+                server: ServerId(id),
+                addr: format!("s{id}"),
+                nonce: u64::from(id),
+            },
+            now_ms,
+        });
+        assert!(matches!(r, CoordReply::Registered { .. }), "{r:?}");
+        s.live(ServerId(id)).expect("registered")
+    }
+
+    fn renew(s: &mut CoordState, id: u32, now_ms: u64) {
+        let epoch = s.live(ServerId(id)).expect("live").epoch;
+        let r = s.apply(&CoordCommand::Request {
+            req: ServerRequest::RenewLease {
+                server: ServerId(id),
+                epoch,
+            },
+            now_ms,
+        });
+        assert!(matches!(r, CoordReply::Renewed { .. }), "{r:?}");
+    }
+
+    /// Finishes every Adding migration as its target would.
+    fn add_all(s: &mut CoordState) {
+        let adding: Vec<(TableId, ServerId)> = s
+            .migrations
+            .iter()
+            .filter(|(_, m)| m.phase == Phase::Adding)
+            .map(|(t, m)| (*t, m.to))
+            .collect();
+        for (t, to) in adding {
+            let by = s.live(to).expect("target is live");
+            let v = s.map.version;
+            s.apply(&CoordCommand::Added {
+                tables: vec![t],
+                by,
+                map_version: v,
+            });
+        }
+        s.check().expect("state invariants");
+    }
+
+    /// Three live servers (2, 3, 4), tables 0..6 placed and added.
+    fn three_servers() -> CoordState {
+        let mut s = CoordState::default();
+        let tables: Vec<(TableId, u64)> = (0..6).map(|i| (TableId(i * 10), i * 10 + 10)).collect();
+        s.apply(&CoordCommand::Bootstrap {
+            tables,
+            lease_ms: 1_000,
+        });
+        for id in 2..=4 {
+            register(&mut s, id, 1);
+        }
+        add_all(&mut s);
+        s
+    }
+
+    fn drain(s: &mut CoordState, id: u32, drain: bool) -> CoordReply {
+        let r = s.apply(&CoordCommand::Drain {
+            server: ServerId(id),
+            drain,
+        });
+        s.check().expect("state invariants");
+        r
+    }
+
+    #[test]
+    fn drain_is_idempotent_and_undone_by_add() {
+        let mut s = three_servers();
+        let before = s.map.version;
+        assert_eq!(drain(&mut s, 3, true), CoordReply::Ok);
+        assert!(matches!(drain(&mut s, 3, true), CoordReply::Stale(_)));
+        assert!(s.draining.contains(&ServerId(3)));
+        assert!(!s.in_service(ServerId(3)));
+        assert_eq!(
+            s.map.version, before,
+            "the mark alone does not change the map"
+        );
+        assert_eq!(drain(&mut s, 3, false), CoordReply::Ok);
+        assert!(matches!(drain(&mut s, 3, false), CoordReply::Stale(_)));
+        assert!(s.in_service(ServerId(3)));
+        assert!(matches!(drain(&mut s, 9, true), CoordReply::Refused(_)));
+        assert!(matches!(drain(&mut s, 9, false), CoordReply::Refused(_)));
+    }
+
+    #[test]
+    fn the_last_server_in_service_cannot_be_drained() {
+        let mut s = three_servers();
+        assert_eq!(drain(&mut s, 2, true), CoordReply::Ok);
+        assert_eq!(drain(&mut s, 3, true), CoordReply::Ok);
+        assert!(matches!(drain(&mut s, 4, true), CoordReply::Refused(_)));
+        assert!(s.in_service(ServerId(4)));
+    }
+
+    #[test]
+    fn moves_and_recoveries_skip_a_draining_server() {
+        let mut s = three_servers();
+        assert_eq!(drain(&mut s, 3, true), CoordReply::Ok);
+        let t = s
+            .map
+            .tables
+            .iter()
+            .find(|(_, p)| p.owner == ServerId(2))
+            .map(|(t, _)| *t)
+            .expect("a table of server 2");
+        let r = s.apply(&CoordCommand::Move {
+            table: t,
+            to: ServerId(3),
+        });
+        assert!(matches!(r, CoordReply::Refused(_)), "{r:?}");
+        // Server 4's lease runs out: its tables go to 2, not to the draining 3, although
+        // 3 has as few tables.
+        renew(&mut s, 2, 900);
+        renew(&mut s, 3, 900);
+        s.apply(&CoordCommand::Tick { now_ms: 1_600 });
+        assert!(s.live(ServerId(4)).is_none(), "4 is fenced");
+        for (t, m) in &s.migrations {
+            assert_eq!(
+                m.to,
+                ServerId(2),
+                "table {t:?} recovered by a draining server"
+            );
+        }
+        add_all(&mut s);
+        assert!(s.map.tables.values().all(|p| p.owner != ServerId(4)));
+    }
+
+    #[test]
+    fn a_draining_server_still_recovers_when_it_is_the_only_one_left() {
+        let mut s = three_servers();
+        assert_eq!(drain(&mut s, 3, true), CoordReply::Ok);
+        // 2 and 4 stop renewing; only the draining 3 is left: it takes their tables
+        // rather than leave them unserved.
+        renew(&mut s, 3, 900);
+        s.apply(&CoordCommand::Tick { now_ms: 1_600 });
+        add_all(&mut s);
+        assert!(s.unplaced.is_empty());
+        assert!(s.map.tables.values().all(|p| p.owner == ServerId(3)));
+    }
+
+    #[test]
+    fn drain_round_trips_through_the_snapshot_encoding() {
+        let mut s = three_servers();
+        drain(&mut s, 4, true);
+        let bytes = postcard::to_stdvec(&s).expect("encode");
+        let back: CoordState = postcard::from_bytes(&bytes).expect("decode");
+        assert_eq!(back, s);
     }
 }

@@ -154,6 +154,9 @@ pub enum CoordCommand {
         by: Incarnation,
         map_version: MapVersion,
     },
+    /// An operator drains `server` (`drain`: its tables move off one at a time and no
+    /// placement picks it) or brings it back into service (`!drain`).
+    Drain { server: ServerId, drain: bool },
 }
 
 /// How a borrow stands.
