@@ -75,24 +75,49 @@ fn replica_dir(data: &Path, id: usize) -> PathBuf {
     }
 }
 
-/// A cluster's directory keeps the size of its coordinator group: the replicas' logs record
-/// their membership, and growing or shrinking the group is not done by `up`.
-fn check_group_size(data: &Path, coords: usize) -> Result<(), String> {
-    if !data.join(COORD_DIR).join("raft-log").exists() {
-        return Ok(());
-    }
-    let mut had = 1;
-    while replica_dir(data, had + 1).exists() {
-        had += 1;
-    }
-    if had != coords {
+/// The file in `coord/` that records the replicas' addresses of a group of more than one:
+/// a Raft group's membership holds its members' addresses, so a restarted group must listen
+/// where it did (a one-replica group talks to nobody and takes any port).
+const REPLICAS_FILE: &str = "replicas";
+
+/// The replicas' addresses a cluster's directory recorded (a group of one records none),
+/// checked against `coords`: `up` keeps the size of the group its directory was made with.
+fn recorded_replicas(data: &Path, coords: usize) -> Result<Option<Vec<String>>, String> {
+    let file = data.join(COORD_DIR).join(REPLICAS_FILE);
+    let had = match std::fs::read_to_string(&file) {
+        Ok(text) => Some(
+            text.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| l.trim().to_string())
+                .collect::<Vec<_>>(),
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(format!("{}: {e}", file.display())),
+    };
+    let size = match &had {
+        Some(a) => a.len(),
+        None if data.join(COORD_DIR).join("raft-log").exists() => 1,
+        None => return Ok(None),
+    };
+    if size != coords {
         return Err(format!(
-            "{} was run with {had} coordinator replica(s); start it with --coords {had} \
+            "{} was run with {size} coordinator replica(s); start it with --coords {size} \
              (changing the size of the group is not supported by `up`)",
             data.display()
         ));
     }
-    Ok(())
+    Ok(had)
+}
+
+/// Records the replicas' addresses (one per line), atomically.
+fn record_replicas(data: &Path, addrs: &[String]) -> Result<(), String> {
+    let dir = data.join(COORD_DIR);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let tmp = dir.join(format!("{REPLICAS_FILE}.tmp"));
+    let mut text = addrs.join("\n");
+    text.push('\n');
+    std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, dir.join(REPLICAS_FILE)).map_err(|e| format!("{}: {e}", dir.display()))
 }
 
 /// One child process and how to start it again.
@@ -201,7 +226,6 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     if args.coords == 0 || args.coords > COORDS_MAX {
         return Err(format!("--coords must be 1 to {COORDS_MAX}"));
     }
-    check_group_size(&args.data, args.coords)?;
     if !args.lease.is_finite() || args.lease < 1.0 {
         return Err("--lease must be at least 1 second".into());
     }
@@ -211,10 +235,20 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     // Held for the life of the cluster: a plain `kochab up` on the directory refuses.
     let _lock =
         kochab_server::datadir::DataDirLock::acquire(&args.data).map_err(|e| e.to_string())?;
+    let recorded = recorded_replicas(&args.data, args.coords)?;
     let logs = args.data.join("logs");
     std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
     let ports = if args.port == 0 {
-        free_ports(&args.host, args.servers + args.coords)?
+        // Not one of the recorded replicas' ports (free now, but taken once they start).
+        let taken: Vec<u16> = recorded
+            .iter()
+            .flatten()
+            .filter_map(|a| a.rsplit_once(':').and_then(|(_, p)| p.parse().ok()))
+            .collect();
+        let mut ports = free_ports(&args.host, args.servers + 2 * args.coords)?;
+        ports.retain(|p| !taken.contains(p));
+        ports.truncate(args.servers + args.coords);
+        ports
     } else {
         (0..args.servers + args.coords)
             .map(|i| {
@@ -224,10 +258,19 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
             })
             .collect::<Result<_, _>>()?
     };
-    let coord_addrs: Vec<String> = ports[args.servers..]
-        .iter()
-        .map(|p| format!("{}:{p}", args.host))
-        .collect();
+    let coord_addrs: Vec<String> = match recorded {
+        Some(addrs) => addrs,
+        None => {
+            let addrs: Vec<String> = ports[args.servers..]
+                .iter()
+                .map(|p| format!("{}:{p}", args.host))
+                .collect();
+            if args.coords > 1 {
+                record_replicas(&args.data, &addrs)?;
+            }
+            addrs
+        }
+    };
     let coord_list = coord_addrs.join(",");
     let peers = coord_addrs
         .iter()

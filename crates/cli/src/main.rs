@@ -215,7 +215,8 @@ struct UpArgs {
     #[arg(long, default_value_t = 2.0, requires = "servers")]
     lease: f64,
     /// With --servers: coordinator replicas, each its own process (3 survive the loss of
-    /// one, the leader included). Their ports follow the servers'.
+    /// one, the leader included). Their ports follow the servers' (recorded in DATA/coord/
+    /// on the first start: a restart listens where the group's membership says).
     #[arg(long, default_value_t = 1, requires = "servers")]
     coords: usize,
     /// Port of the Prometheus metrics endpoint (0 picks a free one).
