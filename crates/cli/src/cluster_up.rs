@@ -612,3 +612,28 @@ pub async fn status(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_keeps_the_size_and_addresses_of_its_coordinator_group() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = dir.path();
+        // New: anything goes, nothing recorded.
+        assert_eq!(recorded_replicas(data, 3), Ok(None));
+        let addrs: Vec<String> = (1..=3).map(|i| format!("127.0.0.1:{}", 7000 + i)).collect();
+        record_replicas(data, &addrs).expect("record");
+        assert_eq!(recorded_replicas(data, 3), Ok(Some(addrs)));
+        let e = recorded_replicas(data, 1).expect_err("another size");
+        assert!(e.contains("--coords 3"), "{e}");
+        // A one-replica cluster (its log only, nothing recorded) stays one.
+        let one = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir_all(one.path().join(COORD_DIR).join("raft-log")).expect("mkdir");
+        assert_eq!(recorded_replicas(one.path(), 1), Ok(None));
+        assert!(recorded_replicas(one.path(), 3).is_err());
+        assert_eq!(replica_dir(data, 1), data.join(COORD_DIR));
+        assert_eq!(replica_dir(data, 2), data.join(COORD_DIR).join("replica-2"));
+    }
+}
