@@ -175,6 +175,51 @@ fn sigkill(pid: i32) {
     }
 }
 
+/// `kochab status --json` of the cluster, off the runtime's threads.
+async fn status_async(up: &ServerProc) -> Option<serde_json::Value> {
+    let addr = up.addr;
+    let key = up.data.join("cluster.key");
+    tokio::task::spawn_blocking(move || {
+        let out = Command::new(kochab_bin())
+            .args(["status", "--json", "--cluster", &addr.to_string()])
+            .arg("--key-file")
+            .arg(key)
+            .output()
+            .ok()?;
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).ok()
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+/// After SIGKILL of leader replica `id` (`pid`): waits until another replica leads and
+/// returns it, with the number of times the old leader was killed again. A leader restarted
+/// by the supervisor within the election timeout resumes its term at once, so it is killed
+/// again each time it comes back until the group has elected another (a crash-looping
+/// leader). Panics after 10 s.
+async fn until_another_leads(up: &ServerProc, id: u64, mut pid: i32) -> (u64, u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut again = 0;
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Some(p) = coord_pid(up.child.id(), id)
+            && p != pid
+        {
+            sigkill(p);
+            pid = p;
+            again += 1;
+        }
+        let v = status_async(up).await;
+        if let Some(l) = v.as_ref().and_then(leader_id)
+            && l != id
+        {
+            return (l, again);
+        }
+    }
+    panic!("no replica but {id} became leader within 10 s");
+}
+
 /// What one worker's clients were told, and what went wrong.
 #[derive(Default)]
 struct Outcome {
@@ -309,22 +354,7 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
         let mut kills = Vec::new();
         for (when, kill_server) in plan {
             tokio::time::sleep(when.saturating_sub(started.elapsed())).await;
-            let v = tokio::task::spawn_blocking({
-                let addr = up.addr;
-                let key = up.data.join("cluster.key");
-                move || {
-                    let out = Command::new(kochab_bin())
-                        .args(["status", "--json", "--cluster", &addr.to_string()])
-                        .arg("--key-file")
-                        .arg(key)
-                        .output()
-                        .ok()?;
-                    serde_json::from_slice::<serde_json::Value>(&out.stdout).ok()
-                }
-            })
-            .await
-            .ok()
-            .flatten();
+            let v = status_async(&up).await;
             if kill_server {
                 match v.as_ref().and_then(|v| owner_of(v, watched)) {
                     Some((victim, pid)) => {
@@ -336,13 +366,15 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
             } else {
                 let leader = v.as_ref().and_then(leader_id);
                 let pid = leader.and_then(|id| coord_pid(up.child.id(), id));
-                match (leader, pid) {
-                    (Some(id), Some(pid)) => {
-                        sigkill(pid);
-                        kills.push(format!("coordinator leader {id} (pid {pid}) at {when:?}"));
-                    }
-                    _ => panic!("no coordinator leader to kill at {when:?}: {v:#?}"),
-                }
+                let (Some(id), Some(pid)) = (leader, pid) else {
+                    panic!("no coordinator leader to kill at {when:?}: {v:#?}");
+                };
+                sigkill(pid);
+                let (new, again) = until_another_leads(&up, id, pid).await;
+                kills.push(format!(
+                    "coordinator leader {id} (pid {pid}) at {when:?}, again {again} times \
+                     as it came back, replica {new} leads"
+                ));
             }
         }
         let mut outcomes = Vec::new();
@@ -462,22 +494,7 @@ fn failover_time() {
         for _ in 0..5 {
             // Settled: the last victim restarted and re-registered, moves done.
             tokio::time::sleep(Duration::from_secs(5)).await;
-            let v = tokio::task::spawn_blocking({
-                let addr = up.addr;
-                let key = up.data.join("cluster.key");
-                move || {
-                    let out = Command::new(kochab_bin())
-                        .args(["status", "--json", "--cluster", &addr.to_string()])
-                        .arg("--key-file")
-                        .arg(key)
-                        .output()
-                        .ok()?;
-                    serde_json::from_slice::<serde_json::Value>(&out.stdout).ok()
-                }
-            })
-            .await
-            .ok()
-            .flatten();
+            let v = status_async(&up).await;
             let (_, pid) = v
                 .as_ref()
                 .and_then(|v| owner_of(v, d))
