@@ -1,6 +1,7 @@
 //! `kochab up --servers N [--coords R]`: R coordinator replicas (one Raft group; 1 by
-//! default) and N metadata servers on this machine, each its own OS process (children of this one, restarted when they exit), over one data
-//! directory: its object store is shared, each server keeps its own journal in it.
+//! default) and N metadata servers on this machine, each its own OS process (children of
+//! this one, restarted when they exit), over one data directory: its object store is
+//! shared, each server keeps its own journal in it.
 //!
 //! The first start as a cluster turns the directory's tables over to the cluster: a single
 //! server recovers the directory (creating it if new) and releases every table (a clean
@@ -272,6 +273,16 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
         }
     };
     let coord_list = coord_addrs.join(",");
+    if let Some(p) = ports[..args.servers]
+        .iter()
+        .find(|p| coord_addrs.iter().any(|a| a.ends_with(&format!(":{p}"))))
+    {
+        return Err(format!(
+            "port {p} is a coordinator replica's ({}/{REPLICAS_FILE} of {}); choose another --port",
+            COORD_DIR,
+            args.data.display()
+        ));
+    }
     let peers = coord_addrs
         .iter()
         .enumerate()
