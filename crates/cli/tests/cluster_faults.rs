@@ -354,8 +354,17 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
         let mut kills = Vec::new();
         for (when, kill_server) in plan {
             tokio::time::sleep(when.saturating_sub(started.elapsed())).await;
-            let v = status_async(&up).await;
+            let mut v = status_async(&up).await;
             if kill_server {
+                // The status may not answer for a moment (its entry server restarting, a
+                // table of the map in motion): ask again for up to 10 s.
+                for _ in 0..100 {
+                    if v.as_ref().and_then(|v| owner_of(v, watched)).is_some() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    v = status_async(&up).await;
+                }
                 match v.as_ref().and_then(|v| owner_of(v, watched)) {
                     Some((victim, pid)) => {
                         sigkill(pid);
@@ -364,8 +373,18 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
                     None => panic!("no owner of {watched:#x} to kill at {when:?}: {v:#?}"),
                 }
             } else {
-                let leader = v.as_ref().and_then(leader_id);
-                let pid = leader.and_then(|id| coord_pid(up.child.id(), id));
+                let mut leader = v.as_ref().and_then(leader_id);
+                let mut pid = leader.and_then(|id| coord_pid(up.child.id(), id));
+                // As above: a moment without an answer or a leader is no failure.
+                for _ in 0..100 {
+                    if pid.is_some() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    v = status_async(&up).await;
+                    leader = v.as_ref().and_then(leader_id);
+                    pid = leader.and_then(|id| coord_pid(up.child.id(), id));
+                }
                 let (Some(id), Some(pid)) = (leader, pid) else {
                     panic!("no coordinator leader to kill at {when:?}: {v:#?}");
                 };
