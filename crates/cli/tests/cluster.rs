@@ -169,6 +169,10 @@ fn three_server_processes_serve_one_namespace_and_spread_its_tables() {
         }
         let top = names_of(&c, c.root()).await;
         assert_eq!(top, names.iter().map(|s| s.to_string()).collect());
+        // statfs counts the inodes of every server: the root, 6 directories with 30
+        // files (one unlinked) and a subdirectory each.
+        let st = c.statfs(&cred).await.expect("statfs");
+        assert_eq!(st.files - st.ffree, 1 + 6 * (1 + 29 + 1));
     });
 }
 

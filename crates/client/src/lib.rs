@@ -926,11 +926,32 @@ impl Client {
         self.empty(cred, Op::Access { id, mask }).await
     }
 
+    /// The file system's sizes. In a cluster every server is asked (each counts the inodes
+    /// of its own tables) and the inodes in use are summed; the space is the shared
+    /// store's, as any server reports it. (A table that moves between two of the questions
+    /// may be counted twice or not at all: a df, not a census.)
     pub async fn statfs(&self, cred: &Credentials) -> FsResult<StatFs> {
-        match self.call(cred, Op::StatFs).await? {
-            Reply::StatFs(s) => Ok(s),
-            other => Err(unexpected(other)),
+        let targets = self.inner.routing.lock().one_id_per_server(self.root());
+        if targets.len() <= 1 {
+            return match self.call(cred, Op::StatFs).await? {
+                Reply::StatFs(s) => Ok(s),
+                other => Err(unexpected(other)),
+            };
         }
+        let mut total: Option<StatFs> = None;
+        let mut used = 0u64;
+        for target in targets {
+            match self.call_at(cred, Op::StatFs, target).await?.0 {
+                Reply::StatFs(s) => {
+                    used = used.saturating_add(s.files.saturating_sub(s.ffree));
+                    total.get_or_insert(s);
+                }
+                other => return Err(unexpected(other)),
+            }
+        }
+        let mut s = total.ok_or_else(|| fs_err!(EIO, "no server answered statfs"))?;
+        s.ffree = s.files.saturating_sub(used);
+        Ok(s)
     }
 
     /// The status of the server this client connected to (its first entry address that

@@ -66,6 +66,29 @@ impl Routing {
         }
     }
 
+    /// One inode id per server of the cached map (the first of one of its tables), the
+    /// root's server first: what a question for the whole cluster is routed by. Empty in
+    /// single-server mode.
+    pub fn one_id_per_server(&self, root: InodeId) -> Vec<InodeId> {
+        let Routing::Cluster(r) = self else {
+            return Vec::new();
+        };
+        let Some(m) = r.map() else {
+            return Vec::new();
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        let mut ids = vec![root];
+        if let Some((_, p)) = m.table_of(root) {
+            seen.insert(p.owner);
+        }
+        for (t, p) in &m.tables {
+            if seen.insert(p.owner) {
+                ids.push(t.0);
+            }
+        }
+        ids
+    }
+
     /// The cached map's version (0 without one, and in single-server mode).
     pub fn map_version(&self) -> u64 {
         match self {
