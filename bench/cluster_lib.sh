@@ -24,3 +24,27 @@ cluster_cleanup() {
   sleep 1
   pkill -KILL -f -- "--data $tmp/" 2>/dev/null || true
 }
+
+# cluster_wait_spread DATA N: waits until the coordinator (at PORT+N) has spread the tables
+# evenly over the N servers and nothing moves (three looks in a row), then 1 s more so the
+# servers' cached maps catch up (they answer GetMap from a copy up to 200 ms old).
+cluster_wait_spread() {
+  local d=$1 n=$2
+  local want=$((19 / n)) coord=127.0.0.1:$((PORT + n)) ok=0
+  for _ in $(seq 900); do
+    if "$BIN" coord-status --json --coord "$coord" --key-file "$d/cluster.key" 2>/dev/null \
+      | python3 -c "
+import json, sys, collections
+s = json.load(sys.stdin)['state']
+owners = collections.Counter(t['owner'] for t in s['map'])
+even = len(owners) == $n and min(owners.values()) >= $want
+sys.exit(0 if even and s['migrations'] == 0 and s['placed'] == s['tables'] else 1)" 2>/dev/null; then
+      ok=$((ok + 1)); [ $ok -ge 3 ] && break
+    else
+      ok=0
+    fi
+    sleep 0.2
+  done
+  [ $ok -ge 3 ] || { echo "tables not spread over $n servers" >&2; exit 1; }
+  sleep 1
+}

@@ -31,6 +31,7 @@ for r in $(seq "$ROUNDS"); do
   for every in $EVERY; do
     d="$tmp/data-$every-$r"
     cluster_up "$d" 2
+    cluster_wait_spread "$d" 2
     j=$("$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
           --items "$ITEMS" --top-level --cross-every "$every" --phases create --json)
     cluster_down

@@ -46,24 +46,7 @@ start() {  # start DATA N [nocap]
   local d=$1 n=$2 nocap=${3:-}
   cluster_up "$d" "$n"
   [ -n "$nocap" ] && return 0
-  # Wait until the coordinator has spread the tables evenly and nothing moves.
-  local want=$((19 / n)) coord=127.0.0.1:$((PORT + n)) ok=0
-  for _ in $(seq 900); do
-    if "$BIN" coord-status --json --coord "$coord" --key-file "$d/cluster.key" 2>/dev/null \
-      | python3 -c "
-import json, sys, collections
-s = json.load(sys.stdin)['state']
-owners = collections.Counter(t['owner'] for t in s['map'])
-even = len(owners) == $n and min(owners.values()) >= $want
-sys.exit(0 if even and s['migrations'] == 0 and s['placed'] == s['tables'] else 1)" 2>/dev/null; then
-      ok=$((ok + 1)); [ $ok -ge 3 ] && break
-    else
-      ok=0
-    fi
-    sleep 0.2
-  done
-  [ $ok -ge 3 ] || { echo "tables not spread over $n servers"; exit 1; }
-  sleep 1  # servers' cached maps refresh (they answer GetMap from a copy up to 200 ms old)
+  cluster_wait_spread "$d" "$n"
   # Cap each server process in its own group.
   local i=0 pid
   for pid in $(pgrep -f -- "mds --id .* --data $d\$|mds --id .* --data $d "); do

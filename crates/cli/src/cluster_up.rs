@@ -1,6 +1,7 @@
-//! `kochab up --servers N`: a coordinator replica and N metadata servers on this machine,
-//! each its own OS process (children of this one, restarted when they exit), over one data
-//! directory: its object store is shared, each server keeps its own journal in it.
+//! `kochab up --servers N [--coords R]`: R coordinator replicas (one Raft group; 1 by
+//! default) and N metadata servers on this machine, each its own OS process (children of
+//! this one, restarted when they exit), over one data directory: its object store is
+//! shared, each server keeps its own journal in it.
 //!
 //! The first start as a cluster turns the directory's tables over to the cluster: a single
 //! server recovers the directory (creating it if new) and releases every table (a clean
@@ -27,6 +28,10 @@ pub const FIRST_SERVER_ID: u32 = 2;
 /// directory that belongs to a cluster.
 pub const COORD_DIR: &str = "coord";
 
+/// Most coordinator replicas `up` starts (a group of 5 survives the loss of 2; more only
+/// slows every commit).
+pub const COORDS_MAX: usize = 7;
+
 /// How long `up` waits for every table to be placed before it reports the cluster ready
 /// anyway (loading a large table takes about a second per million inodes).
 const PLACEMENT_WAIT: Duration = Duration::from_secs(120);
@@ -43,6 +48,8 @@ pub struct ClusterArgs {
     /// First server's port (0: free ports for everything).
     pub port: u16,
     pub servers: usize,
+    /// Coordinator replicas (1, or 3 or 5 to survive the loss of a minority).
+    pub coords: usize,
     /// Lease of a server, in seconds (a killed server's tables are recovered elsewhere
     /// about this long after it died).
     pub lease: f64,
@@ -56,6 +63,62 @@ pub struct ClusterArgs {
 /// True if `data` belongs to a cluster of servers.
 pub fn is_cluster_dir(data: &Path) -> bool {
     data.join(COORD_DIR).exists()
+}
+
+/// Where replica `id` (1-based) keeps its Raft log and snapshots: replica 1 in `coord/`
+/// itself (where a one-replica cluster always kept it), the others beside it.
+fn replica_dir(data: &Path, id: usize) -> PathBuf {
+    let coord = data.join(COORD_DIR);
+    if id == 1 {
+        coord
+    } else {
+        coord.join(format!("replica-{id}"))
+    }
+}
+
+/// The file in `coord/` that records the replicas' addresses of a group of more than one:
+/// a Raft group's membership holds its members' addresses, so a restarted group must listen
+/// where it did (a one-replica group talks to nobody and takes any port).
+const REPLICAS_FILE: &str = "replicas";
+
+/// The replicas' addresses a cluster's directory recorded (a group of one records none),
+/// checked against `coords`: `up` keeps the size of the group its directory was made with.
+fn recorded_replicas(data: &Path, coords: usize) -> Result<Option<Vec<String>>, String> {
+    let file = data.join(COORD_DIR).join(REPLICAS_FILE);
+    let had = match std::fs::read_to_string(&file) {
+        Ok(text) => Some(
+            text.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| l.trim().to_string())
+                .collect::<Vec<_>>(),
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(format!("{}: {e}", file.display())),
+    };
+    let size = match &had {
+        Some(a) => a.len(),
+        None if data.join(COORD_DIR).join("raft-log").exists() => 1,
+        None => return Ok(None),
+    };
+    if size != coords {
+        return Err(format!(
+            "{} was run with {size} coordinator replica(s); start it with --coords {size} \
+             (changing the size of the group is not supported by `up`)",
+            data.display()
+        ));
+    }
+    Ok(had)
+}
+
+/// Records the replicas' addresses (one per line), atomically.
+fn record_replicas(data: &Path, addrs: &[String]) -> Result<(), String> {
+    let dir = data.join(COORD_DIR);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let tmp = dir.join(format!("{REPLICAS_FILE}.tmp"));
+    let mut text = addrs.join("\n");
+    text.push('\n');
+    std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, dir.join(REPLICAS_FILE)).map_err(|e| format!("{}: {e}", dir.display()))
 }
 
 /// One child process and how to start it again.
@@ -161,6 +224,9 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     if args.servers == 0 {
         return Err("--servers must be at least 1".into());
     }
+    if args.coords == 0 || args.coords > COORDS_MAX {
+        return Err(format!("--coords must be 1 to {COORDS_MAX}"));
+    }
     if !args.lease.is_finite() || args.lease < 1.0 {
         return Err("--lease must be at least 1 second".into());
     }
@@ -170,12 +236,22 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     // Held for the life of the cluster: a plain `kochab up` on the directory refuses.
     let _lock =
         kochab_server::datadir::DataDirLock::acquire(&args.data).map_err(|e| e.to_string())?;
+    let recorded = recorded_replicas(&args.data, args.coords)?;
     let logs = args.data.join("logs");
     std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
     let ports = if args.port == 0 {
-        free_ports(&args.host, args.servers + 1)?
+        // Not one of the recorded replicas' ports (free now, but taken once they start).
+        let taken: Vec<u16> = recorded
+            .iter()
+            .flatten()
+            .filter_map(|a| a.rsplit_once(':').and_then(|(_, p)| p.parse().ok()))
+            .collect();
+        let mut ports = free_ports(&args.host, args.servers + 2 * args.coords)?;
+        ports.retain(|p| !taken.contains(p));
+        ports.truncate(args.servers + args.coords);
+        ports
     } else {
-        (0..=args.servers)
+        (0..args.servers + args.coords)
             .map(|i| {
                 args.port
                     .checked_add(i as u16)
@@ -183,33 +259,79 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
             })
             .collect::<Result<_, _>>()?
     };
-    let coord_addr = format!("{}:{}", args.host, ports[args.servers]);
+    let coord_addrs: Vec<String> = match recorded {
+        Some(addrs) => addrs,
+        None => {
+            let addrs: Vec<String> = ports[args.servers..]
+                .iter()
+                .map(|p| format!("{}:{p}", args.host))
+                .collect();
+            if args.coords > 1 {
+                record_replicas(&args.data, &addrs)?;
+            }
+            addrs
+        }
+    };
+    let coord_list = coord_addrs.join(",");
+    if let Some(p) = ports[..args.servers]
+        .iter()
+        .find(|p| coord_addrs.iter().any(|a| a.ends_with(&format!(":{p}"))))
+    {
+        return Err(format!(
+            "port {p} is a coordinator replica's ({}/{REPLICAS_FILE} of {}); choose another --port",
+            COORD_DIR,
+            args.data.display()
+        ));
+    }
+    let peers = coord_addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("{}={a}", i + 1))
+        .collect::<Vec<_>>()
+        .join(",");
     let key_file = args.data.join(kochab_server::KEY_FILE);
     let key_path = key_file.display().to_string();
     let data = args.data.display().to_string();
-    let mut procs = vec![Proc {
-        name: "coordinator".into(),
-        args: vec![
-            "coord".into(),
-            "--id".into(),
-            "1".into(),
-            "--listen".into(),
-            coord_addr.clone(),
-            "--peers".into(),
-            format!("1={coord_addr}"),
-            "--data".into(),
-            args.data.join(COORD_DIR).display().to_string(),
-            "--key-file".into(),
-            key_path.clone(),
-            "--bootstrap".into(),
-            "--lease".into(),
-            args.lease.to_string(),
-        ],
-        log: logs.join("coord.log"),
-        child: None,
-        started: Instant::now(),
-        pause: Duration::from_millis(200),
-    }];
+    let mut procs = Vec::new();
+    for (i, addr) in coord_addrs.iter().enumerate() {
+        let id = i + 1;
+        let dir = replica_dir(&args.data, id);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        procs.push(Proc {
+            name: if args.coords == 1 {
+                "coordinator".into()
+            } else {
+                format!("coordinator replica {id}")
+            },
+            args: vec![
+                "coord".into(),
+                "--id".into(),
+                id.to_string(),
+                "--listen".into(),
+                addr.clone(),
+                "--peers".into(),
+                peers.clone(),
+                "--data".into(),
+                dir.display().to_string(),
+                "--key-file".into(),
+                key_path.clone(),
+                // Every replica may start the group (the same members; the first to reach
+                // the others wins) and record the tables once it leads: whichever is
+                // elected first does, and a lost replica does not stop a new cluster.
+                "--bootstrap".into(),
+                "--lease".into(),
+                args.lease.to_string(),
+            ],
+            log: logs.join(if args.coords == 1 {
+                "coord.log".to_string()
+            } else {
+                format!("coord-{id}.log")
+            }),
+            child: None,
+            started: Instant::now(),
+            pause: Duration::from_millis(200),
+        });
+    }
     let mut server_addrs = Vec::new();
     for (i, port) in ports[..args.servers].iter().enumerate() {
         let id = FIRST_SERVER_ID + i as u32;
@@ -222,7 +344,7 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
             "--listen".into(),
             addr,
             "--coord".into(),
-            coord_addr.clone(),
+            coord_list.clone(),
             "--data".into(),
             data.clone(),
             "--key-file".into(),
@@ -247,17 +369,22 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     // the cluster: their parent-death signal is tied to it.
     let supervisor = {
         let stopping = stopping.clone();
-        std::thread::spawn(move || supervise(procs, &stopping, started_tx))
+        let coords = args.coords;
+        std::thread::spawn(move || supervise(procs, coords, &stopping, started_tx))
     };
     started_rx
         .recv()
         .map_err(|_| "the supervisor thread ended".to_string())??;
     let key = kochab_client::read_key_file(&key_file).map_err(|e| format!("{key_path}: {e}"))?;
-    let coord_sock: SocketAddr = coord_addr
-        .parse()
-        .map_err(|e| format!("coordinator address {coord_addr}: {e}"))?;
+    let coord_socks: Vec<SocketAddr> = coord_addrs
+        .iter()
+        .map(|a| {
+            a.parse()
+                .map_err(|e| format!("coordinator address {a}: {e}"))
+        })
+        .collect::<Result<_, _>>()?;
     let coord =
-        CoordClient::<CoordState>::new(kochab_coord::ClientConfig::new(vec![coord_sock], key.key));
+        CoordClient::<CoordState>::new(kochab_coord::ClientConfig::new(coord_socks, key.key));
     if !wait_placed(&coord, Instant::now() + PLACEMENT_WAIT).await {
         eprintln!(
             "kochab: not every table is placed after {PLACEMENT_WAIT:?}; see {}",
@@ -281,7 +408,7 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
         logs.display()
     );
     eprintln!(
-        "kochab: {} servers at {}, coordinator at {coord_addr}",
+        "kochab: {} servers at {}, coordinator replicas at {coord_list}",
         args.servers,
         server_addrs.join(",")
     );
@@ -302,9 +429,10 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
 
 /// Starts every child, restarts those that exit (with a growing pause if they exit right
 /// after starting), and once `stopping` is set stops them: servers first, with SIGTERM,
-/// then SIGKILL after 10 s; the coordinator last.
+/// then SIGKILL after 10 s; the coordinator replicas (the first `coords`) last.
 fn supervise(
     mut procs: Vec<Proc>,
+    coords: usize,
     stopping: &AtomicBool,
     started: std::sync::mpsc::Sender<Result<(), String>>,
 ) {
@@ -346,7 +474,7 @@ fn supervise(
         }
     }
     // Servers first (they may still write their journals), the coordinator last.
-    procs.rotate_left(1);
+    procs.rotate_left(coords);
     for p in &mut procs {
         if let Some(child) = p.child.as_mut() {
             // SAFETY: kill(2) on a pid this process spawned and has not reaped.
@@ -371,6 +499,26 @@ fn supervise(
             }
         }
     }
+}
+
+/// Each coordinator replica's own view (role, term, leader), asked with the cluster key;
+/// nothing with a client key (replicas answer only the cluster key).
+async fn replica_statuses(
+    addrs: &[String],
+    key: &kochab_proto::auth::ClientKey,
+) -> Vec<(String, Result<kochab_coord::ReplicaStatus, String>)> {
+    if key.id != kochab_proto::auth::ADMIN_KEY_ID {
+        return Vec::new();
+    }
+    let socks: Vec<SocketAddr> = addrs.iter().filter_map(|a| a.parse().ok()).collect();
+    let client =
+        CoordClient::<CoordState>::new(kochab_coord::ClientConfig::new(socks.clone(), key.key));
+    let mut out = Vec::new();
+    for a in socks {
+        let r = client.status_of(a).await.map_err(|e| e.to_string());
+        out.push((a.to_string(), r));
+    }
+    out
 }
 
 /// `kochab status` of a cluster: every server the map names (pid, address, epoch, tables),
@@ -399,10 +547,18 @@ pub async fn status(
         .iter()
         .find_map(|(_, _, r)| r.as_ref().ok().map(|s| s.coordinators.clone()))
         .unwrap_or_default();
+    let replicas = replica_statuses(&coordinators, &key).await;
     if json {
         let out = serde_json::json!({
             "map_version": map.version.0,
             "coordinators": coordinators,
+            "coordinator_replicas": replicas.iter().map(|(addr, r)| match r {
+                Ok(s) => serde_json::json!({
+                    "addr": addr, "id": s.id, "role": s.role, "term": s.term,
+                    "leader": s.leader, "last_applied": s.last_applied,
+                }),
+                Err(e) => serde_json::json!({"addr": addr, "error": e}),
+            }).collect::<Vec<_>>(),
             "servers": servers.iter().map(|(id, addr, r)| match r {
                 Ok(s) => serde_json::json!({
                     "id": id.0, "addr": addr, "pid": s.pid, "epoch": s.epoch,
@@ -431,6 +587,15 @@ pub async fn status(
             coordinators.join(",")
         }
     );
+    for (addr, r) in &replicas {
+        match r {
+            Ok(s) => println!(
+                "coordinator replica {} at {addr}: {}, term {}, leader {:?}, applied {:?}",
+                s.id, s.role, s.term, s.leader, s.last_applied
+            ),
+            Err(e) => println!("coordinator replica at {addr}: unreachable ({e})"),
+        }
+    }
     for (id, addr, r) in &servers {
         match r {
             Ok(s) => println!(
@@ -457,4 +622,29 @@ pub async fn status(
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_keeps_the_size_and_addresses_of_its_coordinator_group() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = dir.path();
+        // New: anything goes, nothing recorded.
+        assert_eq!(recorded_replicas(data, 3), Ok(None));
+        let addrs: Vec<String> = (1..=3).map(|i| format!("127.0.0.1:{}", 7000 + i)).collect();
+        record_replicas(data, &addrs).expect("record");
+        assert_eq!(recorded_replicas(data, 3), Ok(Some(addrs)));
+        let e = recorded_replicas(data, 1).expect_err("another size");
+        assert!(e.contains("--coords 3"), "{e}");
+        // A one-replica cluster (its log only, nothing recorded) stays one.
+        let one = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir_all(one.path().join(COORD_DIR).join("raft-log")).expect("mkdir");
+        assert_eq!(recorded_replicas(one.path(), 1), Ok(None));
+        assert!(recorded_replicas(one.path(), 3).is_err());
+        assert_eq!(replica_dir(data, 1), data.join(COORD_DIR));
+        assert_eq!(replica_dir(data, 2), data.join(COORD_DIR).join("replica-2"));
+    }
 }

@@ -215,7 +215,7 @@ struct UpArgs {
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// Port of the metadata service (0 picks a free one). With --servers: the first
-    /// server's; the others follow it, then the coordinator.
+    /// server's; the others follow it, then the coordinator replicas.
     #[arg(long, default_value_t = DEFAULT_PORT)]
     port: u16,
     /// Run a cluster: a coordinator and this many metadata servers, each its own process
@@ -226,6 +226,11 @@ struct UpArgs {
     /// tables recovered by another) about this long after it stopped renewing.
     #[arg(long, default_value_t = 2.0, requires = "servers")]
     lease: f64,
+    /// With --servers: coordinator replicas, each its own process (3 survive the loss of
+    /// one, the leader included). Their ports follow the servers' (recorded in DATA/coord/
+    /// on the first start: a restart listens where the group's membership says).
+    #[arg(long, default_value_t = 1, requires = "servers")]
+    coords: usize,
     /// Port of the Prometheus metrics endpoint (0 picks a free one).
     #[arg(long)]
     metrics_port: Option<u16>,
@@ -267,8 +272,11 @@ struct UpArgs {
 struct FsckArgs {
     #[command(flatten)]
     conn: ConnArgs,
-    /// Check this data directory offline (its server must be stopped): journal damage and
-    /// whether a start would refuse. Changes nothing unless --repair is given.
+    /// Check this data directory offline (its server, or every server and coordinator of
+    /// its cluster, must be stopped): journal damage, whether a start would refuse, then
+    /// every table loaded and the namespace invariants checked across all of them (no
+    /// orphan, no cycle, exact nlink). Changes nothing unless --repair is given (a torn
+    /// journal tail is zeroed, as the next start would).
     #[arg(long)]
     data: Option<PathBuf>,
     /// With --data: make a directory whose journal is damaged start again.
@@ -457,6 +465,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
             host: args.host,
             port: args.port,
             servers,
+            coords: args.coords,
             lease: args.lease,
             no_fsync: args.no_fsync,
             mount: args.mount,
@@ -735,6 +744,35 @@ fn fsck_offline(dir: &std::path::Path, repair: bool, accept_loss: bool) -> Resul
         return Err(format!("{} does not start as it is", dir.display()));
     }
     println!("kochab fsck: {} starts", dir.display());
+    if repair {
+        return Ok(());
+    }
+    // The namespace across every table: in a cluster's directory each table is loaded from
+    // its manifest and the journals it names, whichever servers wrote them.
+    let ns = kochab_server::recovery::check_namespace_offline(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?;
+    let what = if cluster_up::is_cluster_dir(dir) {
+        "cluster"
+    } else {
+        "server"
+    };
+    for p in &ns.problems {
+        println!("{p}");
+    }
+    println!(
+        "kochab fsck: {what} namespace of {} tables, {} inodes ({} journal records replayed): {}",
+        ns.tables,
+        ns.inodes,
+        ns.replayed,
+        if ns.problems.is_empty() {
+            "clean".to_string()
+        } else {
+            format!("{} problems", ns.problems.len())
+        }
+    );
+    if !ns.problems.is_empty() {
+        return Err(format!("{} namespace problems", ns.problems.len()));
+    }
     Ok(())
 }
 

@@ -96,8 +96,8 @@ fn start(dir: &Path, servers: &str) -> ServerProc {
 }
 
 /// A new cluster of `n` servers, its tables spread, whose root holds the directories
-/// `dirs`. (They land in the root's table: a mkdir whose new id would land on another
-/// server needs BORROW, which is not wired, so a server allocates in its own tables.)
+/// `dirs` (dealt across the tables, so across the servers: a mkdir whose slot is on
+/// another server borrows its table).
 fn start_with_dirs(dir: &Path, n: usize, dirs: &[&str]) -> ServerProc {
     let server = start(dir, &n.to_string());
     wait_spread(&server, n, 19 / n);
@@ -143,6 +143,12 @@ fn three_server_processes_serve_one_namespace_and_spread_its_tables() {
         // The entry server is not the root's: every request is routed by the map.
         let (root_owner, _) = owner_of(&server, c.root()).expect("root's owner");
         assert_ne!(root_owner, 2, "the root's table moved off the first server");
+        // Top-level directories made on the running cluster are spread over its servers.
+        let homes: BTreeSet<u64> = dirs
+            .iter()
+            .filter_map(|&d| owner_of(&server, d).map(|o| o.0))
+            .collect();
+        assert_eq!(homes.len(), 3, "six top-level directories on three servers");
         for (i, &d) in dirs.iter().enumerate() {
             for f in 0..30 {
                 c.create(&cred, d, format!("f{f}").as_bytes(), 0o644)
@@ -298,4 +304,174 @@ fn a_cluster_restarted_with_more_servers_serves_what_one_server_made() {
             assert_eq!(names_of(&c, d).await.len(), 2, "t{i}");
         }
     });
+}
+
+/// Operations whose inodes lie on two servers borrow every table they need and run as one
+/// record: a rename and a link between directories of different servers, a directory moved
+/// between them (with its subtree check), an rmdir whose directory's inode is not on the
+/// root's server. The servers' fsck finds their tables consistent afterwards.
+#[test]
+fn operations_across_servers_borrow_the_tables_they_need() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let names = ["t0", "t1", "t2", "t3", "t4", "t5"];
+    let mut one = start(dir.path(), "1");
+    runtime().block_on(async {
+        let c = one.client(3).await;
+        for d in names {
+            c.mkdir(&Credentials::root(), c.root(), d.as_bytes(), 0o755)
+                .await
+                .expect("mkdir");
+        }
+    });
+    assert_eq!(one.stop(), Some(0), "clean stop; log:\n{}", one.log_text());
+    drop(one);
+    let server = start(dir.path(), "2");
+    wait_spread(&server, 2, 9);
+    runtime().block_on(async {
+        let c = server.client(3).await;
+        let cred = Credentials::root();
+        let dirs = dir_ids(&c, &names).await;
+        let owner = |id| owner_of(&server, id).expect("owner").0;
+        let root_owner = owner(c.root());
+        let a = dirs[0];
+        let b = *dirs
+            .iter()
+            .find(|&&d| owner(d) != owner(a))
+            .expect("directories on both servers");
+        let log = || server.log_text();
+
+        c.create(&cred, a, b"f", 0o644).await.expect("create");
+        c.rename(&cred, a, b"f", b, b"f", 0)
+            .await
+            .unwrap_or_else(|e| panic!("rename across servers: {e}\n{}", log()));
+        let f = c.lookup(&cred, b, b"f").await.expect("moved file");
+        assert!(c.lookup(&cred, a, b"f").await.is_err(), "old name gone");
+        c.link(&cred, f.id, a, b"l")
+            .await
+            .unwrap_or_else(|e| panic!("link across servers: {e}\n{}", log()));
+        assert_eq!(c.getattr(&cred, f.id).await.expect("stat").nlink, 2);
+
+        let sub = c.mkdir(&cred, a, b"sub", 0o755).await.expect("mkdir");
+        c.create(&cred, sub.id, b"x", 0o644)
+            .await
+            .expect("create below");
+        c.rename(&cred, a, b"sub", b, b"sub", 0)
+            .await
+            .unwrap_or_else(|e| panic!("directory across servers: {e}\n{}", log()));
+        let moved = c.lookup(&cred, b, b"sub").await.expect("moved directory");
+        assert_eq!(moved.id, sub.id);
+        c.lookup(&cred, moved.id, b"x").await.expect("its entry");
+        assert_eq!(c.getattr(&cred, a).await.expect("stat a").nlink, 2);
+        assert_eq!(c.getattr(&cred, b).await.expect("stat b").nlink, 3);
+        // Into its own subtree, across servers: refused by the subtree check.
+        let e = c
+            .rename(&cred, b, b"sub", moved.id, b"loop", 0)
+            .await
+            .expect_err("a directory into itself");
+        assert_eq!(e.errno, kochab_proto::Errno::EINVAL, "{e}");
+
+        // A file open at its server and replaced by a rename from the other server (which
+        // borrows its table): it lives on until closed, as on one server.
+        let (_, h) = c
+            .create_open(&cred, b, b"open", 0o644, libc::O_RDWR as u32)
+            .await
+            .expect("create and open");
+        c.write(&cred, h, 0, b"still here".to_vec())
+            .await
+            .expect("write");
+        c.create(&cred, a, b"new", 0o644).await.expect("create");
+        c.rename(&cred, a, b"new", b, b"open", 0)
+            .await
+            .unwrap_or_else(|e| panic!("rename over an open file: {e}\n{}", log()));
+        assert_eq!(
+            c.read(&cred, h, 0, 64)
+                .await
+                .expect("read the replaced file"),
+            b"still here"
+        );
+        c.close(&cred, h).await.expect("close");
+
+        c.unlink(&cred, a, b"l").await.expect("unlink the link");
+        assert_eq!(c.getattr(&cred, f.id).await.expect("stat").nlink, 1);
+        // An empty top-level directory whose inode is not on the root's server.
+        let (name, _) = names
+            .iter()
+            .zip(&dirs)
+            .find(|(_, d)| owner(**d) != root_owner && **d != a && **d != b)
+            .expect("an empty directory away from the root's server");
+        c.rmdir(&cred, c.root(), name.as_bytes())
+            .await
+            .unwrap_or_else(|e| panic!("rmdir across servers: {e}\n{}", log()));
+        assert!(c.lookup(&cred, c.root(), name.as_bytes()).await.is_err());
+        assert_eq!(names_of(&c, c.root()).await.len(), names.len() - 1);
+        let problems = c.fsck().await.expect("fsck");
+        assert!(problems.is_empty(), "{problems:?}");
+    });
+}
+
+/// Through the FUSE mount of a two-server cluster, as a user would: top-level directories
+/// land on both servers, `ls -l` lists entries whose inodes the other server holds, and
+/// `mv` and `ln` between directories of different servers work and keep the counts exact.
+#[test]
+fn the_mount_of_two_servers_lists_moves_and_links_across_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cluster = common::Cluster::start(dir.path(), &["--servers", "2", "--lease", "2"]);
+    wait_spread(&cluster.server, 2, 9);
+    let m = &cluster.mnt;
+    let names: Vec<String> = (0..6).map(|i| format!("top{i}")).collect();
+    for n in &names {
+        std::fs::create_dir(m.join(n)).expect("mkdir");
+        std::fs::write(m.join(n).join("file"), n.as_bytes()).expect("write");
+    }
+    let owners: BTreeSet<u64> = names
+        .iter()
+        .filter_map(|n| {
+            use std::os::unix::fs::MetadataExt;
+            let ino = std::fs::metadata(m.join(n)).expect("stat").ino();
+            owner_of(&cluster.server, ino).map(|o| o.0)
+        })
+        .collect();
+    assert_eq!(owners.len(), 2, "top-level directories on both servers");
+    // `ls -l` of the root: every directory listed, with attributes.
+    let mut listed: Vec<String> = std::fs::read_dir(m)
+        .expect("readdir")
+        .map(|e| {
+            let e = e.expect("entry");
+            assert!(e.metadata().expect("attributes").is_dir());
+            e.file_name().to_string_lossy().into_owned()
+        })
+        .collect();
+    listed.sort();
+    assert_eq!(listed, names);
+    // Every file into top0, and top1 below top0, whichever servers they are on.
+    for n in &names[1..] {
+        std::fs::rename(m.join(n).join("file"), m.join("top0").join(n))
+            .unwrap_or_else(|e| panic!("mv {n}/file: {e}\n{}", cluster.server.log_text()));
+        std::fs::hard_link(m.join("top0").join(n), m.join(n).join("link")).expect("ln");
+    }
+    std::fs::rename(m.join("top1"), m.join("top0").join("moved")).expect("mv a directory");
+    for n in &names[1..] {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(m.join("top0").join(n)).expect("stat moved file");
+        assert_eq!(meta.nlink(), 2, "{n}");
+        assert_eq!(
+            std::fs::read(m.join("top0").join(n)).expect("read"),
+            n.as_bytes()
+        );
+    }
+    assert_eq!(
+        std::fs::read(m.join("top0/moved/link")).expect("read through the moved directory"),
+        b"top1"
+    );
+    let listed = std::fs::read_dir(m.join("top0")).expect("readdir").count();
+    assert_eq!(
+        listed,
+        1 + 5 + 1,
+        "file, five moved files, the moved directory"
+    );
+    std::fs::remove_dir_all(m.join("top0")).expect("rm -r across servers");
+    for n in &names[2..] {
+        std::fs::remove_dir_all(m.join(n)).expect("rm -r");
+    }
+    assert_eq!(std::fs::read_dir(m).expect("readdir").count(), 0);
 }

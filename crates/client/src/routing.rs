@@ -9,6 +9,13 @@ use kochab_proto::InodeId;
 use kochab_proto::cluster::{DelegationMap, MapVersion, ServerId, TableId};
 use std::sync::Arc;
 
+/// Longest pause between two attempts of one request in a cluster. The router's backoff
+/// grows to a second, which is right for an overloaded server but, during a failover
+/// (WrongServer, a refused connection, a table not yet loaded), adds up to that second
+/// after the new owner already serves: a failover is over within a few hundred ms of the
+/// map changing, and a retry every ~150 ms per waiting request is no load on a server.
+pub const RETRY_PAUSE_MAX_MS: u64 = 150;
+
 /// Where the next attempt of a request goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
@@ -147,7 +154,12 @@ impl Routing {
     pub fn retry(&self, failed_for_ms: u64, attempts: u32) -> Retry {
         match self {
             Routing::Single { .. } => Retry::GiveUp,
-            Routing::Cluster(r) => r.retry(0, failed_for_ms, attempts),
+            Routing::Cluster(r) => match r.retry(0, failed_for_ms, attempts) {
+                Retry::After { delay_ms } => Retry::After {
+                    delay_ms: delay_ms.min(RETRY_PAUSE_MAX_MS),
+                },
+                Retry::GiveUp => Retry::GiveUp,
+            },
         }
     }
 }
@@ -271,7 +283,13 @@ mod tests {
         r.on_unreachable(Some(TableId(0)), 4);
         assert!(matches!(r.step(7), Step::Fetch { .. }));
         assert_eq!(r.retry(5_000, 3), Retry::After { delay_ms: 80 });
-        assert_eq!(r.retry(14_999, 20), Retry::After { delay_ms: 1_000 });
+        // Capped: a retry soon after the new owner serves, not a second later.
+        assert_eq!(
+            r.retry(14_999, 20),
+            Retry::After {
+                delay_ms: RETRY_PAUSE_MAX_MS
+            }
+        );
         assert_eq!(r.retry(15_000, 20), Retry::GiveUp);
     }
 }

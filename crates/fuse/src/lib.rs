@@ -900,10 +900,23 @@ impl Filesystem for KochabFs {
                 .await
             {
                 Ok((entries, _)) => {
+                    // Entries whose inodes another server holds come without attributes:
+                    // ask their owners, all at once.
+                    let mut asked = tokio::task::JoinSet::new();
+                    for e in entries.iter().filter(|e| e.attr.is_none()) {
+                        let (client, cred, id) = (fs.client.clone(), cred.clone(), e.id);
+                        asked.spawn(async move { (id, client.getattr(&cred, id).await) });
+                    }
+                    let mut fetched = std::collections::HashMap::new();
+                    while let Some(Ok((id, r))) = asked.join_next().await {
+                        fetched.insert(id, r);
+                    }
                     for e in entries {
                         let attr = match e.attr {
                             Some(a) => a,
-                            None => match fs.client.getattr(&cred, e.id).await {
+                            None => match fetched.get(&e.id).cloned().unwrap_or_else(|| {
+                                Err(kochab_proto::fs_err!(EIO, "attributes of {:#x} lost", e.id))
+                            }) {
                                 Ok(a) => a,
                                 // Removed since the listing: the entry is gone, leave it out.
                                 Err(ge)

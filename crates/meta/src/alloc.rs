@@ -143,6 +143,30 @@ impl Engine {
         (counter % tables) * per_table + counter / tables
     }
 
+    /// For a member: the id a new top-level directory under `parent` should get when its
+    /// table is on another server (so the server borrows that table and the directory
+    /// lands where the dealing puts it, spreading top-level trees over servers). `None`
+    /// when the next slot is here, or `parent` deals nothing.
+    pub(crate) fn planned_dir(&self, parent: InodeId) -> Option<InodeId> {
+        if !self.member || !self.deals_top_level(parent) {
+            return None;
+        }
+        let layout = self.policy.tree_layout(parent)?;
+        let first = self.inode(parent)?.dir()?.subdir_next.max(1);
+        // One pass over the tables' turns: each slot is either here (free: no borrow) or
+        // on another server (borrow it) or taken (try the next).
+        for v in first..=first + u64::from(self.config.primary_tables) {
+            let id = layout.child_dir(parent, self.subdir_value(parent, v))?;
+            if self.table_index(id).is_none() {
+                return Some(id);
+            }
+            if self.is_free(id) {
+                return None;
+            }
+        }
+        None
+    }
+
     /// Chooses the id of a new subdirectory of `parent`, updating its allocator `pm`.
     pub(crate) fn alloc_dir(&mut self, parent: InodeId, pm: &mut DirMeta) -> OpResult<InodeId> {
         if let Some(layout) = self.policy.tree_layout(parent) {

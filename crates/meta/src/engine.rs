@@ -43,6 +43,10 @@ impl EngineConfig {
 /// names, so no cached name can reach a new inode under an old number.
 pub const QUARANTINE_NS: TimeNs = 5_000_000_000;
 
+/// Most ancestors a plan names: past this the walk stops and the engine's own subtree
+/// check reports any table the plan missed.
+const PLAN_WALK_MAX: usize = 4096;
+
 /// Why an operation did not complete.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fail {
@@ -330,6 +334,72 @@ impl Engine {
             .and_then(|e| e.get(hash, name)))
     }
 
+    /// The inodes an operation touches beyond the ids it names, as far as the hosted tables
+    /// show: the first step of plan-then-execute for operations that span servers. Named:
+    /// the entries an unlink, rmdir or rename removes or replaces, for a directory that
+    /// moves to another parent the new parent's ancestors (the subtree check walks them),
+    /// and for a new top-level directory the slot its table's turn gives it.
+    /// A directory whose table is not hosted hides what lies behind it; the plan then ends
+    /// at that directory, and a server that borrowed its table plans again (the engine
+    /// still refuses, with `NotHosted`, anything the plan missed). Costs a few lookups.
+    pub fn plan(&self, op: &Op) -> Vec<InodeId> {
+        let child = |dir: InodeId, name: &[u8]| {
+            self.entry(dir, name)
+                .ok()
+                .flatten()
+                .map(|e| (e.child, e.kind))
+        };
+        let mut ids = Vec::new();
+        match op {
+            Op::Mkdir { parent, .. } => ids.extend(self.planned_dir(*parent)),
+            Op::Unlink { parent, name } | Op::Rmdir { parent, name } => {
+                ids.extend(child(*parent, name).map(|(c, _)| c));
+            }
+            Op::Rename {
+                parent,
+                name,
+                new_parent,
+                new_name,
+                ..
+            } => {
+                let src = child(*parent, name);
+                let dst = child(*new_parent, new_name);
+                ids.extend(src.iter().chain(dst.iter()).map(|(c, _)| *c));
+                let moves_dir = [src, dst]
+                    .iter()
+                    .flatten()
+                    .any(|(_, k)| *k == FileKind::Dir);
+                if moves_dir && parent != new_parent {
+                    // An exchange moves the target too: walk above both parents.
+                    self.plan_ancestors(*new_parent, &mut ids);
+                    self.plan_ancestors(*parent, &mut ids);
+                }
+            }
+            _ => {}
+        }
+        ids
+    }
+
+    /// Appends the ancestors of `dir` below the root, up to the first one not hosted here
+    /// (which is named: its table is the next to borrow).
+    fn plan_ancestors(&self, dir: InodeId, ids: &mut Vec<InodeId>) {
+        let root = self.root();
+        let mut cur = dir;
+        // Bounded like the walk it plans for; a longer chain is corrupt anyway.
+        for _ in 0..PLAN_WALK_MAX {
+            let Some(next) = self.inode(cur).and_then(|i| i.dir()).map(|d| d.parent) else {
+                return;
+            };
+            if next == root || next == cur {
+                return;
+            }
+            if !ids.contains(&next) {
+                ids.push(next);
+            }
+            cur = next;
+        }
+    }
+
     /// Number of entries in `dir`.
     pub(crate) fn entry_count(&self, dir: InodeId) -> OpResult<u64> {
         Ok(self.table(dir)?.entries(dir).map_or(0, |e| e.len()))
@@ -509,6 +579,8 @@ impl Engine {
     /// 2 + subdirectories, as ext4 counts), every directory but the root has exactly one
     /// name, in the directory its parent link names, and parent links lead to the root.
     /// Returns the problems found (empty when consistent). Linear in the namespace size.
+    /// A cluster member checks what its own tables show (names of other servers' inodes
+    /// and links held in their directories are left to a whole-cluster check).
     pub fn check_invariants(&self) -> Vec<String> {
         let mut problems = Vec::new();
         let mut names: rustc_hash::FxHashMap<InodeId, u32> = Default::default();
@@ -525,6 +597,14 @@ impl Engine {
                     )),
                 }
                 for (_, e) in entries.iter() {
+                    let hosted = self.table_index(e.child).is_some();
+                    if !hosted && self.member {
+                        // Another server's inode: only a whole-cluster check sees it.
+                        if e.kind == FileKind::Dir {
+                            *subdirs.entry(dir).or_default() += 1;
+                        }
+                        continue;
+                    }
                     let Some(child) = self.inode(e.child) else {
                         problems.push(format!(
                             "{dir:#x}/{:?} names missing inode {:#x}",
@@ -576,13 +656,20 @@ impl Engine {
                         if n != 0 || parent != root {
                             problems.push("root has a name or a foreign parent".to_string());
                         }
+                    } else if self.member
+                        && !dir_name_in.contains_key(&id)
+                        && self.table_index(parent).is_none()
+                    {
+                        // Named in another server's directory.
                     } else if dir_name_in.get(&id) != Some(&parent) {
                         problems.push(format!(
                             "directory {id:#x}: parent link {parent:#x} but named in {:?}",
                             dir_name_in.get(&id)
                         ));
                     }
-                } else if inode.nlink != n {
+                } else if inode.nlink != n && !(self.member && n < inode.nlink) {
+                    // (A member sees only the names in the directories it hosts: fewer
+                    // names than links may be names held elsewhere.)
                     problems.push(format!(
                         "inode {id:#x} has nlink {} but {n} names",
                         inode.nlink
@@ -600,6 +687,10 @@ impl Engine {
                 let mut steps = 0;
                 while cur != root {
                     steps += 1;
+                    if self.member && self.table_index(cur).is_none() {
+                        // The walk goes on at another server.
+                        break;
+                    }
                     match self.inode(cur).and_then(|i| i.dir()) {
                         Some(d) if steps < 100_000 => cur = d.parent,
                         _ => {

@@ -100,6 +100,28 @@ impl Engine {
         *self.open_counts.entry(id).or_insert(0) += 1;
     }
 
+    /// Removes and returns the open-handle counts of the inodes in `lo..hi` (a table
+    /// leaving this server: they travel in its manifest).
+    pub fn take_open_counts(&mut self, lo: InodeId, hi: InodeId) -> Vec<(InodeId, u32)> {
+        let ids: Vec<(InodeId, u32)> = self
+            .open_counts
+            .iter()
+            .filter(|(id, _)| (lo..hi).contains(*id))
+            .map(|(id, n)| (*id, *n))
+            .collect();
+        for (id, _) in &ids {
+            self.open_counts.remove(id);
+        }
+        ids
+    }
+
+    /// Counts handles held open elsewhere (a table arriving from a live server).
+    pub fn add_open_counts(&mut self, counts: &[(InodeId, u32)]) {
+        for &(id, n) in counts {
+            *self.open_counts.entry(id).or_insert(0) += n;
+        }
+    }
+
     /// Open handles of `id`.
     pub fn open_count(&self, id: InodeId) -> u32 {
         self.open_counts.get(&id).copied().unwrap_or(0)

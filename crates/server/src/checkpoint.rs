@@ -95,6 +95,12 @@ pub struct Manifest {
     pub journals: Vec<JournalPos>,
     pub images: Vec<ImageRef>,
     pub next_seq: u64,
+    /// Inodes of the table that were open at the server that released it (id, handles).
+    /// The server that adds it counts them as open, so an unlink there does not drop an
+    /// inode a client of the old owner still has open; kept only by a live ADD (a start or
+    /// a failover drops them: their sessions are gone) and cleared by the next manifest.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub open_elsewhere: Vec<(u64, u32)>,
     /// The version this manifest was read as or written as (0: none in the store).
     #[serde(skip)]
     pub version: u64,
@@ -537,8 +543,10 @@ impl Checkpointer {
             Source::Engine(_) => vec![self.own_pos(start_lsn)],
             Source::Detached(_) => Vec::new(),
         };
-        if let Source::Detached(_) = source {
-            m.owner = None;
+        match source {
+            Source::Detached(_) => m.owner = None,
+            // Counted by this server when it added the table; not for whoever is next.
+            Source::Engine(_) => m.open_elsewhere.clear(),
         }
         self.write_manifest(shared, m, obsolete)?;
         Ok(written)
@@ -582,9 +590,17 @@ impl Checkpointer {
     /// then names no owner and no journal (the image holds everything), so the next owner
     /// loads it without reading this server's journal. The caller made every record that
     /// touched it durable first.
-    pub fn release(&mut self, shared: &Shared, table: &Table) -> io::Result<u64> {
+    pub fn release(
+        &mut self,
+        shared: &Shared,
+        table: &Table,
+        open: Vec<(u64, u32)>,
+    ) -> io::Result<u64> {
         let set = table.all_boxes();
         let start = shared.journal.last_lsn();
+        if let Some(m) = self.manifests.get_mut(&table.lo) {
+            m.open_elsewhere = open;
+        }
         let bytes =
             self.write_image(shared, table.lo, Source::Detached(table), &set, true, start)?;
         self.manifests.remove(&table.lo);

@@ -11,8 +11,9 @@
 //!   and a fence ends the process (its supervisor starts a new incarnation).
 //! - `GetMap` and `Control` requests are answered here, never by the engine.
 //!
-//! Multi-table operations whose tables are not all here are refused with EXDEV for now
-//! (the borrow is not wired); see docs/SCALEOUT.md "Servers as processes".
+//! - An operation whose tables are not all here (its first one is) is parked and run by
+//!   [`borrowed_op`] once the coordinator has moved them all here (BORROW); the last
+//!   operation using the borrow returns them (RETURN).
 
 use crate::checkpoint::read_manifest_by_id;
 use crate::core::{Core, Shared};
@@ -21,8 +22,8 @@ use kochab_cluster::state::CoordState;
 use kochab_coord::{ClientConfig, CoordClient};
 use kochab_journal::JournalId;
 use kochab_proto::cluster::{
-    Control, ControlBody, ControlReply, CoordCommand, DelegationMap, Incarnation, MapVersion,
-    ServerId, TableId,
+    BorrowId, Control, ControlBody, ControlReply, CoordCommand, DelegationMap, Incarnation,
+    MapVersion, ServerId, TableId,
 };
 use kochab_proto::*;
 use parking_lot::Mutex;
@@ -30,7 +31,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
-use tokio::sync::{broadcast, mpsc, watch};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 /// How often the participant is ticked (lease renewal, retries, fencing).
 pub const TICK: Duration = Duration::from_millis(100);
@@ -44,6 +45,14 @@ const MAP_READ_TIMEOUT: Duration = Duration::from_secs(1);
 pub const CONTROL_WAIT: Duration = Duration::from_secs(2);
 /// How long registration may take before the start fails.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long an operation waits for its borrow before the client is told to ask again (the
+/// borrow stays queued; granted after everyone left, it is returned at once).
+const BORROW_WAIT: Duration = Duration::from_secs(10);
+/// New operations join a granted borrow for this long; after it, they wait for the next
+/// one, so a steady stream of them cannot keep other servers' borrows of those tables
+/// waiting for ever.
+const BORROW_JOIN_MS: u64 = 200;
 
 /// Milliseconds from a clock the host reads (monotonic in production, injected in tests).
 pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
@@ -66,6 +75,29 @@ pub struct HostConfig {
     pub ranges: Vec<(u64, u64)>,
     pub participant: ParticipantConfig,
     pub clock: Clock,
+}
+
+/// One borrow of this incarnation and the operations waiting for it or running under it.
+struct BorrowSlot {
+    tables: Vec<TableId>,
+    /// When the coordinator granted it (host clock), once it has.
+    granted_ms: Option<u64>,
+    users: usize,
+    /// Told `true` when it is granted, `false` when it is refused.
+    waiters: Vec<oneshot::Sender<bool>>,
+}
+
+/// One operation's use of a granted borrow: dropping it ends the use, and the last user
+/// returns the tables.
+pub struct BorrowUse {
+    host: Arc<ClusterHost>,
+    id: BorrowId,
+}
+
+impl Drop for BorrowUse {
+    fn drop(&mut self) {
+        self.host.leave_borrow(self.id);
+    }
 }
 
 #[derive(Default)]
@@ -95,6 +127,8 @@ pub struct ClusterHost {
     ends: Mutex<BTreeMap<u64, Vec<Vec<TableId>>>>,
     shared: OnceLock<Weak<Shared>>,
     fenced: watch::Sender<Option<String>>,
+    /// This incarnation's borrows that operations wait for or run under.
+    borrows: Mutex<BTreeMap<BorrowId, BorrowSlot>>,
 }
 
 /// True if `r` answers the control `c` (the driver matches replies to what it sent).
@@ -116,7 +150,9 @@ pub fn table_of(ranges: &[(u64, u64)], id: InodeId) -> Option<TableId> {
     (i > 0 && id < ranges[i - 1].1).then(|| TableId(ranges[i - 1].0))
 }
 
-/// The inodes an operation touches by id or through a handle of this client.
+/// The inodes an operation touches: by id, through a handle of this client, and those the
+/// engine's plan adds (the entries it removes, the ancestors a directory move checks). The
+/// first is the one the client routed by.
 fn op_ids(core: &Core, client: u64, op: &Op) -> Vec<InodeId> {
     let mut ids: Vec<InodeId> = op.inode_ids().into_iter().flatten().collect();
     if let Some(h) = op.handle()
@@ -124,7 +160,17 @@ fn op_ids(core: &Core, client: u64, op: &Op) -> Vec<InodeId> {
     {
         ids.push(of.id);
     }
+    ids.extend(core.engine.plan(op));
     ids
+}
+
+/// Why an operation does not run now.
+pub enum Refusal {
+    /// Answer this.
+    Reply(Box<Reply>),
+    /// The first table is here, these others are not: borrow them all (the set, the first
+    /// included, is what the operation needs), then run it.
+    Borrow(Vec<TableId>),
 }
 
 impl ClusterHost {
@@ -186,6 +232,7 @@ impl ClusterHost {
             ends: Mutex::new(BTreeMap::new()),
             shared: OnceLock::new(),
             fenced: watch::channel(None).0,
+            borrows: Mutex::new(BTreeMap::new()),
         });
         tokio::spawn(run(host.clone(), rx));
         let mut fenced = host.fenced.subscribe();
@@ -279,11 +326,12 @@ impl ClusterHost {
 
     /// Admission of one operation (the caller holds the core lock). `Ok`: run it, then call
     /// [`ClusterHost::op_done`] with the tables returned; `Err`: answer this instead.
-    pub fn admit_op(&self, core: &Core, client: u64, op: &Op) -> Result<Vec<TableId>, Box<Reply>> {
+    pub fn admit_op(&self, core: &Core, client: u64, op: &Op) -> Result<Vec<TableId>, Refusal> {
+        let refuse = |r: Reply| Err(Refusal::Reply(Box::new(r)));
         let mut tables = Vec::new();
         for id in op_ids(core, client, op) {
             let Some(t) = table_of(&self.ranges, id) else {
-                return Err(Box::new(Reply::Error(kochab_meta::not_in_any_table(id))));
+                return refuse(Reply::Error(kochab_meta::not_in_any_table(id)));
             };
             if !tables.contains(&t) {
                 tables.push(t);
@@ -296,18 +344,20 @@ impl ClusterHost {
         match admit {
             Admit::Ok => Ok(tables),
             Admit::WrongServer { map_version, owner } => {
-                Err(Box::new(self.wrong_server(tables[0], map_version, owner)))
+                refuse(self.wrong_server(tables[0], map_version, owner))
             }
-            Admit::NotReady => Err(Box::new(Reply::WrongServer {
-                map_version: self.map.lock().map.version.0,
-                owner: None,
-                addr: None,
-            })),
-            Admit::NeedBorrow => Err(Box::new(Reply::Error(fs_err!(
-                EXDEV,
-                "{} needs tables held by other servers, and borrowing them is not wired yet",
-                op.name()
-            )))),
+            Admit::NotReady => refuse(self.not_ready()),
+            Admit::NeedBorrow => Err(Refusal::Borrow(tables)),
+        }
+    }
+
+    /// "Not now, ask again": the client refreshes its map and retries (a table is loading,
+    /// the lease is being renewed, a borrow did not come through in time).
+    fn not_ready(&self) -> Reply {
+        Reply::WrongServer {
+            map_version: self.map.lock().map.version.0,
+            owner: None,
+            addr: None,
         }
     }
 
@@ -326,9 +376,15 @@ impl ClusterHost {
         }
     }
 
-    /// Names the owner in an engine's WRONG_SERVER (an id outside the hosted tables found
-    /// while the operation ran).
-    pub fn fix_reply(&self, engine: &mut kochab_meta::Engine, reply: Reply) -> Reply {
+    /// An engine's WRONG_SERVER (an id outside the hosted tables found while the
+    /// operation ran, which its plan did not show): for an admitted operation, borrow that
+    /// table too; otherwise name its owner.
+    pub fn fix_reply(
+        &self,
+        engine: &mut kochab_meta::Engine,
+        admitted: &[TableId],
+        reply: Reply,
+    ) -> Result<Reply, Refusal> {
         match reply {
             Reply::WrongServer {
                 map_version,
@@ -339,10 +395,15 @@ impl ClusterHost {
                 .take()
                 .and_then(|id| table_of(&self.ranges, id))
             {
-                Some(t) => self.wrong_server(t, MapVersion(map_version), None),
-                None => reply,
+                Some(t) if !admitted.is_empty() && !admitted.contains(&t) => {
+                    let mut tables = admitted.to_vec();
+                    tables.push(t);
+                    Err(Refusal::Borrow(tables))
+                }
+                Some(t) => Ok(self.wrong_server(t, MapVersion(map_version), None)),
+                None => Ok(reply),
             },
-            other => other,
+            other => Ok(other),
         }
     }
 
@@ -510,13 +571,14 @@ impl ClusterHost {
                     host.push(acts);
                 });
             }
-            Action::RunBorrowed { id } => {
-                // No operation waits for a borrow yet: give it back at once.
-                let acts = self.p.lock().borrow_done(id, self.now());
-                self.push(acts);
-            }
+            Action::RunBorrowed { id } => self.borrow_granted(id),
             Action::BorrowFailed { id } => {
                 tracing::debug!("borrow {id:?} refused");
+                if let Some(slot) = self.borrows.lock().remove(&id) {
+                    for w in slot.waiters {
+                        let _ = w.send(false);
+                    }
+                }
             }
             Action::Fence => {
                 // (One lock at a time: `journal_id` may take the participant's lock too.)
@@ -529,6 +591,159 @@ impl ClusterHost {
                 tracing::error!("{why}");
                 self.fenced.send_replace(Some(why));
             }
+        }
+    }
+}
+
+impl ClusterHost {
+    /// Waits until every table of `tables` is here under a borrow: joins a borrow of this
+    /// incarnation that covers them (while it is young), else asks for a new one. `Err`:
+    /// the reply that tells the client to ask again.
+    async fn borrow_tables(self: &Arc<Self>, tables: &[TableId]) -> Result<BorrowUse, Reply> {
+        let now = self.now();
+        let (tx, rx) = oneshot::channel();
+        let (id, acts) = {
+            let mut slots = self.borrows.lock();
+            let joined = slots.iter_mut().find(|(_, s)| {
+                s.granted_ms.is_none_or(|g| now < g + BORROW_JOIN_MS)
+                    && tables.iter().all(|t| s.tables.contains(t))
+            });
+            match joined {
+                Some((id, slot)) => {
+                    slot.users += 1;
+                    if slot.granted_ms.is_some() {
+                        return Ok(BorrowUse {
+                            host: self.clone(),
+                            id: *id,
+                        });
+                    }
+                    slot.waiters.push(tx);
+                    (*id, Vec::new())
+                }
+                None => {
+                    let (id, acts) = self.p.lock().borrow(tables, now);
+                    let Some(id) = id else {
+                        drop(slots);
+                        return Err(self.not_ready());
+                    };
+                    slots.insert(
+                        id,
+                        BorrowSlot {
+                            tables: tables.to_vec(),
+                            granted_ms: None,
+                            users: 1,
+                            waiters: vec![tx],
+                        },
+                    );
+                    (id, acts)
+                }
+            }
+        };
+        self.push(acts);
+        // From here a failure leaves the borrow through the use's drop.
+        let held = BorrowUse {
+            host: self.clone(),
+            id,
+        };
+        match tokio::time::timeout(BORROW_WAIT, rx).await {
+            Ok(Ok(true)) => Ok(held),
+            _ => Err(self.not_ready()),
+        }
+    }
+
+    fn leave_borrow(&self, id: BorrowId) {
+        let mut slots = self.borrows.lock();
+        let Some(slot) = slots.get_mut(&id) else {
+            return;
+        };
+        slot.users = slot.users.saturating_sub(1);
+        if slot.users == 0 && slot.granted_ms.is_some() {
+            slots.remove(&id);
+            drop(slots);
+            let acts = self.p.lock().borrow_done(id, self.now());
+            self.push(acts);
+        }
+    }
+
+    /// The coordinator granted `id` (its tables are all here): wake its operations, or
+    /// return it at once if none waits any more.
+    fn borrow_granted(&self, id: BorrowId) {
+        let now = self.now();
+        let mut slots = self.borrows.lock();
+        match slots.get_mut(&id) {
+            Some(slot) if slot.users > 0 => {
+                slot.granted_ms = Some(now);
+                for w in slot.waiters.drain(..) {
+                    let _ = w.send(true);
+                }
+            }
+            _ => {
+                slots.remove(&id);
+                drop(slots);
+                let acts = self.p.lock().borrow_done(id, now);
+                self.push(acts);
+            }
+        }
+    }
+}
+
+/// Runs an operation that needs tables other servers hold: borrows them all at once, runs
+/// it as one local record, and lets the borrow go (its last user returns the tables, once
+/// the drain of the RETURN has seen the record durable). If running it shows a table the
+/// plan could not see (behind a directory that was not here), the borrow is let go first
+/// and a bigger one taken: a server never waits for a borrow while holding one, so
+/// borrows cannot deadlock.
+pub async fn borrowed_op(
+    shared: Arc<Shared>,
+    client: u64,
+    rid: u64,
+    req: Request,
+    mut tables: Vec<TableId>,
+) -> (Reply, u64) {
+    let Some(host) = shared.cluster.clone() else {
+        return (
+            Reply::Error(fs_err!(EIO, "a borrow on a server that is no member")),
+            0,
+        );
+    };
+    shared.metrics.borrowed_ops.inc();
+    loop {
+        if tables.len() > kochab_cluster::state::BORROW_TABLES_MAX {
+            return (
+                Reply::Error(fs_err!(
+                    EXDEV,
+                    "{} needs more than {} tables at once",
+                    req.op.name(),
+                    kochab_cluster::state::BORROW_TABLES_MAX
+                )),
+                0,
+            );
+        }
+        let asked = Instant::now();
+        let held = host.borrow_tables(&tables).await;
+        shared
+            .metrics
+            .borrow_wait_seconds
+            .observe(asked.elapsed().as_secs_f64());
+        let held = match held {
+            Ok(held) => held,
+            Err(reply) => return (reply, 0),
+        };
+        let mut replies = Vec::with_capacity(1);
+        let parked = shared.execute_batch(client, &[(rid, req.clone())], &mut replies);
+        drop(held);
+        if let Some((_, reply, lsn)) = replies.pop() {
+            return (reply, lsn);
+        }
+        let before = tables.len();
+        for t in parked.into_iter().flat_map(|(_, more)| more) {
+            if !tables.contains(&t) {
+                tables.push(t);
+            }
+        }
+        if tables.len() == before {
+            // Granted, yet not all here (moved again since): let the client ask again.
+            return (host.not_ready(), 0);
         }
     }
 }
@@ -642,7 +857,9 @@ pub async fn task_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, 
         let core = shared.core.lock();
         match host.admit_op(&core, client, &req.op) {
             Ok(t) => t,
-            Err(reply) => return (*reply, 0),
+            Err(Refusal::Reply(reply)) => return (*reply, 0),
+            // Data operations name one inode.
+            Err(Refusal::Borrow(_)) => return (host.not_ready(), 0),
         }
     };
     let (reply, lsn) = crate::filesvc::data_op(shared.clone(), client, req).await;

@@ -520,7 +520,27 @@ async fn read_loop(
         }
         if !reqs.is_empty() {
             let started = Instant::now();
-            shared.execute_batch(client, &reqs, &mut replies);
+            let parked = shared.execute_batch(client, &reqs, &mut replies);
+            // Requests that need other servers' tables wait for their borrow in their own
+            // task; the rest of the connection goes on.
+            if !parked.is_empty() {
+                let (waiting, rest): (Vec<_>, Vec<_>) = reqs
+                    .drain(..)
+                    .partition(|(rid, _)| parked.iter().any(|(p, _)| p == rid));
+                reqs = rest;
+                for ((rid, req), (_, tables)) in waiting.into_iter().zip(parked) {
+                    let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
+                    tokio::spawn(async move {
+                        let op = req.op.index() as u8;
+                        let (reply, lsn) =
+                            crate::cluster_host::borrowed_op(shared, client, rid, req, tables)
+                                .await;
+                        let mut group = Replies::new(Instant::now(), 1);
+                        group.add(rid, op, &reply, lsn);
+                        let _ = send_replies(&tx, &backlog, group).await;
+                    });
+                }
+            }
             // Two groups: replies that may leave now, and those waiting for the journal (so
             // a lookup does not wait for the fsync of a create that ran in the same batch).
             let durable = shared.journal.durable_lsn();

@@ -5,6 +5,7 @@
 //! journal order is execution order. Replies wait until the journal is durable up to the
 //! last LSN the batch could have observed: nothing a client sees can be lost in a crash.
 
+use crate::cluster_host::Refusal;
 use crate::data::DataStore;
 use crate::locks::LockTable;
 use crate::metrics::Metrics;
@@ -12,6 +13,7 @@ use crate::replycache::{Outcome, ReplyCache};
 use crate::session::{EndedHandles, Sessions};
 use kochab_journal::Journal;
 use kochab_meta::{Engine, Mutation};
+use kochab_proto::cluster::TableId;
 use kochab_proto::*;
 use kochab_store::ObjectStore;
 use parking_lot::Mutex;
@@ -248,22 +250,29 @@ impl Shared {
     }
 
     /// Runs a batch of requests of one client; returns each reply with the LSN that must
-    /// be durable before it is sent.
+    /// be durable before it is sent. A member returns, instead of a reply, the requests
+    /// that need tables other servers hold, each with the tables to borrow for it (run
+    /// them with [`crate::cluster_host::borrowed_op`]).
     pub fn execute_batch(
         &self,
         client: u64,
         reqs: &[(u64, Request)],
         replies: &mut Vec<(u64, Reply, u64)>,
-    ) {
+    ) -> Vec<(u64, Vec<TableId>)> {
         let now = now_ns();
+        let mut parked = Vec::new();
         let mut core = self.core.lock();
         for (rid, req) in reqs {
             // A member runs only what its participant admits (see `cluster_host`).
             let admitted = match &self.cluster {
                 Some(host) => match host.admit_op(&core, client, &req.op) {
                     Ok(tables) => tables,
-                    Err(reply) => {
+                    Err(Refusal::Reply(reply)) => {
                         replies.push((*rid, *reply, 0));
+                        continue;
+                    }
+                    Err(Refusal::Borrow(tables)) => {
+                        parked.push((*rid, tables));
                         continue;
                     }
                 },
@@ -288,7 +297,18 @@ impl Shared {
             // it observed; whole-server answers wait for everything.
             let own = if after > before || global { after } else { 0 };
             let reply = match &self.cluster {
-                Some(host) => host.fix_reply(&mut core.engine, reply),
+                Some(host) => match host.fix_reply(&mut core.engine, &admitted, reply) {
+                    Ok(reply) => reply,
+                    Err(refusal) => {
+                        // It changed nothing (a failed operation emits no mutation).
+                        host.op_done(admitted, 0, 0);
+                        match refusal {
+                            Refusal::Borrow(tables) => parked.push((*rid, tables)),
+                            Refusal::Reply(reply) => replies.push((*rid, *reply, 0)),
+                        }
+                        continue;
+                    }
+                },
                 None => reply,
             };
             let needed = own.max(core.needed_lsn(&req.op, &reply));
@@ -308,6 +328,7 @@ impl Shared {
         }
         drop(core);
         self.journal.flush_now();
+        parked
     }
 
     /// Runs one engine operation with the reply cache and the journal; its mutations stay

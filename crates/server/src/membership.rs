@@ -22,6 +22,7 @@ impl Shared {
     /// Gives up the table whose id is `lo` (see the module). Afterwards another server can
     /// [`Shared::add_table`] it; operations on it here get WRONG_SERVER.
     pub fn drop_table(&self, lo: u64) -> io::Result<()> {
+        let started = std::time::Instant::now();
         let mut ckpt = self.checkpointer.lock();
         if ckpt.manifest(lo).is_none() {
             return Err(io::Error::new(
@@ -29,7 +30,7 @@ impl Shared {
                 format!("table {lo:016x} is not hosted here"),
             ));
         }
-        let (table, last) = {
+        let (table, open, last) = {
             let mut core = self.core.lock();
             let table = core.engine.remove_table(lo).ok_or_else(|| {
                 io::Error::new(
@@ -37,11 +38,12 @@ impl Shared {
                     format!("table {lo:016x} is not hosted"),
                 )
             })?;
-            (table, self.journal.last_lsn())
+            let open = core.engine.take_open_counts(table.lo, table.hi);
+            (table, open, self.journal.last_lsn())
         };
         self.journal.flush_now();
         let result = if self.journal.wait_durable(last) {
-            ckpt.release(self, &table).map(|_| ())
+            ckpt.release(self, &table, open.clone()).map(|_| ())
         } else {
             Err(io::Error::other("journal failed; table not released"))
         };
@@ -52,10 +54,11 @@ impl Shared {
                 if let Err(e2) = core.engine.insert_table(table) {
                     tracing::error!("table {lo:016x} could not be put back: {e2}");
                 }
+                core.engine.add_open_counts(&open);
             }
             return Err(e);
         }
-        tracing::info!("released table {lo:016x}");
+        tracing::info!("released table {lo:016x} in {:?}", started.elapsed());
         Ok(())
     }
 
@@ -72,7 +75,7 @@ impl Shared {
                 ),
             ));
         }
-        self.load_tables(&[(m.lo, m.hi)])
+        self.load_tables(&[(m.lo, m.hi)], true)
     }
 
     /// Takes over the tables `ids` of the failed incarnation `journal`: seals its journal
@@ -96,7 +99,7 @@ impl Shared {
             }
             ranges.push((m.lo, m.hi));
         }
-        self.load_tables(&ranges)
+        self.load_tables(&ranges, false)
     }
 
     fn manifest_of(&self, lo: u64) -> io::Result<Manifest> {
@@ -109,8 +112,10 @@ impl Shared {
     }
 
     /// Loads `ranges` as start-up does (checkpoints, sealed journals, claims) and adds them
-    /// to the engine.
-    fn load_tables(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+    /// to the engine. `live`: the tables come from a live server's release, whose clients
+    /// may hold their inodes open (counted here too, see `Manifest::open_elsewhere`).
+    fn load_tables(&self, ranges: &[(u64, u64)], live: bool) -> io::Result<()> {
+        let started = std::time::Instant::now();
         let mut ckpt = self.checkpointer.lock();
         let config = self.core.lock().engine.config().clone();
         // Only records after this one can touch the tables (they are not served yet).
@@ -133,7 +138,14 @@ impl Shared {
             core.engine
                 .insert_table(table)
                 .map_err(|e| io::Error::new(ErrorKind::AlreadyExists, e))?;
-            tracing::info!("serving table {:016x} from now on", m.lo);
+            if live {
+                core.engine.add_open_counts(&m.open_elsewhere);
+            }
+            tracing::info!(
+                "serving table {:016x} from now on (loaded in {:?})",
+                m.lo,
+                started.elapsed()
+            );
             ckpt.adopt(m);
         }
         Ok(())

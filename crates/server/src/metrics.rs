@@ -48,6 +48,9 @@ pub struct Metrics {
     pub connections: Gauge,
     pub replay_records: Gauge<u64, AtomicU64>,
     pub data_reclaims_pending: Gauge,
+    /// Operations that waited for a borrow of other servers' tables (multi-server).
+    pub borrowed_ops: Counter,
+    pub borrow_wait_seconds: Histogram,
 }
 
 impl Metrics {
@@ -113,6 +116,18 @@ impl Metrics {
             "Bytes of checkpoint images written",
             checkpoint_bytes.clone(),
         );
+        let borrowed_ops = Counter::default();
+        registry.register(
+            "borrowed_operations",
+            "Operations that needed tables other servers held (run by BORROW/RETURN)",
+            borrowed_ops.clone(),
+        );
+        let borrow_wait_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 16));
+        registry.register(
+            "borrow_wait_seconds",
+            "Time an operation waited until every table it needed was here",
+            borrow_wait_seconds.clone(),
+        );
         let table_inodes = Family::<TableLabel, Gauge>::default();
         registry.register("table_inodes", "Inodes per table", table_inodes.clone());
         let table_dentries = Family::<TableLabel, Gauge>::default();
@@ -168,6 +183,8 @@ impl Metrics {
             connections,
             replay_records,
             data_reclaims_pending,
+            borrowed_ops,
+            borrow_wait_seconds,
         }
     }
 
