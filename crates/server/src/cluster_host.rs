@@ -23,7 +23,7 @@ use kochab_coord::{ClientConfig, CoordClient};
 use kochab_journal::JournalId;
 use kochab_proto::cluster::{
     BorrowId, Control, ControlBody, ControlReply, CoordCommand, DelegationMap, Incarnation,
-    MapVersion, ServerId, TableId,
+    MapVersion, ServerId, TableId, TableLoad,
 };
 use kochab_proto::*;
 use parking_lot::Mutex;
@@ -39,6 +39,9 @@ pub const TICK: Duration = Duration::from_millis(100);
 pub const MAP_FRESH: Duration = Duration::from_millis(200);
 /// The map is refreshed in the background this often (for WRONG_SERVER hints).
 const MAP_REFRESH_EVERY: Duration = Duration::from_secs(1);
+/// Per-table load goes to the coordinator this often (operations admitted in the interval
+/// and inodes held): one Raft entry per server per interval.
+pub const LOAD_REPORT_EVERY: Duration = Duration::from_secs(5);
 /// How long a `GetMap` waits for the coordinator before answering from the cache.
 const MAP_READ_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a `Control` waits for the participant's answer (the driver resends after).
@@ -129,6 +132,9 @@ pub struct ClusterHost {
     fenced: watch::Sender<Option<String>>,
     /// This incarnation's borrows that operations wait for or run under.
     borrows: Mutex<BTreeMap<BorrowId, BorrowSlot>>,
+    /// Operations admitted per table (by the table they were routed by) since the last
+    /// load report.
+    admitted: Mutex<BTreeMap<TableId, u64>>,
 }
 
 /// True if `r` answers the control `c` (the driver matches replies to what it sent).
@@ -233,6 +239,7 @@ impl ClusterHost {
             shared: OnceLock::new(),
             fenced: watch::channel(None).0,
             borrows: Mutex::new(BTreeMap::new()),
+            admitted: Mutex::new(BTreeMap::new()),
         });
         tokio::spawn(run(host.clone(), rx));
         let mut fenced = host.fenced.subscribe();
@@ -342,7 +349,10 @@ impl ClusterHost {
         }
         let admit = self.p.lock().admit(&tables, self.now());
         match admit {
-            Admit::Ok => Ok(tables),
+            Admit::Ok => {
+                *self.admitted.lock().entry(tables[0]).or_default() += 1;
+                Ok(tables)
+            }
             Admit::WrongServer { map_version, owner } => {
                 refuse(self.wrong_server(tables[0], map_version, owner))
             }
@@ -596,6 +606,40 @@ impl ClusterHost {
 }
 
 impl ClusterHost {
+    /// Tells the coordinator each held table's load: operations admitted since the last
+    /// report and inodes (for `kochab status`; no balancing reads it yet).
+    fn report_load(self: &Arc<Self>) {
+        let Some(shared) = self.shared.get().and_then(Weak::upgrade) else {
+            return;
+        };
+        let mut ops = std::mem::take(&mut *self.admitted.lock());
+        let held = self.tables();
+        let loads: Vec<TableLoad> = {
+            let core = shared.core.lock();
+            core.engine
+                .tables()
+                .iter()
+                .map(|t| TableId(t.lo))
+                .filter(|t| held.contains(t))
+                .map(|t| TableLoad {
+                    table: t,
+                    ops: ops.remove(&t).unwrap_or(0),
+                    inodes: core
+                        .engine
+                        .table_index(t.0)
+                        .map_or(0, |i| core.engine.tables()[i].inode_count()),
+                })
+                .collect()
+        };
+        if loads.is_empty() {
+            return;
+        }
+        let acts = self.p.lock().report_load(loads);
+        for a in acts {
+            self.exec(a);
+        }
+    }
+
     /// Waits until every table of `tables` is here under a borrow: joins a borrow of this
     /// incarnation that covers them (while it is young), else asks for a new one. `Err`:
     /// the reply that tells the client to ask again.
@@ -753,12 +797,17 @@ async fn run(host: Arc<ClusterHost>, mut rx: mpsc::UnboundedReceiver<Action>) {
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_map = Instant::now();
+    let mut last_load = Instant::now();
     loop {
         tokio::select! {
             _ = tick.tick() => {
                 let acts = host.p.lock().tick(host.now());
                 for a in acts {
                     host.exec(a);
+                }
+                if last_load.elapsed() >= LOAD_REPORT_EVERY {
+                    last_load = Instant::now();
+                    host.report_load();
                 }
                 if last_map.elapsed() >= MAP_REFRESH_EVERY {
                     last_map = Instant::now();
