@@ -804,6 +804,18 @@ fn tune_allocator() {
 fn main() -> ExitCode {
     tune_allocator();
     let cli = Cli::parse();
+    // Commands that only print end quietly when their reader goes away (`status | head`),
+    // as other Unix tools do; the servers keep ignoring SIGPIPE (a client that hangs up
+    // must not kill them).
+    if matches!(
+        cli.command,
+        Command::Status { .. } | Command::CoordStatus(_) | Command::Fsck(_)
+    ) {
+        // SAFETY: restores the default disposition before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let result = match cli.command {
         Command::Up(args) => {
             init_logging("info");
