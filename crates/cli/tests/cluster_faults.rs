@@ -36,8 +36,9 @@ fn status(server: &ServerProc) -> Option<serde_json::Value> {
 }
 
 /// Waits until all `n` servers answer and each holds a table, and a coordinator replica
-/// leads. Panics with the log after 90 s.
-fn wait_ready(server: &ServerProc, n: usize) {
+/// leads; returns every server's address, comma separated (an entry list for `--cluster`:
+/// a restarted server keeps its address). Panics with the log after 90 s.
+fn wait_ready(server: &ServerProc, n: usize) -> String {
     let deadline = Instant::now() + Duration::from_secs(90);
     let mut last = None;
     while Instant::now() < deadline {
@@ -50,7 +51,13 @@ fn wait_ready(server: &ServerProc, n: usize) {
                 .filter_map(|s| Some((s["id"].as_u64()?, s["pid"].as_i64()? as i32)))
                 .collect();
             if got.len() == n && leader_id(&v).is_some() {
-                return;
+                let addrs: Vec<&str> = v["servers"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|s| s["addr"].as_str())
+                    .collect();
+                return addrs.join(",");
             }
             last = Some(v);
         }
@@ -175,13 +182,14 @@ fn sigkill(pid: i32) {
     }
 }
 
-/// `kochab status --json` of the cluster, off the runtime's threads.
-async fn status_async(up: &ServerProc) -> Option<serde_json::Value> {
-    let addr = up.addr;
+/// `kochab status --json` of the cluster through any of `entries` (every server's address:
+/// the first may be the one just killed), off the runtime's threads.
+async fn status_async(up: &ServerProc, entries: &str) -> Option<serde_json::Value> {
+    let entries = entries.to_string();
     let key = up.data.join("cluster.key");
     tokio::task::spawn_blocking(move || {
         let out = Command::new(kochab_bin())
-            .args(["status", "--json", "--cluster", &addr.to_string()])
+            .args(["status", "--json", "--cluster", &entries])
             .arg("--key-file")
             .arg(key)
             .output()
@@ -198,7 +206,7 @@ async fn status_async(up: &ServerProc) -> Option<serde_json::Value> {
 /// by the supervisor within the election timeout resumes its term at once, so it is killed
 /// again each time it comes back until the group has elected another (a crash-looping
 /// leader). Panics after 10 s.
-async fn until_another_leads(up: &ServerProc, id: u64, mut pid: i32) -> (u64, u32) {
+async fn until_another_leads(up: &ServerProc, entries: &str, id: u64, mut pid: i32) -> (u64, u32) {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut again = 0;
     while Instant::now() < deadline {
@@ -210,7 +218,7 @@ async fn until_another_leads(up: &ServerProc, id: u64, mut pid: i32) -> (u64, u3
             pid = p;
             again += 1;
         }
-        let v = status_async(up).await;
+        let v = status_async(up, entries).await;
         if let Some(l) = v.as_ref().and_then(leader_id)
             && l != id
         {
@@ -314,7 +322,7 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
     let data = dir.path().join("data");
     let args = ["--servers", "3", "--coords", "3", "--lease", "2"];
     let mut up = ServerProc::start(&data, &args);
-    wait_ready(&up, 3);
+    let entries = wait_ready(&up, 3);
     let rt = runtime();
     let names: Vec<String> = (0..WORKERS).map(|i| format!("w{i}")).collect();
     let (outcomes, kills, listings) = rt.block_on(async {
@@ -354,7 +362,7 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
         let mut kills = Vec::new();
         for (when, kill_server) in plan {
             tokio::time::sleep(when.saturating_sub(started.elapsed())).await;
-            let mut v = status_async(&up).await;
+            let mut v = status_async(&up, &entries).await;
             if kill_server {
                 // The status may not answer for a moment (its entry server restarting, a
                 // table of the map in motion): ask again for up to 10 s.
@@ -363,7 +371,7 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
                         break;
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    v = status_async(&up).await;
+                    v = status_async(&up, &entries).await;
                 }
                 match v.as_ref().and_then(|v| owner_of(v, watched)) {
                     Some((victim, pid)) => {
@@ -381,7 +389,7 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
                         break;
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    v = status_async(&up).await;
+                    v = status_async(&up, &entries).await;
                     leader = v.as_ref().and_then(leader_id);
                     pid = leader.and_then(|id| coord_pid(up.child.id(), id));
                 }
@@ -389,7 +397,7 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
                     panic!("no coordinator leader to kill at {when:?}: {v:#?}");
                 };
                 sigkill(pid);
-                let (new, again) = until_another_leads(&up, id, pid).await;
+                let (new, again) = until_another_leads(&up, &entries, id, pid).await;
                 kills.push(format!(
                     "coordinator leader {id} (pid {pid}) at {when:?}, again {again} times \
                      as it came back, replica {new} leads"
@@ -478,7 +486,7 @@ fn failover_time() {
         &dir.path().join("data"),
         &["--servers", "3", "--lease", "2"],
     );
-    wait_ready(&up, 3);
+    let entries = wait_ready(&up, 3);
     let rt = runtime();
     let times = rt.block_on(async {
         let c = up.client(3).await;
@@ -513,7 +521,7 @@ fn failover_time() {
         for _ in 0..5 {
             // Settled: the last victim restarted and re-registered, moves done.
             tokio::time::sleep(Duration::from_secs(5)).await;
-            let v = status_async(&up).await;
+            let v = status_async(&up, &entries).await;
             let (_, pid) = v
                 .as_ref()
                 .and_then(|v| owner_of(v, d))
