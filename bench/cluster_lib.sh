@@ -5,7 +5,7 @@
 cluster_up() {
   local d=$1 n=$2
   : >"$tmp/out"
-  "$BIN" up --data "$d" --servers "$n" --port "$PORT" >"$tmp/out" 2>>"$tmp/log" &
+  "$BIN" up --data "$d" --servers "$n" --port "$PORT" ${UP_ARGS:-} >"$tmp/out" 2>>"$tmp/log" &
   echo $! >"$tmp/pid"
   for _ in $(seq 600); do grep -q "cluster ready" "$tmp/out" 2>/dev/null && break; sleep 0.1; done
   grep -q "cluster ready" "$tmp/out" || { echo "cluster of $n did not start; log:" >&2; tail -20 "$tmp/log" >&2; exit 1; }

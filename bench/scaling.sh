@@ -15,7 +15,8 @@
 #
 # Usage: bench/scaling.sh [ROUNDS] [SERVER_COUNTS...]   (default: 3 rounds of 1 2 4 8)
 # Env: CPU_SHARE (0.1), CLIENTS (64), ITEMS_PER_SERVER (40000), KOCHAB_BIN, PORT (7600),
-#      JSON_OUT (file for the raw rows).
+#      SERVER_THREADS (1: worker threads per server; a server held to a tenth of a CPU
+#      does more with one worker than with two), JSON_OUT (file for the raw rows).
 # Needs root (cgroups) and a release build (cargo build --release).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,7 @@ PORT=${PORT:-7600}
 CPU_SHARE=${CPU_SHARE:-0.1}
 CLIENTS=${CLIENTS:-64}
 PER=${ITEMS_PER_SERVER:-40000}
+UP_ARGS="--threads ${SERVER_THREADS:-1}"
 CG=/sys/fs/cgroup/cpu/kochab-scaling
 tmp=$(mktemp -d /var/tmp/kochab-scaling.XXXXXX)
 . bench/cluster_lib.sh

@@ -238,7 +238,8 @@ struct UpArgs {
     /// operations; a process crash does not.
     #[arg(long)]
     no_fsync: bool,
-    /// Worker threads of the server (default: one per core).
+    /// Worker threads of the server (default: one per core); with --servers, of each
+    /// server process.
     #[arg(long)]
     threads: Option<usize>,
     /// Also mount the cluster here (FUSE), for as long as it runs.
@@ -459,6 +460,9 @@ async fn up(args: UpArgs) -> Result<(), String> {
         }
         if let Some(b) = args.segment_bytes {
             mds_extra.extend(["--segment-bytes".to_string(), b.to_string()]);
+        }
+        if let Some(n) = args.threads {
+            mds_extra.extend(["--threads".to_string(), n.to_string()]);
         }
         return cluster_up::up_cluster(cluster_up::ClusterArgs {
             data: args.data,
@@ -831,7 +835,7 @@ fn main() -> ExitCode {
         }
         Command::Mds(args) => {
             init_logging("info");
-            runtime(None).and_then(|rt| rt.block_on(mds::run(args)))
+            runtime(args.threads).and_then(|rt| rt.block_on(mds::run(args)))
         }
         Command::CoordStatus(args) => {
             init_logging("warn");
