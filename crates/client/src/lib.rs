@@ -30,6 +30,9 @@ pub use kochab_proto as proto;
 /// Most symlinks followed while resolving one path (Linux's limit).
 pub const SYMLINK_FOLLOW_MAX: u32 = 40;
 
+/// WrongServer replies naming a new owner that one request follows without a pause.
+const FOLLOW_AT_ONCE: u32 = 3;
+
 /// How a client behaves.
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
@@ -498,6 +501,7 @@ impl Client {
         let mut first_failure: Option<Instant> = None;
         let mut fetched = false;
         let mut stale_retried = false;
+        let mut followed = 0u32;
         loop {
             let step = self.inner.routing.lock().step(target);
             let err = match step {
@@ -552,8 +556,17 @@ impl Client {
                                 req.map_version,
                                 map_version,
                                 owner,
-                                hint,
+                                hint.clone(),
                             );
+                            // A server that names the table's new owner: go there at once
+                            // (a few times per request, so two servers that each name the
+                            // other cannot keep a request bouncing without a pause).
+                            if hint.as_deref().is_some_and(|h| h != &*addr)
+                                && followed < FOLLOW_AT_ONCE
+                            {
+                                followed += 1;
+                                continue;
+                            }
                             fs_err!(
                                 ESTALE,
                                 "{addr} does not serve inode {target:#x} (map version \

@@ -305,7 +305,7 @@ mod tests {
         assert_eq!(sent_to(&r.step(7)), Some("a:1"), "routed by an older map");
         r.on_unreachable(Some(TableId(0)), 4);
         assert!(matches!(r.step(7), Step::Fetch { .. }));
-        assert_eq!(r.retry(5_000, 3), Retry::After { delay_ms: 80 });
+        assert_eq!(r.retry(5_000, 3), Retry::After { delay_ms: 16 });
         // Capped: a retry soon after the new owner serves, not a second later.
         assert_eq!(
             r.retry(14_999, 20),

@@ -8,8 +8,9 @@ use kochab_proto::cluster::{DelegationMap, MapVersion, ServerId, TableId};
 /// lease (5 s) plus the coordinator's tick plus the recovery, so 15 s rides one out.
 pub const RETRY_BUDGET_MS: u64 = 15_000;
 
-/// First and longest pause between retries.
-pub const BACKOFF_MIN_MS: u64 = 10;
+/// First and longest pause between retries. The first is short because the usual cause is
+/// a table in flight between two servers (a move or a borrow), which takes milliseconds.
+pub const BACKOFF_MIN_MS: u64 = 2;
 pub const BACKOFF_MAX_MS: u64 = 1_000;
 
 /// Where to send a request.
@@ -249,7 +250,7 @@ mod tests {
         let a = r.route(TableId(0));
         let b = r.route(TableId(0));
         assert_ne!(a, b);
-        assert_eq!(r.retry(0, 14_999, 3), Retry::After { delay_ms: 80 });
+        assert_eq!(r.retry(0, 14_999, 3), Retry::After { delay_ms: 16 });
         assert_eq!(r.retry(0, 14_999, 30), Retry::After { delay_ms: 1_000 });
         assert_eq!(r.retry(0, 15_000, 1), Retry::GiveUp);
     }
