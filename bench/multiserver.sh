@@ -22,6 +22,7 @@ tmp=$(mktemp -d /var/tmp/kochab-multi.XXXXXX)
 . bench/cluster_lib.sh
 cleanup() {
   cluster_cleanup
+  [ -n "${KEEP_LOGS:-}" ] && cp "$tmp/log" "$KEEP_LOGS"
   rm -rf "$tmp"
 }
 trap cleanup EXIT
@@ -37,6 +38,7 @@ for r in $(seq "$ROUNDS"); do
     cluster_down
     echo "$every $r $j" >>"$tmp/results"
     [ $JSON = 1 ] || echo "every $every round $r: $j"
+    [ -n "${KEEP_LOGS:-}" ] && mkdir -p "$KEEP_LOGS.d/$every-$r" && cp "$d"/logs/* "$KEEP_LOGS.d/$every-$r/"
     rm -rf "$d"
   done
 done

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{ServerProc, kochab_bin, runtime};
+use common::{ServerProc, kochab_bin, offline_fsck_clean, runtime};
 use kochab_client::Client;
 use kochab_proto::{Credentials, InodeId};
 use std::collections::{BTreeMap, BTreeSet};
@@ -410,6 +410,85 @@ fn operations_across_servers_borrow_the_tables_they_need() {
         assert_eq!(names_of(&c, c.root()).await.len(), names.len() - 1);
         let problems = c.fsck().await.expect("fsck");
         assert!(problems.is_empty(), "{problems:?}");
+    });
+}
+
+/// A borrowed table goes back and forth by deltas (only the boxes it changed) and comes
+/// back to a server that kept its copy; after many round trips both ways, a SIGKILL of
+/// everything and a restart that loads every table from the store alone serve exactly the
+/// same names, and an offline fsck is clean.
+#[test]
+fn tables_borrowed_many_times_reload_exactly_from_their_deltas() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let names = ["t0", "t1", "t2", "t3", "t4", "t5"];
+    let mut server = start_with_dirs(dir.path(), 2, &names);
+    let before = runtime().block_on(async {
+        let c = server.client(3).await;
+        let cred = Credentials::root();
+        let dirs = dir_ids(&c, &names).await;
+        let owner = |id| owner_of(&server, id).expect("owner").0;
+        let a = dirs[0];
+        let b = *dirs
+            .iter()
+            .find(|&&d| owner(d) != owner(a))
+            .expect("directories on both servers");
+        for i in 0..40 {
+            let f = format!("f{i}");
+            c.create(&cred, a, f.as_bytes(), 0o644)
+                .await
+                .expect("create");
+            c.rename(&cred, a, f.as_bytes(), b, format!("g{i}").as_bytes(), 0)
+                .await
+                .unwrap_or_else(|e| panic!("rename {i} a->b: {e}\n{}", server.log_text()));
+            c.create(&cred, b, format!("k{i}").as_bytes(), 0o644)
+                .await
+                .expect("create in b");
+            if i % 3 == 0 {
+                c.rename(
+                    &cred,
+                    b,
+                    format!("g{i}").as_bytes(),
+                    a,
+                    format!("h{i}").as_bytes(),
+                    0,
+                )
+                .await
+                .unwrap_or_else(|e| panic!("rename {i} b->a: {e}\n{}", server.log_text()));
+            }
+        }
+        let problems = c.fsck().await.expect("fsck");
+        assert!(problems.is_empty(), "{problems:?}");
+        let logs: String = ["mds-2.log", "mds-3.log"]
+            .iter()
+            .map(|f| {
+                std::fs::read_to_string(dir.path().join("data/logs").join(f)).unwrap_or_default()
+            })
+            .collect();
+        assert!(
+            logs.contains("from the copy kept since its release"),
+            "no returning table was loaded from its kept copy:\n{logs}"
+        );
+        (a, b, names_of(&c, a).await, names_of(&c, b).await)
+    });
+    assert_eq!(before.2.len(), 14, "{:?}", before.2);
+    assert_eq!(before.3.len(), 40 + 26, "{:?}", before.3);
+    let pids: Vec<i32> = wait_spread(&server, 2, 1)
+        .values()
+        .map(|&(p, _)| p)
+        .collect();
+    server.kill9();
+    drop(server);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    offline_fsck_clean(&dir.path().join("data"), "after SIGKILL");
+    let server = start(dir.path(), "2");
+    wait_spread(&server, 2, 19 / 2);
+    runtime().block_on(async {
+        let c = server.client(3).await;
+        assert_eq!(names_of(&c, before.0).await, before.2, "a after restart");
+        assert_eq!(names_of(&c, before.1).await, before.3, "b after restart");
     });
 }
 

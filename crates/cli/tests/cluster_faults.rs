@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Rng, ServerProc, kochab_bin, runtime, seed};
+use common::{Rng, ServerProc, kochab_bin, offline_fsck_clean, runtime, seed};
 use kochab_client::Client;
 use kochab_proto::{Credentials, InodeId};
 use std::collections::{BTreeMap, BTreeSet};
@@ -134,30 +134,6 @@ fn coord_pid(parent: u32, id: u64) -> Option<i32> {
             && args.windows(2).any(|w| w[0] == "--id" && w[1] == id))
         .then_some(pid)
     })
-}
-
-/// `kochab fsck --data DIR` of the stopped cluster: asserts it is clean and returns its
-/// summary line.
-fn fsck_clean(data: &std::path::Path, seed: u64) -> String {
-    let out = Command::new(kochab_bin())
-        .args(["fsck", "--data"])
-        .arg(data)
-        .output()
-        .expect("fsck");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "seed {seed}: fsck failed:\n{text}");
-    assert!(
-        text.contains("cluster namespace") && text.contains(": clean"),
-        "seed {seed}: {text}"
-    );
-    text.lines()
-        .filter(|l| l.contains("namespace"))
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 /// The names in directory `d`, asserting none is listed twice.
@@ -453,7 +429,10 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
     while kids.iter().any(|&(p, _)| alive(p)) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
-    eprintln!("after SIGKILL of the cluster: {}", fsck_clean(&data, seed));
+    eprintln!(
+        "after SIGKILL of the cluster: {}",
+        offline_fsck_clean(&data, &format!("seed {seed}"))
+    );
     drop(up);
     let mut up = ServerProc::start(&data, &args);
     wait_ready(&up, 3);
@@ -464,7 +443,10 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
         }
     });
     assert_eq!(up.stop(), Some(0), "clean stop; log:\n{}", up.log_text());
-    eprintln!("after a clean stop: {}", fsck_clean(&data, seed));
+    eprintln!(
+        "after a clean stop: {}",
+        offline_fsck_clean(&data, &format!("seed {seed}"))
+    );
 }
 
 fn alive(pid: i32) -> bool {

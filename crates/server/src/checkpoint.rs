@@ -586,25 +586,64 @@ impl Checkpointer {
         Ok(())
     }
 
-    /// Checkpoints a table taken out of the engine in full and releases it: its manifest
-    /// then names no owner and no journal (the image holds everything), so the next owner
-    /// loads it without reading this server's journal. The caller made every record that
-    /// touched it durable first.
+    /// Checkpoints a table taken out of the engine and releases it: its manifest then names
+    /// no owner and no journal (the images hold everything), so the next owner loads it
+    /// without reading this server's journal. Only the boxes changed since the last image
+    /// are written (a delta), unless the manifest wants a full image anyway: a borrow moves
+    /// a table there and back, and writing all of it each way made every multi-server
+    /// operation cost two full checkpoints. The caller made every record that touched it
+    /// durable first. On failure the table's changed boxes are marked again. Returns the
+    /// images the released manifest lists.
     pub fn release(
         &mut self,
         shared: &Shared,
-        table: &Table,
+        table: &mut Table,
         open: Vec<(u64, u32)>,
-    ) -> io::Result<u64> {
-        let set = table.all_boxes();
+    ) -> io::Result<Vec<ImageRef>> {
+        let Some(m) = self.manifests.get_mut(&table.lo) else {
+            return Err(io::Error::other(format!(
+                "table {:016x} has no manifest here",
+                table.lo
+            )));
+        };
+        m.open_elsewhere = open;
+        let has_base = m.images.iter().any(|i| i.full);
+        let full = table.take_needs_full() || !has_base || m.wants_full();
+        let dirty = table.take_dirty();
         let start = shared.journal.last_lsn();
-        if let Some(m) = self.manifests.get_mut(&table.lo) {
-            m.open_elsewhere = open;
+        let result = if full {
+            let set = table.all_boxes();
+            self.write_image(shared, table.lo, Source::Detached(table), &set, true, start)
+        } else if dirty.is_empty() {
+            // Nothing changed since the last image: only the manifest says it is free.
+            let mut m = self.manifests[&table.lo].clone();
+            m.journals = Vec::new();
+            m.owner = None;
+            self.write_manifest(shared, m, Vec::new()).map(|()| 0)
+        } else {
+            self.write_image(
+                shared,
+                table.lo,
+                Source::Detached(table),
+                &dirty,
+                false,
+                start,
+            )
+        };
+        match result {
+            Ok(_) => Ok(self
+                .manifests
+                .remove(&table.lo)
+                .map(|m| m.images)
+                .unwrap_or_default()),
+            Err(e) => {
+                table.mark_dirty(&dirty);
+                if full {
+                    table.set_needs_full();
+                }
+                Err(e)
+            }
         }
-        let bytes =
-            self.write_image(shared, table.lo, Source::Detached(table), &set, true, start)?;
-        self.manifests.remove(&table.lo);
-        Ok(bytes)
     }
 
     /// Starts checkpointing a table whose manifest this server has just claimed.

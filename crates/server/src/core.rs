@@ -154,6 +154,8 @@ pub struct Shared {
     /// The manifests of the hosted tables; held for a whole checkpoint round, and by a
     /// table's drop or add.
     pub checkpointer: Mutex<crate::checkpoint::Checkpointer>,
+    /// Tables this member released lately, for a quick load when they come back.
+    pub released: Mutex<crate::released::ReleasedTables>,
     /// The cluster key and the client keys, with their policies.
     pub keys: Arc<crate::keys::KeyStore>,
     /// Rate limit of the warnings about malformed frames (any peer can cause them).

@@ -26,6 +26,7 @@ pub mod locks;
 pub mod membership;
 pub mod metrics;
 pub mod recovery;
+pub mod released;
 pub mod replycache;
 pub mod server;
 pub mod session;

@@ -30,7 +30,7 @@ impl Shared {
                 format!("table {lo:016x} is not hosted here"),
             ));
         }
-        let (table, open, last) = {
+        let (mut table, open, last) = {
             let mut core = self.core.lock();
             let table = core.engine.remove_table(lo).ok_or_else(|| {
                 io::Error::new(
@@ -43,20 +43,25 @@ impl Shared {
         };
         self.journal.flush_now();
         let result = if self.journal.wait_durable(last) {
-            ckpt.release(self, &table, open.clone()).map(|_| ())
+            ckpt.release(self, &mut table, open.clone())
         } else {
             Err(io::Error::other("journal failed; table not released"))
         };
-        if let Err(e) = result {
-            if !self.journal.failed() {
-                // Not released: serve it again rather than lose it.
-                let mut core = self.core.lock();
-                if let Err(e2) = core.engine.insert_table(table) {
-                    tracing::error!("table {lo:016x} could not be put back: {e2}");
+        match result {
+            // A borrow brings it back soon: keep it (see `released`).
+            Ok(images) if self.cluster.is_some() => self.released.lock().keep(table, images),
+            Ok(_) => {}
+            Err(e) => {
+                if !self.journal.failed() {
+                    // Not released: serve it again rather than lose it.
+                    let mut core = self.core.lock();
+                    if let Err(e2) = core.engine.insert_table(table) {
+                        tracing::error!("table {lo:016x} could not be put back: {e2}");
+                    }
+                    core.engine.add_open_counts(&open);
                 }
-                core.engine.add_open_counts(&open);
+                return Err(e);
             }
-            return Err(e);
         }
         tracing::info!("released table {lo:016x} in {:?}", started.elapsed());
         Ok(())
@@ -120,6 +125,12 @@ impl Shared {
         let config = self.core.lock().engine.config().clone();
         // Only records after this one can touch the tables (they are not served yet).
         let next = self.journal.last_lsn() + 1;
+        let kept = if live {
+            let mut r = self.released.lock();
+            ranges.iter().filter_map(|&(lo, _)| r.take(lo)).collect()
+        } else {
+            Vec::new()
+        };
         let rec = crate::recovery::recover_tables(
             self.store.as_ref(),
             config,
@@ -127,6 +138,7 @@ impl Shared {
             self.journal.id(),
             Some(next),
             None,
+            kept,
         )?;
         let mut engine = rec.engine;
         let mut core = self.core.lock();
@@ -142,9 +154,14 @@ impl Shared {
                 core.engine.add_open_counts(&m.open_elsewhere);
             }
             tracing::info!(
-                "serving table {:016x} from now on (loaded in {:?})",
+                "serving table {:016x} from now on (loaded in {:?}{})",
                 m.lo,
-                started.elapsed()
+                started.elapsed(),
+                if rec.from_kept.contains(&m.lo) {
+                    ", from the copy kept since its release"
+                } else {
+                    ""
+                }
             );
             ckpt.adopt(m);
         }

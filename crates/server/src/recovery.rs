@@ -28,6 +28,8 @@ pub struct Recovered {
     /// The first LSN of this incarnation's journal (after every LSN this server used).
     pub next_lsn: u64,
     pub boxes_loaded: u64,
+    /// Tables built from a copy this server kept since it released them (plus deltas).
+    pub from_kept: Vec<u64>,
     pub load_time: Duration,
     pub replay_time: Duration,
 }
@@ -42,6 +44,7 @@ pub fn recover(dir: &DataDir, me: JournalId) -> io::Result<Recovered> {
         me,
         None,
         Some(&dir.path),
+        Vec::new(),
     )
 }
 
@@ -49,7 +52,8 @@ pub fn recover(dir: &DataDir, me: JournalId) -> io::Result<Recovered> {
 /// whose journal will start at the returned `next_lsn` (exactly `running_next_lsn` if
 /// given: a running server adding a table goes on with its own journal, and only its
 /// records after that LSN can touch the table). `data_path` is for the repair hint in
-/// errors.
+/// errors. `kept`: copies of released tables this server still holds; one whose manifest
+/// shows nothing but deltas since is used instead of reading all its images.
 pub fn recover_tables(
     store: &dyn kochab_store::ObjectStore,
     config: EngineConfig,
@@ -57,6 +61,7 @@ pub fn recover_tables(
     me: JournalId,
     running_next_lsn: Option<u64>,
     data_path: Option<&Path>,
+    kept: Vec<crate::released::Released>,
 ) -> io::Result<Recovered> {
     let mut engine = Engine::new(config, ranges).map_err(io::Error::other)?;
     let started = Instant::now();
@@ -71,7 +76,31 @@ pub fn recover_tables(
         }
         manifests.insert(t.lo, m);
     }
-    let boxes_loaded = load_images(store, &mut engine, &manifests)?;
+    // What each table still needs read: all its images, or only the deltas a kept copy
+    // lacks (then the copy takes the empty table's place).
+    let mut to_load = manifests.clone();
+    let mut from_kept = Vec::new();
+    for k in kept {
+        let Some(m) = manifests.get(&k.table.lo) else {
+            continue;
+        };
+        let same_range = (k.table.lo, k.table.hi) == (m.lo, m.hi);
+        let Some(rest) = k
+            .missing(&m.images)
+            .filter(|_| same_range && m.journals.is_empty())
+        else {
+            continue;
+        };
+        let rest = rest.to_vec();
+        if engine.remove_table(m.lo).is_some() {
+            engine.insert_table(k.table).map_err(io::Error::other)?;
+            if let Some(l) = to_load.get_mut(&m.lo) {
+                l.images = rest;
+            }
+            from_kept.push(m.lo);
+        }
+    }
+    let boxes_loaded = load_images(store, &mut engine, &to_load)?;
     let rehashed = engine
         .rehash_legacy_dentries()
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
@@ -150,6 +179,7 @@ pub fn recover_tables(
         journal: total,
         next_lsn,
         boxes_loaded,
+        from_kept,
         load_time,
         replay_time,
     })

@@ -181,7 +181,7 @@ async fn start_over_store(
 ) -> io::Result<RunningServer> {
     let s = store.clone();
     let mut recovered = tokio::task::spawn_blocking(move || {
-        crate::recovery::recover_tables(s.as_ref(), engine, &ranges, me, None, None)
+        crate::recovery::recover_tables(s.as_ref(), engine, &ranges, me, None, None, Vec::new())
     })
     .await
     .map_err(io::Error::other)??;
@@ -222,6 +222,7 @@ async fn serve(
         journal: report,
         next_lsn,
         boxes_loaded,
+        from_kept: _,
         load_time,
         replay_time,
     } = recovered;
@@ -286,6 +287,7 @@ async fn serve(
         session_grace: config.session_grace,
         cleanup_wake: tokio::sync::Notify::new(),
         checkpointer: Mutex::new(Checkpointer::new(manifests, dir.me)),
+        released: Default::default(),
         keys,
         bad_frame_log: Default::default(),
         cluster: dir.cluster.clone(),

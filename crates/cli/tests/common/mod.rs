@@ -320,3 +320,28 @@ pub fn errno_name(code: i32) -> String {
         name => name.to_string(),
     }
 }
+
+/// `kochab fsck --data DIR` of a stopped cluster (every table from its manifest and the
+/// journals it names): asserts it is clean and returns its summary line. `what` names the
+/// run in a failure.
+pub fn offline_fsck_clean(data: &Path, what: &str) -> String {
+    let out = Command::new(kochab_bin())
+        .args(["fsck", "--data"])
+        .arg(data)
+        .output()
+        .expect("fsck");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{what}: fsck failed:\n{text}");
+    assert!(
+        text.contains("cluster namespace") && text.contains(": clean"),
+        "{what}: {text}"
+    );
+    text.lines()
+        .filter(|l| l.contains("namespace"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
