@@ -15,6 +15,7 @@
 //! refused by the store.
 
 use crate::core::Shared;
+use crate::replycache::HandedOver;
 use kochab_journal::JournalId;
 use kochab_journal::record::{Scan, encode_record_with, scan_limited};
 use kochab_meta::{BoxImage, BoxSet, Table};
@@ -101,6 +102,10 @@ pub struct Manifest {
     /// a failover drops them: their sessions are gone) and cleared by the next manifest.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub open_elsewhere: Vec<(u64, u32)>,
+    /// The reply-cache entries of the server that released it, so that a retry of an
+    /// operation that ran there is answered once here too; kept like `open_elsewhere`.
+    #[serde(default, skip_serializing_if = "HandedOver::is_empty")]
+    pub replies: HandedOver,
     /// The version this manifest was read as or written as (0: none in the store).
     #[serde(skip)]
     pub version: u64,
@@ -546,7 +551,10 @@ impl Checkpointer {
         match source {
             Source::Detached(_) => m.owner = None,
             // Counted by this server when it added the table; not for whoever is next.
-            Source::Engine(_) => m.open_elsewhere.clear(),
+            Source::Engine(_) => {
+                m.open_elsewhere.clear();
+                m.replies = HandedOver::default();
+            }
         }
         self.write_manifest(shared, m, obsolete)?;
         Ok(written)
@@ -599,6 +607,7 @@ impl Checkpointer {
         shared: &Shared,
         table: &mut Table,
         open: Vec<(u64, u32)>,
+        replies: HandedOver,
     ) -> io::Result<Vec<ImageRef>> {
         let Some(m) = self.manifests.get_mut(&table.lo) else {
             return Err(io::Error::other(format!(
@@ -607,6 +616,7 @@ impl Checkpointer {
             )));
         };
         m.open_elsewhere = open;
+        m.replies = replies;
         let has_base = m.images.iter().any(|i| i.full);
         let full = table.take_needs_full() || !has_base || m.wants_full();
         let dirty = table.take_dirty();

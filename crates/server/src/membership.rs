@@ -2,8 +2,9 @@
 //! takeover of a failed server's tables (DESIGN.md "Ownership over time").
 //!
 //! - [`Shared::drop_table`]: stop admitting operations on the table (they get WRONG_SERVER
-//!   from then on), make every record that touched it durable, write a full checkpoint and
-//!   release it (its manifest names no owner and no journal).
+//!   from then on), make every record that touched it durable, write a checkpoint of the
+//!   boxes it changed and release it (its manifest names no owner and no journal, and
+//!   carries the open handles and reply-cache entries its next owner takes over).
 //! - [`Shared::add_table`]: load a released table's checkpoint, claim it (a conditional
 //!   write of its manifest's next version) and serve it.
 //! - [`Shared::recover_tables`]: seal a failed incarnation's journal first, then load its
@@ -17,6 +18,10 @@ use crate::checkpoint::{Manifest, read_manifest_by_id};
 use crate::core::Shared;
 use kochab_journal::JournalId;
 use std::io::{self, ErrorKind};
+
+/// Reply-cache entries handed over with a released table at most (a well-behaved client's
+/// are only its requests in flight).
+const HANDED_OVER_REPLIES_MAX: usize = 4096;
 
 impl Shared {
     /// Gives up the table whose id is `lo` (see the module). Afterwards another server can
@@ -41,9 +46,11 @@ impl Shared {
             let open = core.engine.take_open_counts(table.lo, table.hi);
             (table, open, self.journal.last_lsn())
         };
+        // Taken after the table left the engine: no operation on it can add one now.
+        let replies = self.core.lock().replies.export(HANDED_OVER_REPLIES_MAX);
         self.journal.flush_now();
         let result = if self.journal.wait_durable(last) {
-            ckpt.release(self, &mut table, open.clone())
+            ckpt.release(self, &mut table, open.clone(), replies)
         } else {
             Err(io::Error::other("journal failed; table not released"))
         };
@@ -152,6 +159,7 @@ impl Shared {
                 .map_err(|e| io::Error::new(ErrorKind::AlreadyExists, e))?;
             if live {
                 core.engine.add_open_counts(&m.open_elsewhere);
+                core.replies.import(&m.replies);
             }
             tracing::info!(
                 "serving table {:016x} from now on (loaded in {:?}{})",

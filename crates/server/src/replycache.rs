@@ -33,6 +33,22 @@ const EVICT_TO_PERCENT: usize = 90;
 /// The outcome of a completed non-idempotent operation: the inode it created or linked.
 pub type Outcome = Option<InodeId>;
 
+/// Reply-cache entries handed from a server that releases a table to its next owner (in
+/// the table's manifest).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HandedOver {
+    /// (client, seq, outcome).
+    pub entries: Vec<(u64, u64, Outcome)>,
+    /// (client, floor): what the client had acknowledged.
+    pub floors: Vec<(u64, u64)>,
+}
+
+impl HandedOver {
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty() && self.floors.is_empty()
+    }
+}
+
 #[derive(Default)]
 struct ClientEntries {
     by_seq: FxHashMap<u64, Outcome>,
@@ -167,6 +183,39 @@ impl ReplyCache {
         }
     }
 
+    /// The outcomes a server hands over with a table it releases, so that a retry of an
+    /// operation that ran here and then reaches the table's next owner is answered once
+    /// there too: every remembered entry (a well-behaved client's are only its requests in
+    /// flight), the most recently active clients' first, at most `max` of them, and each
+    /// client's floor.
+    pub fn export(&self, max: usize) -> HandedOver {
+        let mut clients: Vec<(&u64, &ClientEntries)> = self.clients.iter().collect();
+        clients.sort_unstable_by_key(|(_, c)| std::cmp::Reverse(c.last_active));
+        let mut out = HandedOver::default();
+        for (&client, c) in clients {
+            if out.entries.len() >= max {
+                break;
+            }
+            out.floors.push((client, c.floor));
+            for &seq in c.order.iter().rev().take(max - out.entries.len()) {
+                if let Some(&outcome) = c.by_seq.get(&seq) {
+                    out.entries.push((client, seq, outcome));
+                }
+            }
+        }
+        out
+    }
+
+    /// Takes in what the server that released a table handed over with it.
+    pub fn import(&mut self, h: &HandedOver) {
+        for &(client, seq, outcome) in &h.entries {
+            self.insert(client, seq, outcome);
+        }
+        for &(client, floor) in &h.floors {
+            self.acknowledge(client, floor);
+        }
+    }
+
     /// Number of clients remembered.
     pub fn clients(&self) -> usize {
         self.clients.len()
@@ -181,6 +230,26 @@ impl ReplyCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn handed_over_entries_answer_at_the_next_owner_and_keep_floors() {
+        let mut a = ReplyCache::default();
+        a.insert(1, 10, Some(5));
+        a.insert(1, 11, None);
+        a.acknowledge(1, 11);
+        a.insert(2, 7, Some(9));
+        let h = a.export(100);
+        let mut b = ReplyCache::default();
+        b.import(&h);
+        assert_eq!(b.get(1, 11), Some(None));
+        assert_eq!(b.get(1, 10), None, "below the floor");
+        assert_eq!(b.get(2, 7), Some(Some(9)));
+        b.insert(1, 10, Some(5));
+        assert_eq!(b.get(1, 10), None, "the floor came along");
+        // Bounded: the most recently active client first.
+        let h = a.export(1);
+        assert_eq!(h.entries, vec![(2, 7, Some(9))]);
+    }
 
     #[test]
     fn remembers_until_acknowledged_and_bounded() {
