@@ -15,7 +15,7 @@
 #
 # Usage: bench/scaling.sh [ROUNDS] [SERVER_COUNTS...]   (default: 3 rounds of 1 2 4 8)
 # Env: CPU_SHARE (0.1), CLIENTS (64), ITEMS_PER_SERVER (40000), KOCHAB_BIN, PORT (7600),
-#      SERVER_THREADS (1: worker threads per server; a server held to a tenth of a CPU
+#      MODES ("unique shared"), SERVER_THREADS (1: worker threads per server; a server held to a tenth of a CPU
 #      does more with one worker than with two), JSON_OUT (file for the raw rows).
 # Needs root (cgroups) and a release build (cargo build --release).
 set -euo pipefail
@@ -64,7 +64,7 @@ start() {  # start DATA N [nocap]
 : >"$tmp/results"
 for r in $(seq "$ROUNDS"); do
   for n in "${COUNTS[@]}"; do
-    for mode in unique shared; do
+    for mode in ${MODES:-unique shared}; do
       d="$tmp/data-$n-$mode-$r"
       flag=(--top-level); [ $mode = shared ] && flag=(--shared-dir)
       # The clients' directories, made while one server holds every table.
