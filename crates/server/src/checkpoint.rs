@@ -106,6 +106,10 @@ pub struct Manifest {
     /// operation that ran there is answered once here too; kept like `open_elsewhere`.
     #[serde(default, skip_serializing_if = "HandedOver::is_empty")]
     pub replies: HandedOver,
+    /// Advisory locks held on its inodes at the server that released it (granted there:
+    /// the next owner keeps them); kept like `open_elsewhere`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub locks: Vec<(u64, crate::locks::Held)>,
     /// The version this manifest was read as or written as (0: none in the store).
     #[serde(skip)]
     pub version: u64,
@@ -554,6 +558,7 @@ impl Checkpointer {
             Source::Engine(_) => {
                 m.open_elsewhere.clear();
                 m.replies = HandedOver::default();
+                m.locks.clear();
             }
         }
         self.write_manifest(shared, m, obsolete)?;
@@ -608,6 +613,7 @@ impl Checkpointer {
         table: &mut Table,
         open: Vec<(u64, u32)>,
         replies: HandedOver,
+        locks: Vec<(u64, crate::locks::Held)>,
     ) -> io::Result<Vec<ImageRef>> {
         let Some(m) = self.manifests.get_mut(&table.lo) else {
             return Err(io::Error::other(format!(
@@ -617,6 +623,7 @@ impl Checkpointer {
         };
         m.open_elsewhere = open;
         m.replies = replies;
+        m.locks = locks;
         let has_base = m.images.iter().any(|i| i.full);
         let full = table.take_needs_full() || !has_base || m.wants_full();
         let dirty = table.take_dirty();

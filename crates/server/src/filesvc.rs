@@ -81,6 +81,12 @@ impl Shared {
                     core.locks.release_handle(client, of.id, *handle);
                     let muts = core.engine.close_ref(of.id);
                     self.journal_now(core, client, &muts);
+                } else {
+                    // Opened at another server; its locks may have come here with the
+                    // file's table.
+                    for id in core.locks.inodes_of_handle(client, *handle) {
+                        core.locks.release_handle(client, id, *handle);
+                    }
                 }
                 Reply::Empty
             }
@@ -103,8 +109,13 @@ impl Shared {
                 },
             },
             Op::ReleaseLocks { handle, owner } => {
-                if let Some(of) = core.sessions.get(client, *handle) {
-                    core.locks.release_owner(client, of.id, *owner);
+                let ids = match core.sessions.get(client, *handle) {
+                    Some(of) => vec![of.id],
+                    // As for Close: locks that came here with the file's table.
+                    None => core.locks.inodes_of_handle(client, *handle),
+                };
+                for id in ids {
+                    core.locks.release_owner(client, id, *owner);
                 }
                 Reply::Empty
             }

@@ -20,8 +20,10 @@ pub const LOCKS_PER_INODE_MAX: usize = 4096;
 /// memory with locks on many files (64k ranges are a few MiB).
 pub const LOCKS_PER_CLIENT_MAX: usize = 65_536;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Held {
+/// A held lock, as it travels with its inode's table from the server that releases the
+/// table to the next owner (in the table's manifest).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Held {
     client: u64,
     owner: u64,
     /// The client's handle the lock was taken through.
@@ -146,6 +148,17 @@ impl LockTable {
         self.release_where(id, |h| h.client == client && h.handle == handle);
     }
 
+    /// The inodes holding a lock of `client` taken through `handle`: for a close or a
+    /// flush of a handle this server does not know, whose locks came with a table that
+    /// moved here after the handle was opened elsewhere.
+    pub fn inodes_of_handle(&self, client: u64, handle: u64) -> Vec<InodeId> {
+        self.by_inode
+            .iter()
+            .filter(|(_, l)| l.iter().any(|h| h.client == client && h.handle == handle))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     fn release_where(&mut self, id: InodeId, gone: impl Fn(&Held) -> bool) {
         let Some(list) = self.by_inode.get_mut(&id) else {
             return;
@@ -180,6 +193,37 @@ impl LockTable {
         *n = n.saturating_add_signed(delta);
         if *n == 0 {
             self.per_client.remove(&client);
+        }
+    }
+
+    /// Takes out every lock on an inode in `[lo, hi)` (a table this server lets go).
+    pub fn take_range(&mut self, lo: InodeId, hi: InodeId) -> Vec<(InodeId, Held)> {
+        let ids: Vec<InodeId> = self
+            .by_inode
+            .keys()
+            .copied()
+            .filter(|id| (lo..hi).contains(id))
+            .collect();
+        let mut out = Vec::new();
+        for id in ids {
+            for h in self.by_inode.remove(&id).unwrap_or_default() {
+                self.count(h.client, -1);
+                out.push((id, h));
+            }
+        }
+        out
+    }
+
+    /// Takes in the locks of a table that joined this server. They were granted by its
+    /// previous owner, so they are kept as they are (no conflict check, no caps: refusing
+    /// them would silently drop a lock a client holds).
+    pub fn put_moved(&mut self, moved: &[(InodeId, Held)]) {
+        for (id, h) in moved {
+            let list = self.by_inode.entry(*id).or_default();
+            if !list.contains(h) {
+                list.push(*h);
+                self.count(h.client, 1);
+            }
         }
     }
 
@@ -239,6 +283,35 @@ fn replace_range(list: &[Held], client: u64, handle: u64, spec: &LockSpec) -> (V
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn locks_taken_out_with_a_table_hold_at_the_next_owner() {
+        let spec = |owner, start, end, kind| LockSpec {
+            owner,
+            start,
+            end,
+            kind,
+            pid: 1,
+            flock: false,
+        };
+        let mut a = LockTable::default();
+        a.set(1, 10, 5, &spec(1, 0, 99, LockKind::Write)).unwrap();
+        a.set(1, 500, 5, &spec(1, 0, 9, LockKind::Read)).unwrap();
+        let moved = a.take_range(0, 100);
+        assert_eq!(moved.len(), 1);
+        assert_eq!(a.len(), 1, "the lock outside the range stays");
+        assert!(a.conflict(2, 10, &spec(2, 0, 0, LockKind::Write)).is_none());
+        let mut b = LockTable::default();
+        b.put_moved(&moved);
+        assert!(
+            b.conflict(2, 10, &spec(2, 50, 50, LockKind::Read))
+                .is_some()
+        );
+        // The holder's last close at the new owner ends it.
+        b.release_handle(1, 10, 5);
+        assert!(b.is_empty());
+        assert!(b.per_client.is_empty());
+    }
 
     fn lock(owner: u64, start: u64, end: u64, kind: LockKind) -> LockSpec {
         LockSpec {

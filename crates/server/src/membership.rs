@@ -4,7 +4,8 @@
 //! - [`Shared::drop_table`]: stop admitting operations on the table (they get WRONG_SERVER
 //!   from then on), make every record that touched it durable, write a checkpoint of the
 //!   boxes it changed and release it (its manifest names no owner and no journal, and
-//!   carries the open handles and reply-cache entries its next owner takes over).
+//!   carries the open handles, reply-cache entries and advisory locks its next owner
+//!   takes over).
 //! - [`Shared::add_table`]: load a released table's checkpoint, claim it (a conditional
 //!   write of its manifest's next version) and serve it.
 //! - [`Shared::recover_tables`]: seal a failed incarnation's journal first, then load its
@@ -35,7 +36,7 @@ impl Shared {
                 format!("table {lo:016x} is not hosted here"),
             ));
         }
-        let (mut table, open, last) = {
+        let (mut table, open, locks, last) = {
             let mut core = self.core.lock();
             let table = core.engine.remove_table(lo).ok_or_else(|| {
                 io::Error::new(
@@ -44,13 +45,14 @@ impl Shared {
                 )
             })?;
             let open = core.engine.take_open_counts(table.lo, table.hi);
-            (table, open, self.journal.last_lsn())
+            let locks = core.locks.take_range(table.lo, table.hi);
+            (table, open, locks, self.journal.last_lsn())
         };
         // Taken after the table left the engine: no operation on it can add one now.
         let replies = self.core.lock().replies.export(HANDED_OVER_REPLIES_MAX);
         self.journal.flush_now();
         let result = if self.journal.wait_durable(last) {
-            ckpt.release(self, &mut table, open.clone(), replies)
+            ckpt.release(self, &mut table, open.clone(), replies, locks.clone())
         } else {
             Err(io::Error::other("journal failed; table not released"))
         };
@@ -66,6 +68,7 @@ impl Shared {
                         tracing::error!("table {lo:016x} could not be put back: {e2}");
                     }
                     core.engine.add_open_counts(&open);
+                    core.locks.put_moved(&locks);
                 }
                 return Err(e);
             }
@@ -160,6 +163,7 @@ impl Shared {
             if live {
                 core.engine.add_open_counts(&m.open_elsewhere);
                 core.replies.import(&m.replies);
+                core.locks.put_moved(&m.locks);
             }
             tracing::info!(
                 "serving table {:016x} from now on (loaded in {:?}{})",

@@ -3,7 +3,7 @@
 //! a fenced owner's late writes are refused by the store.
 
 use kochab_journal::JournalId;
-use kochab_proto::{Credentials, Op, Reply, Request, mode};
+use kochab_proto::{Credentials, LockKind, LockSpec, Op, Reply, Request, mode};
 use kochab_server::checkpoint::read_manifest_by_id;
 use kochab_server::core::Shared;
 use kochab_server::{RunningServer, ServerConfig, start, start_member};
@@ -191,6 +191,59 @@ async fn a_dropped_table_is_served_by_the_server_that_adds_it_with_every_acknowl
     );
     assert!(sb2.core.lock().engine.check_invariants().is_empty());
     b2.shutdown().await;
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_held_when_its_table_moves_holds_at_the_new_owner_until_its_close() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(config(&tmp.path().join("a"))).await.unwrap();
+    let root = a.root;
+    let lo = root_table(&a);
+    let sa = a.shared().clone();
+    let Some(Reply::Entry(f)) = create(&sa, root, "locked", 1) else {
+        panic!("create");
+    };
+    let lock = |owner, kind| Op::SetLk {
+        handle: if owner == 1 { 100 } else { 200 },
+        lock: LockSpec {
+            owner,
+            start: 0,
+            end: 99,
+            kind,
+            pid: 1,
+            flock: false,
+        },
+    };
+    let open = |handle| Op::Open {
+        id: f.id,
+        flags: libc::O_RDWR as u32,
+        handle,
+    };
+    assert!(matches!(run(&sa, 7, 0, open(100)), Some(Reply::Entry(_))));
+    assert_eq!(run(&sa, 7, 0, lock(1, LockKind::Write)), Some(Reply::Empty));
+
+    let s = sa.clone();
+    blocking(move || s.drop_table(lo)).unwrap();
+    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let sb = b.shared().clone();
+    let s = sb.clone();
+    blocking(move || s.add_table(lo)).unwrap();
+
+    // Another client at the new owner: the lock taken at the old one still holds.
+    assert!(matches!(run(&sb, 9, 0, open(200)), Some(Reply::Entry(_))));
+    match run(&sb, 9, 0, lock(2, LockKind::Write)) {
+        Some(Reply::Error(e)) => assert_eq!(e.errno, kochab_proto::Errno::EAGAIN, "{e}"),
+        other => panic!("a conflicting lock after the move: {other:?}"),
+    }
+    // The holder's close reaches the new owner, which never saw the handle opened: the
+    // lock that came with the table ends with it.
+    assert_eq!(
+        run(&sb, 7, 0, Op::Close { handle: 100 }),
+        Some(Reply::Empty)
+    );
+    assert_eq!(run(&sb, 9, 0, lock(2, LockKind::Write)), Some(Reply::Empty));
     b.shutdown().await;
     a.shutdown().await;
 }
