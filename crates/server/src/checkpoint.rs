@@ -102,6 +102,11 @@ pub struct Manifest {
     /// a failover drops them: their sessions are gone) and cleared by the next manifest.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub open_elsewhere: Vec<(u64, u32)>,
+    /// The open handles behind those counts that the releasing server knew by name
+    /// (client, handle, inode): the next owner counts each and ends it when the client's
+    /// close of that handle reaches it. `open_elsewhere` then holds only the rest.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub open_handles: Vec<(u64, u64, u64)>,
     /// The reply-cache entries of the server that released it, so that a retry of an
     /// operation that ran there is answered once here too; kept like `open_elsewhere`.
     #[serde(default, skip_serializing_if = "HandedOver::is_empty")]
@@ -557,6 +562,7 @@ impl Checkpointer {
             // Counted by this server when it added the table; not for whoever is next.
             Source::Engine(_) => {
                 m.open_elsewhere.clear();
+                m.open_handles.clear();
                 m.replies = HandedOver::default();
                 m.locks.clear();
             }
@@ -612,6 +618,7 @@ impl Checkpointer {
         shared: &Shared,
         table: &mut Table,
         open: Vec<(u64, u32)>,
+        open_handles: Vec<(u64, u64, u64)>,
         replies: HandedOver,
         locks: Vec<(u64, crate::locks::Held)>,
     ) -> io::Result<Vec<ImageRef>> {
@@ -622,6 +629,7 @@ impl Checkpointer {
             )));
         };
         m.open_elsewhere = open;
+        m.open_handles = open_handles;
         m.replies = replies;
         m.locks = locks;
         let has_base = m.images.iter().any(|i| i.full);

@@ -61,7 +61,12 @@ pub enum Cleanup {
     Closes(EndedHandles),
     /// Inodes that had no name at start-up: removed unless a client reopened them.
     Orphans(std::vec::IntoIter<InodeId>),
+    /// Handles of an ended session that came here with their file's table.
+    ArrivedCloses(std::vec::IntoIter<InodeId>),
 }
+
+/// An open handle that travels with its file's table: (client, handle, inode).
+pub type MovedHandle = (u64, u64, InodeId);
 
 /// What the lock protects.
 pub struct Core {
@@ -69,6 +74,9 @@ pub struct Core {
     pub replies: ReplyCache,
     pub sessions: Sessions,
     pub locks: LockTable,
+    /// Handles opened at another server whose file's table came here with them (client,
+    /// handle -> inode): each is counted open here, and its close here ends that.
+    pub arrived: FxHashMap<(u64, u64), InodeId>,
     /// LSN of the last journal record that changed each inode (or its entries), for inodes
     /// changed since about the last durable point: a reply must wait only until what it
     /// observed is durable, not for unrelated operations in flight.
@@ -89,12 +97,60 @@ pub fn note_modified(modified: &mut FxHashMap<InodeId, u64>, muts: &[Mutation], 
 }
 
 impl Core {
+    /// The open handles on inodes in `lo..hi`, taken out for a table leaving this server:
+    /// this server's own handles and those that arrived with the table earlier, each once,
+    /// and the open counts no handle here accounts for (they came with the table from a
+    /// server before, as counts).
+    pub fn take_open_handles(
+        &mut self,
+        lo: InodeId,
+        hi: InodeId,
+    ) -> (Vec<MovedHandle>, Vec<(InodeId, u32)>) {
+        let counts = self.engine.take_open_counts(lo, hi);
+        let mut handles = self.sessions.take_range(lo, hi);
+        let mut arrived = Vec::new();
+        self.arrived.retain(|&(c, h), id| {
+            let inside = (lo..hi).contains(id);
+            if inside {
+                arrived.push((c, h, *id));
+            }
+            !inside
+        });
+        for a in arrived {
+            if !handles.iter().any(|&(c, h, _)| (c, h) == (a.0, a.1)) {
+                handles.push(a);
+            }
+        }
+        let mut per_id: FxHashMap<InodeId, u32> = FxHashMap::default();
+        for &(_, _, id) in &handles {
+            *per_id.entry(id).or_default() += 1;
+        }
+        let rest = counts
+            .into_iter()
+            .filter_map(|(id, n)| {
+                let left = n.saturating_sub(per_id.get(&id).copied().unwrap_or(0));
+                (left > 0).then_some((id, left))
+            })
+            .collect();
+        (handles, rest)
+    }
+
+    /// Counts the handles that came with a table (see [`Core::take_open_handles`]).
+    pub fn add_arrived_handles(&mut self, handles: &[MovedHandle]) {
+        for &(c, h, id) in handles {
+            if self.arrived.insert((c, h), id).is_none() {
+                self.engine.add_open_counts(&[(id, 1)]);
+            }
+        }
+    }
+
     pub fn new(engine: Engine, replies: ReplyCache) -> Core {
         Core {
             engine,
             replies,
             sessions: Sessions::default(),
             locks: LockTable::default(),
+            arrived: FxHashMap::default(),
             modified: FxHashMap::default(),
             cleanup: VecDeque::new(),
             scratch: Vec::with_capacity(16),
@@ -230,6 +286,12 @@ impl Shared {
                 Cleanup::Orphans(ids) => {
                     for id in ids.by_ref().take(taken) {
                         muts.extend(core.engine.drop_if_orphan(id));
+                        left -= 1;
+                    }
+                }
+                Cleanup::ArrivedCloses(ids) => {
+                    for id in ids.by_ref().take(taken) {
+                        muts.extend(core.engine.close_ref(id));
                         left -= 1;
                     }
                 }

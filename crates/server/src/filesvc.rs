@@ -77,15 +77,20 @@ impl Shared {
             Op::Close { handle } => {
                 if let Some(of) = core.sessions.close(client, *handle) {
                     // The last close of an open file description: its OFD locks and its
-                    // flock end with it.
+                    // flock end with it. (A handle reopened here after its table arrived
+                    // was converted from `arrived` when reopened.)
                     core.locks.release_handle(client, of.id, *handle);
                     let muts = core.engine.close_ref(of.id);
                     self.journal_now(core, client, &muts);
                 } else {
                     // Opened at another server; its locks may have come here with the
-                    // file's table.
+                    // file's table, and so may its open count.
                     for id in core.locks.inodes_of_handle(client, *handle) {
                         core.locks.release_handle(client, id, *handle);
+                    }
+                    if let Some(id) = core.arrived.remove(&(client, *handle)) {
+                        let muts = core.engine.close_ref(id);
+                        self.journal_now(core, client, &muts);
                     }
                 }
                 Reply::Empty
@@ -215,11 +220,25 @@ impl Shared {
     /// the core lock, with other clients served in between.
     pub fn end_session(&self, core: &mut Core, client: u64) {
         core.locks.release_client(client);
+        let mut queued = false;
         if let Some(handles) = core.sessions.end(client) {
             core.cleanup.push_back(Cleanup::Closes(handles));
-            if self.cleanup_batch(core) {
-                self.cleanup_wake.notify_one();
+            queued = true;
+        }
+        let mut arrived = Vec::new();
+        core.arrived.retain(|&(c, _), id| {
+            if c == client {
+                arrived.push(*id);
             }
+            c != client
+        });
+        if !arrived.is_empty() {
+            core.cleanup
+                .push_back(Cleanup::ArrivedCloses(arrived.into_iter()));
+            queued = true;
+        }
+        if queued && self.cleanup_batch(core) {
+            self.cleanup_wake.notify_one();
         }
     }
 
@@ -304,6 +323,14 @@ fn register(
     match core.sessions.open(client, handle, file) {
         Registered::Opened => {
             core.engine.open_ref(attr.id);
+            if core.arrived.get(&(client, handle)) == Some(&attr.id) {
+                // The client reopened here a handle that came with the table: it is this
+                // server's handle from now on, counted once (the count stays above zero,
+                // so this close drops nothing).
+                core.arrived.remove(&(client, handle));
+                let muts = core.engine.close_ref(attr.id);
+                debug_assert!(muts.is_empty());
+            }
             Ok(())
         }
         Registered::Known => Ok(()),

@@ -36,7 +36,7 @@ impl Shared {
                 format!("table {lo:016x} is not hosted here"),
             ));
         }
-        let (mut table, open, locks, last) = {
+        let (mut table, open, handles, locks, last) = {
             let mut core = self.core.lock();
             let table = core.engine.remove_table(lo).ok_or_else(|| {
                 io::Error::new(
@@ -44,15 +44,22 @@ impl Shared {
                     format!("table {lo:016x} is not hosted"),
                 )
             })?;
-            let open = core.engine.take_open_counts(table.lo, table.hi);
+            let (handles, open) = core.take_open_handles(table.lo, table.hi);
             let locks = core.locks.take_range(table.lo, table.hi);
-            (table, open, locks, self.journal.last_lsn())
+            (table, open, handles, locks, self.journal.last_lsn())
         };
         // Taken after the table left the engine: no operation on it can add one now.
         let replies = self.core.lock().replies.export(HANDED_OVER_REPLIES_MAX);
         self.journal.flush_now();
         let result = if self.journal.wait_durable(last) {
-            ckpt.release(self, &mut table, open.clone(), replies, locks.clone())
+            ckpt.release(
+                self,
+                &mut table,
+                open.clone(),
+                handles.clone(),
+                replies,
+                locks.clone(),
+            )
         } else {
             Err(io::Error::other("journal failed; table not released"))
         };
@@ -68,6 +75,7 @@ impl Shared {
                         tracing::error!("table {lo:016x} could not be put back: {e2}");
                     }
                     core.engine.add_open_counts(&open);
+                    core.add_arrived_handles(&handles);
                     core.locks.put_moved(&locks);
                 }
                 return Err(e);
@@ -162,6 +170,7 @@ impl Shared {
                 .map_err(|e| io::Error::new(ErrorKind::AlreadyExists, e))?;
             if live {
                 core.engine.add_open_counts(&m.open_elsewhere);
+                core.add_arrived_handles(&m.open_handles);
                 core.replies.import(&m.replies);
                 core.locks.put_moved(&m.locks);
             }

@@ -110,6 +110,23 @@ impl Sessions {
         self.clients.get_mut(&client)?.handles.remove(&handle)
     }
 
+    /// Takes out every handle on an inode in `lo..hi` (a table leaving this server: each
+    /// goes with it, so that its close at the next owner ends its open count there).
+    /// Returns (client, handle, inode).
+    pub fn take_range(&mut self, lo: InodeId, hi: InodeId) -> Vec<(u64, u64, InodeId)> {
+        let mut out = Vec::new();
+        for (&client, c) in &mut self.clients {
+            c.handles.retain(|&h, of| {
+                let inside = (lo..hi).contains(&of.id);
+                if inside {
+                    out.push((client, h, of.id));
+                }
+                !inside
+            });
+        }
+        out
+    }
+
     /// Clients without a connection for longer than `grace`.
     pub fn expired(&self, grace: Duration, now: Instant) -> Vec<u64> {
         self.clients

@@ -249,6 +249,65 @@ async fn a_lock_held_when_its_table_moves_holds_at_the_new_owner_until_its_close
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handles_open_when_their_table_moves_are_closed_at_the_new_owner() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(config(&tmp.path().join("a"))).await.unwrap();
+    let root = a.root;
+    let lo = root_table(&a);
+    let sa = a.shared().clone();
+    let Some(Reply::Entry(f)) = create(&sa, root, "open", 1) else {
+        panic!("create");
+    };
+    let open = |handle| Op::Open {
+        id: f.id,
+        flags: libc::O_RDWR as u32,
+        handle,
+    };
+    assert!(matches!(run(&sa, 7, 0, open(100)), Some(Reply::Entry(_))));
+    assert!(matches!(run(&sa, 7, 0, open(101)), Some(Reply::Entry(_))));
+
+    let s = sa.clone();
+    blocking(move || s.drop_table(lo)).unwrap();
+    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let sb = b.shared().clone();
+    let s = sb.clone();
+    blocking(move || s.add_table(lo)).unwrap();
+    let stat = |s: &Shared| run(s, 8, 0, Op::GetAttr { id: f.id });
+
+    // Handle 101 is reopened at the new owner (as a client does after EBADF), 100 is not.
+    assert!(matches!(run(&sb, 7, 0, open(101)), Some(Reply::Entry(_))));
+    let unlink = Op::Unlink {
+        parent: root,
+        name: b"open".to_vec(),
+    };
+    assert_eq!(run(&sb, 7, 2, unlink), Some(Reply::Empty));
+    assert!(
+        matches!(stat(&sb), Some(Reply::Attr(a)) if a.nlink == 0),
+        "open elsewhere: unlinked but kept"
+    );
+    assert_eq!(
+        run(&sb, 7, 0, Op::Close { handle: 100 }),
+        Some(Reply::Empty)
+    );
+    assert!(
+        matches!(stat(&sb), Some(Reply::Attr(_))),
+        "handle 101 still holds it"
+    );
+    assert_eq!(
+        run(&sb, 7, 0, Op::Close { handle: 101 }),
+        Some(Reply::Empty)
+    );
+    assert!(
+        matches!(stat(&sb), Some(Reply::Error(_))),
+        "the last close ends it: {:?}",
+        stat(&sb)
+    );
+    assert!(sb.core.lock().engine.check_invariants().is_empty());
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sealed_journal_stops_acknowledging_and_its_tables_are_recovered_elsewhere() {
     let tmp = tempfile::tempdir().unwrap();
     let a = start(config(&tmp.path().join("a"))).await.unwrap();
