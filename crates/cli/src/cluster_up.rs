@@ -58,6 +58,8 @@ pub struct ClusterArgs {
     pub mount_options: Option<String>,
     /// Extra arguments for every `kochab mds` (tests' checkpoint and segment sizes).
     pub mds_extra: Vec<String>,
+    /// Extra arguments for every coordinator replica (tests' balancing thresholds).
+    pub coord_extra: Vec<String>,
 }
 
 /// True if `data` belongs to a cluster of servers.
@@ -321,7 +323,10 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
                 "--bootstrap".into(),
                 "--lease".into(),
                 args.lease.to_string(),
-            ],
+            ]
+            .into_iter()
+            .chain(args.coord_extra.iter().cloned())
+            .collect(),
             log: logs.join(if args.coords == 1 {
                 "coord.log".to_string()
             } else {

@@ -42,6 +42,11 @@ pub struct CoordArgs {
     /// table counts (moves are then only an operator's, and recoveries).
     #[arg(long)]
     no_balance: bool,
+    /// Load balancing: with the table counts even, a server that did at least twice the
+    /// operations of the least busy one, and this many more in a 5 s report, gives it a
+    /// table (tests set it low).
+    #[arg(long, default_value_t = kochab_cluster::balance::LOAD_GAP_MIN_OPS)]
+    load_gap_ops: u64,
 }
 
 #[derive(Args)]
@@ -136,6 +141,7 @@ pub async fn run(args: CoordArgs) -> Result<(), String> {
         std::sync::Arc::new(ClientLink::new(key)),
         DriverConfig {
             balance: !args.no_balance,
+            load_gap_ops: args.load_gap_ops,
             // A dead server's lease is noticed within a tick: 100 ms rather than the
             // default 250 keeps failover short (ten small log entries a second).
             tick_ms: DRIVER_TICK_MS,

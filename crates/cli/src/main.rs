@@ -267,6 +267,10 @@ struct UpArgs {
     /// Bytes per journal segment (tests set it low).
     #[arg(long, hide = true)]
     segment_bytes: Option<u64>,
+    /// With --servers: the coordinator's load-balancing gap (see `kochab coord
+    /// --load-gap-ops`; tests set it low).
+    #[arg(long, hide = true, requires = "servers")]
+    load_gap_ops: Option<u64>,
 }
 
 #[derive(Args)]
@@ -475,6 +479,10 @@ async fn up(args: UpArgs) -> Result<(), String> {
             mount: args.mount,
             mount_options: args.mount_options,
             mds_extra,
+            coord_extra: args
+                .load_gap_ops
+                .map(|n| vec!["--load-gap-ops".to_string(), n.to_string()])
+                .unwrap_or_default(),
         })
         .await;
     }

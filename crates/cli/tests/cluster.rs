@@ -492,6 +492,60 @@ fn tables_borrowed_many_times_reload_exactly_from_their_deltas() {
     });
 }
 
+/// Load balancing in real processes: two busy top-level directories whose tables one
+/// server holds end up on different servers (the coordinator's load rule, with a low gap
+/// for the test), while the client keeps creating files in them without an error.
+#[test]
+fn a_busy_server_hands_a_busy_table_to_an_idle_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let names = ["t0", "t1", "t2", "t3", "t4", "t5"];
+    let server = ServerProc::start(
+        &dir.path().join("data"),
+        &["--servers", "2", "--lease", "2", "--load-gap-ops", "100"],
+    );
+    wait_spread(&server, 2, 19 / 2);
+    runtime().block_on(async {
+        let c = server.client(3).await;
+        let cred = Credentials::root();
+        for d in names {
+            c.mkdir(&cred, c.root(), d.as_bytes(), 0o755)
+                .await
+                .unwrap_or_else(|e| panic!("mkdir {d}: {e}"));
+        }
+        let dirs = dir_ids(&c, &names).await;
+        let owner = |id| owner_of(&server, id).expect("owner").0;
+        let (a, b) = dirs
+            .iter()
+            .enumerate()
+            .find_map(|(i, &x)| {
+                dirs[i + 1..]
+                    .iter()
+                    .find(|&&y| owner(y) == owner(x))
+                    .map(|&y| (x, y))
+            })
+            .expect("two directories on one server");
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let mut made = 0u64;
+        while owner(a) == owner(b) {
+            assert!(
+                Instant::now() < deadline,
+                "still on one server after 90 s and {made} creates; status {:#?}",
+                status(&server)
+            );
+            for _ in 0..50 {
+                for d in [a, b] {
+                    c.create(&cred, d, format!("f{made}").as_bytes(), 0o644)
+                        .await
+                        .unwrap_or_else(|e| panic!("create {made}: {e}"));
+                }
+                made += 1;
+            }
+        }
+        assert_eq!(names_of(&c, a).await.len() as u64, made);
+        assert_eq!(names_of(&c, b).await.len() as u64, made);
+    });
+}
+
 /// Through the FUSE mount of a two-server cluster, as a user would: top-level directories
 /// land on both servers, `ls -l` lists entries whose inodes the other server holds, and
 /// `mv` and `ln` between directories of different servers work and keep the counts exact.

@@ -10,8 +10,15 @@
 //! servers, which spreads independent top-level trees (the id policy deals them across
 //! consecutive primary tables). One move at a time, and only while nothing else is in
 //! motion (no migration, no borrow, nothing unplaced), so balancing never competes with a
-//! borrow or a recovery. Load-based moves (hot tables to cool servers) are not built;
-//! `load` is recorded but not read here.
+//! borrow or a recovery.
+//!
+//! When the counts are even, load decides: the servers' loads are the sums of what their
+//! tables' owners last reported (operations per 5 s report), and a server with at least
+//! twice the load of the least busy one and [`LOAD_GAP_MIN_OPS`] more gives it the table
+//! that halves the gap best; the count rule then sends the coolest table of the receiver
+//! back (with loads known, the count rule always picks the coolest table). The
+//! thresholds are the hysteresis: a swap that leaves the two within a factor of two stops
+//! it. `kochab coord --no-balance` turns both rules off.
 //!
 //! A draining server ([`CoordState::draining`]) is neither counted nor a target: its
 //! tables move off first, one at a time, each to the server in service with the fewest
@@ -23,8 +30,13 @@ use kochab_proto::cluster::{CoordCommand, ServerId, TableId};
 use crate::state::CoordState;
 
 /// The next `Move` toward an even spread, or `None` when the placement is already even or
-/// the cluster is busy.
+/// the cluster is busy (the load rule with [`LOAD_GAP_MIN_OPS`]).
 pub fn next_move(state: &CoordState) -> Option<CoordCommand> {
+    next_move_with(state, LOAD_GAP_MIN_OPS)
+}
+
+/// [`next_move`] with another load gap (operations per report) for the load rule.
+pub fn next_move_with(state: &CoordState, load_gap_ops: u64) -> Option<CoordCommand> {
     if !state.bootstrapped
         || !state.migrations.is_empty()
         || !state.borrows.is_empty()
@@ -61,7 +73,7 @@ pub fn next_move(state: &CoordState) -> Option<CoordCommand> {
     let (&from, &most) = counts.iter().rev().max_by_key(|(_, c)| **c)?;
     let (&to, &fewest) = counts.iter().min_by_key(|(_, c)| **c)?;
     if most < fewest + 2 {
-        return None;
+        return load_move(state, &live, load_gap_ops);
     }
     let slot = |i: usize| live[i % live.len()];
     let mine: Vec<(usize, TableId)> = state
@@ -72,13 +84,60 @@ pub fn next_move(state: &CoordState) -> Option<CoordCommand> {
         .filter(|(_, (_, p))| p.owner == from)
         .map(|(i, (t, _))| (i, *t))
         .collect();
-    let table = mine
-        .iter()
-        .find(|(i, _)| slot(*i) == to)
-        .or_else(|| mine.iter().find(|(i, _)| slot(*i) != from))
-        .or(mine.first())
-        .map(|(_, t)| *t)?;
+    // Once load is reported, the coolest table goes (after a load move, this hands the
+    // hot server a cool table back instead of undoing the move).
+    let loaded = mine.iter().any(|(_, t)| ops(state, *t) > 0);
+    let table = if loaded {
+        mine.iter()
+            .min_by_key(|(_, t)| ops(state, *t))
+            .map(|(_, t)| *t)?
+    } else {
+        mine.iter()
+            .find(|(i, _)| slot(*i) == to)
+            .or_else(|| mine.iter().find(|(i, _)| slot(*i) != from))
+            .or(mine.first())
+            .map(|(_, t)| *t)?
+    };
     Some(CoordCommand::Move { table, to })
+}
+
+/// Operations a table's owner last reported for it (one report interval).
+fn ops(state: &CoordState, t: TableId) -> u64 {
+    state.load.get(&t).map_or(0, |l| l.ops)
+}
+
+/// A hot server's gap to the coolest one that a load move needs: at least twice its
+/// load and this many operations per report interval more (with 5 s reports, 2,000
+/// operations per second), so that noise in the reports does not move tables.
+pub const LOAD_GAP_MIN_OPS: u64 = 10_000;
+
+/// With the counts even: one table from the busiest server to the least busy one, if the
+/// busiest has at least twice the load and [`LOAD_GAP_MIN_OPS`] more. The table is the one
+/// whose load comes closest to half the gap and is below the gap (so the move narrows it).
+/// The counts are then uneven by the move, and the count rule hands the hot server the
+/// coolest table of the cool one: in effect a swap.
+fn load_move(state: &CoordState, live: &[ServerId], gap_min: u64) -> Option<CoordCommand> {
+    let mut loads: std::collections::BTreeMap<ServerId, u64> =
+        live.iter().map(|s| (*s, 0)).collect();
+    for (t, p) in &state.map.tables {
+        if let Some(l) = loads.get_mut(&p.owner) {
+            *l += ops(state, *t);
+        }
+    }
+    let (&hot, &high) = loads.iter().rev().max_by_key(|(_, l)| **l)?;
+    let (&cool, &low) = loads.iter().min_by_key(|(_, l)| **l)?;
+    let gap = high.saturating_sub(low);
+    if hot == cool || high < 2 * low || gap < gap_min.max(1) {
+        return None;
+    }
+    let table = state
+        .map
+        .tables
+        .iter()
+        .filter(|(t, p)| p.owner == hot && ops(state, **t) > 0 && ops(state, **t) < gap)
+        .min_by_key(|(t, _)| ops(state, **t).abs_diff(gap / 2))
+        .map(|(t, _)| *t)?;
+    Some(CoordCommand::Move { table, to: cool })
 }
 
 #[cfg(test)]
@@ -168,6 +227,82 @@ mod tests {
         s.apply(&m);
         settle(&mut s);
         assert_eq!(next_move(&s), None);
+    }
+
+    /// Reports `ops` for `table` from its current owner.
+    fn report(s: &mut CoordState, table: TableId, ops: u64) {
+        let owner = s.map.owner(table).expect("placed");
+        let inc = s.live(owner).expect("live owner");
+        let r = s.apply(&CoordCommand::Request {
+            req: ServerRequest::ReportLoad {
+                server: owner,
+                epoch: inc.epoch,
+                loads: vec![kochab_proto::cluster::TableLoad {
+                    table,
+                    ops,
+                    inodes: 0,
+                }],
+            },
+            now_ms: 10,
+        });
+        assert_eq!(r, CoordReply::Ok);
+    }
+
+    #[test]
+    fn a_hot_server_swaps_a_table_with_a_cool_one_and_then_stays() {
+        let mut s = CoordState::default();
+        let tables: Vec<(TableId, u64)> = (0..4).map(|i| (TableId(i * 10), i * 10 + 10)).collect();
+        s.apply(&CoordCommand::Bootstrap {
+            tables,
+            lease_ms: 10_000,
+        });
+        register(&mut s, 1, 1);
+        register(&mut s, 2, 2);
+        settle(&mut s);
+        while let Some(m) = next_move(&s) {
+            s.apply(&m);
+            settle(&mut s);
+        }
+        let on = |s: &CoordState, id: u32| -> Vec<TableId> {
+            s.map
+                .tables
+                .iter()
+                .filter(|(_, p)| p.owner == ServerId(id))
+                .map(|(t, _)| *t)
+                .collect()
+        };
+        let (a, b) = (on(&s, 1), on(&s, 2));
+        assert_eq!((a.len(), b.len()), (2, 2));
+        // Even load, or a small gap: nothing moves.
+        for (t, ops) in [(a[0], 3_000), (a[1], 2_000), (b[0], 1_000), (b[1], 0)] {
+            report(&mut s, t, ops);
+        }
+        assert_eq!(next_move(&s), None, "a gap under LOAD_GAP_MIN_OPS");
+        // Server 1 does 50k per report, server 2 1k: the table nearest half the gap goes.
+        report(&mut s, a[0], 30_000);
+        report(&mut s, a[1], 20_000);
+        assert_eq!(
+            next_move(&s),
+            Some(CoordCommand::Move {
+                table: a[1],
+                to: ServerId(2)
+            })
+        );
+        s.apply(&next_move(&s).expect("load move"));
+        settle(&mut s);
+        // The counts (1/3) send server 2's coolest table back: a swap.
+        assert_eq!(
+            next_move(&s),
+            Some(CoordCommand::Move {
+                table: b[1],
+                to: ServerId(1)
+            })
+        );
+        s.apply(&next_move(&s).expect("count move"));
+        settle(&mut s);
+        // 30k against 21k: within a factor of two, so it stays.
+        assert_eq!(next_move(&s), None);
+        assert_eq!(on(&s, 1), vec![a[0], b[1]]);
     }
 
     #[test]

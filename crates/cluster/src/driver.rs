@@ -24,6 +24,9 @@ pub struct DriverConfig {
     pub tick_ms: u64,
     /// Move tables toward an even spread over the live servers ([`crate::balance`]).
     pub balance: bool,
+    /// The balancer's load rule: how many more operations per report the busiest server
+    /// must have than the least busy one (and at least twice its load).
+    pub load_gap_ops: u64,
 }
 
 impl Default for DriverConfig {
@@ -32,6 +35,7 @@ impl Default for DriverConfig {
             retry_ms: 1_000,
             tick_ms: 250,
             balance: true,
+            load_gap_ops: crate::balance::LOAD_GAP_MIN_OPS,
         }
     }
 }
@@ -84,7 +88,7 @@ impl Driver {
             // At most one balancing move per tick: a duplicate (the previous one not yet
             // applied) is refused by the state, as the table is already moving.
             if self.cfg.balance
-                && let Some(m) = crate::balance::next_move(state)
+                && let Some(m) = crate::balance::next_move_with(state, self.cfg.load_gap_ops)
             {
                 out.push(DriverAction::Propose(m));
             }

@@ -438,7 +438,7 @@ impl World {
             driver: Driver::new(DriverConfig {
                 retry_ms: 500,
                 tick_ms: 100,
-                balance: true,
+                ..DriverConfig::default()
             }),
             coord_down_until: 0,
             servers,
@@ -624,7 +624,7 @@ impl World {
                 self.driver = Driver::new(DriverConfig {
                     retry_ms: 500,
                     tick_ms: 100,
-                    balance: true,
+                    ..DriverConfig::default()
                 });
                 self.coord_down_until = self.now + d;
             }

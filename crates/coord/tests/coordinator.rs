@@ -94,6 +94,7 @@ impl Node {
             retry_ms: 200,
             tick_ms: 100,
             balance: false,
+            ..DriverConfig::default()
         };
         let _guard = rt.enter();
         spawn_driver(Arc::clone(&replica), link, cfg, Arc::new(wall_clock_ms));

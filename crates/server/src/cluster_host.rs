@@ -607,7 +607,7 @@ impl ClusterHost {
 
 impl ClusterHost {
     /// Tells the coordinator each held table's load: operations admitted since the last
-    /// report and inodes (for `kochab status`; no balancing reads it yet).
+    /// report and inodes (for `kochab status` and the balancer's load rule).
     fn report_load(self: &Arc<Self>) {
         let Some(shared) = self.shared.get().and_then(Weak::upgrade) else {
             return;
