@@ -10,10 +10,16 @@ pub enum FsCommand {
     /// List a directory (or show one non-directory).
     Ls {
         path: String,
-        /// Long format: mode, links, owner, size, mtime, inode id.
+        /// Long format, as ls -l: mode, links, owner, group, size, modification time.
         #[arg(short, long)]
         long: bool,
-        /// JSON lines.
+        /// With -l: sizes as 4.0K, 12M, 1.1G.
+        #[arg(short = 'H', long)]
+        human: bool,
+        /// Print each entry's inode id first.
+        #[arg(short, long)]
+        inode: bool,
+        /// JSON lines (every attribute, times in nanoseconds).
         #[arg(long)]
         json: bool,
     },
@@ -95,6 +101,53 @@ fn mode_string(a: &Attr) -> String {
     s
 }
 
+/// A size as `ls -h` prints it: bytes below 1 KiB, else one decimal below 10 of the unit
+/// (rounded up, as ls does) and whole units above.
+fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["K", "M", "G", "T", "P", "E"];
+    if bytes < 1024 {
+        return bytes.to_string();
+    }
+    let mut v = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    let tenths = (v * 10.0).ceil() / 10.0;
+    if tenths < 10.0 {
+        format!("{tenths:.1}{}", UNITS[unit])
+    } else {
+        format!("{:.0}{}", v.ceil(), UNITS[unit])
+    }
+}
+
+/// A modification time as `ls -l` prints it, in local time: `Nov 24 01:02` within about six
+/// months of `now_ns`, else `Nov 24  2025`.
+fn ls_time(ns: i64, now_ns: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let secs = ns.div_euclid(1_000_000_000) as libc::time_t;
+    // SAFETY: localtime_r only writes the `tm` we pass; a zeroed tm is a valid value.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    if unsafe { libc::localtime_r(&secs, &mut tm) }.is_null() {
+        return format!("{:>12}", secs);
+    }
+    let month = MONTHS[tm.tm_mon.clamp(0, 11) as usize];
+    const HALF_YEAR_NS: i64 = 182 * 24 * 3600 * 1_000_000_000;
+    let recent =
+        ns <= now_ns.saturating_add(3_600_000_000_000) && now_ns.saturating_sub(ns) < HALF_YEAR_NS;
+    if recent {
+        format!(
+            "{month} {:>2} {:02}:{:02}",
+            tm.tm_mday, tm.tm_hour, tm.tm_min
+        )
+    } else {
+        format!("{month} {:>2}  {:>4}", tm.tm_mday, tm.tm_year + 1900)
+    }
+}
+
 fn attr_json(a: &Attr, name: Option<&[u8]>) -> serde_json::Value {
     let mut v = serde_json::json!({
         "id": a.id, "mode": format!("{:o}", a.mode), "kind": a.kind().map_or("unknown".to_string(), |k| format!("{k:?}").to_lowercase()),
@@ -114,16 +167,24 @@ fn err(e: FsError) -> String {
 pub async fn run(client: &Client, cmd: FsCommand) -> Result<(), String> {
     let cred = caller();
     match cmd {
-        FsCommand::Ls { path, long, json } => {
+        FsCommand::Ls {
+            path,
+            long,
+            human,
+            inode,
+            json,
+        } => {
             let a = client.resolve(&cred, &path, true).await.map_err(err)?;
             let entries: Vec<(Vec<u8>, Attr)> = if a.kind() == Some(FileKind::Dir) {
-                let mut v: Vec<_> = client
-                    .readdir_all(&cred, a.id, true)
-                    .await
-                    .map_err(err)?
-                    .into_iter()
-                    .filter_map(|e| e.attr.map(|at| (e.name, at)))
-                    .collect();
+                let mut v = Vec::new();
+                for e in client.readdir_all(&cred, a.id, true).await.map_err(err)? {
+                    // An entry whose inode another server holds comes without attributes.
+                    let at = match e.attr {
+                        Some(at) => at,
+                        None => client.getattr(&cred, e.id).await.map_err(err)?,
+                    };
+                    v.push((e.name, at));
+                }
                 v.sort_by(|x, y| x.0.cmp(&y.0));
                 v
             } else {
@@ -132,23 +193,33 @@ pub async fn run(client: &Client, cmd: FsCommand) -> Result<(), String> {
                     a,
                 )]
             };
+            let now = kochab_server::core::now_ns();
             for (name, at) in entries {
+                let id = if inode {
+                    format!("{:>20} ", at.id)
+                } else {
+                    String::new()
+                };
+                let name = String::from_utf8_lossy(&name);
                 if json {
-                    println!("{}", attr_json(&at, Some(&name)));
+                    println!("{}", attr_json(&at, Some(name.as_bytes())));
                 } else if long {
+                    let size = if human {
+                        human_size(at.size)
+                    } else {
+                        at.size.to_string()
+                    };
                     println!(
-                        "{} {:>3} {:>5} {:>5} {:>10} {:>20} {:>20} {}",
+                        "{id}{} {:>3} {:>5} {:>5} {:>10} {} {name}",
                         mode_string(&at),
                         at.nlink,
                         at.uid,
                         at.gid,
-                        at.size,
-                        at.mtime,
-                        at.id,
-                        String::from_utf8_lossy(&name)
+                        size,
+                        ls_time(at.mtime, now),
                     );
                 } else {
-                    println!("{}", String::from_utf8_lossy(&name));
+                    println!("{id}{name}");
                 }
             }
         }
@@ -282,4 +353,32 @@ async fn remove_tree(client: &Client, cred: &Credentials, dir: InodeId) -> FsRes
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_ls_h_prints_them() {
+        assert_eq!(human_size(0), "0");
+        assert_eq!(human_size(1023), "1023");
+        assert_eq!(human_size(1024), "1.0K");
+        assert_eq!(human_size(4096), "4.0K");
+        assert_eq!(human_size(1025), "1.1K");
+        assert_eq!(human_size(10 * 1024), "10K");
+        assert_eq!(human_size(256 << 20), "256M");
+        assert_eq!(human_size(3 << 30), "3.0G");
+    }
+
+    #[test]
+    fn recent_times_show_the_clock_and_old_ones_the_year() {
+        let now = 1_795_480_000 * 1_000_000_000i64; // late 2026
+        let recent = ls_time(now - 3_600 * 1_000_000_000, now);
+        assert_eq!(recent.len(), 12, "{recent:?}");
+        assert!(recent.contains(':'), "{recent:?}");
+        let old = ls_time(now - 400 * 24 * 3_600 * 1_000_000_000, now);
+        assert_eq!(old.len(), 12, "{old:?}");
+        assert!(old.ends_with("2025"), "{old:?}");
+    }
 }

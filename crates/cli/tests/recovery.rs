@@ -204,7 +204,15 @@ fn clean_restart_recovers_everything_from_checkpoints() {
         .args(["ls", "-l", "/c/sub/deeper"])
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&ls.stdout).contains("moved"));
+    let out = String::from_utf8_lossy(&ls.stdout);
+    let line = out
+        .lines()
+        .find(|l| l.ends_with(" moved"))
+        .unwrap_or_else(|| panic!("no entry 'moved' in:\n{out}"));
+    // As ls -l: mode, links, owner, group, size, "Mon DD HH:MM", name.
+    let f: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(f.len(), 9, "{line}");
+    assert!(f[5].len() == 3 && f[7].contains(':'), "{line}");
     let status = Command::new(kochab_bin())
         .args([
             "status",
