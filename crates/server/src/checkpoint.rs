@@ -71,6 +71,16 @@ impl JournalPos {
     }
 }
 
+/// The soft state a server hands to a released table's next owner (see the `Manifest`
+/// fields of the same names).
+#[derive(Clone, Debug, Default)]
+pub struct Handover {
+    pub open_counts: Vec<(u64, u32)>,
+    pub open_handles: Vec<(u64, u64, u64)>,
+    pub replies: HandedOver,
+    pub locks: Vec<(u64, crate::locks::Held)>,
+}
+
 /// Who serves a table.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Owner {
@@ -617,10 +627,7 @@ impl Checkpointer {
         &mut self,
         shared: &Shared,
         table: &mut Table,
-        open: Vec<(u64, u32)>,
-        open_handles: Vec<(u64, u64, u64)>,
-        replies: HandedOver,
-        locks: Vec<(u64, crate::locks::Held)>,
+        handover: Handover,
     ) -> io::Result<Vec<ImageRef>> {
         let Some(m) = self.manifests.get_mut(&table.lo) else {
             return Err(io::Error::other(format!(
@@ -628,10 +635,10 @@ impl Checkpointer {
                 table.lo
             )));
         };
-        m.open_elsewhere = open;
-        m.open_handles = open_handles;
-        m.replies = replies;
-        m.locks = locks;
+        m.open_elsewhere = handover.open_counts;
+        m.open_handles = handover.open_handles;
+        m.replies = handover.replies;
+        m.locks = handover.locks;
         let has_base = m.images.iter().any(|i| i.full);
         let full = table.take_needs_full() || !has_base || m.wants_full();
         let dirty = table.take_dirty();

@@ -15,7 +15,7 @@
 //! is taking that lock: after it, none is half-applied; their replies wait for durability,
 //! which the drop waits for too before it releases the table.
 
-use crate::checkpoint::{Manifest, read_manifest_by_id};
+use crate::checkpoint::{Handover, Manifest, read_manifest_by_id};
 use crate::core::Shared;
 use kochab_journal::JournalId;
 use std::io::{self, ErrorKind};
@@ -36,7 +36,7 @@ impl Shared {
                 format!("table {lo:016x} is not hosted here"),
             ));
         }
-        let (mut table, open, handles, locks, last) = {
+        let (mut table, mut handover, last) = {
             let mut core = self.core.lock();
             let table = core.engine.remove_table(lo).ok_or_else(|| {
                 io::Error::new(
@@ -44,22 +44,20 @@ impl Shared {
                     format!("table {lo:016x} is not hosted"),
                 )
             })?;
-            let (handles, open) = core.take_open_handles(table.lo, table.hi);
-            let locks = core.locks.take_range(table.lo, table.hi);
-            (table, open, handles, locks, self.journal.last_lsn())
+            let (open_handles, open_counts) = core.take_open_handles(table.lo, table.hi);
+            let handover = Handover {
+                open_counts,
+                open_handles,
+                locks: core.locks.take_range(table.lo, table.hi),
+                replies: Default::default(),
+            };
+            (table, handover, self.journal.last_lsn())
         };
         // Taken after the table left the engine: no operation on it can add one now.
-        let replies = self.core.lock().replies.export(HANDED_OVER_REPLIES_MAX);
+        handover.replies = self.core.lock().replies.export(HANDED_OVER_REPLIES_MAX);
         self.journal.flush_now();
         let result = if self.journal.wait_durable(last) {
-            ckpt.release(
-                self,
-                &mut table,
-                open.clone(),
-                handles.clone(),
-                replies,
-                locks.clone(),
-            )
+            ckpt.release(self, &mut table, handover.clone())
         } else {
             Err(io::Error::other("journal failed; table not released"))
         };
@@ -74,9 +72,9 @@ impl Shared {
                     if let Err(e2) = core.engine.insert_table(table) {
                         tracing::error!("table {lo:016x} could not be put back: {e2}");
                     }
-                    core.engine.add_open_counts(&open);
-                    core.add_arrived_handles(&handles);
-                    core.locks.put_moved(&locks);
+                    core.engine.add_open_counts(&handover.open_counts);
+                    core.add_arrived_handles(&handover.open_handles);
+                    core.locks.put_moved(&handover.locks);
                 }
                 return Err(e);
             }
