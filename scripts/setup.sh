@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs what Kochab needs on a fresh Debian machine: the Rust toolchain (if missing) and
-# the Debian packages the tests use (fuse3 for mounting; programs the FUSE tests run).
+# the Debian packages the tests use (fuse3 for mounting; programs the FUSE tests run;
+# systemd for `systemd-analyze verify` of the example mount unit).
 # Safe to run repeatedly; does nothing when everything is present.
 set -euo pipefail
 
-PKGS=(fuse3 rsync sqlite3 git make gcc libc6-dev tar diffutils findutils util-linux procps)
+PKGS=(fuse3 rsync sqlite3 git make gcc libc6-dev tar diffutils findutils util-linux procps systemd)
 
 missing=()
 for p in "${PKGS[@]}"; do
