@@ -51,6 +51,18 @@ pub enum TableCommand {
         #[command(flatten)]
         admin: AdminArgs,
     },
+    /// Split a table in two, online: its owner lets the table's operations in flight
+    /// finish, cuts it at a subtree boundary (half of its inodes below, unless --at says
+    /// where) and checkpoints both halves; the new table starts on the same server and
+    /// can then move on its own. Only subtree (primary-region) tables split.
+    Split {
+        table: String,
+        /// Where the new table starts (hex inode id; a multiple of 64 inside the table).
+        #[arg(long)]
+        at: Option<String>,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
 }
 
 #[derive(Subcommand)]
@@ -193,11 +205,14 @@ fn owns(s: &CoordState, server: ServerId) -> usize {
 }
 
 fn quiet(s: &CoordState) -> bool {
-    s.migrations.is_empty() && s.borrows.is_empty() && s.unplaced.is_empty()
+    s.migrations.is_empty() && s.borrows.is_empty() && s.unplaced.is_empty() && s.splits.is_empty()
 }
 
 pub async fn table(cmd: TableCommand) -> Result<(), String> {
-    let TableCommand::Move { table, to, admin } = cmd;
+    let (table, to, admin) = match cmd {
+        TableCommand::Move { table, to, admin } => (table, to, admin),
+        TableCommand::Split { table, at, admin } => return split(table, at, admin).await,
+    };
     let coord = coord_client(&admin).await?;
     let state = read(&coord).await?;
     let t = parse_table(&table, &state.map)?;
@@ -248,6 +263,48 @@ pub async fn table(cmd: TableCommand) -> Result<(), String> {
             t.0,
             other.map(|o| o.0),
             to.0
+        )),
+    }
+}
+
+async fn split(table: String, at: Option<String>, admin: AdminArgs) -> Result<(), String> {
+    let coord = coord_client(&admin).await?;
+    let state = read(&coord).await?;
+    let t = parse_table(&table, &state.map)?;
+    let at = match at {
+        Some(a) => Some(
+            u64::from_str_radix(a.trim_start_matches("0x"), 16)
+                .map_err(|_| format!("--at {a:?} is not a hex inode id"))?,
+        ),
+        None => None,
+    };
+    let until = deadline(&admin)?;
+    let before = state.map.tables.len();
+    let answer = propose(&coord, CoordCommand::Split { table: t, at }).await?;
+    if admin.no_wait {
+        println!("table {:016x}: splitting ({answer})", t.0);
+        return Ok(());
+    }
+    let started = Instant::now();
+    let s = wait_until(&coord, until, false, "split", |s| {
+        !s.splits.contains_key(&t)
+    })
+    .await?;
+    let hi = s.map.tables.get(&t).map(|p| p.hi);
+    match hi.and_then(|hi| s.map.tables.get(&TableId(hi)).map(|p| (hi, p.owner))) {
+        Some((hi, owner)) if s.map.tables.len() > before => {
+            println!(
+                "table {:016x}: split at {hi:016x} in {:.2} s (both halves on server {})",
+                t.0,
+                started.elapsed().as_secs_f64(),
+                owner.0
+            );
+            Ok(())
+        }
+        _ => Err(format!(
+            "table {:016x} was not split (its owner refused: see its log; subtree tables \
+             with inodes in more than one directory split)",
+            t.0
         )),
     }
 }
@@ -447,6 +504,11 @@ fn coord_json(s: &CoordState) -> serde_json::Value {
             "tables": b.tables.iter().map(|t| format!("{:016x}", t.0)).collect::<Vec<_>>(),
             "phase": format!("{:?}", b.phase).to_lowercase(),
         })).collect::<Vec<_>>(),
+        "splits": s.splits.iter().map(|(t, sp)| serde_json::json!({
+            "table": format!("{:016x}", t.0),
+            "at": sp.at.map(|a| format!("{a:016x}")),
+            "server": sp.by.server.0,
+        })).collect::<Vec<_>>(),
         "load": s.load.values().map(|l| serde_json::json!({
             "table": format!("{:016x}", l.table.0), "ops": l.ops, "inodes": l.inodes,
         })).collect::<Vec<_>>(),
@@ -489,6 +551,15 @@ fn print_coord_text(s: &CoordState, sizes: &BTreeMap<TableId, (u64, u64)>) {
                 .map_or("(none)".to_string(), |f| f.server.0.to_string()),
             m.to.0,
             phase_name(m.phase)
+        );
+    }
+    println!("splits in progress: {}", s.splits.len());
+    for (t, sp) in &s.splits {
+        println!(
+            "  table {:016x} on server {}{}",
+            t.0,
+            sp.by.server.0,
+            sp.at.map_or(String::new(), |a| format!(" at {a:016x}"))
         );
     }
     println!("borrows in progress: {}", s.borrows.len());

@@ -47,6 +47,10 @@ pub struct CoordArgs {
     /// table (tests set it low).
     #[arg(long, default_value_t = kochab_cluster::balance::LOAD_GAP_MIN_OPS)]
     load_gap_ops: u64,
+    /// Split a table once it holds this many inodes (0: never by size; a hot table whose
+    /// move would not even out the load is split too, unless --no-balance).
+    #[arg(long, default_value_t = kochab_cluster::balance::SPLIT_INODES)]
+    split_inodes: u64,
 }
 
 #[derive(Args)]
@@ -142,6 +146,7 @@ pub async fn run(args: CoordArgs) -> Result<(), String> {
         DriverConfig {
             balance: !args.no_balance,
             load_gap_ops: args.load_gap_ops,
+            split_inodes: args.split_inodes,
             // A dead server's lease is noticed within a tick: 100 ms rather than the
             // default 250 keeps failover short (ten small log entries a second).
             tick_ms: DRIVER_TICK_MS,

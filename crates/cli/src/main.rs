@@ -271,6 +271,10 @@ struct UpArgs {
     /// --load-gap-ops`; tests set it low).
     #[arg(long, hide = true, requires = "servers")]
     load_gap_ops: Option<u64>,
+    /// With --servers: the coordinator's split threshold (see `kochab coord
+    /// --split-inodes`; tests set it low).
+    #[arg(long, hide = true, requires = "servers")]
+    split_inodes: Option<u64>,
 }
 
 #[derive(Args)]
@@ -479,10 +483,14 @@ async fn up(args: UpArgs) -> Result<(), String> {
             mount: args.mount,
             mount_options: args.mount_options,
             mds_extra,
-            coord_extra: args
-                .load_gap_ops
-                .map(|n| vec!["--load-gap-ops".to_string(), n.to_string()])
-                .unwrap_or_default(),
+            coord_extra: [
+                ("--load-gap-ops", args.load_gap_ops),
+                ("--split-inodes", args.split_inodes),
+            ]
+            .into_iter()
+            .filter_map(|(flag, n)| Some([flag.to_string(), n?.to_string()]))
+            .flatten()
+            .collect(),
         })
         .await;
     }

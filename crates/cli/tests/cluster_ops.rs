@@ -216,3 +216,156 @@ fn drain_under_load_loses_nothing_and_add_and_move_place_tables() {
     let (ok, out) = kochab(&server, &["table", "move", &lo, "--to", "99"]);
     assert!(!ok && out.contains("not live"), "{out}");
 }
+
+/// Every name in the directories `dirs`, sorted.
+async fn names_in(c: &kochab_client::Client, dirs: &[InodeId]) -> Vec<(InodeId, String)> {
+    let mut out = Vec::new();
+    for &d in dirs {
+        for e in c
+            .readdir_all(&Credentials::root(), d, false)
+            .await
+            .expect("readdir")
+        {
+            let n = String::from_utf8_lossy(&e.name).into_owned();
+            if n != "." && n != ".." {
+                out.push((d, n));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// `kochab table split` under a create load: the table of a tree of four directories is
+/// cut between two of them, both halves serve at once with no client error, the upper
+/// half moves to the other server (a rename between the halves then borrows), and after
+/// its owner is killed with SIGKILL everything acknowledged is there and fsck is clean.
+#[test]
+fn a_table_split_online_serves_both_halves_on_two_servers_and_after_a_kill() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProc::start(
+        &dir.path().join("data"),
+        &["--servers", "2", "--lease", "2"],
+    );
+    wait_spread(&server, 2, 9);
+    let rt = runtime();
+    let cred = Credentials::root();
+    let (client, top, subs) = rt.block_on(async {
+        let c = server.client(3).await;
+        let top = c
+            .mkdir(&cred, c.root(), b"top", 0o755)
+            .await
+            .expect("mkdir")
+            .id;
+        let mut subs = Vec::new();
+        for d in 0..4 {
+            let sub = c
+                .mkdir(&cred, top, format!("d{d}").as_bytes(), 0o755)
+                .await
+                .expect("mkdir sub")
+                .id;
+            for i in 0..25 {
+                c.create(&cred, sub, format!("f{i}").as_bytes(), 0o644)
+                    .await
+                    .expect("create");
+            }
+            subs.push(sub);
+        }
+        (c, top, subs)
+    });
+    let v = status(&server).expect("status");
+    let (lo, _) = table_of(&v, top).expect("the tree's table");
+
+    // Creates in the first and the last directory all along.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (c, stop, dirs) = (client.clone(), stop.clone(), [subs[0], subs[3]]);
+        rt.spawn(async move {
+            let mut errors = Vec::new();
+            let mut i = 0u32;
+            while !stop.load(Ordering::SeqCst) {
+                for d in dirs {
+                    if let Err(e) = c
+                        .create(&Credentials::root(), d, format!("w{i}").as_bytes(), 0o644)
+                        .await
+                    {
+                        errors.push(format!("create w{i}: {e}"));
+                    }
+                }
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            (i, errors)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let (ok, out) = kochab(&server, &["table", "split", &lo, "--timeout", "120"]);
+    assert!(ok, "split failed: {out}\n{}", server.log_text());
+    assert!(out.contains("split at"), "{out}");
+    let v = status(&server).expect("status");
+    let (first, _) = table_of(&v, subs[0]).expect("table of d0");
+    let (upper, upper_owner) = table_of(&v, subs[3]).expect("table of d3");
+    assert_eq!(first, lo, "the lower half keeps the table's id: {v:#}");
+    assert_ne!(upper, lo, "d3 is in the new table: {v:#}");
+    assert!(
+        subs.iter()
+            .any(|&s| u64::from_str_radix(&upper, 16) == Ok(s)),
+        "the cut is a subtree boundary: {upper} among {subs:x?}"
+    );
+
+    // The upper half goes to the other server.
+    let other = tables_per_server(&v)
+        .into_iter()
+        .map(|(s, _)| s)
+        .find(|&s| s != upper_owner)
+        .expect("a second server");
+    let (ok, out) = kochab(
+        &server,
+        &[
+            "table",
+            "move",
+            &upper,
+            "--to",
+            &other.to_string(),
+            "--timeout",
+            "120",
+        ],
+    );
+    assert!(ok, "move failed: {out}");
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::SeqCst);
+    let (rounds, errors) = rt.block_on(writer).expect("writer");
+    assert!(errors.is_empty(), "client-visible errors: {errors:?}");
+    assert!(rounds > 0);
+
+    let expected = rt.block_on(async {
+        // Between the halves: the rename borrows the other table.
+        client
+            .rename(&cred, subs[0], b"f0", subs[3], b"moved", 0)
+            .await
+            .unwrap_or_else(|e| panic!("rename across the halves: {e}\n{}", server.log_text()));
+        let problems = client.fsck().await.expect("fsck");
+        assert!(problems.is_empty(), "{problems:?}");
+        names_in(&client, &subs).await
+    });
+    assert_eq!(expected.len(), 100 + 2 * rounds as usize);
+
+    // The upper half's owner dies; its recoverer serves both halves' directories.
+    let v = status(&server).expect("status");
+    let (_, owner) = table_of(&v, subs[3]).expect("table of d3");
+    let pid = v["servers"]
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["id"].as_u64() == Some(owner)))
+        .and_then(|s| s["pid"].as_i64())
+        .expect("pid of the owner") as i32;
+    // SAFETY: kill(2) on a server process this test's cluster started.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    rt.block_on(async {
+        let got = names_in(&client, &subs).await;
+        assert_eq!(got, expected, "after the kill");
+        let problems = client.fsck().await.expect("fsck");
+        assert!(problems.is_empty(), "{problems:?}");
+    });
+}

@@ -20,6 +20,13 @@
 //! thresholds are the hysteresis: a swap that leaves the two within a factor of two stops
 //! it. `kochab coord --no-balance` turns both rules off.
 //!
+//! Splits: a table whose owner reports at least [`SPLIT_INODES`] inodes is split (its
+//! owner picks a subtree boundary with about half below), and so is the busiest table of a
+//! hot server when every busy table there carries more than the gap (moving it would only
+//! move the hot spot). The halves start on the same server; the count rule then spreads
+//! them. A table whose owner refused (one directory's files, an overflow region) is asked
+//! again only once it has doubled.
+//!
 //! A draining server ([`CoordState::draining`]) is neither counted nor a target: its
 //! tables move off first, one at a time, each to the server in service with the fewest
 //! tables. Once it is back in service (`Drain { drain: false }`) it is counted again, so
@@ -41,6 +48,7 @@ pub fn next_move_with(state: &CoordState, load_gap_ops: u64) -> Option<CoordComm
         || !state.migrations.is_empty()
         || !state.borrows.is_empty()
         || !state.unplaced.is_empty()
+        || !state.splits.is_empty()
     {
         return None;
     }
@@ -130,14 +138,66 @@ fn load_move(state: &CoordState, live: &[ServerId], gap_min: u64) -> Option<Coor
     if hot == cool || high < 2 * low || gap < gap_min.max(1) {
         return None;
     }
-    let table = state
+    let movable = state
         .map
         .tables
         .iter()
         .filter(|(t, p)| p.owner == hot && ops(state, **t) > 0 && ops(state, **t) < gap)
         .min_by_key(|(t, _)| ops(state, **t).abs_diff(gap / 2))
-        .map(|(t, _)| *t)?;
-    Some(CoordCommand::Move { table, to: cool })
+        .map(|(t, _)| *t);
+    if let Some(table) = movable {
+        return Some(CoordCommand::Move { table, to: cool });
+    }
+    // Every busy table of the hot server carries more than the gap: moving one only moves
+    // the hot spot. Split the busiest instead (its halves can then go separate ways).
+    let (&table, _) = state
+        .map
+        .tables
+        .iter()
+        .filter(|(t, p)| p.owner == hot && ops(state, **t) >= gap && splittable(state, **t))
+        .max_by_key(|(t, _)| ops(state, **t))?;
+    Some(CoordCommand::Split { table, at: None })
+}
+
+/// Tables with more inodes than this are split when nothing else is in motion (a full
+/// checkpoint of each half follows, and smaller tables move faster).
+pub const SPLIT_INODES: u64 = 1_000_000;
+
+/// A table to split because it holds at least `split_inodes` inodes (0: never), the
+/// biggest first; `None` while anything is in motion.
+pub fn next_split(state: &CoordState, split_inodes: u64) -> Option<CoordCommand> {
+    if split_inodes == 0
+        || !state.bootstrapped
+        || !state.migrations.is_empty()
+        || !state.borrows.is_empty()
+        || !state.splits.is_empty()
+    {
+        return None;
+    }
+    let (table, _) = state
+        .load
+        .iter()
+        .filter(|(t, l)| l.inodes >= split_inodes && splittable(state, **t))
+        .max_by_key(|(_, l)| l.inodes)?;
+    Some(CoordCommand::Split {
+        table: *table,
+        at: None,
+    })
+}
+
+/// True if `table` is placed on a live server and its owner did not refuse to split it
+/// (or it has doubled since).
+fn splittable(state: &CoordState, table: TableId) -> bool {
+    let Some(p) = state.map.tables.get(&table) else {
+        return false;
+    };
+    let inodes = state.load.get(&table).map_or(0, |l| l.inodes);
+    state.live(p.owner).is_some()
+        && !state.splits.contains_key(&table)
+        && state
+            .unsplittable
+            .get(&table)
+            .is_none_or(|then| inodes >= 2 * then.max(&1))
 }
 
 #[cfg(test)]
@@ -176,6 +236,7 @@ mod tests {
                 tables: vec![t],
                 by,
                 map_version: s.map.version,
+                splits: vec![],
             });
             assert_eq!(r, CoordReply::Ok, "{t:?}");
         }
@@ -246,6 +307,71 @@ mod tests {
             now_ms: 10,
         });
         assert_eq!(r, CoordReply::Ok);
+    }
+
+    #[test]
+    fn a_big_table_and_a_hot_spot_no_move_can_fix_are_split() {
+        let mut s = CoordState::default();
+        let tables: Vec<(TableId, u64)> = (0..4).map(|i| (TableId(i * 10), i * 10 + 10)).collect();
+        s.apply(&CoordCommand::Bootstrap {
+            tables,
+            lease_ms: 10_000,
+        });
+        register(&mut s, 1, 1);
+        register(&mut s, 2, 2);
+        settle(&mut s);
+        while let Some(m) = next_move(&s) {
+            s.apply(&m);
+            settle(&mut s);
+        }
+        let t = TableId(10);
+        let owner = s.map.owner(t).expect("placed");
+        let inc = s.live(owner).expect("live");
+        let big = |inodes| CoordCommand::Request {
+            req: ServerRequest::ReportLoad {
+                server: owner,
+                epoch: inc.epoch,
+                loads: vec![kochab_proto::cluster::TableLoad {
+                    table: t,
+                    ops: 0,
+                    inodes,
+                }],
+            },
+            now_ms: 10,
+        };
+        s.apply(&big(SPLIT_INODES - 1));
+        assert_eq!(next_split(&s, SPLIT_INODES), None);
+        s.apply(&big(SPLIT_INODES));
+        let split = CoordCommand::Split { table: t, at: None };
+        assert_eq!(next_split(&s, SPLIT_INODES), Some(split.clone()));
+        assert_eq!(next_split(&s, 0), None, "0 turns the size rule off");
+        // Refused by the owner: not asked again until the table has doubled.
+        s.apply(&split);
+        let v = s.splits[&t].started;
+        s.apply(&CoordCommand::SplitRefused {
+            table: t,
+            by: inc,
+            map_version: v,
+            reason: "one directory".into(),
+        });
+        assert_eq!(next_split(&s, SPLIT_INODES), None);
+        s.apply(&big(2 * SPLIT_INODES));
+        assert_eq!(next_split(&s, SPLIT_INODES), Some(split));
+
+        // One table carries all of a server's load: moving it moves the hot spot, so it
+        // is split instead.
+        let u = *s
+            .map
+            .tables
+            .iter()
+            .find(|(x, p)| **x != t && p.owner == owner)
+            .expect("a second table on the server")
+            .0;
+        report(&mut s, u, 50_000);
+        assert_eq!(
+            next_move(&s),
+            Some(CoordCommand::Split { table: u, at: None })
+        );
     }
 
     #[test]

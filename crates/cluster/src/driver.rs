@@ -27,6 +27,8 @@ pub struct DriverConfig {
     /// The balancer's load rule: how many more operations per report the busiest server
     /// must have than the least busy one (and at least twice its load).
     pub load_gap_ops: u64,
+    /// Split tables that hold at least this many inodes (0: never split by size).
+    pub split_inodes: u64,
 }
 
 impl Default for DriverConfig {
@@ -36,6 +38,7 @@ impl Default for DriverConfig {
             tick_ms: 250,
             balance: true,
             load_gap_ops: crate::balance::LOAD_GAP_MIN_OPS,
+            split_inodes: crate::balance::SPLIT_INODES,
         }
     }
 }
@@ -54,6 +57,7 @@ enum Key {
     /// Keyed by the whole set, so a table joining the set is sent at once.
     Add(Incarnation, Vec<TableId>),
     Grant(BorrowId),
+    Split(TableId, Incarnation),
 }
 
 /// The leader-side protocol driver (not replicated; rebuilt from nothing on a new leader).
@@ -88,7 +92,8 @@ impl Driver {
             // At most one balancing move per tick: a duplicate (the previous one not yet
             // applied) is refused by the state, as the table is already moving.
             if self.cfg.balance
-                && let Some(m) = crate::balance::next_move_with(state, self.cfg.load_gap_ops)
+                && let Some(m) = crate::balance::next_split(state, self.cfg.split_inodes)
+                    .or_else(|| crate::balance::next_move_with(state, self.cfg.load_gap_ops))
             {
                 out.push(DriverAction::Propose(m));
             }
@@ -121,6 +126,7 @@ impl Driver {
                 tables,
                 by,
                 map_version,
+                splits,
             } => {
                 self.sent
                     .retain(|k, _| !matches!(k, Key::Add(i, _) if i == by));
@@ -128,6 +134,35 @@ impl Driver {
                     tables: tables.clone(),
                     by: *by,
                     map_version: *map_version,
+                    splits: splits.clone(),
+                })]
+            }
+            ControlReply::Split {
+                table,
+                at,
+                by,
+                map_version,
+            } => {
+                self.sent.remove(&Key::Split(*table, *by));
+                vec![DriverAction::Propose(CoordCommand::SplitDone {
+                    table: *table,
+                    at: *at,
+                    by: *by,
+                    map_version: *map_version,
+                })]
+            }
+            ControlReply::SplitRefused {
+                table,
+                by,
+                map_version,
+                reason,
+            } => {
+                self.sent.remove(&Key::Split(*table, *by));
+                vec![DriverAction::Propose(CoordCommand::SplitRefused {
+                    table: *table,
+                    by: *by,
+                    map_version: *map_version,
+                    reason: reason.clone(),
                 })]
             }
             // Retried on the timer; a server that cannot load a table is a bug or a store
@@ -215,6 +250,20 @@ impl Driver {
                         epoch: id.epoch,
                     },
                     body: ControlBody::Grant { id: *id },
+                }));
+            }
+        }
+        for (t, sp) in &state.splits {
+            let key = Key::Split(*t, sp.by);
+            live_keys.push(key.clone());
+            if self.due(key, now_ms) {
+                out.push(DriverAction::Send(Control {
+                    to: sp.by,
+                    body: ControlBody::Split {
+                        table: *t,
+                        at: sp.at,
+                        map_version: sp.started,
+                    },
                 }));
             }
         }

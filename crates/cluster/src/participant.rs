@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 
+use kochab_proto::InodeId;
 use kochab_proto::cluster::{
     BorrowId, BorrowPhase, Control, ControlBody, ControlReply, CoordReply, Epoch, Incarnation,
     MapVersion, ServerId, ServerRequest, TableId, TableLoad,
@@ -72,6 +73,9 @@ pub enum Action {
     RunBorrowed { id: BorrowId },
     /// The borrow was refused: fail (the client retries) the operations that waited.
     BorrowFailed { id: BorrowId },
+    /// `table` is idle and refuses new operations: split it (at `at`, or where half of
+    /// its inodes are below), write both halves' checkpoints, then call `split_done`.
+    Split { table: TableId, at: Option<InodeId> },
     /// Stop serving and acknowledging anything; restart as a new incarnation.
     Fence,
 }
@@ -103,7 +107,23 @@ enum Life {
 enum TableState {
     Loading,
     Serving,
-    Draining { checkpointing: bool },
+    Draining {
+        checkpointing: bool,
+    },
+    /// New operations wait (NotReady) until the split is written.
+    Splitting {
+        at: Option<InodeId>,
+        writing: bool,
+    },
+}
+
+/// How a split the host tried ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SplitOutcome {
+    /// Both halves are durable: the upper one starts at this id.
+    Done(InodeId),
+    /// Nothing changed: the table cannot be split (too few inodes, an overflow region).
+    Refused(String),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -130,6 +150,9 @@ pub struct Participant {
     inflight: BTreeMap<TableId, u32>,
     borrows: BTreeMap<u64, (Vec<TableId>, BorrowState)>,
     next_borrow: u64,
+    /// Splits of this incarnation's tables (done here, or found finished in the store
+    /// when loading), told to the coordinator in every answer about those tables.
+    split_at: BTreeMap<TableId, InodeId>,
     /// Requests awaiting an answer: (request, last sent).
     pending: BTreeMap<u64, (ServerRequest, u64)>,
     /// Renewals awaiting an answer: req id -> sent at.
@@ -155,6 +178,7 @@ impl Participant {
             inflight: BTreeMap::new(),
             borrows: BTreeMap::new(),
             next_borrow: 0,
+            split_at: BTreeMap::new(),
             pending: BTreeMap::new(),
             renewals: BTreeMap::new(),
             // Request ids of different processes must not meet (a late reply to an earlier
@@ -196,7 +220,11 @@ impl Participant {
         self.can_ack(now_ms)
             && matches!(
                 self.tables.get(&table),
-                Some(TableState::Serving | TableState::Draining { .. })
+                Some(
+                    TableState::Serving
+                        | TableState::Draining { .. }
+                        | TableState::Splitting { .. }
+                )
             )
     }
 
@@ -422,6 +450,9 @@ impl Participant {
                         self.maybe_checkpoint(*table)
                     }
                     Some(TableState::Draining { .. }) => self.maybe_checkpoint(*table),
+                    // Asked while splitting: drop once the split is done (the driver
+                    // resends; the coordinator never asks both at once).
+                    Some(TableState::Splitting { .. }) => Vec::new(),
                 }
             }
             ControlBody::Add {
@@ -447,10 +478,12 @@ impl Participant {
                 }
                 let mut out = Vec::new();
                 if !serving.is_empty() {
+                    let splits = self.splits_of(&serving);
                     out.push(Action::Reply(ControlReply::Added {
                         tables: serving,
                         by: me,
                         map_version: *map_version,
+                        splits,
                     }));
                 }
                 if !load.is_empty() {
@@ -465,6 +498,105 @@ impl Participant {
                 let mut out = self.granted(*id);
                 out.push(Action::Reply(ControlReply::GrantAck { id: *id }));
                 out
+            }
+            ControlBody::Split {
+                table,
+                at,
+                map_version,
+            } => {
+                if self.late(*table, *map_version) {
+                    return Vec::new();
+                }
+                if let Some(done) = self.split_at.get(table)
+                    && at.is_none_or(|a| a == *done)
+                {
+                    return vec![Action::Reply(ControlReply::Split {
+                        table: *table,
+                        at: *done,
+                        by: me,
+                        map_version: *map_version,
+                    })];
+                }
+                match self.tables.get(table) {
+                    Some(TableState::Serving) => {
+                        self.tables.insert(
+                            *table,
+                            TableState::Splitting {
+                                at: *at,
+                                writing: false,
+                            },
+                        );
+                        self.maybe_split(*table)
+                    }
+                    Some(TableState::Splitting { .. }) => self.maybe_split(*table),
+                    // Not here (any more), loading or leaving: the coordinator's map is
+                    // behind; it forgets the split when it catches up.
+                    _ => vec![Action::Reply(ControlReply::SplitRefused {
+                        table: *table,
+                        by: me,
+                        map_version: *map_version,
+                        reason: "the table is not served here right now".into(),
+                    })],
+                }
+            }
+        }
+    }
+
+    /// The splits this incarnation knows of among `tables`.
+    fn splits_of(&self, tables: &[TableId]) -> Vec<(TableId, InodeId)> {
+        tables
+            .iter()
+            .filter_map(|t| Some((*t, *self.split_at.get(t)?)))
+            .collect()
+    }
+
+    fn maybe_split(&mut self, table: TableId) -> Vec<Action> {
+        let idle = self.inflight(table) == 0;
+        match self.tables.get_mut(&table) {
+            Some(TableState::Splitting { at, writing }) if !*writing && idle => {
+                *writing = true;
+                vec![Action::Split { table, at: *at }]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The host finished (or gave up) the split of `table`; `Err`: the store failed or
+    /// refused half-way, so this incarnation stops (its recoverer finishes the split).
+    pub fn split_done(
+        &mut self,
+        table: TableId,
+        result: Result<SplitOutcome, String>,
+    ) -> Vec<Action> {
+        let Some(me) = self.incarnation() else {
+            return Vec::new();
+        };
+        if !matches!(self.tables.get(&table), Some(TableState::Splitting { .. })) {
+            return Vec::new();
+        }
+        let map_version = self.seen_min(&[table]);
+        match result {
+            Err(_) => self.fence(),
+            Ok(SplitOutcome::Refused(reason)) => {
+                self.tables.insert(table, TableState::Serving);
+                vec![Action::Reply(ControlReply::SplitRefused {
+                    table,
+                    by: me,
+                    map_version,
+                    reason,
+                })]
+            }
+            Ok(SplitOutcome::Done(at)) => {
+                self.tables.insert(table, TableState::Serving);
+                self.tables.insert(TableId(at), TableState::Serving);
+                self.seen.insert(TableId(at), map_version);
+                self.split_at.insert(table, at);
+                vec![Action::Reply(ControlReply::Split {
+                    table,
+                    at,
+                    by: me,
+                    map_version,
+                })]
             }
         }
     }
@@ -490,8 +622,14 @@ impl Participant {
         }
     }
 
-    /// The host finished loading `tables` (`Err`: the store refused or failed).
-    pub fn loaded(&mut self, tables: &[TableId], result: Result<(), String>) -> Vec<Action> {
+    /// The host finished loading `tables` (`Err`: the store refused or failed). `Ok`
+    /// lists splits the store showed that the tables' ranges did not (`(table, at)`): the
+    /// upper halves are served here too.
+    pub fn loaded(
+        &mut self,
+        tables: &[TableId],
+        result: Result<Vec<(TableId, InodeId)>, String>,
+    ) -> Vec<Action> {
         let Some(me) = self.incarnation() else {
             return Vec::new();
         };
@@ -501,15 +639,24 @@ impl Participant {
             .copied()
             .collect();
         match result {
-            Ok(()) => {
+            Ok(found) => {
                 for t in &mine {
                     self.tables.insert(*t, TableState::Serving);
                 }
                 let map_version = self.seen_min(&mine);
+                for (t, at) in found {
+                    if mine.contains(&t) {
+                        self.split_at.insert(t, at);
+                        self.tables.insert(TableId(at), TableState::Serving);
+                        self.seen.insert(TableId(at), map_version);
+                    }
+                }
+                let splits = self.splits_of(&mine);
                 vec![Action::Reply(ControlReply::Added {
                     tables: mine,
                     by: me,
                     map_version,
+                    splits,
                 })]
             }
             Err(reason) => {
@@ -567,13 +714,15 @@ impl Participant {
         };
         match self.tables.get(first) {
             Some(TableState::Serving) => {}
-            Some(TableState::Loading) => return Admit::NotReady,
+            Some(TableState::Loading | TableState::Splitting { .. }) => return Admit::NotReady,
             _ => return wrong(self, first),
         }
         for t in &tables[1..] {
             match self.tables.get(t) {
                 Some(TableState::Serving) => {}
-                Some(TableState::Loading) => return Admit::NotReady,
+                Some(TableState::Loading | TableState::Splitting { .. }) => {
+                    return Admit::NotReady;
+                }
                 _ => return Admit::NeedBorrow,
             }
         }
@@ -594,6 +743,7 @@ impl Participant {
                 }
             }
             out.extend(self.maybe_checkpoint(*t));
+            out.extend(self.maybe_split(*t));
         }
         out
     }

@@ -859,7 +859,7 @@ impl World {
                         eprintln!("{} server {i} load {tables:?}: {r:?}", self.now);
                     }
                     let acts = match self.servers[i].p.as_mut() {
-                        Some(p) => p.loaded(&tables, r),
+                        Some(p) => p.loaded(&tables, r.map(|()| Vec::new())),
                         None => Vec::new(),
                     };
                     self.actions(i, acts)?;
@@ -910,6 +910,17 @@ impl World {
                     }
                 }
                 Action::Fence => return self.fenced(i),
+                // The simulated servers keep no inode ranges to cut; nothing here asks.
+                Action::Split { table, .. } => {
+                    let r = Ok(crate::participant::SplitOutcome::Refused(
+                        "the simulation does not split tables".into(),
+                    ));
+                    let acts = match self.servers[i].p.as_mut() {
+                        Some(p) => p.split_done(table, r),
+                        None => Vec::new(),
+                    };
+                    self.actions(i, acts)?;
+                }
             }
         }
         Ok(())

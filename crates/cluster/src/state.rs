@@ -92,6 +92,19 @@ pub struct BorrowHistory {
     pub returned: BTreeSet<u64>,
 }
 
+/// A split the coordinator asked a table's owner for. While it is pending the table
+/// neither moves nor is borrowed, so the owner is the only one that can finish it; if the
+/// owner dies, the split is forgotten and its recoverer reports what the store shows
+/// (`CoordCommand::Added::splits`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingSplit {
+    /// Where to split; `None`: where the owner finds half of the table's inodes below.
+    pub at: Option<InodeId>,
+    pub by: Incarnation,
+    /// Map version when the split was asked for (the control carries it).
+    pub started: MapVersion,
+}
+
 /// The coordinator's whole state (what Raft replicates and snapshots).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CoordState {
@@ -119,6 +132,13 @@ pub struct CoordState {
     /// them while another live server can take the table, and the balancer moves their
     /// tables off. (Last field: a snapshot without it is older than draining.)
     pub draining: BTreeSet<ServerId>,
+    /// Splits asked for and not finished.
+    #[serde(default)]
+    pub splits: BTreeMap<TableId, PendingSplit>,
+    /// Tables whose owner refused to split them, with their inode count then: the balancer
+    /// asks again only once they have doubled.
+    #[serde(default)]
+    pub unsplittable: BTreeMap<TableId, u64>,
 }
 
 /// A map serialized as a list of pairs.
@@ -168,8 +188,22 @@ impl CoordState {
                 tables,
                 by,
                 map_version,
-            } => self.added(tables, *by, *map_version),
+                splits,
+            } => self.added(tables, *by, *map_version, splits),
             CoordCommand::Drain { server, drain } => self.set_draining(*server, *drain),
+            CoordCommand::Split { table, at } => self.start_split(*table, *at),
+            CoordCommand::SplitDone {
+                table,
+                at,
+                by,
+                map_version,
+            } => self.split_done(*table, *at, *by, *map_version),
+            CoordCommand::SplitRefused {
+                table,
+                by,
+                map_version,
+                ..
+            } => self.split_refused(*table, *by, *map_version),
         };
         self.progress();
         reply
@@ -370,6 +404,7 @@ impl CoordState {
         for b in dead {
             self.release(b);
         }
+        self.splits.retain(|_, p| p.by.server != server);
         // A migration into the dead server whose drop is under way is kept: the old owner
         // may already have let the table go, so cancelling it could leave the map naming a
         // server that no longer holds the table. `dropped` picks another target.
@@ -480,6 +515,9 @@ impl CoordState {
         if self.locks.contains_key(&table) {
             return CoordReply::Refused(format!("table {:#x} is borrowed", table.0));
         }
+        if self.splits.contains_key(&table) {
+            return CoordReply::Refused(format!("table {:#x} is being split", table.0));
+        }
         if self.live(to).is_none() {
             return CoordReply::Refused(format!("server {} is not live", to.0));
         }
@@ -566,7 +604,13 @@ impl CoordState {
         }
     }
 
-    fn added(&mut self, tables: &[TableId], by: Incarnation, v: MapVersion) -> CoordReply {
+    fn added(
+        &mut self,
+        tables: &[TableId],
+        by: Incarnation,
+        v: MapVersion,
+        splits: &[(TableId, InodeId)],
+    ) -> CoordReply {
         if self.live(by.server) != Some(by) {
             return CoordReply::Stale("added by a dead incarnation".into());
         }
@@ -581,11 +625,121 @@ impl CoordState {
                 done += 1;
             }
         }
+        // Splits the store shows and the map does not: the table is served by `by` as two.
+        for (t, at) in splits {
+            if !self.migrations.contains_key(t) && !self.locks.contains_key(t) {
+                done += usize::from(self.apply_split(*t, *at, by));
+            }
+        }
         if done == 0 {
             CoordReply::Stale("no add pending".into())
         } else {
             CoordReply::Ok
         }
+    }
+
+    fn start_split(&mut self, table: TableId, at: Option<InodeId>) -> CoordReply {
+        let Some(p) = self.map.tables.get(&table).copied() else {
+            return CoordReply::Refused(format!("table {:#x} is not placed", table.0));
+        };
+        if self.splits.contains_key(&table) {
+            return CoordReply::Stale(format!("table {:#x} is already being split", table.0));
+        }
+        if self.migrations.contains_key(&table) {
+            return CoordReply::Refused(format!("table {:#x} is moving", table.0));
+        }
+        if self.locks.contains_key(&table) {
+            return CoordReply::Refused(format!("table {:#x} is borrowed", table.0));
+        }
+        if let Some(at) = at
+            && (at <= table.0 || at >= p.hi)
+        {
+            return CoordReply::Refused(format!(
+                "{at:#x} is not inside table {:#x}..{:#x}",
+                table.0, p.hi
+            ));
+        }
+        let Some(by) = self.live(p.owner).filter(|i| i.epoch == p.epoch) else {
+            return CoordReply::Refused(format!("the owner of table {:#x} is not live", table.0));
+        };
+        self.bump();
+        self.splits.insert(
+            table,
+            PendingSplit {
+                at,
+                by,
+                started: self.map.version,
+            },
+        );
+        CoordReply::Ok
+    }
+
+    fn split_done(
+        &mut self,
+        table: TableId,
+        at: InodeId,
+        by: Incarnation,
+        v: MapVersion,
+    ) -> CoordReply {
+        match self.splits.get(&table) {
+            Some(s) if s.by == by && s.started == v && s.at.is_none_or(|a| a == at) => {
+                self.splits.remove(&table);
+                if self.apply_split(table, at, by) {
+                    self.grant_waiting();
+                    CoordReply::Ok
+                } else {
+                    CoordReply::Refused(format!("{at:#x} does not split table {:#x}", table.0))
+                }
+            }
+            _ => CoordReply::Stale(format!("no split of {:#x} by {:?} pending", table.0, by)),
+        }
+    }
+
+    fn split_refused(&mut self, table: TableId, by: Incarnation, v: MapVersion) -> CoordReply {
+        match self.splits.get(&table) {
+            Some(s) if s.by == by && s.started == v => {
+                self.splits.remove(&table);
+                let inodes = self.load.get(&table).map_or(0, |l| l.inodes);
+                self.unsplittable.insert(table, inodes);
+                self.grant_waiting();
+                CoordReply::Ok
+            }
+            _ => CoordReply::Stale(format!("no split of {:#x} by {:?} pending", table.0, by)),
+        }
+    }
+
+    /// Cuts `table` at `at` in the map: `[at, hi)` becomes a table of its own on the same
+    /// incarnation. False if the map cannot show it (the table is not `by`'s or `at` is
+    /// not inside it).
+    fn apply_split(&mut self, table: TableId, at: InodeId, by: Incarnation) -> bool {
+        let Some(p) = self.map.tables.get(&table).copied() else {
+            return false;
+        };
+        if p.owner != by.server || at <= table.0 || at >= p.hi {
+            return false;
+        }
+        self.bump();
+        self.map.tables.insert(table, Placement { hi: at, ..p });
+        self.map.tables.insert(
+            TableId(at),
+            Placement {
+                hi: p.hi,
+                owner: by.server,
+                epoch: by.epoch,
+            },
+        );
+        // Each half is assumed to carry half the load until its owner reports again.
+        if let Some(l) = self.load.get_mut(&table) {
+            l.ops /= 2;
+            l.inodes /= 2;
+            let upper = TableLoad {
+                table: TableId(at),
+                ..*l
+            };
+            self.load.insert(TableId(at), upper);
+        }
+        self.unsplittable.remove(&table);
+        true
     }
 
     fn borrow(&mut self, id: BorrowId, tables: &[TableId], done_below: u64) -> CoordReply {
@@ -692,10 +846,9 @@ impl CoordState {
             let Some(b) = self.borrows.get(id) else {
                 continue;
             };
-            let free = b
-                .tables
-                .iter()
-                .all(|t| !self.locks.contains_key(t) && !wanted.contains(t));
+            let free = b.tables.iter().all(|t| {
+                !self.locks.contains_key(t) && !wanted.contains(t) && !self.splits.contains_key(t)
+            });
             if free {
                 granted.push(*id);
                 for t in &b.tables {
@@ -787,6 +940,27 @@ impl CoordState {
                 return Err(format!("map and migration disagree on {:#x}", t.0));
             }
         }
+        for (t, sp) in &self.splits {
+            if self.migrations.contains_key(t) || self.locks.contains_key(t) {
+                return Err(format!("table {:#x} split while moving or borrowed", t.0));
+            }
+            if self.map.owner(*t) != Some(sp.by.server) {
+                return Err(format!(
+                    "split of {:#x} asked of a server not its owner",
+                    t.0
+                ));
+            }
+        }
+        let mut end = 0;
+        for (t, p) in &self.map.tables {
+            if t.0 < end || t.0 >= p.hi {
+                return Err(format!(
+                    "table {:#x}..{:#x} overlaps or is empty",
+                    t.0, p.hi
+                ));
+            }
+            end = p.hi;
+        }
         for (t, b) in &self.locks {
             match self.borrows.get(b) {
                 Some(bw) if bw.tables.contains(t) && bw.phase != BorrowPhase::Queued => {}
@@ -852,6 +1026,7 @@ mod tests {
                 tables: vec![t],
                 by,
                 map_version: v,
+                splits: vec![],
             });
         }
         s.check().expect("state invariants");
@@ -870,6 +1045,112 @@ mod tests {
         }
         add_all(&mut s);
         s
+    }
+
+    #[test]
+    fn a_split_holds_off_moves_and_borrows_and_then_cuts_the_map() {
+        let mut s = three_servers();
+        let t = TableId(20);
+        let owner = s.live(s.map.owner(t).expect("placed")).expect("live");
+        let other = s
+            .live(ServerId(if owner.server == ServerId(2) { 3 } else { 2 }))
+            .unwrap();
+        assert!(matches!(
+            s.apply(&CoordCommand::Split {
+                table: t,
+                at: Some(40)
+            }),
+            CoordReply::Refused(_)
+        ));
+        assert_eq!(
+            s.apply(&CoordCommand::Split { table: t, at: None }),
+            CoordReply::Ok
+        );
+        let v = s.splits[&t].started;
+        assert!(matches!(
+            s.apply(&CoordCommand::Move {
+                table: t,
+                to: other.server
+            }),
+            CoordReply::Refused(_)
+        ));
+        // A borrow of the table waits for the split.
+        let id = BorrowId {
+            server: other.server,
+            epoch: other.epoch,
+            seq: 0,
+        };
+        let r = s.apply(&CoordCommand::Request {
+            req: ServerRequest::Borrow {
+                id,
+                tables: vec![t],
+                done_below: 0,
+            },
+            now_ms: 2,
+        });
+        assert_eq!(
+            r,
+            CoordReply::Borrow {
+                phase: BorrowPhase::Queued
+            }
+        );
+        s.check().expect("state invariants");
+        // A late or foreign report changes nothing.
+        let done = |by, v| CoordCommand::SplitDone {
+            table: t,
+            at: 24,
+            by,
+            map_version: v,
+        };
+        assert!(matches!(s.apply(&done(other, v)), CoordReply::Stale(_)));
+        assert!(matches!(
+            s.apply(&done(owner, MapVersion(0))),
+            CoordReply::Stale(_)
+        ));
+        assert_eq!(s.apply(&done(owner, v)), CoordReply::Ok);
+        assert_eq!(s.map.tables[&t].hi, 24);
+        assert_eq!(s.map.tables[&TableId(24)].hi, 30);
+        assert_eq!(s.map.owner(TableId(24)), Some(owner.server));
+        assert_eq!(s.map.table_of(25).map(|x| x.0), Some(TableId(24)));
+        assert!(s.splits.is_empty());
+        assert_ne!(
+            s.borrows[&id].phase,
+            BorrowPhase::Queued,
+            "the borrow went on"
+        );
+        s.check().expect("state invariants");
+    }
+
+    #[test]
+    fn a_dead_owners_split_is_reported_by_its_recoverer() {
+        let mut s = three_servers();
+        let t = TableId(20);
+        let owner = s.map.owner(t).expect("placed");
+        assert_eq!(
+            s.apply(&CoordCommand::Split { table: t, at: None }),
+            CoordReply::Ok
+        );
+        // The owner's lease ends: the split is forgotten with it...
+        for id in 2..=4u32 {
+            if ServerId(id) != owner {
+                renew(&mut s, id, 1_500);
+            }
+        }
+        s.apply(&CoordCommand::Tick { now_ms: 1_600 });
+        assert!(s.splits.is_empty());
+        let m = s.migrations[&t];
+        let by = s.live(m.to).expect("recoverer");
+        // ...and the recoverer, which found it finished in the store, tells.
+        let r = s.apply(&CoordCommand::Added {
+            tables: vec![t],
+            by,
+            map_version: s.map.version,
+            splits: vec![(t, 26)],
+        });
+        assert_eq!(r, CoordReply::Ok);
+        assert_eq!(s.map.tables[&t].hi, 26);
+        assert_eq!(s.map.owner(TableId(26)), Some(by.server));
+        s.check().expect("state invariants");
     }
 
     fn drain(s: &mut CoordState, id: u32, drain: bool) -> CoordReply {

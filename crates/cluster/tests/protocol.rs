@@ -81,6 +81,7 @@ fn finish_adds(s: &mut CoordState) {
             tables: vec![table],
             by,
             map_version,
+            splits: vec![],
         });
         s.check().unwrap();
     }
@@ -236,6 +237,7 @@ fn migration_drop_then_map_then_add_and_duplicates_are_stale() {
             tables: vec![table],
             by: dead,
             map_version: s.map.version,
+            splits: vec![],
         }),
         CoordReply::Stale(_)
     ));
@@ -244,6 +246,7 @@ fn migration_drop_then_map_then_add_and_duplicates_are_stale() {
             tables: vec![table],
             by,
             map_version: s.map.version,
+            splits: vec![],
         }),
         CoordReply::Ok
     );
@@ -463,7 +466,7 @@ fn a_paused_server_stops_serving_when_its_lease_ends() {
     };
     let acts = p.on_control(&add, 10);
     assert!(matches!(acts.as_slice(), [Action::Load { .. }]));
-    p.loaded(&[t(0)], Ok(()));
+    p.loaded(&[t(0)], Ok(vec![]));
     assert!(p.serves(t(0), 20));
     // SIGSTOP for longer than the lease: no renewal was answered.
     let resumed = 5_000;
@@ -488,7 +491,7 @@ fn drop_waits_for_in_flight_operations() {
         },
         10,
     );
-    p.loaded(&[t(0), t(1)], Ok(()));
+    p.loaded(&[t(0), t(1)], Ok(vec![]));
     assert_eq!(p.admit(&[t(0), t(1)], 20), Admit::Ok);
     let drop = Control {
         to: me,

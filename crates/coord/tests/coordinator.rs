@@ -50,8 +50,10 @@ impl ServerLink for Servers {
                 tables,
                 by: control.to,
                 map_version,
+                splits: vec![],
             }),
             ControlBody::Grant { id } => Some(ControlReply::GrantAck { id }),
+            ControlBody::Split { .. } => None,
         };
         Box::pin(async move { reply })
     }

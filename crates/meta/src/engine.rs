@@ -9,7 +9,7 @@ use crate::dir::Dentry;
 use crate::idpolicy::{CATCHALL_FIRST, IdPolicy, IdPolicyConfig, Region};
 use crate::inode::Inode;
 use crate::mutation::Mutation;
-use crate::table::Table;
+use crate::table::{BOX_SHIFT, Table};
 use kochab_proto::{Credentials, FileKind, FsError, InodeId, Op, Reply, TimeNs, fs_err, mode};
 use serde::{Deserialize, Serialize};
 use siphasher::sip::SipHasher13;
@@ -267,6 +267,59 @@ impl Engine {
         let upper = self.tables[i].split_off(at)?;
         self.tables.insert(i + 1, upper);
         Ok(at)
+    }
+
+    /// Where to split the hosted table `lo`: a subtree boundary (a multiple of some tree
+    /// level's slot span, so no directory is cut from its own files) between two boxes
+    /// of inodes. Among boundaries that leave at least a quarter of the inodes on each
+    /// side, the coarsest level wins, then the one nearest the median; failing that, the
+    /// most even one. Only primary-region tables split: the overflow regions' id counters
+    /// assume one table per region.
+    pub fn split_point(&self, lo: InodeId) -> Result<InodeId, String> {
+        let t = self
+            .tables
+            .iter()
+            .find(|t| t.lo == lo)
+            .ok_or_else(|| format!("no hosted table starts at {lo:#x}"))?;
+        if Region::of(t.lo) != Region::Primary || t.hi > Region::Primary.end() {
+            return Err(format!(
+                "table {lo:#x} is in the {} region; only subtree (primary) tables are split",
+                Region::of(t.lo).label()
+            ));
+        }
+        let layout = self
+            .policy
+            .tree_layout(t.lo)
+            .ok_or_else(|| format!("table {lo:#x} has no tree layout"))?;
+        let spans: Vec<u64> = (0..layout.levels()).map(|l| layout.slot_span(l)).collect();
+        let boxes: Vec<(u64, u64)> = t.box_counts().collect();
+        let total: u64 = boxes.iter().map(|b| b.1).sum();
+        let mut below = 0;
+        let mut best: Option<((bool, usize, u64), InodeId)> = None;
+        for w in boxes.windows(2) {
+            below += w[0].1;
+            let (start, end) = ((w[0].0 + 1) << BOX_SHIFT, w[1].0 << BOX_SHIFT);
+            let Some((level, at)) = spans.iter().enumerate().find_map(|(l, &span)| {
+                let at = start.div_ceil(span).checked_mul(span)?;
+                (at <= end).then_some((l, at))
+            }) else {
+                continue;
+            };
+            let even = below.min(total - below) * 4 >= total;
+            let key = (
+                !even,
+                if even { level } else { 0 },
+                below.abs_diff(total / 2),
+            );
+            if best.is_none_or(|(k, _)| key < k) {
+                best = Some((key, at));
+            }
+        }
+        best.map(|(_, at)| at).ok_or_else(|| {
+            format!(
+                "table {lo:#x} has no subtree boundary between its {total} inodes                  (they are one directory's files)"
+            )
+        })
     }
 
     /// True if `id` lies in a table this engine gave away.
@@ -714,6 +767,80 @@ fn name_hash([k0, k1]: [u64; 2], name: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_points_fall_between_subtrees_never_inside_a_directory() {
+        let mut e = Engine::new_cluster(EngineConfig::with_key([1, 2])).unwrap();
+        for m in e.bootstrap(1) {
+            e.apply(&m).unwrap();
+        }
+        let root = e.root();
+        let cred = Credentials::root();
+        let mut out = Vec::new();
+        let mut run = |e: &mut Engine, op: Op| match e.execute(&cred, &op, 2, &mut out) {
+            Reply::Entry(a) => a.id,
+            other => panic!("{other:?}"),
+        };
+        let top = run(
+            &mut e,
+            Op::Mkdir {
+                parent: root,
+                name: b"top".to_vec(),
+                mode: 0o755,
+            },
+        );
+        let lo = e.tables()[e.table_index(top).unwrap()].lo;
+        // One directory of files only: no boundary keeps it whole.
+        for i in 0..200 {
+            run(
+                &mut e,
+                Op::Mknod {
+                    parent: top,
+                    name: format!("f{i}").into_bytes(),
+                    mode: mode::S_IFREG | 0o644,
+                    rdev: 0,
+                    exclusive: true,
+                },
+            );
+        }
+        assert!(e.split_point(lo).is_err());
+        // Four subdirectories of 100 files each: the cut falls between two of them, with
+        // half the inodes below.
+        let mut subs = Vec::new();
+        for d in 0..4 {
+            let sub = run(
+                &mut e,
+                Op::Mkdir {
+                    parent: top,
+                    name: format!("d{d}").into_bytes(),
+                    mode: 0o755,
+                },
+            );
+            subs.push(sub);
+            for i in 0..100 {
+                run(
+                    &mut e,
+                    Op::Mknod {
+                        parent: sub,
+                        name: format!("f{i}").into_bytes(),
+                        mode: mode::S_IFREG | 0o644,
+                        rdev: 0,
+                        exclusive: true,
+                    },
+                );
+            }
+        }
+        let at = e.split_point(lo).unwrap();
+        assert!(
+            subs.contains(&at),
+            "{at:#x} is the start of a subtree: {subs:x?}"
+        );
+        assert_eq!(at, subs[1], "201 + 101 inodes below d1, 303 from it on");
+        assert_eq!(e.split_table(lo, at), Ok(at));
+        assert!(e.check_invariants().is_empty());
+        // Overflow regions are never split.
+        assert!(e.split_point(crate::Region::TooWide.base()).is_err());
+    }
 
     #[test]
     fn a_split_table_serves_the_same_namespace_from_two_tables() {

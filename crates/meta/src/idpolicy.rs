@@ -152,6 +152,11 @@ impl Layout {
         (1u64 << self.slot_bits[level]) - 1
     }
 
+    /// Ids one value of slot `level` spans: the size of a subtree rooted at that level.
+    pub fn slot_span(&self, level: usize) -> u64 {
+        1u64 << self.shifts[level]
+    }
+
     /// Value of slot `level` of `id`.
     pub fn slot(&self, id: InodeId, level: usize) -> u64 {
         (id >> self.shifts[level]) & self.slot_max(level)

@@ -237,6 +237,13 @@ impl Table {
             .get((id & BOX_MASK) as u32)
     }
 
+    /// Inodes per box, in id order: `(box number, inodes)`.
+    pub fn box_counts(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.boxes
+            .iter()
+            .map(|(&b, x)| (b, u64::from(x.present.count_ones())))
+    }
+
     /// The highest inode id present, if any.
     pub fn max_id(&self) -> Option<InodeId> {
         let (&boxno, b) = self.boxes.iter().next_back()?;

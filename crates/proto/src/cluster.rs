@@ -149,14 +149,37 @@ pub enum CoordCommand {
         map_version: MapVersion,
     },
     /// A server finished an ADD or a recovery of these tables (`map_version`: of the Add).
+    /// `splits`: splits it found finished in the store that the map does not show (its
+    /// owner split the table and failed before the coordinator heard of it).
     Added {
         tables: Vec<TableId>,
         by: Incarnation,
         map_version: MapVersion,
+        #[serde(default)]
+        splits: Vec<(TableId, InodeId)>,
     },
     /// An operator drains `server` (`drain`: its tables move off one at a time and no
     /// placement picks it) or brings it back into service (`!drain`).
     Drain { server: ServerId, drain: bool },
+    /// An operator or the balancer asks to split `table` (at `at`, or where its owner finds
+    /// half of its inodes below).
+    Split { table: TableId, at: Option<InodeId> },
+    /// The owner split `table` at `at` durably (reported by the driver): the map gains the
+    /// table `[at, hi)` on the same server.
+    SplitDone {
+        table: TableId,
+        at: InodeId,
+        by: Incarnation,
+        map_version: MapVersion,
+    },
+    /// The owner cannot split `table` (too small, or in an overflow region): forget the
+    /// request.
+    SplitRefused {
+        table: TableId,
+        by: Incarnation,
+        map_version: MapVersion,
+        reason: String,
+    },
 }
 
 /// How a borrow stands.
@@ -220,6 +243,13 @@ pub enum ControlBody {
     },
     /// Every table of this borrow is yours until you Return it.
     Grant { id: BorrowId },
+    /// Split `table` (at `at`, or at the box boundary with half its inodes below): let
+    /// in-flight operations finish, write both halves' checkpoints, reply `Split`.
+    Split {
+        table: TableId,
+        at: Option<InodeId>,
+        map_version: MapVersion,
+    },
 }
 
 /// A control message addressed to one incarnation; any other incarnation ignores it.
@@ -241,6 +271,9 @@ pub enum ControlReply {
         tables: Vec<TableId>,
         by: Incarnation,
         map_version: MapVersion,
+        /// As `CoordCommand::Added::splits`.
+        #[serde(default)]
+        splits: Vec<(TableId, InodeId)>,
     },
     AddFailed {
         tables: Vec<TableId>,
@@ -249,6 +282,20 @@ pub enum ControlReply {
     },
     GrantAck {
         id: BorrowId,
+    },
+    /// `table` is split at `at`, durably.
+    Split {
+        table: TableId,
+        at: InodeId,
+        by: Incarnation,
+        map_version: MapVersion,
+    },
+    /// `table` cannot be split (`reason`); asking again is pointless until it changes.
+    SplitRefused {
+        table: TableId,
+        by: Incarnation,
+        map_version: MapVersion,
+        reason: String,
     },
 }
 

@@ -125,6 +125,13 @@ pub struct Manifest {
     /// the next owner keeps them); kept like `open_elsewhere`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub locks: Vec<(u64, crate::locks::Held)>,
+    /// Set by a split: the manifest of the upper half `[hi, ..)`, whose own manifest may
+    /// not be written yet. This manifest is the split's commit point: from it on, `hi` is
+    /// the split point and whoever loads the table loads that half too, from its own
+    /// manifest if there is one, else from this. Cleared by the next manifest after the
+    /// upper half's own is written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<Box<Manifest>>,
     /// The version this manifest was read as or written as (0: none in the store).
     #[serde(skip)]
     pub version: u64,
@@ -230,6 +237,69 @@ pub fn read_manifest_by_id(store: &dyn ObjectStore, lo: u64) -> io::Result<Optio
     })?;
     m.version = version;
     Ok(Some(m))
+}
+
+/// The manifests that hold `[lo, hi)` between them, lowest first: the table's own, then
+/// those of the halves split off it that the caller's range (the coordinator's map) does
+/// not know of yet. With `hi` unknown (`None`), only splits still pending in a manifest
+/// (`Manifest::split`) are followed. An upper half with no manifest of its own yet comes
+/// from its lower half's (version 0: its first write creates it).
+pub fn manifests_covering(
+    store: &dyn ObjectStore,
+    lo: u64,
+    hi: Option<u64>,
+) -> io::Result<Vec<Manifest>> {
+    let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+    let mut out: Vec<Manifest> = Vec::new();
+    let mut next = lo;
+    let mut pending: Option<Manifest> = None;
+    loop {
+        let m = match (read_manifest_by_id(store, next)?, pending.take()) {
+            (Some(m), _) => m,
+            (None, Some(mut m)) => {
+                m.version = 0;
+                m
+            }
+            (None, None) if out.is_empty() => match hi {
+                // Never checkpointed nor claimed: an empty table.
+                Some(hi) => Manifest {
+                    lo,
+                    hi,
+                    ..Default::default()
+                },
+                None => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::NotFound,
+                        format!("table {lo:016x} has no manifest in the store"),
+                    ));
+                }
+            },
+            (None, None) => {
+                return Err(bad(format!(
+                    "table {next:016x} was split off {:016x} but has no manifest",
+                    out.last().map_or(lo, |m| m.lo)
+                )));
+            }
+        };
+        if m.lo != next || m.hi <= next || hi.is_some_and(|h| m.hi > h) {
+            return Err(bad(format!(
+                "manifest of table {next:016x} describes {:x}..{:x}, not a part of {lo:x}..{}",
+                m.lo,
+                m.hi,
+                hi.map_or("".to_string(), |h| format!("{h:x}"))
+            )));
+        }
+        next = m.hi;
+        pending = m.split.as_deref().cloned();
+        let go_on = match hi {
+            Some(h) => next < h,
+            None => pending.is_some(),
+        };
+        out.push(m);
+        if !go_on {
+            return Ok(out);
+        }
+    }
 }
 
 /// The manifests of every table in the store (hosted here or not), for collecting journals
@@ -478,6 +548,48 @@ impl Checkpointer {
         let mut m = self.manifests[&lo].clone();
         let seq = m.next_seq + 1;
         m.next_seq = seq;
+        let img = self.write_image_object(shared, lo, source, set, seq, full)?;
+        // Effects of every record up to here may be in the image: they must be durable first.
+        let end_lsn = shared.journal.last_lsn();
+        if !shared.journal.wait_durable(end_lsn) {
+            return Err(io::Error::other("journal failed; checkpoint abandoned"));
+        }
+        let obsolete = if full {
+            std::mem::take(&mut m.images)
+        } else {
+            Vec::new()
+        };
+        let written = img.bytes;
+        m.images.push(img);
+        m.journals = match source {
+            Source::Engine(_) => vec![self.own_pos(start_lsn)],
+            Source::Detached(_) => Vec::new(),
+        };
+        match source {
+            Source::Detached(_) => m.owner = None,
+            // Counted by this server when it added the table; not for whoever is next.
+            Source::Engine(_) => {
+                m.open_elsewhere.clear();
+                m.open_handles.clear();
+                m.replies = HandedOver::default();
+                m.locks.clear();
+            }
+        }
+        self.write_manifest(shared, m, obsolete)?;
+        Ok(written)
+    }
+
+    /// Writes image `seq` of table `lo` holding `set` from `source` and syncs it; nothing
+    /// names it until a manifest does.
+    fn write_image_object(
+        &self,
+        shared: &Shared,
+        lo: u64,
+        source: Source<'_>,
+        set: &BoxSet,
+        seq: u64,
+        full: bool,
+    ) -> io::Result<ImageRef> {
         let mut img = ImageRef {
             seq,
             bytes: 0,
@@ -485,7 +597,7 @@ impl Checkpointer {
             server: self.me.server,
             epoch: self.me.epoch,
         };
-        let name = image_name(m.lo, &img);
+        let name = image_name(lo, &img);
         // Streamed in pieces so a full checkpoint of a huge table needs no huge buffer. The
         // image counts only once the manifest names it, so it need not appear atomically.
         let obj = shared.store.open(&name, true)?;
@@ -550,35 +662,9 @@ impl Checkpointer {
             }
         }
         obj.sync_data()?;
-        shared.store.sync_dir(&table_dir(m.lo))?;
-        // Effects of every record up to here may be in the image: they must be durable first.
-        let end_lsn = shared.journal.last_lsn();
-        if !shared.journal.wait_durable(end_lsn) {
-            return Err(io::Error::other("journal failed; checkpoint abandoned"));
-        }
-        let obsolete = if full {
-            std::mem::take(&mut m.images)
-        } else {
-            Vec::new()
-        };
+        shared.store.sync_dir(&table_dir(lo))?;
         img.bytes = written;
-        m.images.push(img);
-        m.journals = match source {
-            Source::Engine(_) => vec![self.own_pos(start_lsn)],
-            Source::Detached(_) => Vec::new(),
-        };
-        match source {
-            Source::Detached(_) => m.owner = None,
-            // Counted by this server when it added the table; not for whoever is next.
-            Source::Engine(_) => {
-                m.open_elsewhere.clear();
-                m.open_handles.clear();
-                m.replies = HandedOver::default();
-                m.locks.clear();
-            }
-        }
-        self.write_manifest(shared, m, obsolete)?;
-        Ok(written)
+        Ok(img)
     }
 
     /// Swaps in the next version of a table's manifest. A refusal means another server
@@ -678,6 +764,90 @@ impl Checkpointer {
         }
     }
 
+    /// Splits the hosted table `lo` at `at` (or at [`kochab_meta::Engine::split_point`])
+    /// and makes the split durable: full images of both halves, then the lower half's
+    /// manifest (with the new range and the upper half's manifest inside: the commit
+    /// point), then the upper half's own manifest. The caller drained the table. `Ok(Err)`:
+    /// nothing changed, the table cannot be split there. `Err`: the store failed part-way;
+    /// the caller must stop (a recoverer finishes or ignores the split, as the lower
+    /// manifest says).
+    pub fn split(
+        &mut self,
+        shared: &Shared,
+        lo: u64,
+        at: Option<u64>,
+    ) -> io::Result<Result<u64, String>> {
+        let Some(old) = self.manifests.get(&lo).cloned() else {
+            return Ok(Err(format!("table {lo:016x} has no manifest here")));
+        };
+        let (at, start_lsn, lower_set, upper_set) = {
+            let mut core = shared.core.lock();
+            let at = match at {
+                Some(at) => at,
+                None => match core.engine.split_point(lo) {
+                    Ok(at) => at,
+                    Err(e) => return Ok(Err(e)),
+                },
+            };
+            if let Err(e) = core.engine.split_table(lo, at) {
+                return Ok(Err(e));
+            }
+            let lsn = shared.journal.last_lsn();
+            let mut sets = [lo, at].map(|t| {
+                let i = hosted_index(&core.engine, t).expect("both halves are hosted");
+                let t = &mut core.engine.tables_mut()[i];
+                t.take_needs_full();
+                t.take_dirty();
+                t.all_boxes()
+            });
+            let upper = std::mem::take(&mut sets[1]);
+            let lower = std::mem::take(&mut sets[0]);
+            (at, lsn, lower, upper)
+        };
+        let upper_img =
+            self.write_image_object(shared, at, Source::Engine(at), &upper_set, 1, true)?;
+        let lower_img = self.write_image_object(
+            shared,
+            lo,
+            Source::Engine(lo),
+            &lower_set,
+            old.next_seq + 1,
+            true,
+        )?;
+        if !shared.journal.wait_durable(shared.journal.last_lsn()) {
+            return Err(io::Error::other("journal failed; split abandoned"));
+        }
+        let upper = Manifest {
+            lo: at,
+            hi: old.hi,
+            owner: old.owner,
+            journals: vec![self.own_pos(start_lsn)],
+            images: vec![upper_img],
+            next_seq: 1,
+            ..Default::default()
+        };
+        let mut lower = old.clone();
+        lower.hi = at;
+        lower.next_seq = old.next_seq + 1;
+        lower.images = vec![lower_img];
+        lower.journals = vec![self.own_pos(start_lsn)];
+        lower.open_elsewhere.clear();
+        lower.open_handles.clear();
+        lower.replies = HandedOver::default();
+        lower.locks.clear();
+        lower.split = Some(Box::new(upper.clone()));
+        self.write_manifest(shared, lower, old.images)?;
+        // A stale manifest of the upper id cannot exist (tables never merge), but a write
+        // over one would be refused, not lost.
+        let mut upper = upper;
+        upper.version = read_manifest_by_id(shared.store.as_ref(), at)?.map_or(0, |m| m.version);
+        self.write_manifest(shared, upper, Vec::new())?;
+        if let Some(m) = self.manifests.get_mut(&lo) {
+            m.split = None;
+        }
+        Ok(Ok(at))
+    }
+
     /// Starts checkpointing a table whose manifest this server has just claimed.
     pub fn adopt(&mut self, m: Manifest) {
         self.manifests.insert(m.lo, m);
@@ -696,6 +866,64 @@ mod tests {
     use super::*;
     use kochab_meta::{Engine, EngineConfig};
     use kochab_proto::{Credentials, Op, Reply};
+
+    /// A split's commit point is its lower half's manifest: until the upper half's own
+    /// manifest is written, a loader finds it inside; afterwards the store's copy wins; a
+    /// range the map still shows whole is loaded as both halves; and a range that stops
+    /// at the split point is the lower half alone.
+    #[test]
+    fn a_split_is_found_from_its_lower_half_before_and_after_the_upper_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = kochab_store::LocalStore::open(dir.path()).unwrap();
+        let owner = Some(Owner {
+            server: 2,
+            epoch: 1,
+        });
+        let upper = Manifest {
+            lo: 0x80,
+            hi: 0x100,
+            owner,
+            next_seq: 1,
+            ..Default::default()
+        };
+        let mut lower = Manifest {
+            lo: 0x40,
+            hi: 0x100,
+            owner,
+            ..Default::default()
+        };
+        swap_manifest(&store, &mut lower).unwrap();
+        assert_eq!(
+            manifests_covering(&store, 0x40, Some(0x100)).unwrap().len(),
+            1
+        );
+        // The commit point: the lower half ends at 0x80 and carries the upper's manifest.
+        lower.hi = 0x80;
+        lower.split = Some(Box::new(upper.clone()));
+        swap_manifest(&store, &mut lower).unwrap();
+        let found = manifests_covering(&store, 0x40, Some(0x100)).unwrap();
+        assert_eq!(
+            found.iter().map(|m| (m.lo, m.hi)).collect::<Vec<_>>(),
+            vec![(0x40, 0x80), (0x80, 0x100)]
+        );
+        assert_eq!(
+            found[1].version, 0,
+            "not in the store yet: its first write creates it"
+        );
+        assert_eq!(manifests_covering(&store, 0x40, None).unwrap().len(), 2);
+        assert_eq!(
+            manifests_covering(&store, 0x40, Some(0x80)).unwrap().len(),
+            1
+        );
+        // Once the upper half's own manifest exists, it is what loads.
+        let mut written = upper.clone();
+        written.next_seq = 7;
+        swap_manifest(&store, &mut written).unwrap();
+        let found = manifests_covering(&store, 0x40, Some(0x100)).unwrap();
+        assert_eq!((found[1].next_seq, found[1].version), (7, 1));
+        // A range that reaches past what the manifests hold is refused, not guessed.
+        assert!(manifests_covering(&store, 0x40, Some(0x200)).is_err());
+    }
 
     /// Fills `id`'s extended attributes until the engine refuses more.
     fn fill_xattrs(engine: &mut Engine, id: u64) {

@@ -17,7 +17,7 @@
 
 use crate::checkpoint::read_manifest_by_id;
 use crate::core::{Core, Shared};
-use kochab_cluster::participant::{Action, Admit, Participant, ParticipantConfig};
+use kochab_cluster::participant::{Action, Admit, Participant, ParticipantConfig, SplitOutcome};
 use kochab_cluster::state::CoordState;
 use kochab_coord::{ClientConfig, CoordClient};
 use kochab_journal::JournalId;
@@ -119,7 +119,9 @@ pub struct ClusterHost {
     /// ...and map reads through this one, so a burst of GetMap never delays a renewal.
     reader: CoordClient<CoordState>,
     clock: Clock,
-    ranges: Vec<(u64, u64)>,
+    /// How ids map to tables: the cluster's tables at start, cut further by every split
+    /// this server makes or sees in the map.
+    ranges: parking_lot::RwLock<Vec<(u64, u64)>>,
     me: OnceLock<JournalId>,
     map: Mutex<MapCache>,
     /// One map read at a time; later callers use its result.
@@ -146,6 +148,10 @@ pub fn answers(c: &Control, r: &ControlReply) -> bool {
             ControlReply::Added { tables: ts, .. } | ControlReply::AddFailed { tables: ts, .. },
         ) => ts.iter().any(|t| tables.contains(t)),
         (ControlBody::Grant { id }, ControlReply::GrantAck { id: i }) => i == id,
+        (
+            ControlBody::Split { table, .. },
+            ControlReply::Split { table: t, .. } | ControlReply::SplitRefused { table: t, .. },
+        ) => t == table,
         _ => false,
     }
 }
@@ -229,7 +235,7 @@ impl ClusterHost {
             coord_addrs: cfg.coord.iter().map(|a| a.to_string()).collect(),
             reader,
             clock: cfg.clock.clone(),
-            ranges,
+            ranges: parking_lot::RwLock::new(ranges),
             me: OnceLock::new(),
             map: Mutex::new(MapCache::default()),
             refreshing: tokio::sync::Mutex::new(()),
@@ -336,14 +342,16 @@ impl ClusterHost {
     pub fn admit_op(&self, core: &Core, client: u64, op: &Op) -> Result<Vec<TableId>, Refusal> {
         let refuse = |r: Reply| Err(Refusal::Reply(Box::new(r)));
         let mut tables = Vec::new();
+        let ranges = self.ranges.read();
         for id in op_ids(core, client, op) {
-            let Some(t) = table_of(&self.ranges, id) else {
+            let Some(t) = table_of(&ranges, id) else {
                 return refuse(Reply::Error(kochab_meta::not_in_any_table(id)));
             };
             if !tables.contains(&t) {
                 tables.push(t);
             }
         }
+        drop(ranges);
         if tables.is_empty() {
             return Ok(tables);
         }
@@ -403,7 +411,7 @@ impl ClusterHost {
             } => match engine
                 .last_not_hosted
                 .take()
-                .and_then(|id| table_of(&self.ranges, id))
+                .and_then(|id| table_of(&self.ranges.read(), id))
             {
                 Some(t) if !admitted.is_empty() && !admitted.contains(&t) => {
                     let mut tables = admitted.to_vec();
@@ -486,10 +494,24 @@ impl ClusterHost {
         let (state, _) = self.reader.read_state().await.map_err(|e| e.to_string())?;
         let mut cache = self.map.lock();
         if state.map.version >= cache.map.version {
+            let tables = state.map.tables.iter().map(|(t, p)| (t.0, p.hi));
+            cut_ranges(&mut self.ranges.write(), tables);
             cache.map = state.map;
         }
         cache.fetched = Some(Instant::now());
         Ok(())
+    }
+
+    /// The `hi` of each of `tables` in the freshest map this server can read.
+    async fn map_ranges(&self, tables: &[TableId]) -> BTreeMap<u64, u64> {
+        if let Err(e) = self.refresh_map().await {
+            tracing::debug!("map refresh before a load: {e}");
+        }
+        let cache = self.map.lock();
+        tables
+            .iter()
+            .filter_map(|t| Some((t.0, cache.map.tables.get(t)?.hi)))
+            .collect()
     }
 
     async fn control(&self, c: Control) -> Option<ControlReply> {
@@ -549,17 +571,48 @@ impl ClusterHost {
                     let result = match host.shared.get().and_then(Weak::upgrade) {
                         Some(shared) => {
                             let me = host.journal_id();
+                            let his = host.map_ranges(&tables).await;
                             let (t, e) = (tables.clone(), epochs.clone());
-                            tokio::task::spawn_blocking(move || load(&shared, me, &t, &e))
+                            tokio::task::spawn_blocking(move || load(&shared, me, &t, &his, &e))
                                 .await
                                 .unwrap_or_else(|e| Err(format!("load task failed: {e}")))
                         }
                         None => Err("the server is still starting".to_string()),
                     };
-                    if let Err(e) = &result {
-                        tracing::warn!("cannot load tables {tables:x?}: {e}");
+                    match &result {
+                        Err(e) => tracing::warn!("cannot load tables {tables:x?}: {e}"),
+                        Ok(splits) => host.cut(splits.iter().map(|(t, at)| (t.0, *at))),
                     }
                     let acts = host.p.lock().loaded(&tables, result);
+                    host.push(acts);
+                });
+            }
+            Action::Split { table, at } => {
+                let host = self.clone();
+                tokio::spawn(async move {
+                    let result = match host.shared.get().and_then(Weak::upgrade) {
+                        Some(shared) => tokio::task::spawn_blocking(move || {
+                            shared.split_table(table.0, at).map_err(|e| e.to_string())
+                        })
+                        .await
+                        .unwrap_or_else(|e| Err(format!("split task failed: {e}"))),
+                        None => Err("the server is still starting".to_string()),
+                    };
+                    let outcome = match result {
+                        Ok(Ok(at)) => {
+                            host.cut([(table.0, at)]);
+                            Ok(SplitOutcome::Done(at))
+                        }
+                        Ok(Err(why)) => {
+                            tracing::info!("table {:016x} not split: {why}", table.0);
+                            Ok(SplitOutcome::Refused(why))
+                        }
+                        Err(e) => {
+                            tracing::error!("split of table {:016x} failed: {e}", table.0);
+                            Err(e)
+                        }
+                    };
+                    let acts = host.p.lock().split_done(table, outcome);
                     host.push(acts);
                 });
             }
@@ -606,6 +659,17 @@ impl ClusterHost {
 }
 
 impl ClusterHost {
+    /// Records splits `(table, at)`: ids from `at` on belong to the new table.
+    fn cut(&self, splits: impl IntoIterator<Item = (u64, u64)>) {
+        let mut ranges = self.ranges.write();
+        for (lo, at) in splits {
+            let Some(&(_, hi)) = ranges.iter().find(|r| r.0 == lo) else {
+                continue;
+            };
+            cut_ranges(&mut ranges, [(lo, at), (at, hi)]);
+        }
+    }
+
     /// Tells the coordinator each held table's load: operations admitted since the last
     /// report and inodes (for `kochab status` and the balancer's load rule).
     fn report_load(self: &Arc<Self>) {
@@ -835,10 +899,11 @@ fn load(
     shared: &Shared,
     me: JournalId,
     tables: &[TableId],
+    his: &BTreeMap<u64, u64>,
     epochs: &[Incarnation],
-) -> Result<(), String> {
+) -> Result<Vec<(TableId, u64)>, String> {
     let mut fresh = Vec::new();
-    let mut fenced: BTreeMap<JournalId, Vec<u64>> = BTreeMap::new();
+    let mut fenced: BTreeMap<JournalId, Vec<(u64, Option<u64>)>> = BTreeMap::new();
     for t in tables {
         let lo = t.0;
         let m = read_manifest_by_id(shared.store.as_ref(), lo)
@@ -878,19 +943,44 @@ fn load(
                         epoch: o.epoch,
                     })
                     .or_default()
-                    .push(lo);
+                    .push((lo, his.get(&lo).copied()));
             }
         }
     }
+    let mut splits = Vec::new();
     for lo in fresh {
-        shared.add_table(lo).map_err(|e| e.to_string())?;
+        splits.extend(
+            shared
+                .add_table_to(lo, his.get(&lo).copied())
+                .map_err(|e| e.to_string())?,
+        );
     }
-    for (journal, ids) in fenced {
-        shared
-            .recover_tables(&ids, journal)
-            .map_err(|e| e.to_string())?;
+    for (journal, tables) in fenced {
+        splits.extend(
+            shared
+                .recover_tables_to(&tables, journal)
+                .map_err(|e| e.to_string())?,
+        );
     }
-    Ok(())
+    Ok(splits
+        .into_iter()
+        .map(|(lower, upper)| (TableId(lower), upper))
+        .collect())
+}
+
+/// Cuts `ranges` (sorted, disjoint) so that each of `tables` (`(lo, hi)`, from a map or
+/// a split) starts and ends a range, where it lies inside one: ranges only get finer.
+fn cut_ranges(ranges: &mut Vec<(u64, u64)>, tables: impl IntoIterator<Item = (u64, u64)>) {
+    for (lo, hi) in tables {
+        for point in [lo, hi] {
+            let i = ranges.partition_point(|r| r.0 <= point);
+            if i > 0 && ranges[i - 1].0 < point && point < ranges[i - 1].1 {
+                let end = ranges[i - 1].1;
+                ranges[i - 1].1 = point;
+                ranges.insert(i, (point, end));
+            }
+        }
+    }
 }
 
 /// A request a connection task runs outside the batch: cluster operations of a member,
@@ -973,6 +1063,7 @@ mod tests {
             tables: ts.into_iter().map(TableId).collect(),
             by,
             map_version: MapVersion(4),
+            splits: vec![],
         };
         assert!(answers(&add, &added(vec![2])));
         assert!(!answers(&add, &added(vec![3])));

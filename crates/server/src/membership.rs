@@ -15,7 +15,7 @@
 //! is taking that lock: after it, none is half-applied; their replies wait for durability,
 //! which the drop waits for too before it releases the table.
 
-use crate::checkpoint::{Handover, Manifest, read_manifest_by_id};
+use crate::checkpoint::{Handover, Manifest, manifests_covering};
 use crate::core::Shared;
 use kochab_journal::JournalId;
 use std::io::{self, ErrorKind};
@@ -83,10 +83,36 @@ impl Shared {
         Ok(())
     }
 
-    /// Loads and serves the released table whose id is `lo`.
-    pub fn add_table(&self, lo: u64) -> io::Result<()> {
-        let m = self.manifest_of(lo)?;
-        if let Some(o) = m.owner {
+    /// Splits the hosted, drained table `lo` (see [`crate::checkpoint::Checkpointer::split`]).
+    /// `Ok(Err)`: not split, nothing changed. `Err`: the store failed part-way; the
+    /// journal is stopped, as this incarnation must not go on.
+    pub fn split_table(&self, lo: u64, at: Option<u64>) -> io::Result<Result<u64, String>> {
+        let started = std::time::Instant::now();
+        let result = self.checkpointer.lock().split(self, lo, at);
+        match &result {
+            Ok(Ok(at)) => tracing::info!(
+                "split table {lo:016x} at {at:016x} in {:?}",
+                started.elapsed()
+            ),
+            Ok(Err(_)) => {}
+            Err(e) => self
+                .journal
+                .fail_stop(format!("the split of table {lo:016x} failed half-way: {e}")),
+        }
+        result
+    }
+
+    /// Loads and serves the released table whose id is `lo` (and the halves split off it
+    /// that its manifest still names). Returns the splits found (see `load_tables`).
+    pub fn add_table(&self, lo: u64) -> io::Result<Vec<(u64, u64)>> {
+        self.add_table_to(lo, None)
+    }
+
+    /// [`Shared::add_table`] for the table `[lo, hi)` of the coordinator's map: the
+    /// halves split off it in the store are loaded too.
+    pub fn add_table_to(&self, lo: u64, hi: Option<u64>) -> io::Result<Vec<(u64, u64)>> {
+        let pieces = manifests_covering(self.store.as_ref(), lo, hi)?;
+        if let Some(o) = pieces.iter().find_map(|m| m.owner) {
             return Err(io::Error::new(
                 ErrorKind::ResourceBusy,
                 format!(
@@ -96,46 +122,52 @@ impl Shared {
                 ),
             ));
         }
-        self.load_tables(&[(m.lo, m.hi)], true)
+        self.load_tables(&[(lo, covered_end(&pieces, lo))], true)
     }
 
     /// Takes over the tables `ids` of the failed incarnation `journal`: seals its journal
     /// (from then on it acknowledges nothing), then loads each table from its checkpoint
     /// and the journals its manifest names, and serves them.
-    pub fn recover_tables(&self, ids: &[u64], journal: JournalId) -> io::Result<()> {
-        kochab_journal::seal(self.store.as_ref(), journal)?;
-        let mut ranges = Vec::new();
-        for &lo in ids {
-            let m = self.manifest_of(lo)?;
-            if let Some(o) = m.owner
-                && (o.server, o.epoch) != (journal.server, journal.epoch)
-            {
-                return Err(io::Error::new(
-                    ErrorKind::ResourceBusy,
-                    format!(
-                        "table {lo:016x} is owned by server {} at epoch {}, not by {journal}",
-                        o.server, o.epoch
-                    ),
-                ));
-            }
-            ranges.push((m.lo, m.hi));
-        }
-        self.load_tables(&ranges, false)
+    pub fn recover_tables(&self, ids: &[u64], journal: JournalId) -> io::Result<Vec<(u64, u64)>> {
+        let tables: Vec<(u64, Option<u64>)> = ids.iter().map(|&lo| (lo, None)).collect();
+        self.recover_tables_to(&tables, journal)
     }
 
-    fn manifest_of(&self, lo: u64) -> io::Result<Manifest> {
-        read_manifest_by_id(self.store.as_ref(), lo)?.ok_or_else(|| {
-            io::Error::new(
-                ErrorKind::NotFound,
-                format!("table {lo:016x} has no manifest in the store"),
-            )
-        })
+    /// [`Shared::recover_tables`] for tables `(lo, hi)` of the coordinator's map (`hi`
+    /// unknown: as far as the manifests say).
+    pub fn recover_tables_to(
+        &self,
+        tables: &[(u64, Option<u64>)],
+        journal: JournalId,
+    ) -> io::Result<Vec<(u64, u64)>> {
+        kochab_journal::seal(self.store.as_ref(), journal)?;
+        let mut ranges = Vec::new();
+        for &(lo, hi) in tables {
+            let pieces = manifests_covering(self.store.as_ref(), lo, hi)?;
+            for m in &pieces {
+                if let Some(o) = m.owner
+                    && (o.server, o.epoch) != (journal.server, journal.epoch)
+                {
+                    return Err(io::Error::new(
+                        ErrorKind::ResourceBusy,
+                        format!(
+                            "table {:016x} is owned by server {} at epoch {}, not by {journal}",
+                            m.lo, o.server, o.epoch
+                        ),
+                    ));
+                }
+            }
+            ranges.push((lo, covered_end(&pieces, lo)));
+        }
+        self.load_tables(&ranges, false)
     }
 
     /// Loads `ranges` as start-up does (checkpoints, sealed journals, claims) and adds them
     /// to the engine. `live`: the tables come from a live server's release, whose clients
     /// may hold their inodes open (counted here too, see `Manifest::open_elsewhere`).
-    fn load_tables(&self, ranges: &[(u64, u64)], live: bool) -> io::Result<()> {
+    /// Returns the splits the store showed inside `ranges` (`(lower, upper)`): both halves
+    /// are served.
+    fn load_tables(&self, ranges: &[(u64, u64)], live: bool) -> io::Result<Vec<(u64, u64)>> {
         let started = std::time::Instant::now();
         let mut ckpt = self.checkpointer.lock();
         let config = self.core.lock().engine.config().clone();
@@ -184,8 +216,16 @@ impl Shared {
             );
             ckpt.adopt(m);
         }
-        Ok(())
+        for (lower, upper) in &rec.splits {
+            tracing::info!("table {lower:016x} was split at {upper:016x}: serving both halves");
+        }
+        Ok(rec.splits)
     }
+}
+
+/// One past the last id the manifests `pieces` (of table `lo`, lowest first) hold.
+fn covered_end(pieces: &[Manifest], lo: u64) -> u64 {
+    pieces.last().map_or(lo, |m| m.hi)
 }
 
 impl crate::server::RunningServer {

@@ -6,7 +6,9 @@
 //! check and the explicit repair (`kochab fsck --data DIR [--repair --accept-loss]`) of a
 //! stopped server's directory whose journal is damaged.
 
-use crate::checkpoint::{JournalPos, Manifest, Owner, load_table, read_manifest, swap_manifest};
+use crate::checkpoint::{
+    JournalPos, Manifest, Owner, load_table, manifests_covering, read_manifest, swap_manifest,
+};
 use crate::core::JournalEntry;
 use crate::datadir::{DataDir, DataDirLock};
 use crate::replycache::ReplyCache;
@@ -30,6 +32,9 @@ pub struct Recovered {
     pub boxes_loaded: u64,
     /// Tables built from a copy this server kept since it released them (plus deltas).
     pub from_kept: Vec<u64>,
+    /// Splits the store showed inside the ranges asked for (`(lower, upper)` table ids,
+    /// lowest first): both halves were loaded.
+    pub splits: Vec<(u64, u64)>,
     pub load_time: Duration,
     pub replay_time: Duration,
 }
@@ -63,19 +68,24 @@ pub fn recover_tables(
     data_path: Option<&Path>,
     kept: Vec<crate::released::Released>,
 ) -> io::Result<Recovered> {
-    let mut engine = Engine::new(config, ranges).map_err(io::Error::other)?;
     let started = Instant::now();
     let mut manifests = BTreeMap::new();
-    for t in engine.tables() {
-        let m = read_manifest(store, t.lo, t.hi)?;
-        if m.journals.iter().any(|p| p.id() == me) {
-            return Err(io::Error::other(format!(
-                "table {:016x} already names {me}: two incarnations with one epoch",
-                t.lo
-            )));
+    let mut splits = Vec::new();
+    for &(lo, hi) in ranges {
+        let pieces = manifests_covering(store, lo, Some(hi))?;
+        splits.extend(pieces.windows(2).map(|w| (w[0].lo, w[1].lo)));
+        for m in pieces {
+            if m.journals.iter().any(|p| p.id() == me) {
+                return Err(io::Error::other(format!(
+                    "table {:016x} already names {me}: two incarnations with one epoch",
+                    m.lo
+                )));
+            }
+            manifests.insert(m.lo, m);
         }
-        manifests.insert(t.lo, m);
     }
+    let pieces: Vec<(u64, u64)> = manifests.values().map(|m| (m.lo, m.hi)).collect();
+    let mut engine = Engine::new(config, &pieces).map_err(io::Error::other)?;
     // What each table still needs read: all its images, or only the deltas a kept copy
     // lacks (then the copy takes the empty table's place).
     let mut to_load = manifests.clone();
@@ -163,7 +173,9 @@ pub fn recover_tables(
     let next_lsn = running_next_lsn.unwrap_or(used + 1);
     total.last_lsn = next_lsn - 1;
     let mut claimed = Vec::new();
-    for (lo, m) in manifests {
+    // Highest first: the upper half of a split is written before the claim of its lower
+    // half drops the copy of its manifest (`Manifest::split`).
+    for (lo, m) in manifests.into_iter().rev() {
         let m = claim(store, m, me, next_lsn - 1, &ends)?;
         if let Some(i) = engine.table_index(lo) {
             let t = &mut engine.tables_mut()[i];
@@ -180,6 +192,7 @@ pub fn recover_tables(
         next_lsn,
         boxes_loaded,
         from_kept,
+        splits,
         load_time,
         replay_time,
     })
@@ -367,6 +380,7 @@ pub fn claim(
         until: None,
     });
     m.journals = journals;
+    m.split = None;
     m.owner = Some(Owner {
         server: me.server,
         epoch: me.epoch,

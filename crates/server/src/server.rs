@@ -223,6 +223,7 @@ async fn serve(
         next_lsn,
         boxes_loaded,
         from_kept: _,
+        splits: _,
         load_time,
         replay_time,
     } = recovered;
