@@ -393,19 +393,23 @@ fn phase_name(p: Phase) -> &'static str {
 /// is built here whole, with every field `cluster_up::status` prints and the
 /// coordinator's under `coordinator` (one JSON document, so it cannot be appended).
 pub async fn status(conn: &ConnArgs, map: DelegationMap, json: bool) -> Result<(), String> {
+    let reports = server_reports(conn, &map).await?;
+    let coordinators = coordinators_of(&reports);
+    let state = coord_state(conn, &coordinators).await;
+    // The entry server's copy of the map may be a few hundred ms behind the coordinator's
+    // (a borrow moves tables in less): show the newer.
+    let map = match &state {
+        Ok(s) if s.map.version > map.version => s.map.clone(),
+        _ => map,
+    };
     if !json {
         crate::cluster_up::status(conn, map.clone(), false).await?;
-        let reports = server_reports(conn, &map).await?;
-        let coordinators = coordinators_of(&reports);
-        match coord_state(conn, &coordinators).await {
-            Ok(s) => print_coord_text(&s, &table_sizes(&reports)),
+        match &state {
+            Ok(s) => print_coord_text(s, &table_sizes(&reports)),
             Err(e) => println!("coordinator: no state ({e})"),
         }
         return Ok(());
     }
-    let reports = server_reports(conn, &map).await?;
-    let coordinators = coordinators_of(&reports);
-    let state = coord_state(conn, &coordinators).await;
     let replicas = replica_statuses(conn, &coordinators).await;
     let st = state.as_ref().ok();
     let draining = |id: ServerId| st.is_some_and(|s| s.draining.contains(&id));

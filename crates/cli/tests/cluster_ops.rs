@@ -368,4 +368,23 @@ fn a_table_split_online_serves_both_halves_on_two_servers_and_after_a_kill() {
         let problems = client.fsck().await.expect("fsck");
         assert!(problems.is_empty(), "{problems:?}");
     });
+    // The whole stopped cluster checks clean offline, split tables included.
+    let pids: Vec<i32> = status(&server)
+        .and_then(|v| {
+            v["servers"].as_array().map(|a| {
+                a.iter()
+                    .filter_map(|s| Some(s["pid"].as_i64()? as i32))
+                    .collect()
+            })
+        })
+        .unwrap_or_default();
+    let mut server = server;
+    server.kill9();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // SAFETY: signal 0 only checks that the process exists.
+    while pids.iter().any(|&p| unsafe { libc::kill(p, 0) } == 0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let report = common::offline_fsck_clean(&dir.path().join("data"), "after a split");
+    assert!(report.contains("20 tables"), "{report}");
 }

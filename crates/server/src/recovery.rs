@@ -7,7 +7,7 @@
 //! stopped server's directory whose journal is damaged.
 
 use crate::checkpoint::{
-    JournalPos, Manifest, Owner, load_table, manifests_covering, read_manifest, swap_manifest,
+    JournalPos, Manifest, Owner, load_table, manifests_covering, swap_manifest,
 };
 use crate::core::JournalEntry;
 use crate::datadir::{DataDir, DataDirLock};
@@ -409,13 +409,14 @@ pub struct OfflineReport {
     pub refuses_to_start: bool,
 }
 
-/// The manifests of every table in `dir`.
+/// The manifests of every table in `dir`: of each range the directory was made with, and
+/// of the tables split off them since.
 fn manifests(dir: &DataDir) -> io::Result<Vec<Manifest>> {
-    dir.meta
-        .tables
-        .iter()
-        .map(|&(lo, hi)| read_manifest(dir.store.as_ref(), lo, hi))
-        .collect()
+    let mut out = Vec::new();
+    for &(lo, hi) in &dir.meta.tables {
+        out.extend(manifests_covering(dir.store.as_ref(), lo, Some(hi))?);
+    }
+    Ok(out)
 }
 
 /// Reads a stopped server's journals and checkpoints without changing anything: where a
@@ -624,10 +625,10 @@ fn dry_run(dir: &DataDir) -> io::Result<(u64, u64)> {
 /// of journal records replayed.
 fn load_all(dir: &DataDir) -> io::Result<(Engine, u64)> {
     let store = dir.store.as_ref();
-    let mut engine =
-        Engine::new(dir.meta.engine.clone(), &dir.meta.tables).map_err(io::Error::other)?;
     let manifests: BTreeMap<u64, Manifest> =
         manifests(dir)?.into_iter().map(|m| (m.lo, m)).collect();
+    let ranges: Vec<(u64, u64)> = manifests.values().map(|m| (m.lo, m.hi)).collect();
+    let mut engine = Engine::new(dir.meta.engine.clone(), &ranges).map_err(io::Error::other)?;
     load_images(store, &mut engine, &manifests)?;
     let mut replies = ReplyCache::default();
     let mut replayed = 0;
