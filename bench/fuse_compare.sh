@@ -5,13 +5,15 @@
 #     fs_mark -n FSMARK_N -s 0 -S 0 -t NPROC -v, own directory per process (-d x NPROC) and
 #     one shared directory (a single -d: fs_mark then runs every process in that directory);
 #  2. streaming: dd 1 GiB of zeros with conv=fsync, drop caches, dd it back, md5sum (after
-#     another drop of the caches) against the md5 of zeros; plus a random-data copy check.
+#     another drop of the caches) against the md5 of zeros; plus a random-data copy check;
+#  3. dd4k: dd DD4K_MB (256) MiB of zeros in 4 KiB writes with conv=fsync (small writes:
+#     the mount's write-behind), then its md5 after a drop of the caches.
 # Every round runs every workload on every file system (the order of the file systems
 # rotates per round); medians over ROUNDS rounds, every run printed.
 #
 # Usage: bench/fuse_compare.sh [ROUNDS]      (needs root and a release build of kochab)
-# Env:   FILES=5000 NPROC=4 FSMARK_N=20000 DD_MB=1024 RAND_MB=256 PAUSE=2
-#        FSLIST="kochab kochab_nofsync moosefs ext4 ext4j"  WORKLOADS="mdrate fsmark dd"  WARMUP=1
+# Env:   FILES=5000 NPROC=4 FSMARK_N=20000 DD_MB=1024 DD4K_MB=256 RAND_MB=256 PAUSE=2
+#        FSLIST="kochab kochab_nofsync moosefs ext4 ext4j"  WORKLOADS="mdrate fsmark dd dd4k"  WARMUP=1
 #          kochab: `kochab up --mount` (durable: no reply before its journal record is on disk);
 #          kochab_nofsync: the same with --no-fsync (buffered, as MooseFS's master is);
 #          kochab_base: `kochab up --mount` of KOCHAB_BASE_BIN (an earlier build), for a
@@ -34,10 +36,11 @@ FILES=${FILES:-5000}
 NPROC=${NPROC:-4}
 FSMARK_N=${FSMARK_N:-20000}
 DD_MB=${DD_MB:-1024}
+DD4K_MB=${DD4K_MB:-256}
 RAND_MB=${RAND_MB:-256}
 PAUSE=${PAUSE:-2}
 FSLIST=${FSLIST:-kochab kochab_nofsync moosefs ext4 ext4j}
-WORKLOADS=${WORKLOADS:-mdrate fsmark dd}
+WORKLOADS=${WORKLOADS:-mdrate fsmark dd dd4k}
 WARMUP=${WARMUP:-1}
 PORT=${PORT:-7491}
 QUIET_PCT=${QUIET_PCT:-25}
@@ -267,6 +270,21 @@ run_dd() {  # run_dd ROUND FS
   record "$r $fs dd busy=$busy write ${w:-failed failed} read ${rd:-failed failed} $ok $rok"
 }
 
+run_dd4k() {  # run_dd4k ROUND FS
+  local r=$1 fs=$2 m f w md5 ok busy
+  m=$(mnt_of "$fs"); f="$m/fc-small-$$"
+  rm -f "$f"; drop_caches
+  busy=$(quiet)
+  meas_start
+  w=$(timeout -k 10 600 "${TIMED[@]}" "$tmp/cpu" dd if=/dev/zero of="$f" bs=4k count=$((DD4K_MB * 256)) conv=fsync 2>&1 | dd_secs)
+  busy="$busy/$(meas_foreign)"
+  drop_caches
+  md5=$(timeout -k 10 600 md5sum "$f" | cut -d' ' -f1)
+  ok=$([ "$md5" = "$(head -c $((DD4K_MB << 20)) /dev/zero | md5sum | cut -d' ' -f1)" ] && echo md5ok || echo "md5BAD:$md5")
+  rm -f "$f"
+  record "$r $fs dd4k busy=$busy write ${w:-failed failed} $ok"
+}
+
 if [ "$WARMUP" = 1 ]; then
   # First touch of guest memory is expensive on this VM: fill and drop the page cache once
   # (2 GiB through ext4) so that no file system pays for it inside a measurement.
@@ -287,6 +305,7 @@ for r in $(seq "$ROUNDS"); do
         mdrate) run_mdrate "$r" "$fs" unique; run_mdrate "$r" "$fs" shared ;;
         fsmark) run_fsmark "$r" "$fs" unique; run_fsmark "$r" "$fs" shared ;;
         dd) run_dd "$r" "$fs" ;;
+        dd4k) run_dd4k "$r" "$fs" ;;
       esac
     done
   done

@@ -12,6 +12,7 @@ nproc = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 md = {}    # (fs, mode, phase) -> [dict]
 fsm = {}   # (fs, mode) -> [dict]
 dd = {}    # fs -> [dict]
+dd4k = {}  # fs -> [(MB/s, check)]
 busy = []
 foreign = {}  # (fs, workload) -> [foreign CPU % per run]
 for line in open(path):
@@ -42,6 +43,12 @@ for line in open(path):
                 'files_per_sec': x[3], 'creat_us': x[6], 'close_us': x[18],
                 'unlink_us': x[21], 'unlink_per_sec': nproc * 1e6 / x[21] if x[21] else 0,
             })
+    elif w == 'dd4k':
+        f = rest.split()
+        try:
+            dd4k.setdefault(fs, []).append((float(f[1]) / float(f[2]) / 1e6, f[3]))
+        except (ValueError, IndexError):
+            dd4k.setdefault(fs, []).append((0.0, 'failed'))
     elif w == 'dd':
         f = rest.split()
         try:
@@ -52,7 +59,7 @@ for line in open(path):
             dd.setdefault(fs, []).append({'write': 0, 'read': 0, 'md5': 'failed', 'rand': 'failed'})
 
 fss = []
-for k in list(md) + list(fsm) + list(dd):
+for k in list(md) + list(fsm) + list(dd) + list(dd4k):
     fs = k if isinstance(k, str) else k[0]
     if fs not in fss:
         fss.append(fs)
@@ -146,6 +153,20 @@ if dd:
         print(f"  {fs:8} write {med(w):7.0f} {[round(x) for x in w]}  read {med(rd):7.0f} "
               f"{[round(x) for x in rd]}  {' '.join(checks)}{tgt}"
               + (f"  foreign% {foreign[(fs, 'dd')]}" if (fs, 'dd') in foreign else ""))
+
+if dd4k:
+    print("\n== dd 4 KiB blocks, write with conv=fsync, MB/s, median [runs]; data check")
+    for fs in fss:
+        v = dd4k.get(fs, [])
+        if v:
+            print(f"  {fs:8} write {med([x[0] for x in v]):7.0f} {[round(x[0]) for x in v]}  "
+                  f"{' '.join(sorted({x[1] for x in v}))}")
+    for k_fs in ('kochab', 'kochab_nofsync'):
+        for base in ('ext4', 'ext4j', 'moosefs', 'kochab_base'):
+            if k_fs in dd4k and base in dd4k:
+                q = ratio(med([x[0] for x in dd4k[k_fs]]), med([x[0] for x in dd4k[base]]))
+                tgt = f" (target >= 0.8x: {'ok' if q >= 0.8 else 'SHORT'})" if base.startswith('ext4') else ''
+                print(f"  ratio {k_fs}/{base}: {q:.2f}x{tgt}")
 
 if busy:
     print(f"\nCPU busy in the second before each measurement: median {med(busy):.0f}%, "

@@ -7,8 +7,8 @@ use kochab_proto::AtimeRule;
 use std::path::Path;
 use std::time::Duration;
 
-/// What `-o OPTIONS` asks of a mount: the access-time rule, read-only, and whether setuid
-/// bits and device nodes work (the last of each wins, as in mount(8)); other options are
+/// What `-o OPTIONS` asks of a mount: the access-time rule, read-only, write-behind or
+/// synchronous writes (`sync`), and whether setuid bits and device nodes work (the last of each wins, as in mount(8)); other options are
 /// accepted and left alone. Mounts are nosuid,nodev unless `suid`/`dev` are given.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Options {
@@ -16,6 +16,8 @@ pub struct Options {
     pub read_only: bool,
     pub suid: bool,
     pub dev: bool,
+    /// `sync`: every write(2) reaches the servers before it returns (no write-behind).
+    pub sync: bool,
 }
 
 /// Parses a mount's comma-separated options.
@@ -32,6 +34,8 @@ pub fn options(text: Option<&str>) -> Options {
             "nosuid" => o.suid = false,
             "dev" => o.dev = true,
             "nodev" => o.dev = false,
+            "sync" => o.sync = true,
+            "async" => o.sync = false,
             _ => {}
         }
     }
@@ -54,6 +58,7 @@ pub fn mount(
         read_only: options.read_only,
         suid: options.suid,
         dev: options.dev,
+        write_behind: !options.sync,
         ..MountConfig::default()
     };
     let fs = KochabFs::new(client, tokio::runtime::Handle::current(), config);

@@ -9,12 +9,15 @@
 //! mount just changed is answered from the attributes the change's reply carried (for what
 //! is left of `attr_ttl`; see `kochab_client::dircache`); the page cache of a
 //! file is kept across opens only if its size and mtime did not change, and the kernel
-//! drops it when a getattr shows a new mtime (auto_inval_data); writes go through to the
-//! servers (no writeback cache, which would make the kernel ignore other mounts' sizes).
+//! drops it when a getattr shows a new mtime (auto_inval_data); small sequential writes
+//! are gathered in the mount and sent in large requests (`writebehind`; at the latest on
+//! close, fsync, or any request that shows the file's size or data), not in the kernel
+//! (no writeback cache, which would make the kernel ignore other mounts' sizes).
 //! Together this gives close-to-open consistency between mounts.
 
 mod creds;
 mod interrupts;
+mod writebehind;
 
 use creds::GroupCache;
 use fuser::{
@@ -69,6 +72,9 @@ pub struct MountConfig {
     /// Allow opening device nodes (`-o dev`). Off by default for the same reason: a key
     /// holder can create a world-writable node of any device number.
     pub dev: bool,
+    /// Gather small sequential writes in the mount (see `writebehind`); `-o sync` turns it
+    /// off, so every write(2) reaches the servers before it returns.
+    pub write_behind: bool,
 }
 
 impl Default for MountConfig {
@@ -82,6 +88,7 @@ impl Default for MountConfig {
             read_only: false,
             suid: false,
             dev: false,
+            write_behind: true,
         }
     }
 }
@@ -116,12 +123,17 @@ struct Inner {
     /// Directory opens sent but not yet answered (see `opendir`), and a wake-up when one is.
     dir_opens: Mutex<u32>,
     dir_opened: tokio::sync::Notify,
+    /// Writes gathered in the mount before they are sent.
+    wb: Arc<writebehind::WriteBehind>,
 }
 
 #[derive(Default)]
 struct Opens {
     per_inode: FxHashMap<InodeId, u32>,
     direct: rustc_hash::FxHashSet<u64>,
+    /// Handles opened with O_APPEND (their offsets come from the kernel's idea of the
+    /// size, so their writes are never held back).
+    append: rustc_hash::FxHashSet<u64>,
 }
 
 /// The file system the kernel talks to.
@@ -208,8 +220,10 @@ impl KochabFs {
             config.atime = AtimeRule::Never;
         }
         let root = client.root();
+        let wb = writebehind::WriteBehind::new(client.clone());
         KochabFs {
             inner: Arc::new(Inner {
+                wb,
                 client,
                 rt,
                 root,
@@ -370,13 +384,28 @@ impl Inner {
         if f.contains(FopenFlags::FOPEN_DIRECT_IO) {
             opens.direct.insert(handle);
         }
+        if flags & libc::O_APPEND != 0 {
+            opens.append.insert(handle);
+        }
         f
+    }
+
+    /// True if a write through `handle` may wait in the mount (see `writebehind`): write
+    /// behind is on, this is the inode's only open handle here, not O_APPEND, and the file
+    /// has no setuid/setgid bits to clear.
+    fn may_buffer(&self, id: InodeId, handle: u64) -> bool {
+        if !self.config.write_behind || self.privileged.lock().contains(&id) {
+            return false;
+        }
+        let opens = self.opens.lock();
+        opens.per_inode.get(&id) == Some(&1) && !opens.append.contains(&handle)
     }
 
     /// Forgets a closed handle.
     fn closed(&self, id: InodeId, handle: u64) {
         let mut opens = self.opens.lock();
         opens.direct.remove(&handle);
+        opens.append.remove(&handle);
         if let Some(n) = opens.per_inode.get_mut(&id) {
             *n -= 1;
             if *n == 0 {
@@ -459,6 +488,10 @@ impl Filesystem for KochabFs {
     }
 
     fn destroy(&mut self) {
+        let wb = self.inner.wb.clone();
+        let _ = self.inner.rt.block_on(async move {
+            tokio::time::timeout(Duration::from_secs(30), wb.flush_all()).await
+        });
         let client = self.inner.client.clone();
         // Release this mount's locks and handles at once instead of after the grace period.
         let _ = self.inner.rt.block_on(async move {
@@ -476,6 +509,14 @@ impl Filesystem for KochabFs {
                 fs.client.getattr(&cred, fs.id(parent)).await
             } else {
                 fs.client.lookup(&cred, fs.id(parent), &name).await
+            };
+            let r = match r {
+                // Writes held back here would make the size it shows too small.
+                Ok(a) if fs.wb.pending(a.id) => {
+                    fs.wb.settle(a.id).await;
+                    fs.client.getattr(&cred, a.id).await
+                }
+                r => r,
             };
             fs.entry(reply, r);
         });
@@ -499,6 +540,7 @@ impl Filesystem for KochabFs {
             return reply.attr(&left, &fs.file_attr(&a));
         }
         self.spawn(req, move |fs, cred| async move {
+            fs.wb.settle(fs.id(ino)).await;
             match fs.client.getattr(&cred, fs.id(ino)).await {
                 Ok(a) => reply.attr(&fs.config.attr_ttl, &fs.file_attr(&a)),
                 Err(e) => reply.error(errno_of_inode(&e)),
@@ -541,6 +583,7 @@ impl Filesystem for KochabFs {
             ctime: None,
         };
         self.spawn(req, move |fs, cred| async move {
+            fs.wb.settle(fs.id(ino)).await;
             match fs.client.setattr(&cred, fs.id(ino), set).await {
                 Ok(a) => reply.attr(&fs.config.attr_ttl, &fs.file_attr(&a)),
                 Err(e) => reply.error(errno_of_inode(&e)),
@@ -700,6 +743,7 @@ impl Filesystem for KochabFs {
         reply: ReplyData,
     ) {
         self.spawn(req, move |fs, cred| async move {
+            fs.wb.settle(fs.id(ino)).await;
             let rule = fs.config.atime;
             match fs.client.read_atime(&cred, fh.0, offset, size, rule).await {
                 Ok((b, atime_set)) => {
@@ -733,6 +777,16 @@ impl Filesystem for KochabFs {
         // those pages' writeback, so dropping them first would wait for itself.
         let writeback = write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
         self.spawn(req, move |fs, cred| async move {
+            let id = fs.id(ino);
+            if !writeback && fs.may_buffer(id, fh.0) {
+                return match fs.wb.write(&cred, id, fh.0, offset, &data).await {
+                    Ok(()) => reply.written(len),
+                    Err(e) => reply.error(errno(&e)),
+                };
+            }
+            if let Err(e) = fs.wb.flush(id).await {
+                return reply.error(errno(&e));
+            }
             match fs.client.write(&cred, fh.0, offset, data).await {
                 Ok(a) => {
                     let killed =
@@ -774,13 +828,21 @@ impl Filesystem for KochabFs {
         lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        // close(2) of any descriptor releases the process's POSIX locks on the file.
-        if !self.inner.locked.lock().contains(&self.inner.id(ino)) {
+        // close(2) of any descriptor releases the process's POSIX locks on the file, and
+        // reports what went wrong with writes held back in the mount.
+        let id = self.inner.id(ino);
+        let locked = self.inner.locked.lock().contains(&id);
+        if !locked && !self.inner.wb.pending(id) {
             return reply.ok();
         }
         self.spawn(req, move |fs, cred| async move {
-            let r = fs.client.release_locks(&cred, fh.0, lock_owner.0).await;
-            fs.empty(reply, r);
+            let written = fs.wb.flush(id).await;
+            let r = if locked {
+                fs.client.release_locks(&cred, fh.0, lock_owner.0).await
+            } else {
+                Ok(())
+            };
+            fs.empty(reply, written.and(r));
         });
     }
 
@@ -804,6 +866,11 @@ impl Filesystem for KochabFs {
             *self.inner.closing.lock().entry(id).or_insert(0) += 1;
         }
         self.spawn(req, move |fs, cred| async move {
+            if let Err(e) = fs.wb.flush(id).await {
+                // Nobody waits for a release's answer: the close(2) that could have
+                // reported it (flush) has returned already.
+                tracing::error!("writes to inode {id:#x} were lost at close: {e}");
+            }
             let r = fs.client.close(&cred, fh.0).await;
             if locked {
                 let mut closing = fs.closing.lock();
@@ -823,12 +890,15 @@ impl Filesystem for KochabFs {
     fn fsync(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         datasync: bool,
         reply: ReplyEmpty,
     ) {
         self.spawn(req, move |fs, cred| async move {
+            if let Err(e) = fs.wb.flush(fs.id(ino)).await {
+                return reply.error(errno(&e));
+            }
             let r = fs.client.fsync(&cred, fh.0, datasync).await;
             fs.empty(reply, r);
         });
@@ -903,16 +973,24 @@ impl Filesystem for KochabFs {
                     // Entries whose inodes another server holds come without attributes:
                     // ask their owners, all at once.
                     let mut asked = tokio::task::JoinSet::new();
-                    for e in entries.iter().filter(|e| e.attr.is_none()) {
-                        let (client, cred, id) = (fs.client.clone(), cred.clone(), e.id);
-                        asked.spawn(async move { (id, client.getattr(&cred, id).await) });
+                    // So do files with writes held back here (their sizes are behind).
+                    for e in entries
+                        .iter()
+                        .filter(|e| e.attr.is_none() || fs.wb.pending(e.id))
+                    {
+                        let (client, cred, id, wb) =
+                            (fs.client.clone(), cred.clone(), e.id, fs.wb.clone());
+                        asked.spawn(async move {
+                            wb.settle(id).await;
+                            (id, client.getattr(&cred, id).await)
+                        });
                     }
                     let mut fetched = std::collections::HashMap::new();
                     while let Some(Ok((id, r))) = asked.join_next().await {
                         fetched.insert(id, r);
                     }
                     for e in entries {
-                        let attr = match e.attr {
+                        let attr = match e.attr.filter(|_| !fetched.contains_key(&e.id)) {
                             Some(a) => a,
                             None => match fetched.get(&e.id).cloned().unwrap_or_else(|| {
                                 Err(kochab_proto::fs_err!(EIO, "attributes of {:#x} lost", e.id))
@@ -1188,7 +1266,7 @@ impl Filesystem for KochabFs {
     fn fallocate(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         length: u64,
@@ -1196,6 +1274,7 @@ impl Filesystem for KochabFs {
         reply: ReplyEmpty,
     ) {
         self.spawn(req, move |fs, cred| async move {
+            fs.wb.settle(fs.id(ino)).await;
             let r = fs
                 .client
                 .fallocate(&cred, fh.0, offset, length, mode as u32)

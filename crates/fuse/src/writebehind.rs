@@ -1,0 +1,240 @@
+//! Write-behind: small sequential writes to a file are gathered in the mount and sent to
+//! the servers as large requests, several in flight at once (as the NFS and CephFS clients
+//! do), instead of one synchronous round trip per `write(2)`.
+//!
+//! A write is answered once it is in the mount's buffer. What is buffered for an inode is
+//! sent before anything on this mount could see the file without it: a read, getattr,
+//! setattr, fallocate, lookup or readdirplus of the inode, another open of it, fsync,
+//! close (flush and release), and unmount. So every reader on this mount sees its own
+//! writes and exact sizes; other mounts see them once they are sent (at the latest at the
+//! writer's close: close-to-open consistency, as NFS gives). An error of a send is kept
+//! and returned by the next write, fsync or close of the inode.
+//!
+//! Only the simple, common case is buffered: one open handle of the inode on this mount,
+//! not O_APPEND, no setuid/setgid bits (see `Inner::may_buffer`); anything else first
+//! sends what is buffered and then writes through as before.
+
+use kochab_client::Client;
+use kochab_proto::{Credentials, FsError, InodeId};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+
+/// Bytes gathered before they are sent as one request.
+pub const CHUNK: usize = 1 << 20;
+/// Requests of one inode in flight at once; a writer past it waits (back-pressure: at most
+/// `CHUNK * (IN_FLIGHT + 1)` bytes per inode are held).
+pub const IN_FLIGHT: usize = 4;
+
+/// What is buffered and in flight for one inode.
+struct Pending {
+    /// The handle the buffered bytes were written through (sends go through it).
+    handle: u64,
+    cred: Credentials,
+    /// Offset of `buf[0]`.
+    start: u64,
+    buf: Vec<u8>,
+    in_flight: usize,
+    /// The first error of a send, until it is reported.
+    error: Option<FsError>,
+}
+
+/// The mount's write-behind state.
+pub struct WriteBehind {
+    client: Client,
+    inodes: Mutex<FxHashMap<InodeId, Pending>>,
+    /// Woken when a send ends.
+    sent: tokio::sync::Notify,
+}
+
+enum Step {
+    Done,
+    /// Bytes of another handle, or not next to the buffered ones: send those first.
+    FlushFirst,
+    /// Too many requests in flight: wait for one.
+    Wait,
+    Send(u64, Credentials, u64, Vec<u8>),
+}
+
+impl WriteBehind {
+    pub fn new(client: Client) -> Arc<WriteBehind> {
+        Arc::new(WriteBehind {
+            client,
+            inodes: Mutex::new(FxHashMap::default()),
+            sent: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// True if bytes of `id` are buffered or in flight (cheap: for the paths that must
+    /// then call [`WriteBehind::flush`]).
+    pub fn pending(&self, id: InodeId) -> bool {
+        self.inodes.lock().contains_key(&id)
+    }
+
+    /// Buffers `data` written at `offset` through `handle`; sends a full chunk. `Err`: an
+    /// earlier send of the inode failed (reported once).
+    pub async fn write(
+        self: &Arc<Self>,
+        cred: &Credentials,
+        id: InodeId,
+        handle: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), FsError> {
+        let mut data = Some(data);
+        loop {
+            let step = {
+                let mut inodes = self.inodes.lock();
+                let p = inodes.entry(id).or_insert_with(|| Pending {
+                    handle,
+                    cred: cred.clone(),
+                    start: offset,
+                    buf: Vec::new(),
+                    in_flight: 0,
+                    error: None,
+                });
+                if let Some(e) = p.error.take() {
+                    return Err(e);
+                }
+                match data {
+                    Some(d) => {
+                        // Nothing in flight either: a new run may start anywhere. (With
+                        // sends in flight, only the next byte continues it: overlapping
+                        // requests in flight at once could land in either order.)
+                        if p.buf.is_empty() && p.in_flight == 0 && p.handle == handle {
+                            p.start = offset;
+                        }
+                        if p.handle != handle || p.start + p.buf.len() as u64 != offset {
+                            Step::FlushFirst
+                        } else {
+                            p.buf.extend_from_slice(d);
+                            p.cred = cred.clone();
+                            data = None;
+                            self.next_send(p)
+                        }
+                    }
+                    None => self.next_send(p),
+                }
+            };
+            match step {
+                Step::Done => return Ok(()),
+                Step::FlushFirst => self.flush(id).await?,
+                Step::Wait => self.wait_sent(id).await,
+                Step::Send(handle, cred, start, bytes) => {
+                    self.spawn_send(id, handle, cred, start, bytes);
+                    if data.is_none() {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// A full chunk to send, if there is one and a request may start.
+    fn next_send(&self, p: &mut Pending) -> Step {
+        if p.buf.len() < CHUNK {
+            return Step::Done;
+        }
+        if p.in_flight >= IN_FLIGHT {
+            return Step::Wait;
+        }
+        self.take(p)
+    }
+
+    fn take(&self, p: &mut Pending) -> Step {
+        let bytes = std::mem::take(&mut p.buf);
+        let start = p.start;
+        p.start += bytes.len() as u64;
+        p.in_flight += 1;
+        Step::Send(p.handle, p.cred.clone(), start, bytes)
+    }
+
+    fn spawn_send(
+        self: &Arc<Self>,
+        id: InodeId,
+        handle: u64,
+        cred: Credentials,
+        start: u64,
+        bytes: Vec<u8>,
+    ) {
+        let wb = self.clone();
+        tokio::spawn(async move {
+            let r = wb.client.write(&cred, handle, start, bytes).await;
+            let mut inodes = wb.inodes.lock();
+            if let Some(p) = inodes.get_mut(&id) {
+                p.in_flight -= 1;
+                if let Err(e) = r
+                    && p.error.is_none()
+                {
+                    p.error = Some(e);
+                }
+                if p.in_flight == 0 && p.buf.is_empty() && p.error.is_none() {
+                    inodes.remove(&id);
+                }
+            }
+            drop(inodes);
+            wb.sent.notify_waiters();
+        });
+    }
+
+    /// Waits until a send of `id` ends (or none is in flight).
+    async fn wait_sent(&self, id: InodeId) {
+        let woken = self.sent.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        if self.inodes.lock().get(&id).is_none_or(|p| p.in_flight == 0) {
+            return;
+        }
+        woken.await;
+    }
+
+    /// Sends everything buffered for `id` and waits until the servers have it all; returns
+    /// (and forgets) the first error of a send since the last report.
+    pub async fn flush(self: &Arc<Self>, id: InodeId) -> Result<(), FsError> {
+        self.drain(id, true).await
+    }
+
+    /// As [`WriteBehind::flush`], but an error stays for the next write, fsync or close to
+    /// report (for reads and attribute requests, which do not report write errors).
+    pub async fn settle(self: &Arc<Self>, id: InodeId) {
+        let _ = self.drain(id, false).await;
+    }
+
+    async fn drain(self: &Arc<Self>, id: InodeId, report: bool) -> Result<(), FsError> {
+        loop {
+            let step = {
+                let mut inodes = self.inodes.lock();
+                let Some(p) = inodes.get_mut(&id) else {
+                    return Ok(());
+                };
+                if !p.buf.is_empty() && p.in_flight < IN_FLIGHT {
+                    self.take(p)
+                } else if p.in_flight > 0 {
+                    Step::Wait
+                } else if !report && p.error.is_some() {
+                    return Ok(());
+                } else {
+                    let error = p.error.take();
+                    inodes.remove(&id);
+                    return error.map_or(Ok(()), Err);
+                }
+            };
+            match step {
+                Step::Send(handle, cred, start, bytes) => {
+                    self.spawn_send(id, handle, cred, start, bytes)
+                }
+                _ => self.wait_sent(id).await,
+            }
+        }
+    }
+
+    /// Sends everything buffered for every inode and waits (unmount).
+    pub async fn flush_all(self: &Arc<Self>) {
+        let ids: Vec<InodeId> = self.inodes.lock().keys().copied().collect();
+        for id in ids {
+            if let Err(e) = self.flush(id).await {
+                tracing::error!("buffered writes of inode {id:#x} were lost at unmount: {e}");
+            }
+        }
+    }
+}
