@@ -315,7 +315,9 @@ struct MountArgs {
     log: Option<PathBuf>,
     /// Mount options, comma-separated (as mount(8) passes them to mount.fuse.kochab):
     /// relatime (default), noatime, strictatime, ro, rw, suid, dev (mounts are nosuid,nodev
-    /// unless these are given); others are accepted and ignored.
+    /// unless these are given), sync (every write reaches the servers before it returns;
+    /// default async: small writes are gathered in the mount until close or fsync); others
+    /// are accepted and ignored.
     #[arg(short = 'o', value_name = "OPTIONS")]
     options: Option<String>,
 }

@@ -243,5 +243,8 @@ mod tests {
         assert_eq!(options(Some("noatime,relatime")).atime, AtimeRule::Relative);
         assert!(options(Some("rw,ro")).read_only);
         assert!(!options(Some("ro,rw")).read_only);
+        assert!(!options(None).sync, "write-behind by default");
+        assert!(options(Some("rw,sync")).sync);
+        assert!(!options(Some("sync,async")).sync);
     }
 }
