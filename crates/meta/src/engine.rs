@@ -607,6 +607,33 @@ impl Engine {
         }
     }
 
+    /// Takes the quarantined ids in `[lo, hi)` (a table leaving this engine): the next
+    /// owner keeps them out of use (see [`Engine::quarantine_arrived`]).
+    pub fn take_quarantine(&mut self, lo: InodeId, hi: InodeId) -> Vec<InodeId> {
+        let mut out = Vec::new();
+        self.quarantine.retain(|&(_, id)| {
+            let inside = (lo..hi).contains(&id);
+            if inside {
+                out.push(id);
+            }
+            !inside
+        });
+        for id in &out {
+            self.quarantined.remove(id);
+        }
+        out
+    }
+
+    /// Quarantines ids that arrived with a table, for a whole quarantine from now (longer
+    /// than they had left at the server before: harmless, and no clocks are compared).
+    pub fn quarantine_arrived(&mut self, ids: &[InodeId]) {
+        for &id in ids {
+            if self.quarantined.insert(id) {
+                self.quarantine.push_back((self.clock, id));
+            }
+        }
+    }
+
     /// Notes the time and releases ids whose quarantine is over.
     pub fn advance_clock(&mut self, now: TimeNs) {
         self.clock = self.clock.max(now);
@@ -767,6 +794,46 @@ fn name_hash([k0, k1]: [u64; 2], name: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quarantined_ids_leave_with_their_table_and_stay_out_of_use_where_it_arrives() {
+        let mut e = Engine::new_cluster(EngineConfig::with_key([1, 2])).unwrap();
+        for m in e.bootstrap(1) {
+            e.apply(&m).unwrap();
+        }
+        let root = e.root();
+        let cred = Credentials::root();
+        let mut out = Vec::new();
+        let op = Op::Mknod {
+            parent: root,
+            name: b"f".to_vec(),
+            mode: mode::S_IFREG | 0o644,
+            rdev: 0,
+            exclusive: true,
+        };
+        let id = match e.execute(&cred, &op, 2, &mut out) {
+            Reply::Entry(a) => a.id,
+            other => panic!("{other:?}"),
+        };
+        let unlink = Op::Unlink {
+            parent: root,
+            name: b"f".to_vec(),
+        };
+        assert!(matches!(
+            e.execute(&cred, &unlink, 3, &mut out),
+            Reply::Empty | Reply::WithDirs { .. }
+        ));
+        assert!(!e.is_free(id), "quarantined after its removal");
+        let t = &e.tables()[e.table_index(id).unwrap()];
+        let (lo, hi) = (t.lo, t.hi);
+        let moved = e.take_quarantine(lo, hi);
+        assert_eq!(moved, vec![id]);
+        assert!(e.is_free(id), "no longer this engine's to hold");
+        e.quarantine_arrived(&moved);
+        assert!(!e.is_free(id), "held where the table arrived");
+        e.advance_clock(3 + QUARANTINE_NS);
+        assert!(e.is_free(id), "until a whole quarantine has passed");
+    }
 
     #[test]
     fn split_points_fall_between_subtrees_never_inside_a_directory() {

@@ -79,6 +79,7 @@ pub struct Handover {
     pub open_handles: Vec<(u64, u64, u64)>,
     pub replies: HandedOver,
     pub locks: Vec<(u64, crate::locks::Held)>,
+    pub quarantine: Vec<u64>,
 }
 
 /// Who serves a table.
@@ -125,6 +126,11 @@ pub struct Manifest {
     /// the next owner keeps them); kept like `open_elsewhere`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub locks: Vec<(u64, crate::locks::Held)>,
+    /// Ids of the table's inodes removed in the last seconds at the server that released
+    /// it: not handed out again before their quarantine ends (a kernel may still reach
+    /// them by a cached name); kept like `open_elsewhere`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quarantine: Vec<u64>,
     /// Set by a split: the manifest of the upper half `[hi, ..)`, whose own manifest may
     /// not be written yet. This manifest is the split's commit point: from it on, `hi` is
     /// the split point and whoever loads the table loads that half too, from its own
@@ -573,6 +579,7 @@ impl Checkpointer {
                 m.open_handles.clear();
                 m.replies = HandedOver::default();
                 m.locks.clear();
+                m.quarantine.clear();
             }
         }
         self.write_manifest(shared, m, obsolete)?;
@@ -725,6 +732,7 @@ impl Checkpointer {
         m.open_handles = handover.open_handles;
         m.replies = handover.replies;
         m.locks = handover.locks;
+        m.quarantine = handover.quarantine;
         let has_base = m.images.iter().any(|i| i.full);
         let full = table.take_needs_full() || !has_base || m.wants_full();
         let dirty = table.take_dirty();
@@ -835,6 +843,7 @@ impl Checkpointer {
         lower.open_handles.clear();
         lower.replies = HandedOver::default();
         lower.locks.clear();
+        lower.quarantine.clear();
         lower.split = Some(Box::new(upper.clone()));
         self.write_manifest(shared, lower, old.images)?;
         // A stale manifest of the upper id cannot exist (tables never merge), but a write

@@ -50,6 +50,7 @@ impl Shared {
                 open_handles,
                 locks: core.locks.take_range(table.lo, table.hi),
                 replies: Default::default(),
+                quarantine: core.engine.take_quarantine(table.lo, table.hi),
             };
             (table, handover, self.journal.last_lsn())
         };
@@ -75,6 +76,7 @@ impl Shared {
                     core.engine.add_open_counts(&handover.open_counts);
                     core.add_arrived_handles(&handover.open_handles);
                     core.locks.put_moved(&handover.locks);
+                    core.engine.quarantine_arrived(&handover.quarantine);
                 }
                 return Err(e);
             }
@@ -203,6 +205,7 @@ impl Shared {
                 core.add_arrived_handles(&m.open_handles);
                 core.replies.import(&m.replies);
                 core.locks.put_moved(&m.locks);
+                core.engine.quarantine_arrived(&m.quarantine);
             }
             tracing::info!(
                 "serving table {:016x} from now on (loaded in {:?}{})",
