@@ -18,6 +18,8 @@
 #          kochab_nofsync: the same with --no-fsync (buffered, as MooseFS's master is);
 #          kochab_base: `kochab up --mount` of KOCHAB_BASE_BIN (an earlier build), for a
 #          same-run A/B of two versions;
+#          kochab_sync: `kochab up --mount --mount-options sync` (no write-behind: every
+#          write(2) is a round trip, as before it existed);
 #          ext4: a directory on /var/tmp (this root file system has no ext4 journal, and then
 #          ext4 skips inodes deleted in the last 60-300 s when it allocates: creates right
 #          after mass deletions are slow and erratic); ext4j: a fresh ext4 with a journal in a
@@ -66,6 +68,7 @@ tmp=$(mktemp -d /var/tmp/kfc.XXXXXX)   # short paths: fs_mark takes directories 
 KM=/mnt/kfc.$$                  # kochab (durable, the default mode)
 KMB=/mnt/kfcb.$$                # kochab_nofsync (kochab up --no-fsync)
 KMA=/mnt/kfca.$$                # kochab_base (KOCHAB_BASE_BIN)
+KMS=/mnt/kfcs.$$                # kochab_sync (kochab up --mount-options sync)
 EJ=/mnt/kfce.$$                 # ext4j: a fresh journaled ext4 in a loop file under $tmp
 KPIDS=()
 MFS_UP=0
@@ -82,16 +85,16 @@ cleanup() {
       kill -KILL "$pid"; sleep 0.5
     fi
   done
-  for m in "$KM" "$KMB" "$KMA"; do
+  for m in "$KM" "$KMB" "$KMA" "$KMS"; do
     if is_mounted "$m"; then
       echo "$m still mounted after kochab stopped: lazy unmount" >&2
       fusermount3 -uz "$m" 2>/dev/null || umount -l "$m"
     fi
   done
   is_mounted "$EJ" && umount "$EJ"     # mount -o loop frees its loop device itself
-  for m in "$KM" "$KMB" "$KMA" "$EJ"; do is_mounted "$m" || rmdir "$m" 2>/dev/null; done
+  for m in "$KM" "$KMB" "$KMA" "$KMS" "$EJ"; do is_mounted "$m" || rmdir "$m" 2>/dev/null; done
   [ "$MFS_UP" = 1 ] && timeout 300 "$PEERS/moosefs/down.sh" >/dev/null 2>&1
-  is_mounted "$KM" || is_mounted "$KMB" || is_mounted "$KMA" || is_mounted "$EJ" || rm -rf "$tmp"
+  is_mounted "$KM" || is_mounted "$KMB" || is_mounted "$KMA" || is_mounted "$KMS" || is_mounted "$EJ" || rm -rf "$tmp"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -155,6 +158,7 @@ mnt_of() {
     kochab) echo "$KM" ;;
     kochab_nofsync) echo "$KMB" ;;
     kochab_base) echo "$KMA" ;;
+    kochab_sync) echo "$KMS" ;;
     moosefs) echo "$MFS_MNT" ;;
     ext4) echo "$tmp/e" ;;
     ext4j) echo "$EJ" ;;
@@ -183,6 +187,7 @@ for fs in $FSLIST; do
     kochab) start_kochab kochab "$PORT" "$KM" ${KOCHAB_UP_ARGS:-} ;;
     kochab_nofsync) start_kochab kochab_nofsync "$((PORT + 1))" "$KMB" --no-fsync ${KOCHAB_UP_ARGS:-} ;;
     kochab_base) start_kochab kochab_base "$((PORT + 2))" "$KMA" ;;
+    kochab_sync) start_kochab kochab_sync "$((PORT + 3))" "$KMS" --mount-options sync ${KOCHAB_UP_ARGS:-} ;;
     moosefs)
       if is_mounted "$MFS_MNT"; then
         echo "$MFS_MNT is already mounted (someone else's run?): not touching it" >&2; exit 1

@@ -162,7 +162,7 @@ if dd4k:
             print(f"  {fs:8} write {med([x[0] for x in v]):7.0f} {[round(x[0]) for x in v]}  "
                   f"{' '.join(sorted({x[1] for x in v}))}")
     for k_fs in ('kochab', 'kochab_nofsync'):
-        for base in ('ext4', 'ext4j', 'moosefs', 'kochab_base'):
+        for base in ('ext4', 'ext4j', 'moosefs', 'kochab_base', 'kochab_sync'):
             if k_fs in dd4k and base in dd4k:
                 q = ratio(med([x[0] for x in dd4k[k_fs]]), med([x[0] for x in dd4k[base]]))
                 tgt = f" (target >= 0.8x: {'ok' if q >= 0.8 else 'SHORT'})" if base.startswith('ext4') else ''

@@ -220,7 +220,7 @@ impl KochabFs {
             config.atime = AtimeRule::Never;
         }
         let root = client.root();
-        let wb = writebehind::WriteBehind::new(client.clone());
+        let wb = writebehind::WriteBehind::new(client.clone(), rt.clone());
         KochabFs {
             inner: Arc::new(Inner {
                 wb,
@@ -771,11 +771,21 @@ impl Filesystem for KochabFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let data = data.to_vec();
         let len = data.len() as u32;
         // Writeback of cached (e.g. mmap'ed) pages: the kernel waits for this reply to end
         // those pages' writeback, so dropping them first would wait for itself.
         let writeback = write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
+        let fs = &self.inner;
+        if !writeback && fs.may_buffer(fs.id(ino), fh.0) {
+            // The common case answers from this thread: no hand-off to the runtime.
+            let cred = fs.groups.credentials(req.uid(), req.gid(), req.pid());
+            match fs.wb.write_now(&cred, fs.id(ino), fh.0, offset, data) {
+                Some(Ok(())) => return reply.written(len),
+                Some(Err(e)) => return reply.error(errno(&e)),
+                None => {}
+            }
+        }
+        let data = data.to_vec();
         self.spawn(req, move |fs, cred| async move {
             let id = fs.id(ino);
             if !writeback && fs.may_buffer(id, fh.0) {

@@ -42,6 +42,8 @@ struct Pending {
 /// The mount's write-behind state.
 pub struct WriteBehind {
     client: Client,
+    /// Sends run here (a write may be buffered from a FUSE request thread).
+    rt: tokio::runtime::Handle,
     inodes: Mutex<FxHashMap<InodeId, Pending>>,
     /// Woken when a send ends.
     sent: tokio::sync::Notify,
@@ -57,9 +59,10 @@ enum Step {
 }
 
 impl WriteBehind {
-    pub fn new(client: Client) -> Arc<WriteBehind> {
+    pub fn new(client: Client, rt: tokio::runtime::Handle) -> Arc<WriteBehind> {
         Arc::new(WriteBehind {
             client,
+            rt,
             inodes: Mutex::new(FxHashMap::default()),
             sent: tokio::sync::Notify::new(),
         })
@@ -69,6 +72,51 @@ impl WriteBehind {
     /// then call [`WriteBehind::flush`]).
     pub fn pending(&self, id: InodeId) -> bool {
         self.inodes.lock().contains_key(&id)
+    }
+
+    /// [`WriteBehind::write`] without waiting, for the FUSE request thread (no hand-off to
+    /// the runtime for the common write): `None` if the write would have to wait (it is
+    /// not next to the buffered bytes, or too much is in flight); then nothing changed.
+    pub fn write_now(
+        self: &Arc<Self>,
+        cred: &Credentials,
+        id: InodeId,
+        handle: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Option<Result<(), FsError>> {
+        let step = {
+            let mut inodes = self.inodes.lock();
+            let p = inodes.entry(id).or_insert_with(|| Pending {
+                handle,
+                cred: cred.clone(),
+                start: offset,
+                buf: Vec::new(),
+                in_flight: 0,
+                error: None,
+            });
+            if let Some(e) = p.error.take() {
+                return Some(Err(e));
+            }
+            if p.buf.is_empty() && p.in_flight == 0 && p.handle == handle {
+                p.start = offset;
+            }
+            let next = p.start + p.buf.len() as u64;
+            let full = p.buf.len() + data.len() >= CHUNK && p.in_flight >= IN_FLIGHT;
+            if p.handle != handle || next != offset || full {
+                return None;
+            }
+            if p.buf.capacity() == 0 {
+                p.buf.reserve_exact(CHUNK);
+            }
+            p.buf.extend_from_slice(data);
+            p.cred.clone_from(cred);
+            self.next_send(p)
+        };
+        if let Step::Send(handle, cred, start, bytes) = step {
+            self.spawn_send(id, handle, cred, start, bytes);
+        }
+        Some(Ok(()))
     }
 
     /// Buffers `data` written at `offset` through `handle`; sends a full chunk. `Err`: an
@@ -141,8 +189,14 @@ impl WriteBehind {
         self.take(p)
     }
 
+    /// The first `CHUNK` buffered bytes (or all, if fewer), as a send.
     fn take(&self, p: &mut Pending) -> Step {
-        let bytes = std::mem::take(&mut p.buf);
+        let rest = if p.buf.len() > CHUNK {
+            p.buf.split_off(CHUNK)
+        } else {
+            Vec::new()
+        };
+        let bytes = std::mem::replace(&mut p.buf, rest);
         let start = p.start;
         p.start += bytes.len() as u64;
         p.in_flight += 1;
@@ -158,7 +212,7 @@ impl WriteBehind {
         bytes: Vec<u8>,
     ) {
         let wb = self.clone();
-        tokio::spawn(async move {
+        self.rt.spawn(async move {
             let r = wb.client.write(&cred, handle, start, bytes).await;
             let mut inodes = wb.inodes.lock();
             if let Some(p) = inodes.get_mut(&id) {
