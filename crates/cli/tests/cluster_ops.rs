@@ -388,3 +388,92 @@ fn a_table_split_online_serves_both_halves_on_two_servers_and_after_a_kill() {
     let report = common::offline_fsck_clean(&dir.path().join("data"), "after a split");
     assert!(report.contains("20 tables"), "{report}");
 }
+
+/// A split whose owner dies right after its commit point (the lower half's manifest names
+/// the split, the upper half has no manifest of its own yet): the table's recoverer loads
+/// both halves, writes the upper's manifest, and the coordinator's map learns the split
+/// from it; nothing is lost and the stopped cluster checks clean.
+#[test]
+fn a_split_interrupted_after_its_commit_point_is_finished_by_the_recoverer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProc::start_env(
+        &dir.path().join("data"),
+        "0",
+        &["--servers", "2", "--lease", "2"],
+        &[("KOCHAB_CRASH_AT", "split-committed")],
+    );
+    wait_spread(&server, 2, 9);
+    let rt = runtime();
+    let cred = Credentials::root();
+    let (client, top, subs) = rt.block_on(async {
+        let c = server.client(3).await;
+        let top = c
+            .mkdir(&cred, c.root(), b"top", 0o755)
+            .await
+            .expect("mkdir")
+            .id;
+        let mut subs = Vec::new();
+        for d in 0..4 {
+            let sub = c
+                .mkdir(&cred, top, format!("d{d}").as_bytes(), 0o755)
+                .await
+                .expect("mkdir sub")
+                .id;
+            for i in 0..25 {
+                c.create(&cred, sub, format!("f{i}").as_bytes(), 0o644)
+                    .await
+                    .expect("create");
+            }
+            subs.push(sub);
+        }
+        (c, top, subs)
+    });
+    let expected = rt.block_on(names_in(&client, &subs));
+    let v = status(&server).expect("status");
+    let (lo, _) = table_of(&v, top).expect("the tree's table");
+    // The owner aborts inside the split; the command may see the split dropped with it.
+    let _ = kochab(&server, &["table", "split", &lo, "--timeout", "60"]);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let v = status(&server);
+        let split = v.as_ref().is_some_and(|v| {
+            let first = table_of(v, subs[0]).map(|t| t.0);
+            let last = table_of(v, subs[3]).map(|t| t.0);
+            first.as_deref() == Some(lo.as_str()) && last.is_some() && last != first
+        });
+        if split {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the map never showed the split; status {v:#?}\n{}",
+            server.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let logs: String = ["mds-2.log", "mds-3.log"]
+        .iter()
+        .map(|f| std::fs::read_to_string(dir.path().join("data/logs").join(f)).unwrap_or_default())
+        .collect();
+    assert!(
+        logs.contains("aborting here"),
+        "the owner did not crash in the split"
+    );
+    assert!(
+        logs.contains(&format!("table {lo} was split at")),
+        "the recoverer did not find the split:\n{logs}"
+    );
+    rt.block_on(async {
+        assert_eq!(names_in(&client, &subs).await, expected);
+        client
+            .create(&cred, subs[3], b"after", 0o644)
+            .await
+            .expect("create in the upper half");
+        let problems = client.fsck().await.expect("fsck");
+        assert!(problems.is_empty(), "{problems:?}");
+    });
+    let mut server = server;
+    server.kill9();
+    std::thread::sleep(Duration::from_secs(2));
+    common::offline_fsck_clean(&dir.path().join("data"), "after an interrupted split");
+}

@@ -846,6 +846,7 @@ impl Checkpointer {
         lower.quarantine.clear();
         lower.split = Some(Box::new(upper.clone()));
         self.write_manifest(shared, lower, old.images)?;
+        crash_point("split-committed");
         // A stale manifest of the upper id cannot exist (tables never merge), but a write
         // over one would be refused, not lost.
         let mut upper = upper;
@@ -860,6 +861,16 @@ impl Checkpointer {
     /// Starts checkpointing a table whose manifest this server has just claimed.
     pub fn adopt(&mut self, m: Manifest) {
         self.manifests.insert(m.lo, m);
+    }
+}
+
+/// Test hook: `KOCHAB_CRASH_AT=<name>` aborts the process at the point of that name, so a
+/// test can crash exactly inside a protocol's steps (a SIGKILL from outside cannot aim).
+/// Points: `split-committed` (a split's lower manifest written, the upper's not yet).
+pub fn crash_point(name: &str) {
+    if std::env::var("KOCHAB_CRASH_AT").is_ok_and(|v| v == name) {
+        eprintln!("kochab: KOCHAB_CRASH_AT={name}: aborting here, as asked");
+        std::process::abort();
     }
 }
 

@@ -50,6 +50,11 @@ impl ServerProc {
 
     /// Like `start`, on a given port.
     pub fn start_on(data: &Path, port: &str, extra: &[&str]) -> ServerProc {
+        Self::start_env(data, port, extra, &[])
+    }
+
+    /// Like `start_on`, with environment variables for every process of the cluster.
+    pub fn start_env(data: &Path, port: &str, extra: &[&str], env: &[(&str, &str)]) -> ServerProc {
         let log = data.with_extension(format!("log{}", std::process::id()));
         let log_file = std::fs::OpenOptions::new()
             .create(true)
@@ -62,6 +67,7 @@ impl ServerProc {
             .args(["--port", port])
             .args(extra)
             .env("KOCHAB_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(log_file)
             .spawn()
