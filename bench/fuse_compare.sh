@@ -20,6 +20,8 @@
 #          same-run A/B of two versions;
 #          kochab_sync: `kochab up --mount --mount-options sync` (no write-behind: every
 #          write(2) is a round trip, as before it existed);
+#          bindfs: Debian's bindfs, a FUSE passthrough to a directory of the local ext4 (the
+#          cost of FUSE itself; installed if missing);
 #          ext4: a directory on /var/tmp (this root file system has no ext4 journal, and then
 #          ext4 skips inodes deleted in the last 60-300 s when it allocates: creates right
 #          after mass deletions are slow and erratic); ext4j: a fresh ext4 with a journal in a
@@ -70,6 +72,7 @@ KMB=/mnt/kfcb.$$                # kochab_nofsync (kochab up --no-fsync)
 KMA=/mnt/kfca.$$                # kochab_base (KOCHAB_BASE_BIN)
 KMS=/mnt/kfcs.$$                # kochab_sync (kochab up --mount-options sync)
 EJ=/mnt/kfce.$$                 # ext4j: a fresh journaled ext4 in a loop file under $tmp
+BF=/mnt/kfcf.$$                 # bindfs: a FUSE passthrough of $tmp/b (local ext4)
 KPIDS=()
 MFS_UP=0
 is_mounted() { awk -v m="$1" '$2==m {f=1} END {exit !f}' /proc/mounts; }
@@ -92,9 +95,10 @@ cleanup() {
     fi
   done
   is_mounted "$EJ" && umount "$EJ"     # mount -o loop frees its loop device itself
-  for m in "$KM" "$KMB" "$KMA" "$KMS" "$EJ"; do is_mounted "$m" || rmdir "$m" 2>/dev/null; done
+  is_mounted "$BF" && { fusermount3 -u "$BF" 2>/dev/null || umount -l "$BF"; }
+  for m in "$KM" "$KMB" "$KMA" "$KMS" "$EJ" "$BF"; do is_mounted "$m" || rmdir "$m" 2>/dev/null; done
   [ "$MFS_UP" = 1 ] && timeout 300 "$PEERS/moosefs/down.sh" >/dev/null 2>&1
-  is_mounted "$KM" || is_mounted "$KMB" || is_mounted "$KMA" || is_mounted "$KMS" || is_mounted "$EJ" || rm -rf "$tmp"
+  is_mounted "$KM" || is_mounted "$KMB" || is_mounted "$KMA" || is_mounted "$KMS" || is_mounted "$EJ" || is_mounted "$BF" || rm -rf "$tmp"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -162,6 +166,7 @@ mnt_of() {
     moosefs) echo "$MFS_MNT" ;;
     ext4) echo "$tmp/e" ;;
     ext4j) echo "$EJ" ;;
+    bindfs) echo "$BF" ;;
   esac
 }
 start_kochab() {  # start_kochab NAME PORT MOUNT [up args...]
@@ -196,6 +201,17 @@ for fs in $FSLIST; do
       timeout 900 "$PEERS/moosefs/up.sh" >&2 || { echo "moosefs up.sh failed" >&2; exit 1; }
       ;;
     ext4) mkdir -p "$tmp/e" ;;
+    bindfs)
+      if ! command -v bindfs >/dev/null; then
+        echo "installing bindfs" >&2
+        apt-get -o DPkg::Lock::Timeout=600 update -q >&2
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
+          --no-install-recommends bindfs >&2
+      fi
+      mkdir -p "$tmp/b" "$BF"
+      bindfs "$tmp/b" "$BF"
+      log "bindfs: $tmp/b (local ext4) through FUSE at $BF"
+      ;;
     ext4j)
       truncate -s 8G "$tmp/ext4j.img"
       mkfs.ext4 -q -F "$tmp/ext4j.img"

@@ -95,7 +95,7 @@ if md:
             fg = foreign.get((fs, 'mdrate-' + mode))
             print(f"  {mode:6} {fs:8} " + " | ".join(cells) + (f"  foreign% {fg}" if fg else ""))
     for k_fs in ('kochab', 'kochab_nofsync'):
-        for base, target in (('moosefs', 5.0), ('ext4', None), ('ext4j', None), ('kochab_base', None)):
+        for base, target in (('moosefs', 5.0), ('bindfs', 1.0), ('ext4', None), ('ext4j', None), ('kochab_base', None)):
             if k_fs not in fss or base not in fss or k_fs == base:
                 continue
             print(f"  ratio {k_fs}/{base}" + (f" (target >= {target:g}x)" if target else ""))
@@ -162,7 +162,7 @@ if dd4k:
             print(f"  {fs:8} write {med([x[0] for x in v]):7.0f} {[round(x[0]) for x in v]}  "
                   f"{' '.join(sorted({x[1] for x in v}))}")
     for k_fs in ('kochab', 'kochab_nofsync'):
-        for base in ('ext4', 'ext4j', 'moosefs', 'kochab_base', 'kochab_sync'):
+        for base in ('ext4', 'ext4j', 'moosefs', 'bindfs', 'kochab_base', 'kochab_sync'):
             if k_fs in dd4k and base in dd4k:
                 q = ratio(med([x[0] for x in dd4k[k_fs]]), med([x[0] for x in dd4k[base]]))
                 tgt = f" (target >= 0.8x: {'ok' if q >= 0.8 else 'SHORT'})" if base.startswith('ext4') else ''
