@@ -365,6 +365,64 @@ async fn server_reports(conn: &ConnArgs, map: &DelegationMap) -> Result<Vec<Serv
     Ok(out)
 }
 
+/// `kochab fsck` of a cluster: every server checks the tables it holds (inodes, entries,
+/// link counts and parent chains as far as its own tables go); the answers are printed
+/// per server. Links between tables of different servers are checked by the offline
+/// check of the stopped cluster (`kochab fsck --data`), which loads every table at once.
+pub async fn fsck(conn: &ConnArgs, map: &DelegationMap) -> Result<(), String> {
+    let key = conn.key.load()?;
+    let tls = conn.tls.load()?;
+    let mut problems = 0;
+    let mut unreachable = 0;
+    for (id, addr) in &map.servers {
+        let tables = map.tables.values().filter(|p| p.owner == *id).count();
+        let answer = async {
+            let sock = kochab_client::resolve_addr(addr).map_err(|e| e.to_string())?;
+            let mut cfg = ClientConfig::new(sock, key);
+            cfg.connections = 1;
+            cfg.tls = tls.clone();
+            let c = Client::connect(cfg).await.map_err(|e| e.to_string())?;
+            c.fsck().await.map_err(|e| e.to_string())
+        }
+        .await;
+        match answer {
+            Ok(p) if p.is_empty() => {
+                println!("kochab fsck: server {} ({tables} tables): clean", id.0)
+            }
+            Ok(p) => {
+                for line in &p {
+                    println!("server {}: {line}", id.0);
+                }
+                problems += p.len();
+            }
+            Err(e) if tables == 0 => {
+                println!(
+                    "kochab fsck: server {} (no tables): not reached ({e})",
+                    id.0
+                )
+            }
+            Err(e) => {
+                println!(
+                    "kochab fsck: server {} ({tables} tables): not reached: {e}",
+                    id.0
+                );
+                unreachable += 1;
+            }
+        }
+    }
+    println!(
+        "kochab fsck: {} tables on {} servers; links across servers are checked offline \
+         (kochab fsck --data DIR of the stopped cluster)",
+        map.tables.len(),
+        map.servers.len()
+    );
+    match (problems, unreachable) {
+        (0, 0) => Ok(()),
+        (p, 0) => Err(format!("{p} problems")),
+        (p, u) => Err(format!("{p} problems; {u} servers with tables not reached")),
+    }
+}
+
 /// The coordinator's state, through the replicas the servers follow (None: no answer,
 /// or the key is a client key, which the coordinator does not take).
 async fn coord_state(conn: &ConnArgs, coordinators: &[String]) -> Result<CoordState, String> {

@@ -800,6 +800,13 @@ fn fsck_offline(dir: &std::path::Path, repair: bool, accept_loss: bool) -> Resul
 
 async fn fsck(conn: ConnArgs) -> Result<(), String> {
     let client = connect(&conn).await?;
+    if let Ok(kochab_proto::Reply::Map(map)) = client
+        .call(&kochab_proto::Credentials::root(), kochab_proto::Op::GetMap)
+        .await
+        && !map.servers.is_empty()
+    {
+        return admin::fsck(&conn, &map).await;
+    }
     let problems = client.fsck().await.map_err(|e| e.to_string())?;
     if problems.is_empty() {
         println!("kochab fsck: clean");

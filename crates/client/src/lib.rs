@@ -1242,9 +1242,15 @@ impl Client {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// Checks the namespace invariants on the server; returns the problems found.
+    /// Checks the namespace invariants on the server this client connected to (as
+    /// `status`: of a cluster, the tables that server holds); returns the problems found.
     pub async fn fsck(&self) -> FsResult<Vec<String>> {
-        match self.call(&Credentials::root(), Op::Fsck).await? {
+        let req = plain_request(&Credentials::root(), Op::Fsck);
+        match self
+            .send_single(&self.inner.home, &req)
+            .await
+            .map_err(FsError::from)?
+        {
             Reply::Problems(p) => Ok(p),
             other => Err(unexpected(other)),
         }
