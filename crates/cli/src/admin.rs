@@ -346,17 +346,27 @@ pub async fn server(cmd: ServerCommand) -> Result<(), String> {
 /// What one server says about itself, for status.
 type ServerReport = (ServerId, String, Result<StatusReport, String>);
 
+/// A client of the one server at `addr` (one connection): its status and fsck answer for
+/// that server alone.
+async fn server_client(
+    addr: &str,
+    key: kochab_proto::auth::ClientKey,
+    tls: &Option<kochab_client::tls::TlsClient>,
+) -> Result<Client, String> {
+    let sock = kochab_client::resolve_addr(addr).map_err(|e| e.to_string())?;
+    let mut cfg = ClientConfig::new(sock, key);
+    cfg.connections = 1;
+    cfg.tls = tls.clone();
+    Client::connect(cfg).await.map_err(|e| e.to_string())
+}
+
 async fn server_reports(conn: &ConnArgs, map: &DelegationMap) -> Result<Vec<ServerReport>, String> {
     let key = conn.key.load()?;
     let tls = conn.tls.load()?;
     let mut out = Vec::new();
     for (id, addr) in &map.servers {
         let report = async {
-            let sock = kochab_client::resolve_addr(addr).map_err(|e| e.to_string())?;
-            let mut cfg = ClientConfig::new(sock, key);
-            cfg.connections = 1;
-            cfg.tls = tls.clone();
-            let c = Client::connect(cfg).await.map_err(|e| e.to_string())?;
+            let c = server_client(addr, key, &tls).await?;
             c.status().await.map_err(|e| e.to_string())
         }
         .await;
@@ -377,11 +387,7 @@ pub async fn fsck(conn: &ConnArgs, map: &DelegationMap) -> Result<(), String> {
     for (id, addr) in &map.servers {
         let tables = map.tables.values().filter(|p| p.owner == *id).count();
         let answer = async {
-            let sock = kochab_client::resolve_addr(addr).map_err(|e| e.to_string())?;
-            let mut cfg = ClientConfig::new(sock, key);
-            cfg.connections = 1;
-            cfg.tls = tls.clone();
-            let c = Client::connect(cfg).await.map_err(|e| e.to_string())?;
+            let c = server_client(addr, key, &tls).await?;
             c.fsck().await.map_err(|e| e.to_string())
         }
         .await;

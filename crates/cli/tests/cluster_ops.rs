@@ -233,6 +233,31 @@ fn drain_under_load_loses_nothing_and_add_and_move_place_tables() {
     assert!(!ok && out.contains("not live"), "{out}");
 }
 
+/// `/top` with four directories `d0`..`d3` of 25 files each: (top, the four).
+async fn make_tree(c: &kochab_client::Client) -> (InodeId, Vec<InodeId>) {
+    let cred = Credentials::root();
+    let top = c
+        .mkdir(&cred, c.root(), b"top", 0o755)
+        .await
+        .expect("mkdir")
+        .id;
+    let mut subs = Vec::new();
+    for d in 0..4 {
+        let sub = c
+            .mkdir(&cred, top, format!("d{d}").as_bytes(), 0o755)
+            .await
+            .expect("mkdir sub")
+            .id;
+        for i in 0..25 {
+            c.create(&cred, sub, format!("f{i}").as_bytes(), 0o644)
+                .await
+                .expect("create");
+        }
+        subs.push(sub);
+    }
+    (top, subs)
+}
+
 /// Every name in the directories `dirs`, sorted.
 async fn names_in(c: &kochab_client::Client, dirs: &[InodeId]) -> Vec<(InodeId, String)> {
     let mut out = Vec::new();
@@ -268,25 +293,7 @@ fn a_table_split_online_serves_both_halves_on_two_servers_and_after_a_kill() {
     let cred = Credentials::root();
     let (client, top, subs) = rt.block_on(async {
         let c = server.client(3).await;
-        let top = c
-            .mkdir(&cred, c.root(), b"top", 0o755)
-            .await
-            .expect("mkdir")
-            .id;
-        let mut subs = Vec::new();
-        for d in 0..4 {
-            let sub = c
-                .mkdir(&cred, top, format!("d{d}").as_bytes(), 0o755)
-                .await
-                .expect("mkdir sub")
-                .id;
-            for i in 0..25 {
-                c.create(&cred, sub, format!("f{i}").as_bytes(), 0o644)
-                    .await
-                    .expect("create");
-            }
-            subs.push(sub);
-        }
+        let (top, subs) = make_tree(&c).await;
         (c, top, subs)
     });
     let v = status(&server).expect("status");
@@ -446,25 +453,7 @@ fn a_split_interrupted_after_its_commit_point_is_finished_by_the_recoverer() {
     let cred = Credentials::root();
     let (client, top, subs) = rt.block_on(async {
         let c = server.client(3).await;
-        let top = c
-            .mkdir(&cred, c.root(), b"top", 0o755)
-            .await
-            .expect("mkdir")
-            .id;
-        let mut subs = Vec::new();
-        for d in 0..4 {
-            let sub = c
-                .mkdir(&cred, top, format!("d{d}").as_bytes(), 0o755)
-                .await
-                .expect("mkdir sub")
-                .id;
-            for i in 0..25 {
-                c.create(&cred, sub, format!("f{i}").as_bytes(), 0o644)
-                    .await
-                    .expect("create");
-            }
-            subs.push(sub);
-        }
+        let (top, subs) = make_tree(&c).await;
         (c, top, subs)
     });
     let expected = rt.block_on(names_in(&client, &subs));

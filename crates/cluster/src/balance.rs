@@ -290,6 +290,24 @@ mod tests {
         assert_eq!(next_move(&s), None);
     }
 
+    /// Servers 1 and 2 with four tables, evened out to two each.
+    fn two_servers_two_tables_each() -> CoordState {
+        let mut s = CoordState::default();
+        let tables: Vec<(TableId, u64)> = (0..4).map(|i| (TableId(i * 10), i * 10 + 10)).collect();
+        s.apply(&CoordCommand::Bootstrap {
+            tables,
+            lease_ms: 10_000,
+        });
+        register(&mut s, 1, 1);
+        register(&mut s, 2, 2);
+        settle(&mut s);
+        while let Some(m) = next_move(&s) {
+            s.apply(&m);
+            settle(&mut s);
+        }
+        s
+    }
+
     /// Reports `ops` for `table` from its current owner.
     fn report(s: &mut CoordState, table: TableId, ops: u64) {
         let owner = s.map.owner(table).expect("placed");
@@ -311,19 +329,7 @@ mod tests {
 
     #[test]
     fn a_big_table_and_a_hot_spot_no_move_can_fix_are_split() {
-        let mut s = CoordState::default();
-        let tables: Vec<(TableId, u64)> = (0..4).map(|i| (TableId(i * 10), i * 10 + 10)).collect();
-        s.apply(&CoordCommand::Bootstrap {
-            tables,
-            lease_ms: 10_000,
-        });
-        register(&mut s, 1, 1);
-        register(&mut s, 2, 2);
-        settle(&mut s);
-        while let Some(m) = next_move(&s) {
-            s.apply(&m);
-            settle(&mut s);
-        }
+        let mut s = two_servers_two_tables_each();
         let t = TableId(10);
         let owner = s.map.owner(t).expect("placed");
         let inc = s.live(owner).expect("live");
@@ -376,19 +382,7 @@ mod tests {
 
     #[test]
     fn a_hot_server_swaps_a_table_with_a_cool_one_and_then_stays() {
-        let mut s = CoordState::default();
-        let tables: Vec<(TableId, u64)> = (0..4).map(|i| (TableId(i * 10), i * 10 + 10)).collect();
-        s.apply(&CoordCommand::Bootstrap {
-            tables,
-            lease_ms: 10_000,
-        });
-        register(&mut s, 1, 1);
-        register(&mut s, 2, 2);
-        settle(&mut s);
-        while let Some(m) = next_move(&s) {
-            s.apply(&m);
-            settle(&mut s);
-        }
+        let mut s = two_servers_two_tables_each();
         let on = |s: &CoordState, id: u32| -> Vec<TableId> {
             s.map
                 .tables

@@ -49,14 +49,8 @@ pub struct WriteBehind {
     sent: tokio::sync::Notify,
 }
 
-enum Step {
-    Done,
-    /// Bytes of another handle, or not next to the buffered ones: send those first.
-    FlushFirst,
-    /// Too many requests in flight: wait for one.
-    Wait,
-    Send(u64, Credentials, u64, Vec<u8>),
-}
+/// A request to start: (handle, credentials, offset, bytes).
+type Send = (u64, Credentials, u64, Vec<u8>);
 
 impl WriteBehind {
     pub fn new(client: Client, rt: tokio::runtime::Handle) -> Arc<WriteBehind> {
@@ -85,7 +79,7 @@ impl WriteBehind {
         offset: u64,
         data: &[u8],
     ) -> Option<Result<(), FsError>> {
-        let step = {
+        let send = {
             let mut inodes = self.inodes.lock();
             let p = inodes.entry(id).or_insert_with(|| Pending {
                 handle,
@@ -113,13 +107,15 @@ impl WriteBehind {
             p.cred.clone_from(cred);
             self.next_send(p)
         };
-        if let Step::Send(handle, cred, start, bytes) = step {
-            self.spawn_send(id, handle, cred, start, bytes);
+        if let Some(send) = send {
+            self.spawn_send(id, send);
         }
         Some(Ok(()))
     }
 
-    /// Buffers `data` written at `offset` through `handle`; sends a full chunk. `Err`: an
+    /// Buffers `data` written at `offset` through `handle`; sends a full chunk. Waits
+    /// when [`WriteBehind::write_now`] cannot take it: the buffered bytes are sent first
+    /// when these are not next to them, else a request in flight must end. `Err`: an
     /// earlier send of the inode failed (reported once).
     pub async fn write(
         self: &Arc<Self>,
@@ -129,68 +125,30 @@ impl WriteBehind {
         offset: u64,
         data: &[u8],
     ) -> Result<(), FsError> {
-        let mut data = Some(data);
         loop {
-            let step = {
-                let mut inodes = self.inodes.lock();
-                let p = inodes.entry(id).or_insert_with(|| Pending {
-                    handle,
-                    cred: cred.clone(),
-                    start: offset,
-                    buf: Vec::new(),
-                    in_flight: 0,
-                    error: None,
-                });
-                if let Some(e) = p.error.take() {
-                    return Err(e);
-                }
-                match data {
-                    Some(d) => {
-                        // Nothing in flight either: a new run may start anywhere. (With
-                        // sends in flight, only the next byte continues it: overlapping
-                        // requests in flight at once could land in either order.)
-                        if p.buf.is_empty() && p.in_flight == 0 && p.handle == handle {
-                            p.start = offset;
-                        }
-                        if p.handle != handle || p.start + p.buf.len() as u64 != offset {
-                            Step::FlushFirst
-                        } else {
-                            p.buf.extend_from_slice(d);
-                            p.cred = cred.clone();
-                            data = None;
-                            self.next_send(p)
-                        }
-                    }
-                    None => self.next_send(p),
-                }
-            };
-            match step {
-                Step::Done => return Ok(()),
-                Step::FlushFirst => self.flush(id).await?,
-                Step::Wait => self.wait_sent(id).await,
-                Step::Send(handle, cred, start, bytes) => {
-                    self.spawn_send(id, handle, cred, start, bytes);
-                    if data.is_none() {
-                        return Ok(());
-                    }
-                }
+            if let Some(done) = self.write_now(cred, id, handle, offset, data) {
+                return done;
+            }
+            let adjacent = self
+                .inodes
+                .lock()
+                .get(&id)
+                .is_some_and(|p| p.handle == handle && p.start + p.buf.len() as u64 == offset);
+            if adjacent {
+                self.wait_sent(id).await;
+            } else {
+                self.flush(id).await?;
             }
         }
     }
 
     /// A full chunk to send, if there is one and a request may start.
-    fn next_send(&self, p: &mut Pending) -> Step {
-        if p.buf.len() < CHUNK {
-            return Step::Done;
-        }
-        if p.in_flight >= IN_FLIGHT {
-            return Step::Wait;
-        }
-        self.take(p)
+    fn next_send(&self, p: &mut Pending) -> Option<Send> {
+        (p.buf.len() >= CHUNK && p.in_flight < IN_FLIGHT).then(|| self.take(p))
     }
 
     /// The first `CHUNK` buffered bytes (or all, if fewer), as a send.
-    fn take(&self, p: &mut Pending) -> Step {
+    fn take(&self, p: &mut Pending) -> Send {
         let rest = if p.buf.len() > CHUNK {
             p.buf.split_off(CHUNK)
         } else {
@@ -200,17 +158,10 @@ impl WriteBehind {
         let start = p.start;
         p.start += bytes.len() as u64;
         p.in_flight += 1;
-        Step::Send(p.handle, p.cred.clone(), start, bytes)
+        (p.handle, p.cred.clone(), start, bytes)
     }
 
-    fn spawn_send(
-        self: &Arc<Self>,
-        id: InodeId,
-        handle: u64,
-        cred: Credentials,
-        start: u64,
-        bytes: Vec<u8>,
-    ) {
+    fn spawn_send(self: &Arc<Self>, id: InodeId, (handle, cred, start, bytes): Send) {
         let wb = self.clone();
         self.rt.spawn(async move {
             let r = wb.client.write(&cred, handle, start, bytes).await;
@@ -256,15 +207,15 @@ impl WriteBehind {
 
     async fn drain(self: &Arc<Self>, id: InodeId, report: bool) -> Result<(), FsError> {
         loop {
-            let step = {
+            let send = {
                 let mut inodes = self.inodes.lock();
                 let Some(p) = inodes.get_mut(&id) else {
                     return Ok(());
                 };
                 if !p.buf.is_empty() && p.in_flight < IN_FLIGHT {
-                    self.take(p)
+                    Some(self.take(p))
                 } else if p.in_flight > 0 {
-                    Step::Wait
+                    None
                 } else if !report && p.error.is_some() {
                     return Ok(());
                 } else {
@@ -273,11 +224,9 @@ impl WriteBehind {
                     return error.map_or(Ok(()), Err);
                 }
             };
-            match step {
-                Step::Send(handle, cred, start, bytes) => {
-                    self.spawn_send(id, handle, cred, start, bytes)
-                }
-                _ => self.wait_sent(id).await,
+            match send {
+                Some(send) => self.spawn_send(id, send),
+                None => self.wait_sent(id).await,
             }
         }
     }

@@ -801,15 +801,18 @@ impl Checkpointer {
                 return Ok(Err(e));
             }
             let lsn = shared.journal.last_lsn();
-            let mut sets = [lo, at].map(|t| {
-                let i = hosted_index(&core.engine, t).expect("both halves are hosted");
+            // Both halves get full images: their dirty marks are covered.
+            let mut all_boxes = |t: u64| {
+                let i = hosted_index(&core.engine, t).ok_or_else(|| {
+                    io::Error::other(format!("table {t:016x} is not hosted after its split"))
+                })?;
                 let t = &mut core.engine.tables_mut()[i];
                 t.take_needs_full();
                 t.take_dirty();
-                t.all_boxes()
-            });
-            let upper = std::mem::take(&mut sets[1]);
-            let lower = std::mem::take(&mut sets[0]);
+                Ok::<_, io::Error>(t.all_boxes())
+            };
+            let lower = all_boxes(lo)?;
+            let upper = all_boxes(at)?;
             (at, lsn, lower, upper)
         };
         let upper_img =
