@@ -7,19 +7,26 @@
 #  2. streaming: dd 1 GiB of zeros with conv=fsync, drop caches, dd it back, md5sum (after
 #     another drop of the caches) against the md5 of zeros; plus a random-data copy check;
 #  3. dd4k: dd DD4K_MB (256) MiB of zeros in 4 KiB writes with conv=fsync (small writes:
-#     the mount's write-behind), then its md5 after a drop of the caches.
+#     the mount's write-behind), then its md5 after a drop of the caches;
+#  4. tarfind: two `tar -x` processes at once, each extracting a Linux source tree of
+#     zero-length files (Debian's linux-source, its files emptied: $KTREE, built once) into
+#     its own directory; then, after a drop of the caches, two `find` processes at once, one
+#     over each tree. Entries/s = entries of both trees / wall time.
 # Every round runs every workload on every file system (the order of the file systems
 # rotates per round); medians over ROUNDS rounds, every run printed.
 #
 # Usage: bench/fuse_compare.sh [ROUNDS]      (needs root and a release build of kochab)
 # Env:   FILES=5000 NPROC=4 FSMARK_N=20000 DD_MB=1024 DD4K_MB=256 RAND_MB=256 PAUSE=2
 #        FSLIST="kochab kochab_nofsync moosefs ext4 ext4j"  WORKLOADS="mdrate fsmark dd dd4k"  WARMUP=1
+#        (WORKLOADS may add tarfind; KTREE=/var/tmp/kochab-ktree.tar)
 #          kochab: `kochab up --mount` (durable: no reply before its journal record is on disk);
 #          kochab_nofsync: the same with --no-fsync (buffered, as MooseFS's master is);
 #          kochab_base: `kochab up --mount` of KOCHAB_BASE_BIN (an earlier build), for a
 #          same-run A/B of two versions;
 #          kochab_sync: `kochab up --mount --mount-options sync` (no write-behind: every
-#          write(2) is a round trip, as before it existed);
+#          write(2) is a round trip, as before it existed; no early replies either);
+#          kochab_dirsync: `kochab up --mount --mount-options dirsync` (every metadata change
+#          durable before its reply, as before early replies existed);
 #          bindfs: Debian's bindfs, a FUSE passthrough to a directory of the local ext4 (the
 #          cost of FUSE itself; installed if missing);
 #          ext4: a directory on /var/tmp (this root file system has no ext4 journal, and then
@@ -71,6 +78,7 @@ KM=/mnt/kfc.$$                  # kochab (durable, the default mode)
 KMB=/mnt/kfcb.$$                # kochab_nofsync (kochab up --no-fsync)
 KMA=/mnt/kfca.$$                # kochab_base (KOCHAB_BASE_BIN)
 KMS=/mnt/kfcs.$$                # kochab_sync (kochab up --mount-options sync)
+KMD=/mnt/kfcd.$$                # kochab_dirsync (kochab up --mount-options dirsync)
 EJ=/mnt/kfce.$$                 # ext4j: a fresh journaled ext4 in a loop file under $tmp
 BF=/mnt/kfcf.$$                 # bindfs: a FUSE passthrough of $tmp/b (local ext4)
 KPIDS=()
@@ -88,7 +96,7 @@ cleanup() {
       kill -KILL "$pid"; sleep 0.5
     fi
   done
-  for m in "$KM" "$KMB" "$KMA" "$KMS"; do
+  for m in "$KM" "$KMB" "$KMA" "$KMS" "$KMD"; do
     if is_mounted "$m"; then
       echo "$m still mounted after kochab stopped: lazy unmount" >&2
       fusermount3 -uz "$m" 2>/dev/null || umount -l "$m"
@@ -96,9 +104,9 @@ cleanup() {
   done
   is_mounted "$EJ" && umount "$EJ"     # mount -o loop frees its loop device itself
   is_mounted "$BF" && { fusermount3 -u "$BF" 2>/dev/null || umount -l "$BF"; }
-  for m in "$KM" "$KMB" "$KMA" "$KMS" "$EJ" "$BF"; do is_mounted "$m" || rmdir "$m" 2>/dev/null; done
+  for m in "$KM" "$KMB" "$KMA" "$KMS" "$KMD" "$EJ" "$BF"; do is_mounted "$m" || rmdir "$m" 2>/dev/null; done
   [ "$MFS_UP" = 1 ] && timeout 300 "$PEERS/moosefs/down.sh" >/dev/null 2>&1
-  is_mounted "$KM" || is_mounted "$KMB" || is_mounted "$KMA" || is_mounted "$KMS" || is_mounted "$EJ" || is_mounted "$BF" || rm -rf "$tmp"
+  is_mounted "$KM" || is_mounted "$KMB" || is_mounted "$KMA" || is_mounted "$KMS" || is_mounted "$KMD" || is_mounted "$EJ" || is_mounted "$BF" || rm -rf "$tmp"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -163,6 +171,7 @@ mnt_of() {
     kochab_nofsync) echo "$KMB" ;;
     kochab_base) echo "$KMA" ;;
     kochab_sync) echo "$KMS" ;;
+    kochab_dirsync) echo "$KMD" ;;
     moosefs) echo "$MFS_MNT" ;;
     ext4) echo "$tmp/e" ;;
     ext4j) echo "$EJ" ;;
@@ -193,6 +202,7 @@ for fs in $FSLIST; do
     kochab_nofsync) start_kochab kochab_nofsync "$((PORT + 1))" "$KMB" --no-fsync ${KOCHAB_UP_ARGS:-} ;;
     kochab_base) start_kochab kochab_base "$((PORT + 2))" "$KMA" ;;
     kochab_sync) start_kochab kochab_sync "$((PORT + 3))" "$KMS" --mount-options sync ${KOCHAB_UP_ARGS:-} ;;
+    kochab_dirsync) start_kochab kochab_dirsync "$((PORT + 4))" "$KMD" --mount-options dirsync ${KOCHAB_UP_ARGS:-} ;;
     moosefs)
       if is_mounted "$MFS_MNT"; then
         echo "$MFS_MNT is already mounted (someone else's run?): not touching it" >&2; exit 1
@@ -306,6 +316,68 @@ run_dd4k() {  # run_dd4k ROUND FS
   record "$r $fs dd4k busy=$busy write ${w:-failed failed} $ok"
 }
 
+# The tar of a Linux source tree with every file emptied (built once from linux-source).
+KTREE=${KTREE:-/var/tmp/kochab-ktree.tar}
+KTREE_ENTRIES=0
+prepare_ktree() {
+  if [ ! -s "$KTREE" ]; then
+    local src
+    src=$(ls /usr/src/linux-source-*.tar.xz 2>/dev/null | head -1)
+    if [ -z "$src" ]; then
+      log "installing linux-source (for the tar tree)"
+      apt-get -o DPkg::Lock::Timeout=600 update -q >&2
+      DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
+        --no-install-recommends linux-source >&2
+      src=$(ls /usr/src/linux-source-*.tar.xz | head -1)
+    fi
+    log "building $KTREE from $src (files emptied)"
+    rm -rf "$tmp/kt"; mkdir -p "$tmp/kt"
+    tar -tJf "$src" | (cd "$tmp/kt" && python3 -c '
+import os, sys
+for line in sys.stdin:
+    p = line.rstrip("\n")
+    if not p:
+        continue
+    if p.endswith("/"):
+        os.makedirs(p, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
+        open(p, "w").close()
+')
+    tar -cf "$KTREE.tmp" -C "$tmp/kt" . && mv "$KTREE.tmp" "$KTREE"
+    rm -rf "$tmp/kt"
+  fi
+  KTREE_ENTRIES=$(tar -tf "$KTREE" | wc -l)
+  log "tar tree: $KTREE, $KTREE_ENTRIES entries"
+}
+[[ " $WORKLOADS " == *" tarfind "* ]] && prepare_ktree
+
+run_tarfind() {  # run_tarfind ROUND FS
+  local r=$1 fs=$2 m d t0 t1 t2 busy tok=ok
+  m=$(mnt_of "$fs"); d="$m/fc-tar-$$-$r"
+  mkdir -p "$d/a" "$d/b"
+  busy=$(quiet)
+  meas_start
+  t0=$(date +%s.%N)
+  timeout -k 10 1800 tar -xf "$KTREE" -C "$d/a" & local p1=$!
+  timeout -k 10 1800 tar -xf "$KTREE" -C "$d/b" & local p2=$!
+  wait "$p1" || tok=failed; wait "$p2" || tok=failed
+  t1=$(date +%s.%N)
+  drop_caches
+  local fa fb
+  t1b=$(date +%s.%N)
+  fa=$(mktemp); fb=$(mktemp)
+  timeout -k 10 1800 find "$d/a" >"$fa" & p1=$!
+  timeout -k 10 1800 find "$d/b" >"$fb" & p2=$!
+  wait "$p1" || tok=failed; wait "$p2" || tok=failed
+  t2=$(date +%s.%N)
+  busy="$busy/$(meas_foreign)"
+  local found=$(( $(wc -l <"$fa") + $(wc -l <"$fb") - 2 ))
+  rm -f "$fa" "$fb"
+  rm -rf "$d"
+  record "$r $fs tarfind busy=$busy tar $((2 * KTREE_ENTRIES)) $(echo "$t1 - $t0" | bc) find $found $(echo "$t2 - $t1b" | bc) $tok"
+}
+
 if [ "$WARMUP" = 1 ]; then
   # First touch of guest memory is expensive on this VM: fill and drop the page cache once
   # (2 GiB through ext4) so that no file system pays for it inside a measurement.
@@ -327,6 +399,7 @@ for r in $(seq "$ROUNDS"); do
         fsmark) run_fsmark "$r" "$fs" unique; run_fsmark "$r" "$fs" shared ;;
         dd) run_dd "$r" "$fs" ;;
         dd4k) run_dd4k "$r" "$fs" ;;
+        tarfind) run_tarfind "$r" "$fs" ;;
       esac
     done
   done

@@ -13,6 +13,7 @@ md = {}    # (fs, mode, phase) -> [dict]
 fsm = {}   # (fs, mode) -> [dict]
 dd = {}    # fs -> [dict]
 dd4k = {}  # fs -> [(MB/s, check)]
+tarf = {}  # fs -> [{'tar': entries/s, 'find': entries/s, 'ok': str}]
 busy = []
 foreign = {}  # (fs, workload) -> [foreign CPU % per run]
 for line in open(path):
@@ -43,6 +44,13 @@ for line in open(path):
                 'files_per_sec': x[3], 'creat_us': x[6], 'close_us': x[18],
                 'unlink_us': x[21], 'unlink_per_sec': nproc * 1e6 / x[21] if x[21] else 0,
             })
+    elif w == 'tarfind':
+        f = rest.split()
+        try:
+            tarf.setdefault(fs, []).append({'tar': float(f[1]) / float(f[2]),
+                                            'find': float(f[4]) / float(f[5]), 'ok': f[6]})
+        except (ValueError, IndexError, ZeroDivisionError):
+            tarf.setdefault(fs, []).append({'tar': 0.0, 'find': 0.0, 'ok': 'failed'})
     elif w == 'dd4k':
         f = rest.split()
         try:
@@ -59,7 +67,7 @@ for line in open(path):
             dd.setdefault(fs, []).append({'write': 0, 'read': 0, 'md5': 'failed', 'rand': 'failed'})
 
 fss = []
-for k in list(md) + list(fsm) + list(dd) + list(dd4k):
+for k in list(md) + list(fsm) + list(dd) + list(dd4k) + list(tarf):
     fs = k if isinstance(k, str) else k[0]
     if fs not in fss:
         fss.append(fs)
@@ -95,7 +103,8 @@ if md:
             fg = foreign.get((fs, 'mdrate-' + mode))
             print(f"  {mode:6} {fs:8} " + " | ".join(cells) + (f"  foreign% {fg}" if fg else ""))
     for k_fs in ('kochab', 'kochab_nofsync'):
-        for base, target in (('moosefs', 5.0), ('bindfs', 1.0), ('ext4', None), ('ext4j', None), ('kochab_base', None)):
+        for base, target in (('moosefs', 5.0), ('bindfs', 1.0), ('ext4', None), ('ext4j', None),
+                             ('kochab_base', None), ('kochab_dirsync', None), ('kochab_sync', None)):
             if k_fs not in fss or base not in fss or k_fs == base:
                 continue
             print(f"  ratio {k_fs}/{base}" + (f" (target >= {target:g}x)" if target else ""))
@@ -167,6 +176,25 @@ if dd4k:
                 q = ratio(med([x[0] for x in dd4k[k_fs]]), med([x[0] for x in dd4k[base]]))
                 tgt = f" (target >= 0.8x: {'ok' if q >= 0.8 else 'SHORT'})" if base.startswith('ext4') else ''
                 print(f"  ratio {k_fs}/{base}: {q:.2f}x{tgt}")
+
+if tarf:
+    print("\n== tar -x of a Linux tree of empty files, 2 processes at once; then find over both "
+          "from cold caches, 2 processes: entries/s, median [runs]")
+    for fs in fss:
+        v = tarf.get(fs, [])
+        if v:
+            print(f"  {fs:14} tar {fmt(med([x['tar'] for x in v]))} {[round(x['tar']) for x in v]}  "
+                  f"find {fmt(med([x['find'] for x in v]))} {[round(x['find']) for x in v]}  "
+                  f"{' '.join(sorted({x['ok'] for x in v}))}")
+    for k_fs in ('kochab', 'kochab_nofsync'):
+        for base in ('moosefs', 'bindfs', 'ext4', 'kochab_dirsync', 'kochab_sync', 'kochab_base'):
+            if k_fs in tarf and base in tarf:
+                cells = []
+                for ph in ('tar', 'find'):
+                    q = ratio(med([x[ph] for x in tarf[k_fs]]), med([x[ph] for x in tarf[base]]))
+                    tgt = f" (target >= 3x: {'ok' if q >= 3 else 'SHORT'})" if base == 'moosefs' else ''
+                    cells.append(f"{ph} {q:.2f}x{tgt}")
+                print(f"  ratio {k_fs}/{base}: " + " | ".join(cells))
 
 if busy:
     print(f"\nCPU busy in the second before each measurement: median {med(busy):.0f}%, "

@@ -231,6 +231,7 @@ impl LinkInner {
             seq: 0,
             seq_floor: 0,
             map_version: 0,
+            mode: Default::default(),
             op: kochab_proto::Op::Control { control },
         };
         match conn.call(&req).await {

@@ -16,8 +16,18 @@ pub struct Options {
     pub read_only: bool,
     pub suid: bool,
     pub dev: bool,
-    /// `sync`: every write(2) reaches the servers before it returns (no write-behind).
+    /// `sync`: every write(2) reaches the servers before it returns (no write-behind),
+    /// and every change is durable before it returns (as `dirsync`).
     pub sync: bool,
+    /// `dirsync`: every metadata change is durable before it returns (no early replies).
+    pub dirsync: bool,
+}
+
+impl Options {
+    /// Whether the mount's client asks for early replies (docs/ARCHITECTURE.md).
+    pub fn early_replies(&self) -> bool {
+        !self.sync && !self.dirsync
+    }
 }
 
 /// Parses a mount's comma-separated options.
@@ -36,6 +46,7 @@ pub fn options(text: Option<&str>) -> Options {
             "nodev" => o.dev = false,
             "sync" => o.sync = true,
             "async" => o.sync = false,
+            "dirsync" => o.dirsync = true,
             _ => {}
         }
     }
@@ -80,10 +91,12 @@ pub async fn connect_and_mount(
     options_text: Option<&str>,
 ) -> Result<fuser::BackgroundSession, String> {
     cfg.connections = 2;
+    let opts = options(options_text);
+    cfg.early_replies = opts.early_replies();
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect the mount: {e}"))?;
-    let session = mount(client, source, dir, options(options_text))
+    let session = mount(client, source, dir, opts)
         .map_err(|e| format!("cannot mount {}: {e}", dir.display()))?;
     eprintln!("kochab: mounted at {}", dir.display());
     Ok(session)
@@ -139,10 +152,11 @@ pub async fn foreground(args: MountArgs) -> Result<(), String> {
     let mut cfg = ClientConfig::with_entries(addrs, args.key.load()?);
     cfg.connections = 2;
     cfg.tls = args.tls.load()?;
+    let opts = options(args.options.as_deref());
+    cfg.early_replies = opts.early_replies();
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", args.cluster))?;
-    let opts = options(args.options.as_deref());
     let session = mount(client, &args.cluster, &args.mountpoint, opts)
         .map_err(|e| format!("cannot mount {}: {e}", args.mountpoint.display()))?;
     eprintln!(

@@ -77,6 +77,7 @@ impl Raw {
                 seq: id,
                 seq_floor: 0,
                 map_version: 0,
+                mode: Default::default(),
                 op,
             },
         )
@@ -118,6 +119,7 @@ fn unauthenticated_connections_get_an_error_and_nothing_else() {
         seq: 0,
         seq_floor: 0,
         map_version: 0,
+        mode: Default::default(),
         op: Op::GetAttr { id: 1 << 62 },
     };
 
@@ -210,6 +212,7 @@ fn malformed_frames_close_only_their_connection() {
             seq: 0,
             seq_floor: 0,
             map_version: 0,
+            mode: Default::default(),
             op: Op::Lookup {
                 parent: root,
                 name: b"abc".to_vec(),

@@ -240,12 +240,16 @@ fn a_server_paused_past_its_lease_never_serves_again() {
         let (_, pid) = owner_of(&server, d).expect("owner");
         c.create(&cred, d, b"before", 0o644).await.expect("create");
         signal(pid, libc::SIGSTOP);
+        let stopped = Instant::now();
         // Past the 2 s lease: the coordinator fences it and another server recovers its
         // tables; the client follows.
         c.create(&cred, d, b"during", 0o644)
             .await
             .expect("create while the owner is stopped");
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        // Stopped for well past its lease whatever the create took (it is quick if a
+        // borrow had the table elsewhere when the status was read).
+        let paused = Duration::from_secs(4);
+        tokio::time::sleep(paused.saturating_sub(stopped.elapsed())).await;
         signal(pid, libc::SIGCONT);
         // Resumed, it finds its lease over: it must not serve or acknowledge; it stops and
         // is restarted as a new incarnation.

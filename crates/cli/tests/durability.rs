@@ -372,6 +372,7 @@ fn retried_create_after_a_crash_is_answered_from_the_reply_cache() {
         seq: 77,
         seq_floor: 77,
         map_version: 0,
+        mode: Default::default(),
         op: Op::Mknod {
             parent: root,
             name: b"once".to_vec(),

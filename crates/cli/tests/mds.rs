@@ -110,6 +110,7 @@ fn request(op: Op) -> Request {
         seq: 0,
         seq_floor: 0,
         map_version: 0,
+        mode: Default::default(),
         op,
     }
 }

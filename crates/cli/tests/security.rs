@@ -219,6 +219,7 @@ fn a_revoked_key_is_refused_and_its_live_connection_closed() {
             seq: 0,
             seq_floor: 0,
             map_version: 0,
+            mode: Default::default(),
             op: Op::GetAttr { id: conn.root },
         };
         assert!(matches!(conn.call(&req).await, Ok(Reply::Attr(_))));
@@ -287,6 +288,7 @@ fn another_key_holder_cannot_use_a_clients_handles() {
                 seq: 0,
                 seq_floor: 0,
                 map_version: 0,
+                mode: Default::default(),
                 op,
             };
             conn.call(&req).await.expect("reply")
@@ -359,6 +361,8 @@ fn a_server_that_cannot_prove_the_key_is_refused() {
             max_frame_bytes: 1 << 20,
             session: 1,
             mac: [0; 32],
+            incarnation: 1,
+            durable_lsn: 0,
         };
         encode_frame(&mut out, FrameKind::Welcome, 0, &w).unwrap();
         let _ = s.write_all(&out);
@@ -443,6 +447,7 @@ fn unread_readdirplus_replies_do_not_grow_the_server() {
             seq: 0,
             seq_floor: 0,
             map_version: 0,
+            mode: Default::default(),
             op: Op::Readdir {
                 id: dir,
                 cookie: 0,

@@ -35,7 +35,20 @@ pub enum ConnError {
     Refused(FsError),
 }
 
-type Pending = Mutex<FxHashMap<u64, oneshot::Sender<Result<Reply, ConnError>>>>;
+/// A reply, with the LSN of its journal record when the server sent it before that
+/// record was durable (an `Unsafe` frame).
+pub type Answer = (Reply, Option<u64>);
+
+type Pending = Mutex<FxHashMap<u64, oneshot::Sender<Result<Answer, ConnError>>>>;
+
+/// What a connection tells its owner besides replies: how far the server's journal is
+/// durable, and that the connection is gone (for early replies, see `replay`).
+pub trait ConnEvents: Send + Sync {
+    /// The server process `incarnation` has made its journal durable up to `lsn`.
+    fn durable(&self, incarnation: u64, lsn: u64);
+    /// A connection to the server process `incarnation` failed.
+    fn lost(&self, incarnation: u64);
+}
 
 /// A live connection.
 pub struct Conn {
@@ -47,6 +60,10 @@ pub struct Conn {
     pub root: InodeId,
     /// The session the server keeps for this client and key.
     pub session: u64,
+    /// The server process (random per process; another after a restart).
+    pub incarnation: u64,
+    /// Its journal's durable LSN when it welcomed us.
+    pub durable_lsn: u64,
 }
 
 impl Conn {
@@ -58,7 +75,7 @@ impl Conn {
         client_id: u64,
         timeout: Duration,
     ) -> Result<Arc<Conn>, ConnError> {
-        Conn::connect_with(addr, key, client_id, timeout, None).await
+        Conn::connect_with(addr, key, client_id, timeout, None, None).await
     }
 
     /// [`Conn::connect`], through TLS if `tls` is given.
@@ -68,6 +85,7 @@ impl Conn {
         client_id: u64,
         timeout: Duration,
         tls: Option<&crate::tls::TlsClient>,
+        events: Option<Arc<dyn ConnEvents>>,
     ) -> Result<Arc<Conn>, ConnError> {
         let lost = |e: std::io::Error| ConnError::Lost(format!("{addr}: {e}"));
         let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
@@ -150,7 +168,11 @@ impl Conn {
         let pending: Arc<Pending> = Arc::new(Mutex::new(FxHashMap::default()));
         let alive = Arc::new(AtomicBool::new(true));
         tokio::spawn(write_loop(wr, rx, alive.clone(), pending.clone()));
-        tokio::spawn(read_loop(frames, pending.clone(), alive.clone()));
+        let notes = Notes {
+            events,
+            incarnation: welcome.incarnation,
+        };
+        tokio::spawn(read_loop(frames, pending.clone(), alive.clone(), notes));
         Ok(Arc::new(Conn {
             tx,
             pending,
@@ -158,6 +180,8 @@ impl Conn {
             alive,
             root: welcome.root,
             session: welcome.session,
+            incarnation: welcome.incarnation,
+            durable_lsn: welcome.durable_lsn,
         }))
     }
 
@@ -169,13 +193,19 @@ impl Conn {
     /// Sends one request and waits for its reply. Dropping the future (a timeout)
     /// forgets the request; a late reply is then discarded.
     pub async fn call(&self, req: &Request) -> Result<Reply, ConnError> {
+        self.call_answer(req).await.map(|(reply, _)| reply)
+    }
+
+    /// [`Conn::call`], also saying whether the reply came before its record was durable
+    /// (and at which LSN).
+    pub async fn call_answer(&self, req: &Request) -> Result<Answer, ConnError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut frame = Vec::with_capacity(96 + bulk_len(&req.op));
         if let Err(e) = encode_frame(&mut frame, FrameKind::Request, id, req) {
-            return Ok(Reply::Error(fs_err!(
-                EINVAL,
-                "request does not fit in a frame: {e}"
-            )));
+            return Ok((
+                Reply::Error(fs_err!(EINVAL, "request does not fit in a frame: {e}")),
+                None,
+            ));
         }
         let (tx, rx) = oneshot::channel();
         self.pending.lock().insert(id, tx);
@@ -288,7 +318,27 @@ async fn write_loop(
     }
 }
 
-async fn read_loop(mut frames: Frames, pending: Arc<Pending>, alive: Arc<AtomicBool>) {
+/// Where a connection's read loop reports durability and its end.
+struct Notes {
+    events: Option<Arc<dyn ConnEvents>>,
+    incarnation: u64,
+}
+
+impl Drop for Notes {
+    fn drop(&mut self) {
+        // However the read loop ends.
+        if let Some(e) = &self.events {
+            e.lost(self.incarnation);
+        }
+    }
+}
+
+async fn read_loop(
+    mut frames: Frames,
+    pending: Arc<Pending>,
+    alive: Arc<AtomicBool>,
+    notes: Notes,
+) {
     loop {
         let f = match kochab_proto::codec::next(&mut frames).await {
             Some(Ok(f)) => f,
@@ -308,11 +358,31 @@ async fn read_loop(mut frames: Frames, pending: Arc<Pending>, alive: Arc<AtomicB
         match f.kind {
             FrameKind::Reply => {
                 let reply = decode_payload::<Reply>(&f.payload)
+                    .map(|r| (r, None))
                     .map_err(|e| ConnError::Lost(format!("bad reply: {e}")));
                 if let Some(tx) = pending.lock().remove(&f.request_id) {
                     let _ = tx.send(reply);
                 }
             }
+            FrameKind::Unsafe => {
+                let reply = decode_payload::<(u64, Reply)>(&f.payload)
+                    .map(|(lsn, r)| (r, Some(lsn)))
+                    .map_err(|e| ConnError::Lost(format!("bad reply: {e}")));
+                if let Some(tx) = pending.lock().remove(&f.request_id) {
+                    let _ = tx.send(reply);
+                }
+            }
+            FrameKind::Durable => match decode_payload::<u64>(&f.payload) {
+                Ok(lsn) => {
+                    if let Some(e) = &notes.events {
+                        e.durable(notes.incarnation, lsn);
+                    }
+                }
+                Err(e) => {
+                    fail_all(&pending, &alive, &format!("bad durable frame: {e}"));
+                    return;
+                }
+            },
             FrameKind::Goodbye => {
                 match decode_payload::<FsError>(&f.payload) {
                     // The server said why it closes (EIO: its journal failed): that is every

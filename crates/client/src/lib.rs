@@ -8,10 +8,11 @@
 pub mod conn;
 pub mod dircache;
 mod pool;
+pub mod replay;
 pub mod routing;
 pub mod tls;
 
-use conn::ConnError;
+use conn::{ConnError, ConnEvents};
 use dircache::DirCache;
 use kochab_cluster::router::Retry;
 use kochab_proto::auth::ClientKey;
@@ -19,6 +20,7 @@ use kochab_proto::cluster::DelegationMap;
 use kochab_proto::*;
 use parking_lot::Mutex;
 use pool::Pool;
+use replay::{ReplayLog, Unsafe};
 use routing::{Routing, Step};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -32,6 +34,14 @@ pub const SYMLINK_FOLLOW_MAX: u32 = 40;
 
 /// WrongServer replies naming a new owner that one request follows without a pause.
 const FOLLOW_AT_ONCE: u32 = 3;
+
+/// Requests answered early and not yet durable that one client keeps at most; a client
+/// at the limit waits for durability reports before it sends more (a slow journal slows
+/// its writers instead of growing the log and the servers' reply caches).
+const UNSAFE_MAX: usize = 4096;
+
+/// Pause between attempts to replay to a server that cannot be reached yet.
+const REPLAY_RETRY: Duration = Duration::from_millis(200);
 
 /// How a client behaves.
 #[derive(Clone, Debug)]
@@ -57,6 +67,11 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     /// TLS to the server (`--tls-ca`); plain TCP if `None`.
     pub tls: Option<tls::TlsClient>,
+    /// Ask for early replies (docs/ARCHITECTURE.md, "Early replies"): a change is
+    /// acknowledged once applied at its server, kept by the client until the server
+    /// reports it durable, and replayed if that server restarts first. The mount's
+    /// default; off (durable replies) for the library and the CLI.
+    pub early_replies: bool,
 }
 
 impl ClientConfig {
@@ -77,6 +92,7 @@ impl ClientConfig {
             map: None,
             connect_timeout: Duration::from_secs(5),
             tls: None,
+            early_replies: false,
         }
     }
 }
@@ -174,6 +190,45 @@ struct Inner {
     root: Mutex<InodeId>,
     /// Directories this client just changed, as the servers' replies left them.
     dirs: Mutex<DirCache>,
+    /// Requests answered early, until durable (shared with the connections).
+    early: Arc<Early>,
+    /// Held while lost processes are looked at and their requests replayed.
+    replaying: tokio::sync::Mutex<()>,
+}
+
+/// The early-reply state the connections report to.
+#[derive(Default)]
+struct Early {
+    log: Mutex<ReplayLog>,
+    /// Wakes whoever waits for durability (fsync) or for room in the log.
+    changed: tokio::sync::Notify,
+    /// Wakes the replayer: a connection with kept requests was lost, or the client ended.
+    lost: tokio::sync::Notify,
+}
+
+impl ConnEvents for Early {
+    fn durable(&self, incarnation: u64, lsn: u64) {
+        self.log.lock().durable(incarnation, lsn);
+        self.changed.notify_waiters();
+    }
+
+    fn lost(&self, incarnation: u64) {
+        let suspect = {
+            let mut log = self.log.lock();
+            log.lost(incarnation);
+            log.has_suspects()
+        };
+        if suspect {
+            self.lost.notify_one();
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The replayer task ends with the client.
+        self.early.lost.notify_one();
+    }
 }
 
 /// A client of one cluster. Cheap to clone; clones share connections and the client id.
@@ -219,7 +274,30 @@ fn plain_request(cred: &Credentials, op: Op) -> Request {
         seq: 0,
         seq_floor: 0,
         map_version: 0,
+        mode: Default::default(),
         op,
+    }
+}
+
+/// Looks at lost server processes and replays what they answered early, whenever a
+/// connection with kept requests is lost (and again every `REPLAY_RETRY` while some
+/// cannot be replayed yet); ends with the client.
+async fn replayer(inner: std::sync::Weak<Inner>) {
+    loop {
+        let early = match inner.upgrade() {
+            Some(i) => i.early.clone(),
+            None => return,
+        };
+        if early.log.lock().has_suspects() {
+            tokio::time::sleep(REPLAY_RETRY).await;
+        } else {
+            early.lost.notified().await;
+        }
+        drop(early);
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        Client { inner }.replay_lost().await;
     }
 }
 
@@ -231,12 +309,14 @@ impl Client {
         if config.entries.is_empty() {
             return Err(fs_err!(EINVAL, "no server address given"));
         }
+        let early = Arc::new(Early::default());
         let pool = Pool::new(
             pool::Dial {
                 key: config.key,
                 client_id: kochab_proto::auth::random_u64(),
                 timeout: config.connect_timeout,
                 tls: config.tls.clone(),
+                events: Some(early.clone()),
             },
             config.connections,
         );
@@ -291,7 +371,10 @@ impl Client {
             root: Mutex::new(conn.root),
             dirs: Mutex::new(DirCache::default()),
             config,
+            early,
+            replaying: tokio::sync::Mutex::new(()),
         });
+        tokio::spawn(replayer(Arc::downgrade(&inner)));
         Ok(Client { inner })
     }
 
@@ -380,9 +463,11 @@ impl Client {
         }
         let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
         let seq_floor = {
+            let kept = self.inner.early.log.lock().min_seq();
             let mut f = self.inner.in_flight.lock();
             f.insert(seq);
-            f.first().copied().unwrap_or(seq)
+            let first = f.first().copied().unwrap_or(seq);
+            kept.map_or(first, |k| k.min(first))
         };
         // Removed from the in-flight set however this call ends, cancellation included.
         let _done = InFlight {
@@ -396,6 +481,7 @@ impl Client {
             seq,
             seq_floor,
             map_version: 0,
+            mode: Default::default(),
             op,
         };
         self.send(&mut req, target).await
@@ -404,12 +490,16 @@ impl Client {
     /// Sends `req` about inode `target` to the server that serves it, retrying; returns the
     /// reply and the server that gave it.
     async fn send(&self, req: &mut Request, target: InodeId) -> FsResult<(Reply, Arc<str>)> {
+        if !matches!(req.mode, ReplyMode::Replay { .. }) {
+            // Boxed: replays are sent through here too (not recursively at run time).
+            Box::pin(self.before_send(req)).await;
+        }
         let single = match &*self.inner.routing.lock() {
             Routing::Single { addr } => Some(addr.clone()),
             Routing::Cluster(_) => None,
         };
         match single {
-            Some(addr) => match self.send_single(&addr, req).await {
+            Some(addr) => match self.send_single(&addr, req, target).await {
                 Ok(reply) => Ok((reply, addr)),
                 // A server that says another serves the table is one of many: if it hands
                 // out a map now (it had none at connect), route by it from here on.
@@ -446,7 +536,12 @@ impl Client {
 
     /// One server serves everything: a few quick retries, so that a mount whose server is
     /// gone fails promptly.
-    async fn send_single(&self, addr: &Arc<str>, req: &Request) -> Result<Reply, SingleError> {
+    async fn send_single(
+        &self,
+        addr: &Arc<str>,
+        req: &Request,
+        target: InodeId,
+    ) -> Result<Reply, SingleError> {
         let cfg = &self.inner.config;
         let mut last_err = fs_err!(ETIMEDOUT, "no attempt made");
         let mut wrong_server = false;
@@ -465,16 +560,19 @@ impl Client {
                 }
                 Err(e) => return Err(SingleError::Other(e)),
             };
-            match tokio::time::timeout(cfg.request_timeout, conn.call(req)).await {
-                Ok(Ok(Reply::Error(e))) => return Err(SingleError::Other(e)),
-                Ok(Ok(Reply::WrongServer { map_version, .. })) => {
+            match tokio::time::timeout(cfg.request_timeout, conn.call_answer(req)).await {
+                Ok(Ok((Reply::Error(e), _))) => return Err(SingleError::Other(e)),
+                Ok(Ok((Reply::WrongServer { map_version, .. }, _))) => {
                     wrong_server = true;
                     last_err = fs_err!(
                         ESTALE,
                         "server does not serve this table (map version {map_version})"
                     );
                 }
-                Ok(Ok(reply)) => return Ok(reply),
+                Ok(Ok((reply, lsn))) => {
+                    self.note_answer(&conn, addr, req, target, &reply, lsn);
+                    return Ok(reply);
+                }
                 Ok(Err(ConnError::Refused(e))) => return Err(SingleError::Other(e)),
                 Ok(Err(ConnError::Lost(why))) => {
                     wrong_server = false;
@@ -533,7 +631,7 @@ impl Client {
                     map_version,
                 } => {
                     req.map_version = map_version;
-                    match self.attempt(&addr, req).await {
+                    match self.attempt_at(&addr, req, target).await {
                         Outcome::Reply(r) => return Ok((r, addr)),
                         Outcome::Error(e) if e.errno == Errno::ESTALE && !stale_retried => {
                             // A server that let the table go may say "no such file" rather
@@ -610,26 +708,37 @@ impl Client {
         }
     }
 
-    /// One attempt of `req` at `addr`.
+    /// One attempt of `req` at `addr` (a request that changes nothing: no early reply).
     async fn attempt(&self, addr: &Arc<str>, req: &Request) -> Outcome {
+        self.attempt_at(addr, req, self.root()).await
+    }
+
+    /// One attempt of `req`, routed by inode `target`, at `addr`.
+    async fn attempt_at(&self, addr: &Arc<str>, req: &Request, target: InodeId) -> Outcome {
         let cfg = &self.inner.config;
         let conn = match self.inner.pool.conn(addr).await {
             Ok(c) => c,
             Err(e) if e.errno == Errno::ENOTCONN => return Outcome::Unreachable(e),
             Err(e) => return Outcome::Refused(e),
         };
-        match tokio::time::timeout(cfg.request_timeout, conn.call(req)).await {
-            Ok(Ok(Reply::Error(e))) => Outcome::Error(e),
-            Ok(Ok(Reply::WrongServer {
-                map_version,
-                owner,
-                addr,
-            })) => Outcome::WrongServer {
+        match tokio::time::timeout(cfg.request_timeout, conn.call_answer(req)).await {
+            Ok(Ok((Reply::Error(e), _))) => Outcome::Error(e),
+            Ok(Ok((
+                Reply::WrongServer {
+                    map_version,
+                    owner,
+                    addr,
+                },
+                _,
+            ))) => Outcome::WrongServer {
                 map_version,
                 owner,
                 addr,
             },
-            Ok(Ok(reply)) => Outcome::Reply(reply),
+            Ok(Ok((reply, lsn))) => {
+                self.note_answer(&conn, addr, req, target, &reply, lsn);
+                Outcome::Reply(reply)
+            }
             // A server that says goodbye with EIO is stopping (its journal failed, it was
             // fenced): another server will take its tables over.
             Ok(Err(ConnError::Refused(e))) if e.errno == Errno::EIO => Outcome::Unreachable(e),
@@ -972,7 +1081,7 @@ impl Client {
     pub async fn status(&self) -> FsResult<StatusReport> {
         let req = plain_request(&Credentials::root(), Op::Status);
         match self
-            .send_single(&self.inner.home, &req)
+            .send_single(&self.inner.home, &req, self.root())
             .await
             .map_err(FsError::from)?
         {
@@ -1244,10 +1353,179 @@ impl Client {
 
     /// Checks the namespace invariants on the server this client connected to (as
     /// `status`: of a cluster, the tables that server holds); returns the problems found.
+    /// What every request but a replay does first: sets the reply mode, replays what lost
+    /// server processes had answered early (so that a new request never overtakes them),
+    /// and waits while the log of early replies is full.
+    async fn before_send(&self, req: &mut Request) {
+        if self.inner.config.early_replies {
+            req.mode = ReplyMode::Early;
+        }
+        if self.inner.early.log.lock().has_suspects() {
+            self.replay_lost().await;
+        }
+        if req.mode == ReplyMode::Early {
+            let deadline = Instant::now() + self.inner.config.request_timeout;
+            loop {
+                let early = &self.inner.early;
+                let notified = early.changed.notified();
+                if early.log.lock().len() < UNSAFE_MAX || Instant::now() >= deadline {
+                    break;
+                }
+                let _ = tokio::time::timeout(REPLAY_RETRY, notified).await;
+            }
+        }
+    }
+
+    /// Keeps a change the server answered before it was durable (reads and failures need
+    /// no replay).
+    fn note_answer(
+        &self,
+        conn: &conn::Conn,
+        addr: &Arc<str>,
+        req: &Request,
+        target: InodeId,
+        reply: &Reply,
+        lsn: Option<u64>,
+    ) {
+        let Some(lsn) = lsn else {
+            return;
+        };
+        if req.op.is_read_only() || matches!(reply, Reply::Error(_)) {
+            return;
+        }
+        self.inner.early.log.lock().answered(Unsafe {
+            req: req.clone(),
+            target,
+            addr: addr.clone(),
+            incarnation: conn.incarnation,
+            lsn,
+            created: replay::created_by(reply),
+        });
+    }
+
+    /// Looks at every server process a connection to which was lost while it had
+    /// answered requests early: one still running will make them durable (a durable
+    /// request to it returns once its journal holds everything before); one gone (a new
+    /// process answers at its address, or in a cluster none does) lost what its journal did
+    /// not hold, so they are replayed, in the order they were answered, each asking for
+    /// the inode its first reply created. The servers' reply caches answer a replay of
+    /// what did reach a journal, so each runs once.
+    async fn replay_lost(&self) {
+        let _one = self.inner.replaying.lock().await;
+        let cluster = self.routes_by_map();
+        loop {
+            let next = self.inner.early.log.lock().next_suspect();
+            let Some((inc, addr)) = next else {
+                return;
+            };
+            let reached = match self.inner.pool.conn(&addr).await {
+                Ok(conn) if conn.incarnation == inc => {
+                    let early = &self.inner.early;
+                    early.log.lock().durable(inc, conn.durable_lsn);
+                    let upto = early.log.lock().order_now();
+                    let sync = plain_request(&Credentials::root(), Op::StatFs);
+                    let timeout = self.inner.config.request_timeout;
+                    match tokio::time::timeout(timeout, conn.call(&sync)).await {
+                        Ok(Ok(_)) => {
+                            let mut log = early.log.lock();
+                            log.durable_before(inc, upto);
+                            log.alive(inc);
+                            true
+                        }
+                        _ => false,
+                    }
+                }
+                Ok(_) => self.replay_gone(inc).await,
+                Err(e) if e.errno == Errno::ENOTCONN && cluster => self.replay_gone(inc).await,
+                Err(_) => false,
+            };
+            self.inner.early.changed.notify_waiters();
+            if !reached {
+                // Not reachable yet: the replayer tries again shortly.
+                return;
+            }
+        }
+    }
+
+    /// Replays what process `inc` answered early; false if a server could not be reached
+    /// (the rest is kept for the next try).
+    async fn replay_gone(&self, inc: u64) -> bool {
+        let taken = self.inner.early.log.lock().take_gone(inc);
+        tracing::info!(
+            "server process {inc:#x} is gone: replaying {} operations it acknowledged",
+            taken.len()
+        );
+        let mut rest = taken.into_iter();
+        while let Some((order, e)) = rest.next() {
+            let mut req = e.req.clone();
+            req.mode = ReplyMode::Replay { want_id: e.created };
+            match self.send(&mut req, e.target).await {
+                Ok(_) => {}
+                Err(err)
+                    if matches!(
+                        err.errno,
+                        Errno::ENOTCONN | Errno::ETIMEDOUT | Errno::EIO | Errno::ESTALE
+                    ) =>
+                {
+                    let mut back = vec![(order, e)];
+                    back.extend(rest);
+                    self.inner.early.log.lock().put_back(back);
+                    return false;
+                }
+                Err(err) => {
+                    tracing::warn!(
+                        "replay of an acknowledged {} failed: {err}",
+                        kochab_proto::OP_NAMES
+                            .get(e.req.op.index())
+                            .copied()
+                            .unwrap_or("operation")
+                    );
+                }
+            }
+            self.inner.early.log.lock().replayed(&e);
+        }
+        true
+    }
+
+    /// Returns once every change this client had answered early before the call is
+    /// durable (replayed first where its server was lost): fsync, fsyncdir and O_SYNC
+    /// writes wait for it. EIO if that takes longer than a request may.
+    pub async fn wait_durable(&self) -> FsResult<()> {
+        let early = &self.inner.early;
+        let upto = early.log.lock().order_now();
+        let deadline = Instant::now() + self.inner.config.request_timeout;
+        loop {
+            let notified = early.changed.notified();
+            let (clear, suspects) = {
+                let log = early.log.lock();
+                (log.clear_before(upto), log.has_suspects())
+            };
+            if clear {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(fs_err!(
+                    EIO,
+                    "changes acknowledged early did not become durable within {:?}",
+                    self.inner.config.request_timeout
+                ));
+            }
+            if suspects {
+                self.replay_lost().await;
+            }
+            let _ = tokio::time::timeout(REPLAY_RETRY, notified).await;
+        }
+    }
+
+    /// Changes answered early and not known durable yet.
+    pub fn unsafe_count(&self) -> usize {
+        self.inner.early.log.lock().len()
+    }
+
     pub async fn fsck(&self) -> FsResult<Vec<String>> {
         let req = plain_request(&Credentials::root(), Op::Fsck);
         match self
-            .send_single(&self.inner.home, &req)
+            .send_single(&self.inner.home, &req, self.root())
             .await
             .map_err(FsError::from)?
         {

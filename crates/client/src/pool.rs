@@ -17,6 +17,8 @@ pub(crate) struct Dial {
     pub client_id: u64,
     pub timeout: Duration,
     pub tls: Option<crate::tls::TlsClient>,
+    /// Told of durability reports and lost connections (early replies).
+    pub events: Option<Arc<dyn crate::conn::ConnEvents>>,
 }
 
 /// The connections to one server.
@@ -70,7 +72,9 @@ impl Pool {
         }
         let sock = resolve(addr).await?;
         let d = &self.dial;
-        match Conn::connect_with(sock, &d.key, d.client_id, d.timeout, d.tls.as_ref()).await {
+        let events = d.events.clone();
+        match Conn::connect_with(sock, &d.key, d.client_id, d.timeout, d.tls.as_ref(), events).await
+        {
             Ok(c) => {
                 *guard = Some(c.clone());
                 let mut s = self.sessions.lock();

@@ -131,6 +131,8 @@ async fn serve_maps(
         max_frame_bytes: 1 << 20,
         session: 1,
         mac: prove_server(&key, &t),
+        incarnation: 1,
+        durable_lsn: 0,
     };
     send(&mut s, FrameKind::Welcome, 0, &welcome).await;
     while let Some((kind, id, payload)) = read_frame(&mut s, &mut buf).await {

@@ -476,6 +476,11 @@ impl Filesystem for KochabFs {
             // no longer caches by looking up "." (and a directory's parent by "..") in its
             // id; a reused id has another generation, so an old handle is ESTALE.
             InitFlags::FUSE_EXPORT_SUPPORT,
+            // The servers clear setuid/setgid on chown, truncation and writes by non-root
+            // (as the VFS would), so the kernel need not fetch the attributes before every
+            // chown to compute the new mode itself (a GETATTR per chown, e.g. per file of
+            // `tar -x`).
+            InitFlags::FUSE_HANDLE_KILLPRIV_V2,
         ] {
             if config.add_capabilities(cap).is_err() {
                 tracing::info!("kernel lacks FUSE capability {cap:?}");
@@ -493,8 +498,12 @@ impl Filesystem for KochabFs {
             tokio::time::timeout(Duration::from_secs(30), wb.flush_all()).await
         });
         let client = self.inner.client.clone();
-        // Release this mount's locks and handles at once instead of after the grace period.
+        // An unmount leaves nothing only this process could replay; then it releases this
+        // mount's locks and handles at once instead of after the grace period.
         let _ = self.inner.rt.block_on(async move {
+            if let Err(e) = client.wait_durable().await {
+                tracing::error!("unmounting with changes not known durable: {e}");
+            }
             tokio::time::timeout(Duration::from_secs(2), client.end_session()).await
         });
     }
@@ -910,6 +919,12 @@ impl Filesystem for KochabFs {
                 return reply.error(errno(&e));
             }
             let r = fs.client.fsync(&cred, fh.0, datasync).await;
+            // The file's metadata may have been answered early (its create, a chmod):
+            // durable too before fsync returns (O_SYNC writes come here as well).
+            let r = match r {
+                Ok(()) => fs.client.wait_durable().await,
+                e => e,
+            };
             fs.empty(reply, r);
         });
     }
@@ -1063,14 +1078,18 @@ impl Filesystem for KochabFs {
 
     fn fsyncdir(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         _fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        // Namespace changes are durable when they are acknowledged.
-        reply.ok();
+        // Every change this mount had answered early, not only the directory's: durable
+        // before it returns (with `-o dirsync` everything already is).
+        self.spawn(req, move |fs, _| async move {
+            let r = fs.client.wait_durable().await;
+            fs.empty(reply, r);
+        });
     }
 
     fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

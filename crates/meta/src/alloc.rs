@@ -39,6 +39,9 @@ impl Engine {
         dir: InodeId,
         dm: &mut DirMeta,
     ) -> OpResult<(InodeId, Claim)> {
+        if let Some(id) = self.wanted() {
+            return Ok((id, None));
+        }
         let own = self.policy.own_file_range(dir);
         if dm.file_end == 0
             && let Some((lo, hi)) = own
@@ -169,6 +172,9 @@ impl Engine {
 
     /// Chooses the id of a new subdirectory of `parent`, updating its allocator `pm`.
     pub(crate) fn alloc_dir(&mut self, parent: InodeId, pm: &mut DirMeta) -> OpResult<InodeId> {
+        if let Some(id) = self.wanted() {
+            return Ok(id);
+        }
         if let Some(layout) = self.policy.tree_layout(parent) {
             let real_dir = Region::of(parent) == Region::Primary || layout.depth(parent) > 0;
             if real_dir && layout.depth(parent) < layout.levels() {
@@ -206,6 +212,11 @@ impl Engine {
             }
         }
         self.alloc_catchall()
+    }
+
+    /// The id a replayed create asks for, if it is free here.
+    fn wanted(&mut self) -> Option<InodeId> {
+        self.want_id.take().filter(|&id| self.is_free(id))
     }
 
     fn alloc_catchall(&mut self) -> OpResult<InodeId> {

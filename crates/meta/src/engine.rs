@@ -113,6 +113,10 @@ pub struct Engine {
     /// The last id an operation needed outside the hosted tables (a member's host names
     /// that table's owner in the WRONG_SERVER it sends).
     pub last_not_hosted: Option<InodeId>,
+    /// The id the next create should get if it is free: a client's replay of a create
+    /// that a crash lost asks for the id its first reply gave (see `ReplyMode::Replay`).
+    /// Taken by the next allocation, whether it is used or not.
+    pub want_id: Option<InodeId>,
 }
 
 /// The id ranges of a new cluster's tables: the catch-all, too-deep and too-wide regions
@@ -181,6 +185,7 @@ impl Engine {
             departed: Vec::new(),
             member: false,
             last_not_hosted: None,
+            want_id: None,
         })
     }
 

@@ -159,6 +159,7 @@ mod tests {
             seq: n,
             seq_floor: 0,
             map_version: 0,
+            mode: Default::default(),
             op: Op::Lookup {
                 parent: n,
                 name: format!("file{n}").into_bytes(),

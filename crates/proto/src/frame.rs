@@ -34,6 +34,11 @@ pub enum FrameKind {
     Reply = 5,
     /// Server to client before it closes a connection on purpose (bad auth, bad frame).
     Goodbye = 6,
+    /// A reply sent before its journal record is durable: payload `(lsn, Reply)`.
+    Unsafe = 7,
+    /// Server to client: its journal is durable up to the LSN in the payload (sent after
+    /// `Unsafe` replies, once the journal holds them). Request id 0.
+    Durable = 8,
 }
 
 impl FrameKind {
@@ -45,6 +50,8 @@ impl FrameKind {
             4 => FrameKind::Request,
             5 => FrameKind::Reply,
             6 => FrameKind::Goodbye,
+            7 => FrameKind::Unsafe,
+            8 => FrameKind::Durable,
             _ => return None,
         })
     }
@@ -181,6 +188,7 @@ mod tests {
             seq: 7,
             seq_floor: 3,
             map_version: 0,
+            mode: Default::default(),
             op: Op::Lookup {
                 parent: 42,
                 name: b"hello".to_vec(),

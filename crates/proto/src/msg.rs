@@ -13,7 +13,7 @@ pub const KEY_NOTE_MAX: usize = 256;
 /// welcome), server-derived session ids, key administration operations.
 /// 3: many servers: the map version in every request, GetMap and Control, WRONG_SERVER
 /// naming the owner.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// First frame on every connection, server to client: a fresh nonce to prove the key against.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -74,6 +74,11 @@ pub struct Welcome {
     pub session: u64,
     /// `auth::prove_server` over the same transcript: the server holds the key too.
     pub mac: [u8; 32],
+    /// Random per server process: a client that finds a different one after losing its
+    /// connection knows the server restarted (and replays what it had acknowledged early).
+    pub incarnation: u64,
+    /// The server's journal LSN known durable when it welcomed the client.
+    pub durable_lsn: u64,
 }
 
 /// One request. `seq` is non-zero for operations that must not run twice: a retry carries
@@ -89,7 +94,27 @@ pub struct Request {
     /// Version of the delegation map the client routed this request by (0: none yet). A
     /// server that no longer serves the table answers WRONG_SERVER with a newer one.
     pub map_version: u64,
+    /// When the reply may leave (see [`ReplyMode`]).
+    pub mode: ReplyMode,
     pub op: Op,
+}
+
+/// When a server may answer a request that changes something (the mount's contract in
+/// docs/ARCHITECTURE.md, "Early replies").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReplyMode {
+    /// Once the operation's journal record is durable.
+    #[default]
+    Durable,
+    /// Once it is applied and its record queued: the reply is an `Unsafe` frame carrying
+    /// the record's LSN, and a `Durable` frame follows when the journal holds it. The
+    /// client keeps the request until then, to replay it if the server restarts.
+    Early,
+    /// A replay of a request first answered early, sent after the server restarted or the
+    /// table failed over; answered once durable. `want_id` (0: none) is the inode the
+    /// first reply created: the server gives the replayed create that id if it is free,
+    /// so the client's (and the kernel's) references stay good.
+    Replay { want_id: InodeId },
 }
 
 /// Names of the operation kinds, indexed by [`Op::index`].

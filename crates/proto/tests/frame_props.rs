@@ -335,6 +335,7 @@ fn request() -> impl Strategy<Value = Request> {
             seq,
             seq_floor,
             map_version,
+            mode: Default::default(),
             op,
         },
     )
@@ -525,6 +526,8 @@ fn kind() -> impl Strategy<Value = FrameKind> {
         Just(FrameKind::Request),
         Just(FrameKind::Reply),
         Just(FrameKind::Goodbye),
+        Just(FrameKind::Unsafe),
+        Just(FrameKind::Durable),
     ]
 }
 
@@ -540,6 +543,8 @@ fn decode_any(kind: FrameKind, payload: &[u8]) -> bool {
         FrameKind::Request => decode_payload::<Request>(payload).is_ok(),
         FrameKind::Reply => decode_payload::<Reply>(payload).is_ok(),
         FrameKind::Goodbye => decode_payload::<FsError>(payload).is_ok(),
+        FrameKind::Unsafe => decode_payload::<(u64, Reply)>(payload).is_ok(),
+        FrameKind::Durable => decode_payload::<u64>(payload).is_ok(),
     }
 }
 
@@ -588,7 +593,8 @@ proptest! {
             Err(_) => {}
         }
         for k in [FrameKind::Challenge, FrameKind::Auth, FrameKind::Welcome,
-                  FrameKind::Request, FrameKind::Reply, FrameKind::Goodbye] {
+                  FrameKind::Request, FrameKind::Reply, FrameKind::Goodbye,
+                  FrameKind::Unsafe, FrameKind::Durable] {
             decode_any(k, &buf);
         }
     }
@@ -606,7 +612,7 @@ proptest! {
         match parse_header(&buf) {
             Err(FrameError::TooLarge(n)) => prop_assert!(n == len && len > MAX_FRAME_BYTES),
             Err(FrameError::TooShort(n)) => prop_assert!(n == len && len < FRAME_HEADER_BYTES - 4),
-            Err(FrameError::UnknownKind(b)) => prop_assert!(b == k && !(1..=6).contains(&k)),
+            Err(FrameError::UnknownKind(b)) => prop_assert!(b == k && !(1..=8).contains(&k)),
             Err(FrameError::Payload(_)) => prop_assert!(false, "the header parser decodes no payload"),
             Ok(None) => prop_assert!(buf.len() < 4 + len && len <= MAX_FRAME_BYTES),
             Ok(Some(h)) => {

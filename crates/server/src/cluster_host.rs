@@ -955,12 +955,17 @@ fn load(
                 .map_err(|e| e.to_string())?,
         );
     }
+    let recovered_any = !fenced.is_empty();
     for (journal, tables) in fenced {
         splits.extend(
             shared
                 .recover_tables_to(&tables, journal)
                 .map_err(|e| e.to_string())?,
         );
+    }
+    if recovered_any {
+        // The crashed server's clients replay what it acknowledged early and lost.
+        shared.replay_window.open();
     }
     Ok(splits
         .into_iter()

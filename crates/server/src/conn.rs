@@ -35,6 +35,8 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const WRITER_QUEUE: usize = 64;
 /// Bytes the writer gathers into one write.
 const WRITE_BATCH_BYTES: usize = 1 << 20;
+/// Longest a durability report waits for replies to ride with (fsync waits for it).
+const DURABLE_REPORT_DELAY: Duration = Duration::from_millis(2);
 /// Data operations (reads, writes) one connection may have running at once.
 const DATA_OPS_IN_FLIGHT: usize = 64;
 /// Requests run under one hold of the core lock. A readdirplus of a large directory costs
@@ -137,6 +139,9 @@ impl Drop for WriterGone {
 /// Replies of one batch (or of one data operation), sent once the journal holds `lsn`.
 struct Replies {
     lsn: u64,
+    /// Highest LSN of the `Unsafe` replies in the group (0: none): the writer sends a
+    /// `Durable` frame once the journal holds it.
+    unsafe_lsn: u64,
     bytes: Vec<u8>,
     started: Instant,
     /// (operation index, succeeded) per reply, for the metrics.
@@ -147,6 +152,7 @@ impl Replies {
     fn new(started: Instant, n: usize) -> Replies {
         Replies {
             lsn: 0,
+            unsafe_lsn: 0,
             bytes: Vec::with_capacity(n * 128),
             started,
             ops: Vec::with_capacity(n),
@@ -158,6 +164,16 @@ impl Replies {
         self.lsn = self.lsn.max(lsn);
         self.ops.push((op, !matches!(reply, Reply::Error(_))));
         if let Err(e) = encode_frame(&mut self.bytes, FrameKind::Reply, rid, reply) {
+            let fallback = Reply::Error(fs_err!(EIO, "reply does not fit in a frame: {e}"));
+            let _ = encode_frame(&mut self.bytes, FrameKind::Reply, rid, &fallback);
+        }
+    }
+
+    /// Adds one reply that leaves now although its record (`lsn`) is not durable yet.
+    fn add_unsafe(&mut self, rid: u64, op: u8, reply: &Reply, lsn: u64) {
+        self.unsafe_lsn = self.unsafe_lsn.max(lsn);
+        self.ops.push((op, !matches!(reply, Reply::Error(_))));
+        if let Err(e) = encode_frame(&mut self.bytes, FrameKind::Unsafe, rid, &(lsn, reply)) {
             let fallback = Reply::Error(fs_err!(EIO, "reply does not fit in a frame: {e}"));
             let _ = encode_frame(&mut self.bytes, FrameKind::Reply, rid, &fallback);
         }
@@ -352,6 +368,8 @@ async fn handshake(shared: &Shared, frames: &mut Frames, wr: &mut Wr) -> Result<
         max_frame_bytes: MAX_FRAME_BYTES as u32,
         session,
         mac: prove_server(&key.key, &t),
+        incarnation: shared.incarnation,
+        durable_lsn: shared.journal.durable_lsn(),
     };
     out.clear();
     encode_frame(&mut out, FrameKind::Welcome, 0, &welcome).map_err(|e| e.to_string())?;
@@ -518,6 +536,15 @@ async fn read_loop(
                 drop(permit);
             });
         }
+        // After a crash only replays run for a while: a new operation waits, so that it
+        // cannot take a name or an id that a replayed one needs.
+        if let Some(until) = shared.replay_window.until()
+            && reqs
+                .iter()
+                .any(|(_, r)| !matches!(r.mode, ReplyMode::Replay { .. }))
+        {
+            tokio::time::sleep_until(until.into()).await;
+        }
         if !reqs.is_empty() {
             let started = Instant::now();
             let parked = shared.execute_batch(client, &reqs, &mut replies);
@@ -543,12 +570,19 @@ async fn read_loop(
             }
             // Two groups: replies that may leave now, and those waiting for the journal (so
             // a lookup does not wait for the fsync of a create that ran in the same batch).
+            // Early replies leave now too, as `Unsafe` frames that carry their LSN.
             let durable = shared.journal.durable_lsn();
             let mut now = Replies::new(started, replies.len());
             let mut later = Replies::new(started, 0);
             for ((rid, reply, lsn), (_, req)) in replies.drain(..).zip(reqs.drain(..)) {
-                let group = if lsn <= durable { &mut now } else { &mut later };
-                group.add(rid, req.op.index() as u8, &reply, lsn);
+                let op = req.op.index() as u8;
+                if lsn <= durable {
+                    now.add(rid, op, &reply, lsn);
+                } else if req.mode == ReplyMode::Early {
+                    now.add_unsafe(rid, op, &reply, lsn);
+                } else {
+                    later.add(rid, op, &reply, lsn);
+                }
             }
             for group in [now, later] {
                 if !group.ops.is_empty() && !send_replies(&tx, &backlog, group).await {
@@ -639,11 +673,16 @@ async fn write_loop(
     let mut done: Vec<(Instant, Vec<(u8, bool)>)> = Vec::new();
     let mut goodbye: Option<Vec<u8>> = None;
     let mut open = true;
+    // Highest LSN sent in an `Unsafe` reply, the durable LSN last reported, and when a
+    // report is due if no reply carries it sooner.
+    let mut owed = 0u64;
+    let mut reported = 0u64;
+    let mut report_due: Option<Instant> = None;
     loop {
         // Block for new replies when nothing waits for the journal; otherwise for whichever
         // comes first, a new reply or more of the journal on disk.
         let mut taken = 0;
-        if waiting.is_empty() {
+        if waiting.is_empty() && owed <= reported {
             match rx.recv().await {
                 Some(item) => taken += accept(item, &mut waiting, &mut goodbye),
                 None => return,
@@ -654,7 +693,12 @@ async fn write_loop(
                     Some(item) => taken += accept(item, &mut waiting, &mut goodbye),
                     None => open = false,
                 },
-                r = tokio::time::timeout(Duration::from_secs(1), durable.changed()) => {
+                r = tokio::time::timeout(
+                    report_due.map_or(Duration::from_secs(1), |t| {
+                        t.saturating_duration_since(Instant::now())
+                    }),
+                    durable.changed(),
+                ) => {
                     if let Ok(Err(_)) = r {
                         return; // the journal is gone: the server is stopping
                     }
@@ -690,13 +734,26 @@ async fn write_loop(
             let _ = wr.shutdown().await;
             return;
         }
-        // Nothing leaves before the journal holds every record it could reflect.
+        // Nothing leaves before the journal holds every record it could reflect (but
+        // `Unsafe` replies, which say so).
         let on_disk = *durable.borrow_and_update();
         let mut sent = 0;
-        for r in waiting.extract_if(.., |r| r.lsn <= on_disk) {
+        for r in waiting.extract_if(.., |r| r.lsn <= on_disk || r.unsafe_lsn > 0) {
             out.extend_from_slice(&r.bytes);
             sent += r.bytes.len();
+            owed = owed.max(r.unsafe_lsn);
             done.push((r.started, r.ops));
+        }
+        if owed > reported && on_disk > reported {
+            // Reported with the next replies, or after a short wait: one report covers the
+            // flushes of many operations instead of one message each.
+            let now = Instant::now();
+            let due = *report_due.get_or_insert(now + DURABLE_REPORT_DELAY);
+            if !out.is_empty() || now >= due {
+                reported = on_disk;
+                report_due = None;
+                let _ = encode_frame(&mut out, FrameKind::Durable, 0, &on_disk);
+            }
         }
         let closing = waiting.is_empty() && goodbye.is_some();
         if let Some(bytes) = goodbye.take_if(|_| closing) {
@@ -741,6 +798,7 @@ mod tests {
                 seq: 0,
                 seq_floor: 0,
                 map_version: 0,
+                mode: Default::default(),
                 op: Op::GetAttr { id: i },
             };
             encode_frame(&mut out, FrameKind::Request, i, &req).unwrap();

@@ -219,6 +219,42 @@ pub struct Shared {
     /// The participant of a member under the coordinator; `None` for the single server of
     /// `kochab up`, which hosts every table and admits everything.
     pub cluster: Option<Arc<crate::cluster_host::ClusterHost>>,
+    /// Random per process, sent in the welcome: a client that finds another after losing
+    /// its connection replays what this process acknowledged early.
+    pub incarnation: u64,
+    /// Until when only replays are served (after a crash, see [`ReplayWindow`]).
+    pub replay_window: ReplayWindow,
+}
+
+/// How long a server recovered from a crash serves only replays: clients that hold early
+/// replies the crash lost reconnect (their retries are at most 1.6 s apart) and replay
+/// them before anyone else's new operation can take the names or ids they need.
+pub const REPLAY_WINDOW: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The window after a crash in which only replayed requests run; others wait for its end.
+#[derive(Default)]
+pub struct ReplayWindow(Mutex<Option<Instant>>);
+
+impl ReplayWindow {
+    /// Opens (or extends) the window for [`REPLAY_WINDOW`] from now.
+    pub fn open(&self) {
+        let until = Instant::now() + REPLAY_WINDOW;
+        let mut w = self.0.lock();
+        *w = Some(w.map_or(until, |u| u.max(until)));
+    }
+
+    /// The end of the window, while it is open.
+    pub fn until(&self) -> Option<Instant> {
+        let mut w = self.0.lock();
+        match *w {
+            Some(u) if u > Instant::now() => Some(u),
+            Some(_) => {
+                *w = None;
+                None
+            }
+            None => None,
+        }
+    }
 }
 
 /// Nanoseconds since the epoch from the system clock.
@@ -344,6 +380,10 @@ impl Shared {
             };
             let before = self.journal.last_lsn();
             let global = matches!(req.op, Op::Status | Op::StatFs | Op::Fsck);
+            core.engine.want_id = match req.mode {
+                ReplyMode::Replay { want_id } if want_id != 0 => Some(want_id),
+                _ => None,
+            };
             let reply = match req.op {
                 Op::Status => Reply::Status(self.status(&core)),
                 Op::StatFs => self.statfs(&mut core, req, now),
@@ -356,6 +396,7 @@ impl Shared {
                 | Op::EndSession => self.session_op(&mut core, client, req, now),
                 _ => self.execute_one(&mut core, client, req, now),
             };
+            core.engine.want_id = None;
             let after = self.journal.last_lsn();
             // An operation that journaled waits for its record; every reply waits for what
             // it observed; whole-server answers wait for everything.
@@ -391,7 +432,11 @@ impl Shared {
             core.modified.retain(|_, lsn| *lsn > durable);
         }
         drop(core);
-        self.journal.flush_now();
+        // Early replies do not wait for the journal: their records go with the next flush
+        // (within `LAZY_FLUSH`); anything else in the batch waits for one now.
+        if reqs.iter().any(|(_, r)| r.mode != ReplyMode::Early) {
+            self.journal.flush_now();
+        }
         parked
     }
 

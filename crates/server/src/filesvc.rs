@@ -405,6 +405,8 @@ async fn run_data_op(
                 .ok_or_else(|| fs_err!(EBADF, "unknown file handle {handle}"))?;
             let data = shared.data.clone();
             blocking("fsync", move || data.sync(of.id, of.generation)).await?;
+            // Everything before it, early replies' records included, flushed now.
+            shared.journal.flush_now();
             Ok((Reply::Empty, shared.journal.last_lsn()))
         }
         Op::Fallocate {
@@ -722,6 +724,7 @@ mod tests {
             seq: 0,
             seq_floor: 0,
             map_version: 0,
+            mode: Default::default(),
             op,
         }
     }

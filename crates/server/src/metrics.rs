@@ -37,6 +37,7 @@ pub struct Metrics {
     ops_err: Vec<Counter>,
     latency: Vec<Histogram>,
     pub fsync_seconds: Histogram,
+    pub journal_wait_seconds: Histogram,
     pub records_per_fsync: Histogram,
     pub bytes_per_fsync: Histogram,
     pub checkpoint_seconds: Histogram,
@@ -91,6 +92,14 @@ impl Metrics {
             "journal_fsync_seconds",
             "Duration of one journal group commit (write + fdatasync)",
             fsync_seconds.clone(),
+        );
+        let journal_wait_seconds = Histogram::new(exponential_buckets(25e-6, 2.0, 16));
+        registry.register(
+            "journal_wait_seconds",
+            "How long the first record of a group commit waited for it to start: with \
+             early replies, the window in which acknowledged operations are not durable \
+             (at most the lazy-flush interval when nobody waits for them)",
+            journal_wait_seconds.clone(),
         );
         let records_per_fsync = Histogram::new(exponential_buckets(1.0, 2.0, 14));
         registry.register(
@@ -172,6 +181,7 @@ impl Metrics {
             ops_err,
             latency,
             fsync_seconds,
+            journal_wait_seconds,
             records_per_fsync,
             bytes_per_fsync,
             checkpoint_seconds,

@@ -75,8 +75,9 @@ impl ServerConfig {
 struct JournalMetrics(Arc<Metrics>);
 
 impl JournalObserver for JournalMetrics {
-    fn on_commit(&self, records: u64, bytes: u64, sync_seconds: f64) {
+    fn on_commit(&self, records: u64, bytes: u64, sync_seconds: f64, waited_seconds: f64) {
         self.0.fsync_seconds.observe(sync_seconds);
+        self.0.journal_wait_seconds.observe(waited_seconds);
         self.0.records_per_fsync.observe(records as f64);
         self.0.bytes_per_fsync.observe(bytes as f64);
     }
@@ -124,10 +125,18 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
             epoch: state.epoch,
         };
         let recovered = crate::recovery::recover(&dir, me)?;
-        Ok((lock, dir, me, recovered))
+        // Without the marker of a clean stop, the last incarnation may have acknowledged
+        // early replies that its journal lost: clients replay them in the replay window.
+        let crashed = match std::fs::remove_file(dir.path.join(CLEAN_STOP_MARKER)) {
+            Ok(()) => false,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => state.epoch > 1,
+            Err(e) => return Err(e),
+        };
+        Ok((lock, dir, me, (recovered, crashed)))
     })
     .await
     .map_err(io::Error::other)??;
+    let (recovered, crashed) = recovered;
     let member = Member {
         store: dir.store.clone(),
         key: dir.key,
@@ -135,6 +144,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
         me,
         data_path: dir.path.clone(),
         cluster: None,
+        replay_window: crashed,
     };
     serve(config, member, recovered, Some(lock)).await
 }
@@ -193,6 +203,8 @@ async fn start_over_store(
         me,
         data_path: config.data_dir.clone(),
         cluster,
+        // A member opens it when it recovers a crashed server's tables.
+        replay_window: false,
     };
     serve(config, member, recovered, None).await
 }
@@ -207,7 +219,13 @@ struct Member {
     data_path: PathBuf,
     /// The participant of a member under the coordinator (none: every table is hosted).
     cluster: Option<Arc<crate::cluster_host::ClusterHost>>,
+    /// Serve only replays for a while first (the last incarnation crashed).
+    replay_window: bool,
 }
+
+/// Written into the data directory when the single server stopped cleanly (everything it
+/// acknowledged is durable); its absence at the next start means a crash.
+const CLEAN_STOP_MARKER: &str = "stopped-cleanly";
 
 async fn serve(
     config: ServerConfig,
@@ -292,7 +310,17 @@ async fn serve(
         keys,
         bad_frame_log: Default::default(),
         cluster: dir.cluster.clone(),
+        incarnation: kochab_proto::auth::random_u64(),
+        replay_window: Default::default(),
     });
+    if dir.replay_window {
+        tracing::info!(
+            "the last incarnation stopped without a clean shutdown: serving only clients' \
+             replays for {:?}",
+            crate::core::REPLAY_WINDOW
+        );
+        shared.replay_window.open();
+    }
     if let Some(host) = &dir.cluster {
         host.attach(&shared);
     }
@@ -629,6 +657,12 @@ impl RunningServer {
             let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }
         self.shared.journal.shutdown();
+        if self.shared.cluster.is_none() && !self.shared.journal.failed() {
+            let marker = self.data_dir.join(CLEAN_STOP_MARKER);
+            if let Err(e) = std::fs::write(&marker, b"") {
+                tracing::warn!("cannot write {}: {e}", marker.display());
+            }
+        }
     }
 }
 

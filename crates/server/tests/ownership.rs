@@ -27,6 +27,7 @@ fn run(shared: &Shared, client: u64, seq: u64, op: Op) -> Option<Reply> {
         seq,
         seq_floor: 0,
         map_version: 0,
+        mode: Default::default(),
         op,
     };
     let mut replies = Vec::new();

@@ -269,6 +269,11 @@ pub struct MountProc {
 
 impl MountProc {
     pub fn start(addr: SocketAddr, key_file: &Path, mnt: &Path) -> MountProc {
+        Self::start_with(addr, key_file, mnt, &[])
+    }
+
+    /// Like `start`, with more arguments (`-o OPTIONS`).
+    pub fn start_with(addr: SocketAddr, key_file: &Path, mnt: &Path, extra: &[&str]) -> MountProc {
         std::fs::create_dir_all(mnt).expect("mountpoint");
         let mut child = Command::new(kochab_bin())
             .args(["mount", &addr.to_string()])
@@ -276,6 +281,7 @@ impl MountProc {
             .arg("--foreground")
             .arg("--key-file")
             .arg(key_file)
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
