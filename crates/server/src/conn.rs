@@ -536,12 +536,12 @@ async fn read_loop(
                 drop(permit);
             });
         }
-        // After a crash only replays run for a while: a new operation waits, so that it
-        // cannot take a name or an id that a replayed one needs.
+        // After a crash only replays change anything for a while: a new change waits, so
+        // that it cannot take a name or an id that a replayed one needs (reads go on).
         if let Some(until) = shared.replay_window.until()
-            && reqs
-                .iter()
-                .any(|(_, r)| !matches!(r.mode, ReplyMode::Replay { .. }))
+            && reqs.iter().any(|(_, r)| {
+                !matches!(r.mode, ReplyMode::Replay { .. }) && waits_for_replays(&r.op)
+            })
         {
             tokio::time::sleep_until(until.into()).await;
         }
@@ -638,6 +638,17 @@ async fn read_loop(
             return;
         }
     }
+}
+
+/// True for the changes that wait out a replay window: those that make, remove or change
+/// names and inodes (a replay could find its name taken, its source gone or a newer
+/// change undone). Reads, locks, status, maps and administration go on.
+fn waits_for_replays(op: &Op) -> bool {
+    op.needs_reply_cache()
+        || matches!(
+            op,
+            Op::SetAttr { .. } | Op::Open { .. } | Op::Close { .. } | Op::EndSession
+        )
 }
 
 /// Takes one item for the writer; returns its size.

@@ -226,12 +226,13 @@ pub struct Shared {
     pub replay_window: ReplayWindow,
 }
 
-/// How long a server recovered from a crash serves only replays: clients that hold early
-/// replies the crash lost reconnect (their retries are at most 1.6 s apart) and replay
-/// them before anyone else's new operation can take the names or ids they need.
+/// How long a server recovered from a crash runs no change but replays: clients that hold
+/// early replies the crash lost reconnect (their retries are at most 1.6 s apart) and
+/// replay them before anyone else's new operation can take the names or ids they need.
 pub const REPLAY_WINDOW: std::time::Duration = std::time::Duration::from_secs(3);
 
-/// The window after a crash in which only replayed requests run; others wait for its end.
+/// The window after a crash in which only replayed changes run; other changes wait for its
+/// end (reads do not).
 #[derive(Default)]
 pub struct ReplayWindow(Mutex<Option<Instant>>);
 
