@@ -476,11 +476,10 @@ impl Filesystem for KochabFs {
             // no longer caches by looking up "." (and a directory's parent by "..") in its
             // id; a reused id has another generation, so an old handle is ESTALE.
             InitFlags::FUSE_EXPORT_SUPPORT,
-            // The servers clear setuid/setgid on chown, truncation and writes by non-root
-            // (as the VFS would), so the kernel need not fetch the attributes before every
-            // chown to compute the new mode itself (a GETATTR per chown, e.g. per file of
-            // `tar -x`).
-            InitFlags::FUSE_HANDLE_KILLPRIV_V2,
+            // Not FUSE_HANDLE_KILLPRIV_V2, although it would save the GETATTR the kernel
+            // sends before every chown: with it, chown(fd, -1, -1) reaches the file system
+            // as an empty SETATTR whose FATTR_KILL_SUIDGID fuser does not pass on, so
+            // setuid/setgid bits would survive it (the differential test found this).
         ] {
             if config.add_capabilities(cap).is_err() {
                 tracing::info!("kernel lacks FUSE capability {cap:?}");
