@@ -93,6 +93,8 @@ pub async fn connect_and_mount(
     cfg.connections = 2;
     let opts = options(options_text);
     cfg.early_replies = opts.early_replies();
+    // The kernel caches for the servers' leases, and callbacks keep it coherent.
+    cfg.leases = true;
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect the mount: {e}"))?;
@@ -154,6 +156,8 @@ pub async fn foreground(args: MountArgs) -> Result<(), String> {
     cfg.tls = args.tls.load()?;
     let opts = options(args.options.as_deref());
     cfg.early_replies = opts.early_replies();
+    // The kernel caches for the servers' leases, and callbacks keep it coherent.
+    cfg.leases = true;
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", args.cluster))?;

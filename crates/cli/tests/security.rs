@@ -363,6 +363,7 @@ fn a_server_that_cannot_prove_the_key_is_refused() {
             mac: [0; 32],
             incarnation: 1,
             durable_lsn: 0,
+            lease_ms: 0,
         };
         encode_frame(&mut out, FrameKind::Welcome, 0, &w).unwrap();
         let _ = s.write_all(&out);

@@ -20,6 +20,12 @@ use tokio_util::codec::FramedRead;
 const WRITE_BATCH_BYTES: usize = 256 << 10;
 /// Frames queued for the writer before senders wait.
 const SEND_QUEUE: usize = 4096;
+/// Longest a callback waits for the cache it revokes to be dropped before it is answered
+/// anyway. A kernel may hold a directory's lock (which its invalidation needs) for a change
+/// of its own that waits at the server for this very callback's answer: answering within
+/// this bound breaks that wait, at the price of a cached name surviving the change by up
+/// to this long.
+pub const CALLBACK_ANSWER_MAX: Duration = Duration::from_millis(200);
 
 type Rd = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
 type Wr = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
@@ -48,6 +54,29 @@ pub trait ConnEvents: Send + Sync {
     fn durable(&self, incarnation: u64, lsn: u64);
     /// A connection to the server process `incarnation` failed.
     fn lost(&self, incarnation: u64);
+    /// The server asks this client to drop what it caches of `list` (a connection that
+    /// asked for leases); the callback is answered when `answer` is dropped.
+    fn callback(&self, list: Vec<Invalidation>, answer: CallbackAnswer) {
+        let _ = (list, answer);
+    }
+}
+
+/// Answers a callback when dropped (see [`ConnEvents::callback`]).
+pub struct CallbackAnswer(Option<oneshot::Sender<()>>);
+
+impl CallbackAnswer {
+    /// An answer nobody waits for (a drop the client decided on itself).
+    pub fn none() -> CallbackAnswer {
+        CallbackAnswer(None)
+    }
+}
+
+impl Drop for CallbackAnswer {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
 }
 
 /// A live connection.
@@ -64,6 +93,8 @@ pub struct Conn {
     pub incarnation: u64,
     /// Its journal's durable LSN when it welcomed us.
     pub durable_lsn: u64,
+    /// How long the leases this connection is granted last (zero: it asked for none).
+    pub lease: Duration,
 }
 
 impl Conn {
@@ -75,7 +106,7 @@ impl Conn {
         client_id: u64,
         timeout: Duration,
     ) -> Result<Arc<Conn>, ConnError> {
-        Conn::connect_with(addr, key, client_id, timeout, None, None).await
+        Conn::connect_with(addr, key, client_id, timeout, None, None, false).await
     }
 
     /// [`Conn::connect`], through TLS if `tls` is given.
@@ -86,6 +117,7 @@ impl Conn {
         timeout: Duration,
         tls: Option<&crate::tls::TlsClient>,
         events: Option<Arc<dyn ConnEvents>>,
+        leases: bool,
     ) -> Result<Arc<Conn>, ConnError> {
         let lost = |e: std::io::Error| ConnError::Lost(format!("{addr}: {e}"));
         let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
@@ -133,7 +165,8 @@ impl Conn {
             let mut client_nonce = [0u8; 32];
             getrandom::fill(&mut client_nonce)
                 .map_err(|e| ConnError::Lost(format!("no randomness: {e}")))?;
-            let (auth, t) = Auth::prove(key, challenge.nonce, client_nonce, client_id);
+            let (mut auth, t) = Auth::prove(key, challenge.nonce, client_nonce, client_id);
+            auth.leases = leases;
             let mut out = Vec::new();
             encode_frame(&mut out, FrameKind::Auth, 0, &auth)
                 .map_err(|e| ConnError::Lost(e.to_string()))?;
@@ -171,6 +204,7 @@ impl Conn {
         let notes = Notes {
             events,
             incarnation: welcome.incarnation,
+            answers: tx.clone(),
         };
         tokio::spawn(read_loop(frames, pending.clone(), alive.clone(), notes));
         Ok(Arc::new(Conn {
@@ -182,6 +216,7 @@ impl Conn {
             session: welcome.session,
             incarnation: welcome.incarnation,
             durable_lsn: welcome.durable_lsn,
+            lease: Duration::from_millis(welcome.lease_ms),
         }))
     }
 
@@ -322,6 +357,8 @@ async fn write_loop(
 struct Notes {
     events: Option<Arc<dyn ConnEvents>>,
     incarnation: u64,
+    /// Where callbacks' answers go (the connection's writer).
+    answers: mpsc::Sender<Vec<u8>>,
 }
 
 impl Drop for Notes {
@@ -380,6 +417,29 @@ async fn read_loop(
                 }
                 Err(e) => {
                     fail_all(&pending, &alive, &format!("bad durable frame: {e}"));
+                    return;
+                }
+            },
+            FrameKind::Callback => match decode_payload::<Vec<Invalidation>>(&f.payload) {
+                Ok(list) => {
+                    let (tx, rx) = oneshot::channel();
+                    let answers = notes.answers.clone();
+                    let id = f.request_id;
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(CALLBACK_ANSWER_MAX, rx).await;
+                        let mut frame = Vec::new();
+                        if encode_frame(&mut frame, FrameKind::CallbackDone, id, &()).is_ok() {
+                            let _ = answers.send(frame).await;
+                        }
+                    });
+                    let answer = CallbackAnswer(Some(tx));
+                    match &notes.events {
+                        Some(e) => e.callback(list, answer),
+                        None => drop(answer),
+                    }
+                }
+                Err(e) => {
+                    fail_all(&pending, &alive, &format!("bad callback frame: {e}"));
                     return;
                 }
             },

@@ -11,7 +11,10 @@
 //! client on that directory from its start to its end; any other change this client starts
 //! on a directory forgets it. A rename or rmdir changes a directory it names only by name
 //! (the one moved or removed), so it forgets everything, and nothing is kept while one is in
-//! flight. Changes by other clients show up after the TTL, as with the kernel's own cache.
+//! flight. Changes by other clients show up after the TTL, as with the kernel's own cache;
+//! with leases, at once: the callback for the directory's inode forgets it here too
+//! ([`DirCache::forget`]), and attributes are kept for the lease, counted from when the
+//! change was sent (before the server granted the lease).
 //!
 //! A state machine: time comes in as arguments.
 
@@ -21,18 +24,28 @@ use std::time::{Duration, Instant};
 
 /// Above this many remembered directories, the stale ones are dropped.
 const PRUNE_AT: usize = 4096;
-/// Longest time a directory's attributes are kept.
+/// Longest time a directory's attributes are kept without leases.
 pub const KEEP_MAX: Duration = Duration::from_secs(1);
 
-#[derive(Default)]
 pub struct DirCache {
     kept: FxHashMap<InodeId, (Attr, Instant)>,
+    /// Longest time a directory's attributes are kept.
+    keep: Duration,
     /// Changes in flight per directory: (count, start number of the latest).
     busy: FxHashMap<InodeId, (u32, u64)>,
     starts: u64,
     /// Renames and rmdirs in flight, and the start number of the latest.
     renames: u32,
     last_rename: u64,
+    /// Callbacks seen ([`DirCache::forget`]): a reply to an operation sent before one may
+    /// show what the callback revoked, so it is not kept.
+    forgets: u64,
+}
+
+impl Default for DirCache {
+    fn default() -> Self {
+        DirCache::new(KEEP_MAX)
+    }
 }
 
 /// What [`DirCache::begin`] saw, to hand back to [`DirCache::end`].
@@ -41,9 +54,34 @@ pub struct Ticket {
     ids: [Option<InodeId>; 2],
     start: u64,
     rename: bool,
+    forgets: u64,
 }
 
 impl DirCache {
+    /// A cache that keeps attributes for at most `keep` (the lease, with leases).
+    pub fn new(keep: Duration) -> DirCache {
+        DirCache {
+            kept: FxHashMap::default(),
+            keep,
+            busy: FxHashMap::default(),
+            starts: 0,
+            renames: 0,
+            last_rename: 0,
+            forgets: 0,
+        }
+    }
+
+    /// Forgets the attributes of `id` (another client changed it), or all of them.
+    pub fn forget(&mut self, id: Option<InodeId>) {
+        self.forgets += 1;
+        match id {
+            Some(id) => {
+                self.kept.remove(&id);
+            }
+            None => self.kept.clear(),
+        }
+    }
+
     /// Notes an operation about to be sent.
     pub fn begin(&mut self, op: &Op) -> Option<Ticket> {
         if op.is_read_only() {
@@ -67,15 +105,22 @@ impl DirCache {
             b.0 += 1;
             b.1 = start;
         }
-        Some(Ticket { ids, start, rename })
+        Some(Ticket {
+            ids,
+            start,
+            rename,
+            forgets: self.forgets,
+        })
     }
 
-    /// Notes the end of an operation, with the directory attributes its reply carried.
+    /// Notes the end of an operation, with the directory attributes its reply carried;
+    /// `now` is when the operation was sent (what is kept counts from then).
     pub fn end(&mut self, ticket: Ticket, dirs: &[Attr], now: Instant) {
         if ticket.rename {
             self.renames -= 1;
         }
-        let quiet = self.renames == 0 && self.last_rename <= ticket.start;
+        let quiet =
+            self.renames == 0 && self.last_rename <= ticket.start && self.forgets == ticket.forgets;
         for id in ticket.ids.into_iter().flatten() {
             let Some(b) = self.busy.get_mut(&id) else {
                 continue;
@@ -94,14 +139,16 @@ impl DirCache {
         }
         if self.kept.len() > PRUNE_AT {
             self.kept
-                .retain(|_, (_, at)| now.duration_since(*at) < KEEP_MAX);
+                .retain(|_, (_, at)| now.duration_since(*at) < self.keep);
         }
     }
 
     /// The attributes of `id` if kept less than `max_age` ago, with the time they stay good.
     pub fn get(&self, id: InodeId, max_age: Duration, now: Instant) -> Option<(Attr, Duration)> {
         let (a, at) = self.kept.get(&id)?;
-        let left = max_age.min(KEEP_MAX).checked_sub(now.duration_since(*at))?;
+        let left = max_age
+            .min(self.keep)
+            .checked_sub(now.duration_since(*at))?;
         (!left.is_zero()).then(|| (a.clone(), left))
     }
 }
@@ -230,5 +277,18 @@ mod tests {
         c.end(r2.unwrap(), &[], t0);
         c.end(d, &[dir(7, 2)], t0);
         assert!(c.get(7, TTL, t0).is_none());
+    }
+    #[test]
+    fn a_reply_overtaken_by_a_callback_is_not_kept() {
+        let mut c = DirCache::new(Duration::from_secs(5));
+        let t0 = Instant::now();
+        let t = c.begin(&create(5)).unwrap();
+        c.forget(Some(5));
+        c.end(t, &[dir(5, 2)], t0);
+        assert!(c.get(5, Duration::from_secs(5), t0).is_none());
+        let t = c.begin(&create(5)).unwrap();
+        c.end(t, &[dir(5, 2)], t0);
+        let (_, left) = c.get(5, Duration::from_secs(9), t0).expect("kept");
+        assert_eq!(left, Duration::from_secs(5), "kept for the lease");
     }
 }

@@ -72,6 +72,11 @@ pub struct ClientConfig {
     /// reports it durable, and replayed if that server restarts first. The mount's
     /// default; off (durable replies) for the library and the CLI.
     pub early_replies: bool,
+    /// Ask for leases on what replies show (docs/ARCHITECTURE.md, "Coherent caching
+    /// between mounts"): the servers then call this client back (see
+    /// [`Client::on_callback`]) before another client's change to it becomes visible. The
+    /// mount's default; off for the library and the CLI, which cache nothing.
+    pub leases: bool,
 }
 
 impl ClientConfig {
@@ -93,6 +98,7 @@ impl ClientConfig {
             connect_timeout: Duration::from_secs(5),
             tls: None,
             early_replies: false,
+            leases: false,
         }
     }
 }
@@ -194,11 +200,19 @@ struct Inner {
     early: Arc<Early>,
     /// Held while lost processes are looked at and their requests replayed.
     replaying: tokio::sync::Mutex<()>,
+    /// How long the servers' leases last (zero: this client asked for none).
+    lease: Duration,
 }
 
-/// The early-reply state the connections report to.
+/// What a client that holds leases is told to drop; answered when the
+/// [`conn::CallbackAnswer`] is dropped.
+pub type CallbackHandler = Arc<dyn Fn(Vec<Invalidation>, conn::CallbackAnswer) + Send + Sync>;
+
+/// The early-reply state the connections report to (and where callbacks go).
 #[derive(Default)]
 struct Early {
+    /// Told what to drop from the cache (see [`Client::on_callback`]).
+    callbacks: Mutex<Option<CallbackHandler>>,
     log: Mutex<ReplayLog>,
     /// Wakes whoever waits for durability (fsync) or for room in the log.
     changed: tokio::sync::Notify,
@@ -212,7 +226,16 @@ impl ConnEvents for Early {
         self.changed.notify_waiters();
     }
 
+    fn callback(&self, list: Vec<Invalidation>, answer: conn::CallbackAnswer) {
+        self.callback_to_handler(list, answer);
+    }
+
     fn lost(&self, incarnation: u64) {
+        // The server forgets the leases of a client whose connection ended: drop all.
+        let handler = self.callbacks.lock().clone();
+        if let Some(h) = handler {
+            h(vec![Invalidation::Everything], conn::CallbackAnswer::none());
+        }
         let suspect = {
             let mut log = self.log.lock();
             log.lost(incarnation);
@@ -220,6 +243,16 @@ impl ConnEvents for Early {
         };
         if suspect {
             self.lost.notify_one();
+        }
+    }
+}
+
+impl Early {
+    fn callback_to_handler(&self, list: Vec<Invalidation>, answer: conn::CallbackAnswer) {
+        let handler = self.callbacks.lock().clone();
+        match handler {
+            Some(h) => h(list, answer),
+            None => drop(answer),
         }
     }
 }
@@ -317,6 +350,7 @@ impl Client {
                 timeout: config.connect_timeout,
                 tls: config.tls.clone(),
                 events: Some(early.clone()),
+                leases: config.leases,
             },
             config.connections,
         );
@@ -369,13 +403,31 @@ impl Client {
             handles: Mutex::new(Default::default()),
             next_handle: AtomicU64::new(1),
             root: Mutex::new(conn.root),
-            dirs: Mutex::new(DirCache::default()),
+            lease: conn.lease,
+            dirs: Mutex::new(if conn.lease.is_zero() {
+                DirCache::default()
+            } else {
+                DirCache::new(conn.lease)
+            }),
             config,
             early,
             replaying: tokio::sync::Mutex::new(()),
         });
         tokio::spawn(replayer(Arc::downgrade(&inner)));
         Ok(Client { inner })
+    }
+
+    /// How long a lease lasts from the moment a server handles the request whose reply
+    /// grants it (zero if this client asked for none, see `ClientConfig::leases`).
+    pub fn lease(&self) -> Duration {
+        self.inner.lease
+    }
+
+    /// Sets what is told to drop cached names and inodes: another client's change to them
+    /// waits until the handler drops its answer (at most `conn::CALLBACK_ANSWER_MAX`).
+    /// When a connection that held leases ends, the handler is told `Everything`.
+    pub fn on_callback(&self, handler: CallbackHandler) {
+        *self.inner.early.callbacks.lock() = Some(handler);
     }
 
     /// The root directory's id.
@@ -434,6 +486,7 @@ impl Client {
             inner: &self.inner,
             ticket,
             dirs: Vec::new(),
+            sent: Instant::now(),
         };
         let (reply, addr) = self.call_once(cred, op, target).await?;
         reply.check_attrs()?;
@@ -446,8 +499,15 @@ impl Client {
         }
     }
 
+    /// Forgets what this client knows of directory `id`'s attributes from its own changes
+    /// (`None`: of every directory): a callback said another client changed it.
+    pub fn forget_dir_attr(&self, id: Option<InodeId>) {
+        self.inner.dirs.lock().forget(id);
+    }
+
     /// The attributes of directory `id` as this client's last change to it left them, if
-    /// that was less than `max_age` ago (and at most 1 s), with the time they stay good.
+    /// that was sent less than `max_age` ago (and at most 1 s, or the lease with leases),
+    /// with the time they stay good.
     pub fn recent_dir_attr(&self, id: InodeId, max_age: Duration) -> Option<(Attr, Duration)> {
         self.inner.dirs.lock().get(id, max_age, Instant::now())
     }
@@ -1656,12 +1716,14 @@ struct DirsGuard<'a> {
     inner: &'a Inner,
     ticket: Option<dircache::Ticket>,
     dirs: Vec<Attr>,
+    /// When the operation was sent.
+    sent: Instant,
 }
 
 impl Drop for DirsGuard<'_> {
     fn drop(&mut self) {
         if let Some(t) = self.ticket.take() {
-            self.inner.dirs.lock().end(t, &self.dirs, Instant::now());
+            self.inner.dirs.lock().end(t, &self.dirs, self.sent);
         }
     }
 }

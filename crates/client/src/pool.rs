@@ -17,8 +17,10 @@ pub(crate) struct Dial {
     pub client_id: u64,
     pub timeout: Duration,
     pub tls: Option<crate::tls::TlsClient>,
-    /// Told of durability reports and lost connections (early replies).
+    /// Told of durability reports and lost connections (early replies), and of callbacks.
     pub events: Option<Arc<dyn crate::conn::ConnEvents>>,
+    /// Ask for leases (see `ClientConfig::leases`).
+    pub leases: bool,
 }
 
 /// The connections to one server.
@@ -73,8 +75,16 @@ impl Pool {
         let sock = resolve(addr).await?;
         let d = &self.dial;
         let events = d.events.clone();
-        match Conn::connect_with(sock, &d.key, d.client_id, d.timeout, d.tls.as_ref(), events).await
-        {
+        let c = Conn::connect_with(
+            sock,
+            &d.key,
+            d.client_id,
+            d.timeout,
+            d.tls.as_ref(),
+            events,
+            d.leases,
+        );
+        match c.await {
             Ok(c) => {
                 *guard = Some(c.clone());
                 let mut s = self.sessions.lock();

@@ -133,6 +133,7 @@ async fn serve_maps(
         mac: prove_server(&key, &t),
         incarnation: 1,
         durable_lsn: 0,
+        lease_ms: 0,
     };
     send(&mut s, FrameKind::Welcome, 0, &welcome).await;
     while let Some((kind, id, payload)) = read_frame(&mut s, &mut buf).await {

@@ -15,6 +15,7 @@
 //! (no writeback cache, which would make the kernel ignore other mounts' sizes).
 //! Together this gives close-to-open consistency between mounts.
 
+mod coherence;
 mod creds;
 mod interrupts;
 mod writebehind;
@@ -39,7 +40,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// FUSE's inode number of the root directory.
 const FUSE_ROOT: u64 = 1;
@@ -125,6 +126,10 @@ struct Inner {
     dir_opened: tokio::sync::Notify,
     /// Writes gathered in the mount before they are sent.
     wb: Arc<writebehind::WriteBehind>,
+    /// How long the servers' leases last (zero: no leases, the TTLs of `config` apply).
+    lease: Duration,
+    /// Names handed to the kernel with a TTL, per directory (see `coherence`).
+    names: coherence::HandedNames,
 }
 
 #[derive(Default)]
@@ -185,6 +190,25 @@ fn ns_of(t: SystemTime) -> TimeNs {
     }
 }
 
+/// The attributes of a negative entry: inode 0 tells the kernel the name is absent.
+const NO_INODE: FileAttr = FileAttr {
+    ino: INodeNo(0),
+    size: 0,
+    blocks: 0,
+    atime: UNIX_EPOCH,
+    mtime: UNIX_EPOCH,
+    ctime: UNIX_EPOCH,
+    crtime: UNIX_EPOCH,
+    kind: FileType::RegularFile,
+    perm: 0,
+    nlink: 0,
+    uid: 0,
+    gid: 0,
+    rdev: 0,
+    blksize: 0,
+    flags: 0,
+};
+
 fn file_type(k: FileKind) -> FileType {
     match k {
         FileKind::File => FileType::RegularFile,
@@ -221,27 +245,32 @@ impl KochabFs {
         }
         let root = client.root();
         let wb = writebehind::WriteBehind::new(client.clone(), rt.clone());
-        KochabFs {
-            inner: Arc::new(Inner {
-                wb,
-                client,
-                rt,
-                root,
-                config,
-                lookups: Mutex::new(FxHashMap::default()),
-                seen_at_open: Mutex::new(FxHashMap::default()),
-                locked: Mutex::new(Default::default()),
-                notifier: std::sync::OnceLock::new(),
-                privileged: Mutex::new(Default::default()),
-                groups: GroupCache::default(),
-                interrupts: Interrupts::default(),
-                opens: Mutex::new(Opens::default()),
-                closing: Mutex::new(FxHashMap::default()),
-                closed: tokio::sync::Notify::new(),
-                dir_opens: Mutex::new(0),
-                dir_opened: tokio::sync::Notify::new(),
-            }),
+        let lease = client.lease();
+        let inner = Arc::new(Inner {
+            lease,
+            names: Default::default(),
+            wb,
+            client,
+            rt,
+            root,
+            config,
+            lookups: Mutex::new(FxHashMap::default()),
+            seen_at_open: Mutex::new(FxHashMap::default()),
+            locked: Mutex::new(Default::default()),
+            notifier: std::sync::OnceLock::new(),
+            privileged: Mutex::new(Default::default()),
+            groups: GroupCache::default(),
+            interrupts: Interrupts::default(),
+            opens: Mutex::new(Opens::default()),
+            closing: Mutex::new(FxHashMap::default()),
+            closed: tokio::sync::Notify::new(),
+            dir_opens: Mutex::new(0),
+            dir_opened: tokio::sync::Notify::new(),
+        });
+        if !lease.is_zero() {
+            start_callbacks(&inner);
         }
+        KochabFs { inner }
     }
 
     /// Gives the adapter the session's notifier (call right after mounting).
@@ -294,7 +323,64 @@ impl KochabFs {
             .groups
             .credentials(req.uid(), req.gid(), req.pid());
         let inner = self.inner.clone();
-        self.inner.rt.spawn(async move { f(inner, cred).await });
+        let arrived = Instant::now();
+        self.inner
+            .rt
+            .spawn(coherence::ARRIVED.scope(arrived, async move { f(inner, cred).await }));
+    }
+}
+
+/// Starts the thread that drops what callbacks revoke, and has the client hand callbacks
+/// to it (see `coherence`).
+fn start_callbacks(inner: &Arc<Inner>) {
+    let (tx, rx) = std::sync::mpsc::channel::<coherence::Work>();
+    let weak = Arc::downgrade(inner);
+    let spawned = std::thread::Builder::new()
+        .name("kochab-callbacks".into())
+        .spawn(move || {
+            while let Ok((list, answer)) = rx.recv() {
+                let Some(inner) = weak.upgrade() else {
+                    return;
+                };
+                coherence::drop_cached(&*inner, &inner.names, &list);
+                // Answered once the kernel dropped it all.
+                drop(answer);
+            }
+        });
+    match spawned {
+        Ok(_) => {
+            let tx = Mutex::new(tx);
+            inner.client.on_callback(Arc::new(move |list, answer| {
+                let _ = tx.lock().send((list, answer));
+            }));
+        }
+        Err(e) => tracing::error!("no callback thread ({e}): the kernel caches by TTL only"),
+    }
+}
+
+impl coherence::Kernel for Inner {
+    fn ino(&self, id: InodeId) -> u64 {
+        Inner::ino(self, id).0
+    }
+
+    fn inval_entry(&self, parent: u64, name: &[u8]) {
+        if let Some(n) = self.notifier.get() {
+            let _ = n.inval_entry(INodeNo(parent), OsStr::from_bytes(name));
+        }
+    }
+
+    fn inval_inode(&self, ino: u64) {
+        if let Some(n) = self.notifier.get() {
+            let _ = n.inval_inode(INodeNo(ino), 0, 0);
+        }
+    }
+
+    fn held_inodes(&self) -> Vec<u64> {
+        self.lookups.lock().keys().copied().collect()
+    }
+
+    fn forget_dir_attr(&self, id: Option<InodeId>) {
+        self.client.forget_dir_attr(id);
     }
 }
 
@@ -334,15 +420,41 @@ impl Inner {
         *self.lookups.lock().entry(self.ino(id).0).or_insert(0) += 1;
     }
 
-    fn entry(&self, reply: ReplyEntry, r: Result<Attr, FsError>) {
+    /// How long the kernel may cache an entry this request's reply shows.
+    fn entry_ttl(&self) -> Duration {
+        coherence::ttl(self.lease, self.config.entry_ttl)
+    }
+
+    /// How long the kernel may cache attributes this request's reply shows.
+    fn attr_ttl(&self) -> Duration {
+        coherence::ttl(self.lease, self.config.attr_ttl)
+    }
+
+    /// Notes that the kernel caches `parent/name` (so that a callback can drop it).
+    fn handed(&self, parent: INodeNo, name: &[u8], ttl: Duration) {
+        if !self.lease.is_zero() && !ttl.is_zero() {
+            self.names.handed(parent.0, name);
+        }
+    }
+
+    /// Answers a lookup or a creation of `parent/name`. With leases an absent name is
+    /// cached too (a negative entry: inode 0 with a TTL), so repeated lookups of it (a
+    /// compiler's include path, a shell's PATH) cost no round trip.
+    fn entry(&self, reply: ReplyEntry, parent: INodeNo, name: &[u8], r: Result<Attr, FsError>) {
+        let ttl = self.entry_ttl();
         match r {
             Ok(a) => {
                 self.looked_up(a.id);
-                reply.entry(
-                    &self.config.entry_ttl,
-                    &self.file_attr(&a),
-                    Generation(a.generation),
-                );
+                self.handed(parent, name, ttl);
+                reply.entry(&ttl, &self.file_attr(&a), Generation(a.generation));
+            }
+            Err(e)
+                if e.errno == kochab_proto::Errno::ENOENT
+                    && !self.lease.is_zero()
+                    && !ttl.is_zero() =>
+            {
+                self.handed(parent, name, ttl);
+                reply.entry(&ttl, &NO_INODE, Generation(0));
             }
             Err(e) => reply.error(errno(&e)),
         }
@@ -526,7 +638,7 @@ impl Filesystem for KochabFs {
                 }
                 r => r,
             };
-            fs.entry(reply, r);
+            fs.entry(reply, parent, &name, r);
         });
     }
 
@@ -544,13 +656,18 @@ impl Filesystem for KochabFs {
     fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         // A directory this mount just changed: the reply to that change said how it is now.
         let fs = &self.inner;
-        if let Some((a, left)) = fs.client.recent_dir_attr(fs.id(ino), fs.config.attr_ttl) {
+        let keep = if fs.lease.is_zero() {
+            fs.config.attr_ttl
+        } else {
+            fs.lease
+        };
+        if let Some((a, left)) = fs.client.recent_dir_attr(fs.id(ino), keep) {
             return reply.attr(&left, &fs.file_attr(&a));
         }
         self.spawn(req, move |fs, cred| async move {
             fs.wb.settle(fs.id(ino)).await;
             match fs.client.getattr(&cred, fs.id(ino)).await {
-                Ok(a) => reply.attr(&fs.config.attr_ttl, &fs.file_attr(&a)),
+                Ok(a) => reply.attr(&fs.attr_ttl(), &fs.file_attr(&a)),
                 Err(e) => reply.error(errno_of_inode(&e)),
             }
         });
@@ -593,7 +710,7 @@ impl Filesystem for KochabFs {
         self.spawn(req, move |fs, cred| async move {
             fs.wb.settle(fs.id(ino)).await;
             match fs.client.setattr(&cred, fs.id(ino), set).await {
-                Ok(a) => reply.attr(&fs.config.attr_ttl, &fs.file_attr(&a)),
+                Ok(a) => reply.attr(&fs.attr_ttl(), &fs.file_attr(&a)),
                 Err(e) => reply.error(errno_of_inode(&e)),
             }
         });
@@ -624,7 +741,7 @@ impl Filesystem for KochabFs {
                 .client
                 .mknod(&cred, fs.id(parent), &name, mode, rdev, true)
                 .await;
-            fs.entry(reply, r);
+            fs.entry(reply, parent, &name, r);
         });
     }
 
@@ -640,7 +757,7 @@ impl Filesystem for KochabFs {
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             let r = fs.client.mkdir(&cred, fs.id(parent), &name, mode).await;
-            fs.entry(reply, r);
+            fs.entry(reply, parent, &name, r);
         });
     }
 
@@ -676,7 +793,7 @@ impl Filesystem for KochabFs {
                 .client
                 .symlink(&cred, fs.id(parent), &name, &target)
                 .await;
-            fs.entry(reply, r);
+            fs.entry(reply, parent, &name, r);
         });
     }
 
@@ -722,7 +839,7 @@ impl Filesystem for KochabFs {
                 .client
                 .link(&cred, fs.id(ino), fs.id(newparent), &newname)
                 .await;
-            fs.entry(reply, r);
+            fs.entry(reply, newparent, &newname, r);
         });
     }
 
@@ -1010,6 +1127,7 @@ impl Filesystem for KochabFs {
                         });
                     }
                     let mut fetched = std::collections::HashMap::new();
+                    let ttl = fs.entry_ttl();
                     while let Some(Ok((id, r))) = asked.join_next().await {
                         fetched.insert(id, r);
                     }
@@ -1038,7 +1156,7 @@ impl Filesystem for KochabFs {
                             fs.ino(e.id),
                             e.cookie,
                             OsStr::from_bytes(&e.name),
-                            &fs.config.entry_ttl,
+                            &ttl,
                             &fs.file_attr(&attr),
                             Generation(attr.generation),
                         );
@@ -1048,6 +1166,7 @@ impl Filesystem for KochabFs {
                         if !dot {
                             // readdirplus entries count as lookups the kernel will forget.
                             fs.looked_up(e.id);
+                            fs.handed(ino, &e.name, ttl);
                         }
                     }
                     reply.ok();
@@ -1176,9 +1295,11 @@ impl Filesystem for KochabFs {
             {
                 Ok((a, handle)) => {
                     fs.looked_up(a.id);
+                    let ttl = fs.entry_ttl();
+                    fs.handed(parent, &name, ttl);
                     let open = fs.open_flags(&a, flags, handle);
                     reply.created(
-                        &fs.config.entry_ttl,
+                        &ttl,
                         &fs.file_attr(&a),
                         Generation(a.generation),
                         FileHandle(handle),

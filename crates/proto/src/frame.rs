@@ -39,6 +39,12 @@ pub enum FrameKind {
     /// Server to client: its journal is durable up to the LSN in the payload (sent after
     /// `Unsafe` replies, once the journal holds them). Request id 0.
     Durable = 8,
+    /// Server to client: drop what you cache of these names and inodes (payload
+    /// `Vec<Invalidation>`), then answer with `CallbackDone` and the same request id. Sent
+    /// only to connections that asked for leases.
+    Callback = 9,
+    /// Client to server: the callback with this request id is done (empty payload).
+    CallbackDone = 10,
 }
 
 impl FrameKind {
@@ -52,6 +58,8 @@ impl FrameKind {
             6 => FrameKind::Goodbye,
             7 => FrameKind::Unsafe,
             8 => FrameKind::Durable,
+            9 => FrameKind::Callback,
+            10 => FrameKind::CallbackDone,
             _ => return None,
         })
     }

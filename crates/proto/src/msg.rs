@@ -13,7 +13,9 @@ pub const KEY_NOTE_MAX: usize = 256;
 /// welcome), server-derived session ids, key administration operations.
 /// 3: many servers: the map version in every request, GetMap and Control, WRONG_SERVER
 /// naming the owner.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// 4: early replies (`Unsafe` and `Durable` frames, the incarnation in the welcome).
+/// 5: leases and callbacks (`Auth::leases`, `Welcome::lease_ms`, `Callback` frames).
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// First frame on every connection, server to client: a fresh nonce to prove the key against.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,6 +36,10 @@ pub struct Auth {
     pub client_nonce: [u8; 32],
     /// `auth::prove_client` over both nonces, the key id and the client id.
     pub mac: [u8; 32],
+    /// The client caches what replies show and asks for leases on it: the server then
+    /// calls it back before another client's change to it becomes visible (see
+    /// [`Invalidation`]). The mount asks; the library and the CLI do not.
+    pub leases: bool,
 }
 
 impl Auth {
@@ -57,6 +63,7 @@ impl Auth {
             client_id,
             client_nonce,
             mac: crate::auth::prove_client(&key.key, &t),
+            leases: false,
         };
         (auth, t)
     }
@@ -79,6 +86,29 @@ pub struct Welcome {
     pub incarnation: u64,
     /// The server's journal LSN known durable when it welcomed the client.
     pub durable_lsn: u64,
+    /// How long a lease lasts from the moment the server handles the request whose reply
+    /// grants it (0: this connection holds no leases).
+    pub lease_ms: u64,
+}
+
+/// What a client that holds leases must drop from its cache (a `Callback` frame carries a
+/// list of them). After a crash or a lost connection the client drops everything itself.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Invalidation {
+    /// The name `name` in directory `parent` (cached positive or negative).
+    Entry {
+        parent: InodeId,
+        #[serde(with = "serde_bytes")]
+        name: Vec<u8>,
+    },
+    /// The attributes and cached data of an inode.
+    Inode { id: InodeId },
+    /// Every name the client caches in directory `dir`, and the directory's attributes (a
+    /// table leaving this server: the next one knows nothing of this client's cache).
+    Names { dir: InodeId },
+    /// Everything the client caches. The client library hands this to its callback handler
+    /// when a connection that held leases ends (the server forgets them then).
+    Everything,
 }
 
 /// One request. `seq` is non-zero for operations that must not run twice: a retry carries

@@ -528,6 +528,8 @@ fn kind() -> impl Strategy<Value = FrameKind> {
         Just(FrameKind::Goodbye),
         Just(FrameKind::Unsafe),
         Just(FrameKind::Durable),
+        Just(FrameKind::Callback),
+        Just(FrameKind::CallbackDone),
     ]
 }
 
@@ -545,6 +547,8 @@ fn decode_any(kind: FrameKind, payload: &[u8]) -> bool {
         FrameKind::Goodbye => decode_payload::<FsError>(payload).is_ok(),
         FrameKind::Unsafe => decode_payload::<(u64, Reply)>(payload).is_ok(),
         FrameKind::Durable => decode_payload::<u64>(payload).is_ok(),
+        FrameKind::Callback => decode_payload::<Vec<Invalidation>>(payload).is_ok(),
+        FrameKind::CallbackDone => decode_payload::<()>(payload).is_ok(),
     }
 }
 

@@ -8,6 +8,7 @@
 
 use crate::core::Shared;
 use crate::keys::KeyEntry;
+use crate::leases::Board;
 use kochab_proto::auth::{ADMIN_KEY_ID, Transcript, prove_server, session_id, verify_client};
 use kochab_proto::codec::{CodecError, Frame, FrameCodec};
 use kochab_proto::frame::{MAX_FRAME_BYTES, decode_payload, encode_frame};
@@ -98,6 +99,9 @@ struct Backlog {
     drained: Notify,
     /// Set when the writer ends: nothing will drain any more, the reader must not wait.
     closed: std::sync::atomic::AtomicBool,
+    /// The callbacks this session's changes caused: a reply leaves once those issued
+    /// before it was made are done (see `leases`).
+    board: Arc<Board>,
 }
 
 impl Backlog {
@@ -146,6 +150,9 @@ struct Replies {
     started: Instant,
     /// (operation index, succeeded) per reply, for the metrics.
     ops: Vec<(u8, bool)>,
+    /// The callbacks (of this session's changes) that must be done before these replies
+    /// leave: every ticket up to this one.
+    ticket: u64,
 }
 
 impl Replies {
@@ -156,6 +163,7 @@ impl Replies {
             bytes: Vec::with_capacity(n * 128),
             started,
             ops: Vec::with_capacity(n),
+            ticket: 0,
         }
     }
 
@@ -187,7 +195,9 @@ enum Outgoing {
 
 /// Sends a group of replies to the writer, counting it in the backlog; false if the writer
 /// is gone.
-async fn send_replies(tx: &mpsc::Sender<Outgoing>, backlog: &Backlog, group: Replies) -> bool {
+async fn send_replies(tx: &mpsc::Sender<Outgoing>, backlog: &Backlog, mut group: Replies) -> bool {
+    // Made after the operations ran: covers every callback their changes caused.
+    group.ticket = backlog.board.ticket();
     let n = group.bytes.len();
     backlog.add(n);
     if tx.send(Outgoing::Replies(group)).await.is_err() {
@@ -210,6 +220,8 @@ impl Drop for Counted<'_> {
 struct Identity {
     session: u64,
     key: Arc<KeyEntry>,
+    /// The client asked for leases (see `leases`).
+    leases: bool,
 }
 
 /// Serves one accepted connection until it closes or the server shuts down. The caller
@@ -267,17 +279,48 @@ pub async fn serve(
     // Authenticated: frames up to the size the welcome announced.
     *frames.decoder_mut() = FrameCodec::authenticated(MAX_FRAME_BYTES);
     let session = who.session;
-    shared.core.lock().sessions.connect(session);
-    let backlog = Arc::new(Backlog::default());
+    let conn_id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let (cb_tx, cb_rx) = mpsc::unbounded_channel();
+    let board = {
+        let mut core = shared.core.lock();
+        core.sessions.connect(session);
+        if who.leases {
+            core.lease_conns
+                .entry(session)
+                .or_default()
+                .push((conn_id, cb_tx));
+        }
+        core.callbacks.board(session)
+    };
+    let backlog = Arc::new(Backlog {
+        bytes: AtomicUsize::new(0),
+        drained: Notify::new(),
+        closed: Default::default(),
+        board,
+    });
     let (tx, rx) = mpsc::channel(WRITER_QUEUE);
-    let writer = tokio::spawn(write_loop(shared.clone(), wr, rx, peer, backlog.clone()));
+    let callbacks = who.leases.then_some(cb_rx);
+    let writer = tokio::spawn(write_loop(
+        shared.clone(),
+        wr,
+        rx,
+        callbacks,
+        peer,
+        backlog.clone(),
+    ));
     read_loop(&shared, who, frames, tx, peer, shutdown, backlog).await;
     let _ = writer.await;
-    shared
-        .core
-        .lock()
-        .sessions
-        .disconnect(session, Instant::now());
+    let mut core = shared.core.lock();
+    core.sessions.disconnect(session, Instant::now());
+    if let Some(conns) = core.lease_conns.get_mut(&session) {
+        conns.retain(|(c, _)| *c != conn_id);
+        if conns.is_empty() {
+            // The client drops everything it cached when it loses its last connection.
+            core.lease_conns.remove(&session);
+            core.leases.forget_session(session);
+            core.callbacks.expire(Instant::now(), Some(session));
+        }
+    }
 }
 
 fn goodbye(errno: Errno, message: &str) -> Vec<u8> {
@@ -370,11 +413,20 @@ async fn handshake(shared: &Shared, frames: &mut Frames, wr: &mut Wr) -> Result<
         mac: prove_server(&key.key, &t),
         incarnation: shared.incarnation,
         durable_lsn: shared.journal.durable_lsn(),
+        lease_ms: if auth.leases {
+            crate::leases::LEASE.as_millis() as u64
+        } else {
+            0
+        },
     };
     out.clear();
     encode_frame(&mut out, FrameKind::Welcome, 0, &welcome).map_err(|e| e.to_string())?;
     wr.write_all(&out).await.map_err(|e| e.to_string())?;
-    Ok(Identity { session, key })
+    Ok(Identity {
+        session,
+        key,
+        leases: auth.leases,
+    })
 }
 
 /// Sorts a batch by what the key may do: key administration goes to `admin` (refused
@@ -423,19 +475,42 @@ fn key_admin(keys: &crate::keys::KeyStore, op: &Op) -> Reply {
     result.unwrap_or_else(Reply::Error)
 }
 
-/// The request a frame carries. Any other frame ends the connection.
-fn to_request(f: Frame) -> Result<(u64, Request), String> {
-    if f.kind != FrameKind::Request {
-        return Err(format!("unexpected {:?} frame", f.kind));
+/// A frame a client may send once authenticated.
+enum Incoming {
+    Request(u64, Request),
+    /// The client did what the callback with this id asked.
+    CallbackDone(u64),
+}
+
+/// What a frame carries. Any other frame ends the connection.
+fn to_request(f: Frame) -> Result<Incoming, String> {
+    match f.kind {
+        FrameKind::Request => {
+            let req: Request = decode_payload(&f.payload).map_err(|e| e.to_string())?;
+            Ok(Incoming::Request(f.request_id, req))
+        }
+        FrameKind::CallbackDone => Ok(Incoming::CallbackDone(f.request_id)),
+        k => Err(format!("unexpected {k:?} frame")),
     }
-    let req: Request = decode_payload(&f.payload).map_err(|e| e.to_string())?;
-    Ok((f.request_id, req))
+}
+
+/// Takes one incoming frame: a request joins the batch, a callback's answer `dones`.
+fn take_one(f: Frame, reqs: &mut Vec<(u64, Request)>, dones: &mut Vec<u64>) -> Result<(), String> {
+    match to_request(f)? {
+        Incoming::Request(rid, req) => reqs.push((rid, req)),
+        Incoming::CallbackDone(id) => dones.push(id),
+    }
+    Ok(())
 }
 
 /// Decodes every complete frame already read (no new read). An invalid one ends the
 /// connection. Stops once `reqs` holds [`BATCH_REQUESTS_MAX`] requests; returns true if it
 /// did (more may follow in the buffer without another read).
-fn take_requests(frames: &mut Frames, reqs: &mut Vec<(u64, Request)>) -> Result<bool, String> {
+fn take_requests(
+    frames: &mut Frames,
+    reqs: &mut Vec<(u64, Request)>,
+    dones: &mut Vec<u64>,
+) -> Result<bool, String> {
     // The codec is a pair of limits: a copy decodes the `FramedRead`'s buffer in place.
     let mut codec = *frames.decoder();
     let buf = frames.read_buffer_mut();
@@ -446,7 +521,7 @@ fn take_requests(frames: &mut Frames, reqs: &mut Vec<(u64, Request)>) -> Result<
         match codec.decode(buf) {
             Ok(None) => return Ok(false),
             Err(e) => return Err(e.to_string()),
-            Ok(Some(f)) => reqs.push(to_request(f)?),
+            Ok(Some(f)) => take_one(f, reqs, dones)?,
         }
     }
 }
@@ -461,13 +536,14 @@ async fn read_loop(
     mut shutdown: watch::Receiver<bool>,
     backlog: Arc<Backlog>,
 ) {
-    let Identity { session, key } = who;
+    let Identity { session, key, .. } = who;
     let client = session;
     // The admin key with no rule skips the screening (the single-server fast path).
     let screened = key.id != ADMIN_KEY_ID || key.policy != KeyPolicy::TRUSTED;
     let mut journal_failure = shared.journal.subscribe_failure();
     let mut revocations = shared.keys.subscribe();
     let mut reqs = Vec::new();
+    let mut dones = Vec::new();
     let mut admin = Vec::new();
     let mut replies = Vec::new();
     let data_slots = Arc::new(Semaphore::new(DATA_OPS_IN_FLIGHT));
@@ -489,9 +565,15 @@ async fn read_loop(
         // form one batch: one hold of the core lock.
         let parsed = match broken.take() {
             Some(reason) => Err(reason),
-            None => take_requests(&mut frames, &mut reqs),
+            None => take_requests(&mut frames, &mut reqs, &mut dones),
         };
         let more = matches!(parsed, Ok(true));
+        if !dones.is_empty() {
+            let mut core = shared.core.lock();
+            for id in dones.drain(..) {
+                core.callbacks.done(id);
+            }
+        }
         if screened || reqs.iter().any(|(_, r)| r.op.is_key_admin()) {
             let mut early = Replies::new(Instant::now(), 0);
             screen(&key, &mut reqs, &mut admin, &mut early);
@@ -608,10 +690,11 @@ async fn read_loop(
             // Cancel-safe: a frame half read stays in the `FramedRead`'s buffer.
             f = kochab_proto::codec::next(&mut frames) => match f {
                 None => return,
-                Some(Ok(f)) => match to_request(f) {
-                    Ok(r) => reqs.push(r),
-                    Err(reason) => broken = Some(reason),
-                },
+                Some(Ok(f)) => {
+                    if let Err(reason) = take_one(f, &mut reqs, &mut dones) {
+                        broken = Some(reason);
+                    }
+                }
                 Some(Err(CodecError::Frame(e))) => broken = Some(e.to_string()),
                 Some(Err(CodecError::Io(e))) => {
                     tracing::debug!("connection from {peer}: {e}");
@@ -651,6 +734,16 @@ fn waits_for_replays(op: &Op) -> bool {
         )
 }
 
+/// The next callback frame for this connection; never, if it holds no leases.
+async fn next_callback(
+    callbacks: &mut Option<mpsc::UnboundedReceiver<Vec<u8>>>,
+) -> Option<Vec<u8>> {
+    match callbacks {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Takes one item for the writer; returns its size.
 fn accept(item: Outgoing, waiting: &mut Vec<Replies>, goodbye: &mut Option<Vec<u8>>) -> usize {
     match item {
@@ -673,11 +766,13 @@ async fn write_loop(
     shared: Arc<Shared>,
     mut wr: Wr,
     mut rx: mpsc::Receiver<Outgoing>,
+    mut callbacks: Option<mpsc::UnboundedReceiver<Vec<u8>>>,
     peer: SocketAddr,
     backlog: Arc<Backlog>,
 ) {
     let _gone = WriterGone(backlog.clone());
     let mut durable = shared.journal.subscribe();
+    let mut called_back = backlog.board.subscribe();
     let mut out = Vec::with_capacity(WRITE_BATCH_BYTES);
     // Replies whose records are not durable yet.
     let mut waiting: Vec<Replies> = Vec::new();
@@ -692,11 +787,15 @@ async fn write_loop(
     loop {
         // Block for new replies when nothing waits for the journal; otherwise for whichever
         // comes first, a new reply or more of the journal on disk.
+        // Callbacks to this client go out at once, ahead of replies.
         let mut taken = 0;
         if waiting.is_empty() && owed <= reported {
-            match rx.recv().await {
-                Some(item) => taken += accept(item, &mut waiting, &mut goodbye),
-                None => return,
+            tokio::select! {
+                item = rx.recv() => match item {
+                    Some(item) => taken += accept(item, &mut waiting, &mut goodbye),
+                    None => return,
+                },
+                Some(f) = next_callback(&mut callbacks) => out.extend_from_slice(&f),
             }
         } else if open && goodbye.is_none() {
             tokio::select! {
@@ -704,6 +803,8 @@ async fn write_loop(
                     Some(item) => taken += accept(item, &mut waiting, &mut goodbye),
                     None => open = false,
                 },
+                Some(f) = next_callback(&mut callbacks) => out.extend_from_slice(&f),
+                _ = called_back.changed() => {}
                 r = tokio::time::timeout(
                     report_due.map_or(Duration::from_secs(1), |t| {
                         t.saturating_duration_since(Instant::now())
@@ -745,11 +846,18 @@ async fn write_loop(
             let _ = wr.shutdown().await;
             return;
         }
+        while let Some(f) = callbacks.as_mut().and_then(|c| c.try_recv().ok()) {
+            out.extend_from_slice(&f);
+        }
         // Nothing leaves before the journal holds every record it could reflect (but
-        // `Unsafe` replies, which say so).
+        // `Unsafe` replies, which say so), nor before the holders of leases on what this
+        // session changed were called back.
         let on_disk = *durable.borrow_and_update();
+        let called = *called_back.borrow_and_update();
         let mut sent = 0;
-        for r in waiting.extract_if(.., |r| r.lsn <= on_disk || r.unsafe_lsn > 0) {
+        for r in waiting.extract_if(.., |r| {
+            (r.lsn <= on_disk || r.unsafe_lsn > 0) && r.ticket <= called
+        }) {
             out.extend_from_slice(&r.bytes);
             sent += r.bytes.len();
             owed = owed.max(r.unsafe_lsn);
@@ -833,7 +941,10 @@ mod tests {
         bytes.extend_from_slice(&half[..half.len() / 2]);
         let mut frames = frames_holding(&bytes);
         let mut reqs = Vec::new();
-        assert_eq!(take_requests(&mut frames, &mut reqs), Ok(true));
+        assert_eq!(
+            take_requests(&mut frames, &mut reqs, &mut Vec::new()),
+            Ok(true)
+        );
         assert_eq!(reqs.len(), BATCH_REQUESTS_MAX);
         assert!(
             reqs.iter()
@@ -841,7 +952,10 @@ mod tests {
                 .all(|(i, (rid, _))| *rid == i as u64)
         );
         reqs.clear();
-        assert_eq!(take_requests(&mut frames, &mut reqs), Ok(false));
+        assert_eq!(
+            take_requests(&mut frames, &mut reqs, &mut Vec::new()),
+            Ok(false)
+        );
         assert_eq!(reqs.len(), 6);
         assert_eq!(frames.read_buffer().len(), half.len() / 2);
     }
@@ -855,7 +969,7 @@ mod tests {
         let mut frames = frames_holding(&bytes);
         let mut reqs = Vec::new();
         assert_eq!(
-            take_requests(&mut frames, &mut reqs),
+            take_requests(&mut frames, &mut reqs, &mut Vec::new()),
             Err("unexpected Reply frame".to_string())
         );
         assert_eq!(reqs.len(), 3);

@@ -7,6 +7,7 @@
 
 use crate::cluster_host::Refusal;
 use crate::data::DataStore;
+use crate::leases::{Callbacks, LeaseKey, Leases};
 use crate::locks::LockTable;
 use crate::metrics::Metrics;
 use crate::replycache::{Outcome, ReplyCache};
@@ -14,6 +15,7 @@ use crate::session::{EndedHandles, Sessions};
 use kochab_journal::Journal;
 use kochab_meta::{Engine, Mutation};
 use kochab_proto::cluster::TableId;
+use kochab_proto::frame::encode_frame;
 use kochab_proto::*;
 use kochab_store::ObjectStore;
 use parking_lot::Mutex;
@@ -83,8 +85,18 @@ pub struct Core {
     pub modified: FxHashMap<InodeId, u64>,
     /// Cleanup still to do, oldest first (see [`Shared::cleanup_batch`]).
     pub cleanup: VecDeque<Cleanup>,
+    /// What sessions that asked for leases may cache (see `leases`).
+    pub leases: Leases,
+    /// Callbacks in flight, and the replies that wait for them.
+    pub callbacks: Callbacks,
+    /// Where to send a session's callbacks: its connections that asked for leases
+    /// (connection number, frames for its writer).
+    pub lease_conns: FxHashMap<u64, Vec<(u64, CallbackTx)>>,
     scratch: Vec<Mutation>,
 }
+
+/// Frames a connection's writer sends ahead of its replies (callbacks).
+pub type CallbackTx = tokio::sync::mpsc::UnboundedSender<Vec<u8>>;
 
 /// Entries of `Core::modified` before it is pruned to the records not yet durable.
 const MODIFIED_PRUNE_AT: usize = 1 << 16;
@@ -153,6 +165,9 @@ impl Core {
             arrived: FxHashMap::default(),
             modified: FxHashMap::default(),
             cleanup: VecDeque::new(),
+            leases: Leases::default(),
+            callbacks: Callbacks::default(),
+            lease_conns: FxHashMap::default(),
             scratch: Vec::with_capacity(16),
         }
     }
@@ -187,6 +202,87 @@ impl Core {
     pub fn last_mutations(&self) -> &[Mutation] {
         &self.scratch
     }
+
+    /// Notes that `changer`'s mutations `muts` were journaled at `lsn`, and calls back
+    /// every other session that holds a lease on what they change; the replies to
+    /// `changer` wait for those callbacks (see `leases::Board`).
+    pub fn journaled(&mut self, changer: u64, muts: &[Mutation], lsn: u64) {
+        note_modified(&mut self.modified, muts, lsn);
+        if self.leases.keys() == 0 {
+            return;
+        }
+        for (holder, list, until) in self.leases.changed(changer, muts, Instant::now()) {
+            self.call_back(changer, holder, &list, until);
+        }
+    }
+
+    /// Sends one callback to `holder` on one of its connections, to be waited for by
+    /// `changer`'s replies until `until` (the holder's lease ends then anyway).
+    pub fn call_back(&mut self, changer: u64, holder: u64, list: &[Invalidation], until: Instant) {
+        let id = self.callbacks.issue(changer, holder, until);
+        let mut frame = Vec::new();
+        let sent = encode_frame(&mut frame, FrameKind::Callback, id, &list).is_ok()
+            && self
+                .lease_conns
+                .get(&holder)
+                .is_some_and(|conns| conns.iter().any(|(_, tx)| tx.send(frame.clone()).is_ok()));
+        if !sent {
+            // Nobody to tell: the holder's connections are gone, and its leases with them.
+            self.callbacks.done(id);
+        }
+    }
+
+    /// Grants `session` the leases a reply to `op` shows it (the caller checked that the
+    /// session asked for leases). Made under the lock that ran the operation, so a change
+    /// after it calls the session back.
+    pub fn grant_leases(&mut self, session: u64, op: &Op, reply: &Reply, now: Instant) {
+        let failed = matches!(reply, Reply::Error(_) | Reply::WrongServer { .. });
+        let names = |l: &mut Leases, dir: InodeId| l.grant(session, LeaseKey::Names(dir), now);
+        match op {
+            // An absent name is cached too (a negative entry).
+            Op::Lookup { parent, .. }
+                if !failed || matches!(reply, Reply::Error(e) if e.errno == Errno::ENOENT) =>
+            {
+                names(&mut self.leases, *parent)
+            }
+            _ if failed => return,
+            Op::Readdir { id, plus: true, .. } => names(&mut self.leases, *id),
+            Op::Mknod { parent, .. }
+            | Op::Mkdir { parent, .. }
+            | Op::Symlink { parent, .. }
+            | Op::Create { parent, .. }
+            | Op::Unlink { parent, .. }
+            | Op::Rmdir { parent, .. } => names(&mut self.leases, *parent),
+            Op::Link { new_parent, .. } => names(&mut self.leases, *new_parent),
+            Op::Rename {
+                parent, new_parent, ..
+            } => {
+                names(&mut self.leases, *parent);
+                names(&mut self.leases, *new_parent);
+            }
+            _ => {}
+        }
+        grant_shown(&mut self.leases, session, reply, now);
+    }
+}
+
+/// Leases on every inode whose attributes `reply` shows.
+fn grant_shown(leases: &mut Leases, session: u64, reply: &Reply, now: Instant) {
+    match reply {
+        Reply::Entry(a) | Reply::Attr(a) => leases.grant(session, LeaseKey::Inode(a.id), now),
+        Reply::Dir { entries, .. } => {
+            for e in entries.iter().filter(|e| e.attr.is_some()) {
+                leases.grant(session, LeaseKey::Inode(e.id), now);
+            }
+        }
+        Reply::WithDirs { reply, dirs } => {
+            for d in dirs {
+                leases.grant(session, LeaseKey::Inode(d.id), now);
+            }
+            grant_shown(leases, session, reply, now);
+        }
+        _ => {}
+    }
 }
 
 /// Everything the connection tasks, the checkpointer and the admin paths share.
@@ -199,6 +295,8 @@ pub struct Shared {
     pub durable_mode: bool,
     pub started: Instant,
     pub connections: AtomicU64,
+    /// Numbers connections (callbacks name the connection they go to).
+    pub next_conn: AtomicU64,
     /// File data.
     pub data: Arc<DataStore>,
     /// Orders writes against truncation, per file (see `filelocks`).
@@ -229,7 +327,9 @@ pub struct Shared {
 /// How long a server recovered from a crash runs no change but replays: clients that hold
 /// early replies the crash lost reconnect (their retries are at most 1.6 s apart) and
 /// replay them before anyone else's new operation can take the names or ids they need.
-pub const REPLAY_WINDOW: std::time::Duration = std::time::Duration::from_secs(3);
+/// As long as a lease, too: the crash forgot who caches what, so no change may become
+/// visible before every lease the last incarnation granted ran out.
+pub const REPLAY_WINDOW: std::time::Duration = crate::leases::LEASE;
 
 /// The window after a crash in which only replayed changes run; other changes wait for its
 /// end (reads do not).
@@ -363,6 +463,8 @@ impl Shared {
         let now = now_ns();
         let mut parked = Vec::new();
         let mut core = self.core.lock();
+        let leasing = core.lease_conns.contains_key(&client);
+        let granted = Instant::now();
         for (rid, req) in reqs {
             // A member runs only what its participant admits (see `cluster_host`).
             let admitted = match &self.cluster {
@@ -426,6 +528,9 @@ impl Shared {
             } else {
                 reply
             };
+            if leasing {
+                core.grant_leases(client, &req.op, &reply, granted);
+            }
             replies.push((*rid, reply, needed));
         }
         if core.modified.len() > MODIFIED_PRUNE_AT {
@@ -462,16 +567,10 @@ impl Shared {
             core.scratch.clear();
             return retry_reply(&core.engine, &req.op, outcome);
         }
-        let Core {
-            engine,
-            replies,
-            scratch,
-            modified,
-            ..
-        } = core;
-        scratch.clear();
-        let reply = engine.execute(&req.cred, &req.op, now, scratch);
-        if !scratch.is_empty() {
+        let mut muts = std::mem::take(&mut core.scratch);
+        muts.clear();
+        let reply = core.engine.execute(&req.cred, &req.op, now, &mut muts);
+        if !muts.is_empty() {
             let outcome = outcome_of(&reply);
             let lsn = journal_entry(
                 &self.journal,
@@ -479,13 +578,14 @@ impl Shared {
                 if cached { req.seq } else { 0 },
                 req.seq_floor,
                 outcome,
-                scratch,
+                &muts,
             );
-            note_modified(modified, scratch, lsn);
+            core.journaled(client, &muts, lsn);
             if cached {
-                replies.insert(client, req.seq, outcome);
+                core.replies.insert(client, req.seq, outcome);
             }
         }
+        core.scratch = muts;
         reply
     }
 

@@ -7,7 +7,7 @@
 //! (`filelocks`) orders writes against truncation, so that a truncation's data trim can
 //! never destroy a later write and only that file waits for it.
 
-use crate::core::{Cleanup, Core, Shared, journal_entry, note_modified, now_ns};
+use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
 use crate::data::chunk_batches;
 use crate::filelocks::FileGuard;
 use crate::session::{OpenFile, Registered};
@@ -203,7 +203,7 @@ impl Shared {
                 Some(attr.id),
                 &muts,
             );
-            note_modified(&mut core.modified, &muts, lsn);
+            core.journaled(client, &muts, lsn);
             if cached {
                 core.replies.insert(client, req.seq, Some(attr.id));
             }
@@ -272,7 +272,7 @@ impl Shared {
             return 0;
         }
         let lsn = journal_entry(&self.journal, client, 0, 0, None, muts);
-        note_modified(&mut core.modified, muts, lsn);
+        core.journaled(client, muts, lsn);
         self.journal.flush_now();
         lsn
     }

@@ -9,6 +9,7 @@
 //!   lease, ADD/DROP over the network).
 //! - [`membership`]: tables joining and leaving a running server (drop, add, takeover).
 //! - [`replycache`]: answers to retried non-idempotent requests.
+//! - [`leases`]: what mounts cache, and the callbacks that revoke it before a change.
 //! - [`datadir`]: the cluster key and description; [`metrics`]: Prometheus endpoint.
 //! - [`data`]: file data as chunk objects; [`filesvc`]: open files, locks and data
 //!   operations; [`filelocks`]: the per-file lock that orders writes against truncation.
@@ -22,6 +23,7 @@ pub mod datadir;
 pub mod filelocks;
 pub mod filesvc;
 pub mod keys;
+pub mod leases;
 pub mod locks;
 pub mod membership;
 pub mod metrics;

@@ -19,10 +19,14 @@ use crate::checkpoint::{Handover, Manifest, manifests_covering};
 use crate::core::Shared;
 use kochab_journal::JournalId;
 use std::io::{self, ErrorKind};
+use std::time::{Duration, Instant};
 
 /// Reply-cache entries handed over with a released table at most (a well-behaved client's
 /// are only its requests in flight).
 const HANDED_OVER_REPLIES_MAX: usize = 4096;
+/// The session id the server's own callbacks are counted under (no client has it: session
+/// ids are MACs, and this one is reserved).
+const SERVER_ITSELF: u64 = u64::MAX;
 
 impl Shared {
     /// Gives up the table whose id is `lo` (see the module). Afterwards another server can
@@ -52,8 +56,15 @@ impl Shared {
                 replies: Default::default(),
                 quarantine: core.engine.take_quarantine(table.lo, table.hi),
             };
+            // Whoever serves the table next knows nothing of the leases granted here:
+            // its holders drop what they cache of it before it leaves.
+            let revoked = core.leases.revoke_range(table.lo, table.hi, Instant::now());
+            for (holder, list, until) in revoked {
+                core.call_back(SERVER_ITSELF, holder, &list, until);
+            }
             (table, handover, self.journal.last_lsn())
         };
+        self.wait_callbacks(SERVER_ITSELF);
         // Taken after the table left the engine: no operation on it can add one now.
         handover.replies = self.core.lock().replies.export(HANDED_OVER_REPLIES_MAX);
         self.journal.flush_now();
@@ -83,6 +94,17 @@ impl Shared {
         }
         tracing::info!("released table {lo:016x} in {:?}", started.elapsed());
         Ok(())
+    }
+
+    /// Waits until the callbacks `changer` caused so far are done (answered, or their
+    /// leases ran out). Blocking: for the table paths that run on blocking threads.
+    fn wait_callbacks(&self, changer: u64) {
+        let board = self.core.lock().callbacks.board(changer);
+        let (ticket, done) = (board.ticket(), board.subscribe());
+        let deadline = Instant::now() + crate::leases::LEASE + Duration::from_millis(100);
+        while *done.borrow() < ticket && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Splits the hosted, drained table `lo` (see [`crate::checkpoint::Checkpointer::split`]).

@@ -301,6 +301,7 @@ async fn serve(
         durable_mode: config.fsync,
         started: Instant::now(),
         connections: AtomicU64::new(0),
+        next_conn: AtomicU64::new(1),
         data,
         file_locks: Default::default(),
         session_grace: config.session_grace,
@@ -452,13 +453,30 @@ async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
     }
 }
 
-/// Works through the cleanup queue whenever something is added to it.
+/// Works through the cleanup queue whenever something is added to it; and ends the
+/// callbacks whose holders did not answer before their leases ran out.
 async fn cleanup_loop(shared: Arc<Shared>) {
-    loop {
-        shared.cleanup_wake.notified().await;
-        shared.run_cleanup().await;
-    }
+    let cleanup = async {
+        loop {
+            shared.cleanup_wake.notified().await;
+            shared.run_cleanup().await;
+        }
+    };
+    let callbacks = async {
+        loop {
+            let next = shared.core.lock().callbacks.next_deadline();
+            let now = Instant::now();
+            let wake = next.map_or(now + CALLBACK_CHECK, |d| d.min(now + CALLBACK_CHECK));
+            tokio::time::sleep_until(wake.into()).await;
+            shared.core.lock().callbacks.expire(Instant::now(), None);
+        }
+    };
+    tokio::join!(cleanup, callbacks);
 }
+
+/// Longest pause between two looks at the callbacks in flight (one issued meanwhile may
+/// be waited for this much past its deadline).
+const CALLBACK_CHECK: Duration = Duration::from_millis(50);
 
 /// Reclaim entries one pass takes (each costs one listing of its file's folder plus its
 /// deletions, in bounded calls); a full pass is followed at once by the next.

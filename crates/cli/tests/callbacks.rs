@@ -1,0 +1,115 @@
+//! Coherent caching between mounts (docs/ARCHITECTURE.md, "Coherent caching between
+//! mounts"): two mounts of one server, real processes. Each mount's kernel caches names,
+//! absences and attributes for the servers' lease (5 s); a change on one mount is seen on
+//! the other at once, with no sleep in between, because the server calls the other mount
+//! back before it acknowledges the change.
+
+mod common;
+
+use common::{MountProc, ServerProc};
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+fn exists(p: &std::path::Path) -> bool {
+    fs::symlink_metadata(p).is_ok()
+}
+
+#[test]
+fn two_mounts_see_each_others_changes_at_once() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = tmp.path().join("data");
+    let server = ServerProc::start(&data, &[]);
+    let key = data.join("cluster.key");
+    let a = MountProc::start(server.addr, &key, &tmp.path().join("a"));
+    let b = MountProc::start(server.addr, &key, &tmp.path().join("b"));
+    fs::create_dir(a.mnt.join("d")).expect("mkdir on a");
+    let (da, db) = (a.mnt.join("d"), b.mnt.join("d"));
+    for round in 0..20 {
+        let name = format!("f{round}");
+        let (fa, fb) = (da.join(&name), db.join(&name));
+        // An absence b has looked up (twice: the second is answered by its kernel).
+        assert!(!exists(&fb) && !exists(&fb), "round {round}: {name} before");
+        fs::write(&fa, b"one").expect("create on a");
+        assert_eq!(
+            fs::read(&fb).expect("read on b"),
+            b"one",
+            "round {round}: create"
+        );
+        // Appends on a: b sees the new size and bytes.
+        let mut f = fs::OpenOptions::new().append(true).open(&fa).expect("open");
+        f.write_all(b"two").expect("append");
+        drop(f);
+        assert_eq!(
+            fs::metadata(&fb).expect("stat").len(),
+            6,
+            "round {round}: size"
+        );
+        assert_eq!(
+            fs::read(&fb).expect("read"),
+            b"onetwo",
+            "round {round}: data"
+        );
+        // Mode changes.
+        fs::set_permissions(&fa, fs::Permissions::from_mode(0o600)).expect("chmod");
+        let mode = fs::metadata(&fb).expect("stat").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "round {round}: chmod");
+        // Renames: the old name is gone on b and the new one there.
+        let moved = format!("g{round}");
+        fs::rename(&fa, da.join(&moved)).expect("rename on a");
+        assert!(!exists(&fb), "round {round}: old name after rename");
+        assert_eq!(fs::read(db.join(&moved)).expect("new name"), b"onetwo");
+        // Unlinks.
+        fs::remove_file(da.join(&moved)).expect("unlink on a");
+        assert!(!exists(&db.join(&moved)), "round {round}: unlink");
+        // And the other way round: b creates, a (which looked the name up) sees it.
+        let back = format!("h{round}");
+        assert!(!exists(&da.join(&back)));
+        fs::write(db.join(&back), b"b").expect("create on b");
+        assert_eq!(fs::read(da.join(&back)).expect("read on a"), b"b");
+        fs::remove_file(db.join(&back)).expect("unlink on b");
+        assert!(!exists(&da.join(&back)), "round {round}: unlink from b");
+    }
+    // Directories too: a new one, its removal.
+    fs::create_dir(da.join("sub")).expect("mkdir");
+    assert!(fs::metadata(db.join("sub")).expect("stat").is_dir());
+    fs::remove_dir(da.join("sub")).expect("rmdir");
+    assert!(!exists(&db.join("sub")));
+    drop((a, b));
+}
+
+#[test]
+fn a_mount_caches_names_and_absences_for_longer_than_a_second() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = tmp.path().join("data");
+    let mut server = ServerProc::start(&data, &[]);
+    let key = data.join("cluster.key");
+    let m = MountProc::start(server.addr, &key, &tmp.path().join("m"));
+    fs::write(m.mnt.join("here"), b"x").expect("create");
+    assert!(exists(&m.mnt.join("here")));
+    assert!(!exists(&m.mnt.join("absent")));
+    // With the server stopped, only the kernel's cache can answer. The looks run on a
+    // thread, so that one the kernel sends to the server waits for SIGCONT instead of
+    // hanging the test.
+    let pid = server.child.id().to_string();
+    let signal = |sig: &str| {
+        std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .expect("kill");
+    };
+    signal("-STOP");
+    std::thread::sleep(Duration::from_millis(1500));
+    let mnt = m.mnt.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send((exists(&mnt.join("here")), !exists(&mnt.join("absent"))));
+    });
+    let cached = rx.recv_timeout(Duration::from_secs(2));
+    signal("-CONT");
+    let (here, absent) = cached.unwrap_or((false, false));
+    assert!(here, "a name looked up 1.5 s ago was not cached");
+    assert!(absent, "an absence looked up 1.5 s ago was not cached");
+    server.stop();
+}
