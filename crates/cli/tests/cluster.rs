@@ -569,7 +569,7 @@ fn the_mount_of_two_servers_lists_moves_and_links_across_them() {
         .filter_map(|n| {
             use std::os::unix::fs::MetadataExt;
             let ino = std::fs::metadata(m.join(n)).expect("stat").ino();
-            owner_of(&cluster.server, ino).map(|o| o.0)
+            owner_of(&cluster.server, kochab_fuse::id_of_ino(ino)).map(|o| o.0)
         })
         .collect();
     assert_eq!(owners.len(), 2, "top-level directories on both servers");
@@ -642,7 +642,7 @@ fn a_failover_replays_what_the_mount_had_acknowledged_early() {
     std::fs::File::open(&work)
         .and_then(|d| d.sync_all())
         .expect("fsync of the directory");
-    let id = std::fs::metadata(&work).expect("stat").ino();
+    let id = kochab_fuse::id_of_ino(std::fs::metadata(&work).expect("stat").ino());
     let (victim, pid) = owner_of(&server, id).expect("owner of the directory");
     let names: BTreeSet<String> = (0..40).map(|i| format!("f{i:02}")).collect();
     for n in &names {

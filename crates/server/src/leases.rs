@@ -118,6 +118,10 @@ impl Leases {
             let Some(holders) = self.held.get_mut(&key) else {
                 continue;
             };
+            // The common case (one mount changing what only it caches) costs no more.
+            if holders.iter().all(|&(s, _)| s == changer) {
+                continue;
+            }
             holders.retain(|&(_, until)| until > now);
             let mut kept = Vec::new();
             for &(session, until) in holders.iter() {
