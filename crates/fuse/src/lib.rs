@@ -21,6 +21,7 @@
 mod coherence;
 mod creds;
 mod interrupts;
+mod listing;
 mod writebehind;
 
 use creds::GroupCache;
@@ -133,6 +134,8 @@ struct Inner {
     lease: Duration,
     /// Names handed to the kernel with a TTL, per directory (see `coherence`).
     names: coherence::HandedNames,
+    /// The rest of readdirplus pages, per directory handle (see `listing`).
+    listings: listing::Listings,
 }
 
 #[derive(Default)]
@@ -252,6 +255,7 @@ impl KochabFs {
         let inner = Arc::new(Inner {
             lease,
             names: Default::default(),
+            listings: Default::default(),
             wb,
             client,
             rt,
@@ -345,6 +349,7 @@ fn start_callbacks(inner: &Arc<Inner>) {
                 let Some(inner) = weak.upgrade() else {
                     return;
                 };
+                inner.listings.changed();
                 coherence::drop_cached(&*inner, &inner.names, &list);
                 // Answered once the kernel dropped it all.
                 drop(answer);
@@ -557,6 +562,44 @@ impl Inner {
         opens.per_inode.get(&id) == Some(&1) && !opens.append.contains(&handle)
     }
 
+    /// Hands the kernel as much of `page` as its buffer takes, and keeps the rest (or the
+    /// end of the listing) for the handle's next request.
+    fn serve_page(&self, mut reply: ReplyDirectoryPlus, fh: u64, mut page: listing::Page) {
+        let ttl = if self.lease.is_zero() {
+            self.config.entry_ttl
+        } else {
+            self.lease.saturating_sub(page.arrived.elapsed())
+        };
+        let dir = INodeNo(page.dir);
+        let mut served = false;
+        while let Some((e, attr)) = page.entries.front() {
+            let full = reply.add(
+                self.ino(e.id),
+                e.cookie,
+                OsStr::from_bytes(&e.name),
+                &ttl,
+                &self.file_attr(attr),
+                Generation(attr.generation),
+            );
+            if full {
+                break;
+            }
+            served = true;
+            if e.name != b"." && e.name != b".." {
+                // readdirplus entries count as lookups the kernel will forget.
+                self.looked_up(e.id);
+                self.handed(dir, &e.name, ttl);
+            }
+            page.next = e.cookie;
+            page.entries.pop_front();
+        }
+        // An empty end of a listing is kept once, for the kernel's last request.
+        if !page.entries.is_empty() || (page.eof && served) {
+            self.listings.keep(fh, page);
+        }
+        reply.ok();
+    }
+
     /// Forgets a closed handle.
     fn closed(&self, id: InodeId, handle: u64) {
         let mut opens = self.opens.lock();
@@ -735,6 +778,7 @@ impl Filesystem for KochabFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        self.inner.listings.changed();
         let conv = |t: TimeOrNow| match t {
             TimeOrNow::Now => TimeSet::Now,
             TimeOrNow::SpecificTime(st) => TimeSet::At(ns_of(st)),
@@ -779,6 +823,7 @@ impl Filesystem for KochabFs {
         rdev: u32,
         reply: ReplyEntry,
     ) {
+        self.inner.listings.changed();
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             let r = fs
@@ -798,6 +843,7 @@ impl Filesystem for KochabFs {
         _umask: u32,
         reply: ReplyEntry,
     ) {
+        self.inner.listings.changed();
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             let r = fs.client.mkdir(&cred, fs.id(parent), &name, mode).await;
@@ -806,6 +852,7 @@ impl Filesystem for KochabFs {
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.inner.listings.changed();
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             let r = fs.client.unlink(&cred, fs.id(parent), &name).await;
@@ -814,6 +861,7 @@ impl Filesystem for KochabFs {
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.inner.listings.changed();
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             fs.dir_opens_done().await;
@@ -830,6 +878,7 @@ impl Filesystem for KochabFs {
         target: &Path,
         reply: ReplyEntry,
     ) {
+        self.inner.listings.changed();
         let name = name_bytes(link_name);
         let target = target.as_os_str().as_bytes().to_vec();
         self.spawn(req, move |fs, cred| async move {
@@ -851,6 +900,7 @@ impl Filesystem for KochabFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        self.inner.listings.changed();
         let (name, newname) = (name_bytes(name), name_bytes(newname));
         self.spawn(req, move |fs, cred| async move {
             fs.dir_opens_done().await;
@@ -877,6 +927,7 @@ impl Filesystem for KochabFs {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        self.inner.listings.changed();
         let newname = name_bytes(newname);
         self.spawn(req, move |fs, cred| async move {
             let r = fs
@@ -940,6 +991,7 @@ impl Filesystem for KochabFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        self.inner.listings.changed();
         let len = data.len() as u32;
         // Writeback of cached (e.g. mmap'ed) pages: the kernel waits for this reply to end
         // those pages' writeback, so dropping them first would wait for itself.
@@ -1144,17 +1196,29 @@ impl Filesystem for KochabFs {
         &self,
         req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
-        mut reply: ReplyDirectoryPlus,
+        reply: ReplyDirectoryPlus,
     ) {
+        // The rest of the page fetched for this handle's last request: no round trip.
+        if let Some(page) = self
+            .inner
+            .listings
+            .take(fh.0, ino.0, offset, Instant::now())
+        {
+            return self.inner.serve_page(reply, fh.0, page);
+        }
+        let epoch = self.inner.listings.epoch();
         self.spawn(req, move |fs, cred| async move {
+            let arrived = coherence::ARRIVED
+                .try_with(|a| *a)
+                .unwrap_or_else(|_| Instant::now());
             match fs
                 .client
                 .readdir_page(&cred, fs.id(ino), offset, READDIR_PAGE, true)
                 .await
             {
-                Ok((entries, _)) => {
+                Ok((entries, eof)) => {
                     // Entries whose inodes another server holds come without attributes:
                     // ask their owners, all at once.
                     let mut asked = tokio::task::JoinSet::new();
@@ -1171,12 +1235,12 @@ impl Filesystem for KochabFs {
                         });
                     }
                     let mut fetched = std::collections::HashMap::new();
-                    let ttl = fs.entry_ttl();
                     while let Some(Ok((id, r))) = asked.join_next().await {
                         fetched.insert(id, r);
                     }
-                    for e in entries {
-                        let attr = match e.attr.filter(|_| !fetched.contains_key(&e.id)) {
+                    let mut page = std::collections::VecDeque::with_capacity(entries.len());
+                    for mut e in entries {
+                        let attr = match e.attr.take().filter(|_| !fetched.contains_key(&e.id)) {
                             Some(a) => a,
                             None => match fetched.get(&e.id).cloned().unwrap_or_else(|| {
                                 Err(kochab_proto::fs_err!(EIO, "attributes of {:#x} lost", e.id))
@@ -1195,25 +1259,10 @@ impl Filesystem for KochabFs {
                                 Err(ge) => return reply.error(errno(&ge)),
                             },
                         };
-                        let dot = e.name == b"." || e.name == b"..";
-                        let full = reply.add(
-                            fs.ino(e.id),
-                            e.cookie,
-                            OsStr::from_bytes(&e.name),
-                            &ttl,
-                            &fs.file_attr(&attr),
-                            Generation(attr.generation),
-                        );
-                        if full {
-                            break;
-                        }
-                        if !dot {
-                            // readdirplus entries count as lookups the kernel will forget.
-                            fs.looked_up(e.id);
-                            fs.handed(ino, &e.name, ttl);
-                        }
+                        page.push_back((e, attr));
                     }
-                    reply.ok();
+                    let page = listing::Page::new(ino.0, offset, page, eof, arrived, epoch);
+                    fs.serve_page(reply, fh.0, page);
                 }
                 Err(e) => reply.error(errno(&e)),
             }
@@ -1230,6 +1279,7 @@ impl Filesystem for KochabFs {
     ) {
         // Nothing waits for this close (closedir cannot fail), so it goes after the reply;
         // a removal that overtakes it only keeps the dead directory a moment longer.
+        self.inner.listings.closed(fh.0);
         reply.ok();
         self.spawn(req, move |fs, cred| async move {
             // Never before the open it closes (which would then stay registered).
@@ -1275,6 +1325,7 @@ impl Filesystem for KochabFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        self.inner.listings.changed();
         let (name, value) = (name_bytes(name), value.to_vec());
         self.spawn(req, move |fs, cred| async move {
             let r = fs
@@ -1305,6 +1356,7 @@ impl Filesystem for KochabFs {
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.inner.listings.changed();
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             let r = fs.client.removexattr(&cred, fs.id(ino), &name).await;
@@ -1330,6 +1382,7 @@ impl Filesystem for KochabFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        self.inner.listings.changed();
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             match fs
@@ -1466,6 +1519,7 @@ impl Filesystem for KochabFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        self.inner.listings.changed();
         self.spawn(req, move |fs, cred| async move {
             fs.wb.settle(fs.id(ino)).await;
             let r = fs
