@@ -72,13 +72,20 @@ impl HandedNames {
 /// left of `lease` since the request reached the mount, or `fallback` with no lease (then
 /// nothing calls this mount back, and the mount's TTLs are what they were).
 pub fn ttl(lease: Duration, fallback: Duration) -> Duration {
-    if lease.is_zero() {
-        return fallback;
-    }
-    match ARRIVED.try_with(|a| a.elapsed()) {
-        Ok(gone) => lease.saturating_sub(gone),
+    match ARRIVED.try_with(|a| *a) {
+        Ok(arrived) => ttl_since(lease, fallback, arrived),
         // Not from a served request: no time is known, cache nothing.
-        Err(_) => Duration::ZERO,
+        Err(_) if !lease.is_zero() => Duration::ZERO,
+        Err(_) => fallback,
+    }
+}
+
+/// [`ttl`] for what a request that reached the mount at `arrived` fetched.
+pub fn ttl_since(lease: Duration, fallback: Duration, arrived: Instant) -> Duration {
+    if lease.is_zero() {
+        fallback
+    } else {
+        lease.saturating_sub(arrived.elapsed())
     }
 }
 

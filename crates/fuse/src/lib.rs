@@ -565,11 +565,7 @@ impl Inner {
     /// Hands the kernel as much of `page` as its buffer takes, and keeps the rest (or the
     /// end of the listing) for the handle's next request.
     fn serve_page(&self, mut reply: ReplyDirectoryPlus, fh: u64, mut page: listing::Page) {
-        let ttl = if self.lease.is_zero() {
-            self.config.entry_ttl
-        } else {
-            self.lease.saturating_sub(page.arrived.elapsed())
-        };
+        let ttl = coherence::ttl_since(self.lease, self.config.entry_ttl, page.arrived);
         let dir = INodeNo(page.dir);
         let mut served = false;
         while let Some((e, attr)) = page.entries.front() {

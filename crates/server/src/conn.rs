@@ -321,6 +321,10 @@ pub async fn serve(
             core.callbacks.expire(Instant::now(), Some(session));
         }
     }
+    if !core.sessions.connected(session) {
+        // Its board goes with its last connection (unless callbacks it caused are out).
+        core.callbacks.forget_changer(session);
+    }
 }
 
 fn goodbye(errno: Errno, message: &str) -> Vec<u8> {

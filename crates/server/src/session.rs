@@ -78,6 +78,11 @@ impl Sessions {
         c.gone_since = None;
     }
 
+    /// True while `client` has a connection.
+    pub fn connected(&self, client: u64) -> bool {
+        self.clients.get(&client).is_some_and(|c| c.connections > 0)
+    }
+
     /// A connection of `client` closed.
     pub fn disconnect(&mut self, client: u64, now: Instant) {
         if let Some(c) = self.clients.get_mut(&client) {
