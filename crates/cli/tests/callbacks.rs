@@ -71,6 +71,29 @@ fn two_mounts_see_each_others_changes_at_once() {
         fs::remove_file(db.join(&back)).expect("unlink on b");
         assert!(!exists(&da.join(&back)), "round {round}: unlink from b");
     }
+    // A directory a made: a knows all its names and answers lookups of absent ones itself
+    // (its `complete` directories), yet a name b adds, moves or removes there is seen on a
+    // at once.
+    for round in 0..10 {
+        let (ea, eb) = (da.join(format!("e{round}")), db.join(format!("e{round}")));
+        fs::create_dir(&ea).expect("mkdir on a");
+        fs::write(ea.join("mine"), b"a").expect("create on a");
+        assert!(!exists(&ea.join("theirs")) && !exists(&ea.join("theirs")));
+        fs::write(eb.join("theirs"), b"b").expect("create on b");
+        assert_eq!(
+            fs::read(ea.join("theirs")).expect("read on a"),
+            b"b",
+            "round {round}: create in a's directory"
+        );
+        assert!(!exists(&ea.join("moved")));
+        fs::rename(eb.join("theirs"), eb.join("moved")).expect("rename on b");
+        assert!(!exists(&ea.join("theirs")), "round {round}: renamed away");
+        assert!(exists(&ea.join("moved")), "round {round}: renamed here");
+        fs::remove_file(eb.join("mine")).expect("unlink on b");
+        assert!(!exists(&ea.join("mine")), "round {round}: unlink");
+        fs::write(ea.join("mine"), b"again").expect("create on a again");
+        assert_eq!(fs::read(eb.join("mine")).expect("read on b"), b"again");
+    }
     // Directories too: a new one, its removal.
     fs::create_dir(da.join("sub")).expect("mkdir");
     assert!(fs::metadata(db.join("sub")).expect("stat").is_dir());

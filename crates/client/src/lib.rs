@@ -5,6 +5,7 @@
 //! server's reply cache remembers: a create whose reply was lost is answered from the cache
 //! on retry instead of failing with EEXIST.
 
+pub mod complete;
 pub mod conn;
 pub mod dircache;
 mod pool;
@@ -218,6 +219,9 @@ struct Early {
     changed: tokio::sync::Notify,
     /// Wakes the replayer: a connection with kept requests was lost, or the client ended.
     lost: tokio::sync::Notify,
+    /// Directories whose every name this client knows (see `complete`); callbacks reach
+    /// them here, before the handler runs.
+    complete: Mutex<complete::CompleteDirs>,
 }
 
 impl ConnEvents for Early {
@@ -227,11 +231,23 @@ impl ConnEvents for Early {
     }
 
     fn callback(&self, list: Vec<Invalidation>, answer: conn::CallbackAnswer) {
+        {
+            let mut complete = self.complete.lock();
+            for what in &list {
+                complete.called_back(match what {
+                    Invalidation::Entry { parent, .. } => Some(*parent),
+                    Invalidation::Inode { id } => Some(*id),
+                    Invalidation::Names { dir } => Some(*dir),
+                    Invalidation::Everything => None,
+                });
+            }
+        }
         self.callback_to_handler(list, answer);
     }
 
     fn lost(&self, incarnation: u64) {
         // The server forgets the leases of a client whose connection ended: drop all.
+        self.complete.lock().called_back(None);
         let handler = self.callbacks.lock().clone();
         if let Some(h) = handler {
             h(vec![Invalidation::Everything], conn::CallbackAnswer::none());
@@ -392,6 +408,7 @@ impl Client {
             (None, Some(m)) => Routing::cluster(entries, m, budget),
             (None, None) => Routing::Single { addr: addr.clone() },
         };
+        early.complete.lock().set_lease(conn.lease);
         let inner = Arc::new(Inner {
             client_id: pool.client_id(),
             home: addr,
@@ -481,15 +498,23 @@ impl Client {
         } else {
             self.inner.dirs.lock().begin(&op)
         };
+        let sent = Instant::now();
         // Ended however this call ends, cancellation included.
         let mut guard = DirsGuard {
             inner: &self.inner,
             ticket,
             dirs: Vec::new(),
-            sent: Instant::now(),
+            sent,
         };
-        let (reply, addr) = self.call_once(cred, op, target).await?;
-        reply.check_attrs()?;
+        let mut names = self.begin_names(&op, sent);
+        let result = self
+            .call_once(cred, op, target)
+            .await
+            .and_then(|(reply, addr)| reply.check_attrs().map(|()| (reply, addr)));
+        if let Some(n) = names.as_mut() {
+            n.end(result.as_ref().map(|(reply, _)| reply));
+        }
+        let (reply, addr) = result?;
         match reply {
             Reply::WithDirs { reply, dirs } => {
                 guard.dirs = dirs;
@@ -497,6 +522,34 @@ impl Client {
             }
             reply => Ok((reply, addr)),
         }
+    }
+
+    /// Notes an operation about to be sent that may change or read names (see `complete`).
+    fn begin_names(&self, op: &Op, sent: Instant) -> Option<NamesGuard<'_>> {
+        if self.inner.lease.is_zero() {
+            return None;
+        }
+        let change = complete::Change::of(op)?;
+        Some(NamesGuard {
+            early: &self.inner.early,
+            seen: self.inner.early.complete.lock().seen(),
+            change: Some(change),
+            sent,
+        })
+    }
+
+    /// How long `name` is known to be absent from directory `dir`, if this client knows
+    /// every name in it (a directory it made, see `complete`): then a lookup of the name
+    /// needs no round trip.
+    pub fn known_absent(&self, dir: InodeId, name: &[u8]) -> Option<Duration> {
+        if self.inner.lease.is_zero() {
+            return None;
+        }
+        self.inner
+            .early
+            .complete
+            .lock()
+            .absent(dir, name, Instant::now())
     }
 
     /// Forgets what this client knows of directory `id`'s attributes from its own changes
@@ -1707,6 +1760,32 @@ struct InFlight<'a> {
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.inner.in_flight.lock().remove(&self.seq);
+    }
+}
+
+/// Hands an operation's outcome to the complete directories; an operation that never
+/// ended (cancelled) counts as failed: its outcome is unknown.
+struct NamesGuard<'a> {
+    early: &'a Early,
+    seen: u64,
+    change: Option<complete::Change>,
+    sent: Instant,
+}
+
+impl NamesGuard<'_> {
+    fn end(&mut self, outcome: Result<&Reply, &FsError>) {
+        if let Some(change) = self.change.take() {
+            self.early
+                .complete
+                .lock()
+                .ended(&change, self.seen, outcome, self.sent);
+        }
+    }
+}
+
+impl Drop for NamesGuard<'_> {
+    fn drop(&mut self) {
+        self.end(Err(&fs_err!(EIO, "cancelled: outcome unknown")));
     }
 }
 

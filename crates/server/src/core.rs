@@ -247,8 +247,18 @@ impl Core {
             }
             _ if failed => return,
             Op::Readdir { id, plus: true, .. } => names(&mut self.leases, *id),
+            Op::Mkdir { parent, .. } => {
+                names(&mut self.leases, *parent);
+                // The new directory's names too, while it is still empty: the client then
+                // knows all of them, and answers lookups of absent ones itself (its
+                // `complete` directories). This server hosts the new directory (the engine
+                // refuses a mkdir whose inodes are not hosted), so every change to its names
+                // comes here until its table leaves, which calls the lease back.
+                if let Some(a) = entry_of(reply) {
+                    names(&mut self.leases, a.id);
+                }
+            }
             Op::Mknod { parent, .. }
-            | Op::Mkdir { parent, .. }
             | Op::Symlink { parent, .. }
             | Op::Create { parent, .. }
             | Op::Unlink { parent, .. }
@@ -263,6 +273,15 @@ impl Core {
             _ => {}
         }
         grant_shown(&mut self.leases, session, reply, now);
+    }
+}
+
+/// The attributes of the inode a creation made, as its reply shows them.
+fn entry_of(reply: &Reply) -> Option<&Attr> {
+    match reply {
+        Reply::Entry(a) => Some(a),
+        Reply::WithDirs { reply, .. } => entry_of(reply),
+        _ => None,
     }
 }
 
