@@ -16,6 +16,40 @@ fn exists(p: &std::path::Path) -> bool {
     fs::symlink_metadata(p).is_ok()
 }
 
+fn cpath(p: &std::path::Path) -> std::ffi::CString {
+    std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).expect("path")
+}
+
+/// The value of extended attribute `name` of `p` (`None`: it has none).
+fn xattr(p: &std::path::Path, name: &str) -> Option<Vec<u8>> {
+    let (path, name) = (cpath(p), std::ffi::CString::new(name).expect("name"));
+    let mut buf = vec![0u8; 256];
+    // SAFETY: valid C strings and a buffer of the length given.
+    let n = unsafe { libc::getxattr(path.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), 256) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        assert_eq!(e.raw_os_error(), Some(libc::ENODATA), "getxattr: {e}");
+        return None;
+    }
+    buf.truncate(n as usize);
+    Some(buf)
+}
+
+fn set_xattr(p: &std::path::Path, name: &str, value: &[u8]) {
+    let (path, name) = (cpath(p), std::ffi::CString::new(name).expect("name"));
+    // SAFETY: valid C strings and a value of the length given.
+    let r = unsafe {
+        libc::setxattr(
+            path.as_ptr(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    assert_eq!(r, 0, "setxattr: {}", std::io::Error::last_os_error());
+}
+
 #[test]
 fn two_mounts_see_each_others_changes_at_once() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -94,6 +128,19 @@ fn two_mounts_see_each_others_changes_at_once() {
         fs::write(ea.join("mine"), b"again").expect("create on a again");
         assert_eq!(fs::read(eb.join("mine")).expect("read on b"), b"again");
     }
+    // A file a created has no security.capability, which a answers itself (the kernel asks
+    // before every chown and every write), until b gives it one.
+    let cap = da.join("cap");
+    fs::write(&cap, b"x").expect("create on a");
+    assert_eq!(xattr(&cap, "security.capability"), None);
+    // VFS_CAP_REVISION_2, CAP_NET_BIND_SERVICE permitted.
+    let v2: [u8; 20] = [0, 0, 0, 2, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    set_xattr(&db.join("cap"), "security.capability", &v2);
+    assert_eq!(
+        xattr(&cap, "security.capability").as_deref(),
+        Some(&v2[..]),
+        "a capability set on b"
+    );
     // Directories too: a new one, its removal.
     fs::create_dir(da.join("sub")).expect("mkdir");
     assert!(fs::metadata(db.join("sub")).expect("stat").is_dir());

@@ -136,6 +136,9 @@ struct Inner {
     names: coherence::HandedNames,
     /// The rest of readdirplus pages, per directory handle (see `listing`).
     listings: listing::Listings,
+    /// Files this mount created, which have no security.capability (see `getxattr`), and
+    /// until when the lease on each runs at least.
+    bare: Mutex<FxHashMap<InodeId, Instant>>,
 }
 
 #[derive(Default)]
@@ -256,6 +259,7 @@ impl KochabFs {
             lease,
             names: Default::default(),
             listings: Default::default(),
+            bare: Mutex::new(FxHashMap::default()),
             wb,
             client,
             rt,
@@ -358,7 +362,11 @@ fn start_callbacks(inner: &Arc<Inner>) {
     match spawned {
         Ok(_) => {
             let tx = Mutex::new(tx);
+            let weak = Arc::downgrade(inner);
             inner.client.on_callback(Arc::new(move |list, answer| {
+                if let Some(inner) = weak.upgrade() {
+                    inner.not_bare(&list);
+                }
                 let _ = tx.lock().send((list, answer));
             }));
         }
@@ -465,6 +473,39 @@ impl Inner {
     }
 
     /// Counts a lookup the kernel now holds.
+    /// Notes a file this mount just created: it has no extended attributes, and the lease
+    /// its creation's reply granted holds for what is left of the lease since the request
+    /// reached the mount.
+    fn created(&self, id: InodeId) {
+        if self.lease.is_zero() {
+            return;
+        }
+        let Ok(arrived) = coherence::ARRIVED.try_with(|a| *a) else {
+            return;
+        };
+        let until = arrived + self.lease;
+        let mut bare = self.bare.lock();
+        if bare.len() >= 1 << 16 {
+            let now = Instant::now();
+            bare.retain(|_, u| *u > now);
+        }
+        bare.insert(id, until);
+    }
+
+    /// Forgets the files callbacks name: another client may have given them attributes.
+    fn not_bare(&self, list: &[kochab_proto::Invalidation]) {
+        let mut bare = self.bare.lock();
+        for what in list {
+            match what {
+                kochab_proto::Invalidation::Inode { id } => {
+                    bare.remove(id);
+                }
+                kochab_proto::Invalidation::Everything => bare.clear(),
+                _ => {}
+            }
+        }
+    }
+
     fn looked_up(&self, id: InodeId) {
         *self.lookups.lock().entry(self.ino(id).0).or_insert(0) += 1;
     }
@@ -671,9 +712,10 @@ impl Filesystem for KochabFs {
             // no longer caches by looking up "." (and a directory's parent by "..") in its
             // id; a reused id has another generation, so an old handle is ESTALE.
             InitFlags::FUSE_EXPORT_SUPPORT,
-            // Not FUSE_HANDLE_KILLPRIV_V2, although it would save the GETATTR the kernel
-            // sends before every chown: with it, chown(fd, -1, -1) reaches the file system
-            // as an empty SETATTR whose FATTR_KILL_SUIDGID fuser does not pass on, so
+            // Neither FUSE_HANDLE_KILLPRIV nor its v2, although they would save the GETATTR
+            // the kernel sends before every chown: with either, chown(fd, -1, -1) reaches
+            // the file system as an empty SETATTR (v2 adds FATTR_KILL_SUIDGID, which fuser
+            // does not pass on; v1 drops the mode change the kernel computed), so
             // setuid/setgid bits would survive it (the differential test found this).
         ] {
             if config.add_capabilities(cap).is_err() {
@@ -1340,6 +1382,7 @@ impl Filesystem for KochabFs {
         reply: ReplyEmpty,
     ) {
         self.inner.listings.changed();
+        self.inner.bare.lock().remove(&self.inner.id(ino));
         let (name, value) = (name_bytes(name), value.to_vec());
         self.spawn(req, move |fs, cred| async move {
             let r = fs
@@ -1351,6 +1394,16 @@ impl Filesystem for KochabFs {
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        // The kernel asks for security.capability before every chown and every write that
+        // may drop privileges. A file this mount created has none until a setxattr, which
+        // goes through this mount (`not_bare` before it is sent) or calls it back.
+        if name.as_bytes() == b"security.capability" {
+            let id = self.inner.id(ino);
+            let bare = self.inner.bare.lock().get(&id).copied();
+            if bare.is_some_and(|until| until > Instant::now()) {
+                return reply.error(Errno::ENODATA);
+            }
+        }
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             match fs.client.getxattr(&cred, fs.id(ino), &name).await {
@@ -1371,6 +1424,7 @@ impl Filesystem for KochabFs {
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.inner.listings.changed();
+        self.inner.bare.lock().remove(&self.inner.id(ino));
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             let r = fs.client.removexattr(&cred, fs.id(ino), &name).await;
@@ -1406,6 +1460,7 @@ impl Filesystem for KochabFs {
             {
                 Ok((a, handle)) => {
                     fs.looked_up(a.id);
+                    fs.created(a.id);
                     let ttl = fs.entry_ttl();
                     fs.handed(parent, &name, ttl);
                     let open = fs.open_flags(&a, flags, handle);
