@@ -637,6 +637,28 @@ impl Inner {
         reply.ok();
     }
 
+    /// [`Inner::serve_page`] for a plain readdir: names, numbers and types only.
+    fn serve_plain_page(&self, mut reply: ReplyDirectory, fh: u64, mut page: listing::Page) {
+        let mut served = false;
+        while let Some((e, _)) = page.entries.front() {
+            if reply.add(
+                self.ino(e.id),
+                e.cookie,
+                file_type(e.kind),
+                OsStr::from_bytes(&e.name),
+            ) {
+                break;
+            }
+            served = true;
+            page.next = e.cookie;
+            page.entries.pop_front();
+        }
+        if !page.entries.is_empty() || (page.eof && served) {
+            self.listings.keep(fh, page);
+        }
+        reply.ok();
+    }
+
     /// Forgets a closed handle.
     fn closed(&self, id: InodeId, handle: u64) {
         let mut opens = self.opens.lock();
@@ -1220,10 +1242,20 @@ impl Filesystem for KochabFs {
         &self,
         req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        // The rest of a readdirplus page fetched for this handle: the kernel asks for the
+        // continuation of a listing without attributes (readdirplus "auto"), so a listing
+        // longer than its first buffer, or just its empty end, needs no round trip.
+        if let Some(page) = self
+            .inner
+            .listings
+            .take(fh.0, ino.0, offset, Instant::now())
+        {
+            return self.inner.serve_plain_page(reply, fh.0, page);
+        }
         self.spawn(req, move |fs, cred| async move {
             match fs
                 .client
