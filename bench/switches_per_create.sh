@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Context switches and CPU per create of the kochab process (metadata server and mount),
+# by thread name: a fresh `kochab up --mount` per binary, bench/mdrate.c with 4 processes x
+# 5,000 empty files in their own directories, create phase only; voluntary and involuntary
+# switches and utime+stime of every thread from /proc/<pid>/task/*, before and after.
+# Usage: bench/switches_per_create.sh [KOCHAB_BIN...]   (root; default target/release/kochab)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ "$(id -u)" = 0 ] || { echo "needs root" >&2; exit 1; }
+PORT=${PORT:-7488}
+FILES=${FILES:-5000}
+tmp=$(mktemp -d /var/tmp/ksw.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+gcc -O2 -Wall -o "$tmp/mdrate" bench/mdrate.c -lpthread
+hz=$(getconf CLK_TCK)
+snap() {  # per thread name: switches, CPU ticks
+  for t in /proc/"$1"/task/*; do
+    { read -r comm <"$t/comm" &&
+      sw=$(awk '/ctxt_switches/ {s += $2} END {print s}' "$t/status") &&
+      ticks=$(awk '{print $14 + $15}' "$t/stat") &&
+      echo "${comm// /_} $sw $ticks"; } 2>/dev/null || true
+  done | awk '{c[$1] += $2; u[$1] += $3} END {for (k in c) print k, c[k], u[k]}' | sort
+}
+for bin in "${@:-target/release/kochab}"; do
+  d="$tmp/run"; rm -rf "$d"; mkdir -p "$d/m"
+  "$bin" up --data "$d/data" --port "$PORT" --mount "$d/m" >"$d/log" 2>&1 &
+  pid=$!
+  for _ in $(seq 200); do grep -qs " $d/m " /proc/mounts && break; sleep 0.1; done
+  mkdir -p "$d/m/t"
+  snap "$pid" >"$tmp/before"
+  "$tmp/mdrate" "$d/m/t" 4 "$FILES" unique 0 c >/dev/null
+  snap "$pid" >"$tmp/after"
+  n=$((4 * FILES))
+  echo "$bin"
+  join "$tmp/before" "$tmp/after" | awk -v n="$n" -v hz="$hz" '$4 > $2 || $5 > $3 {
+    printf "  %-18s switches/create %5.2f  cpu_us/create %6.1f\n", $1, ($4 - $2) / n, ($5 - $3) * 1e6 / hz / n }'
+  kill -INT "$pid"; wait "$pid" 2>/dev/null || true
+done
