@@ -223,7 +223,7 @@ impl CompleteDirs {
                     && seen == self.callbacks
                     && let Some(a) = made_dir(reply)
                 {
-                    self.made(a.id, until);
+                    self.made(a.id, sent);
                 }
             }
             (&Change::Remove { dir, name }, Some(_)) => {
@@ -261,8 +261,12 @@ impl CompleteDirs {
 
     fn add(&mut self, dir: InodeId, name: u64) {
         if let Some(d) = self.dirs.get_mut(&dir) {
-            *d.names.entry(name).or_insert(0) += 1;
-            self.names += 1;
+            let n = d.names.entry(name).or_insert(0);
+            if *n == 0 {
+                // `names` counts kept hashes, as `remove` and `forget` take them away.
+                self.names += 1;
+            }
+            *n += 1;
         }
     }
 
@@ -281,23 +285,28 @@ impl CompleteDirs {
         }
     }
 
-    /// A directory this client just made: empty, its names leased from the reply's grant.
-    fn made(&mut self, dir: InodeId, until: Instant) {
+    /// A directory this client made with a mkdir sent at `sent`: empty, its names leased
+    /// from the reply's grant.
+    fn made(&mut self, dir: InodeId, sent: Instant) {
         self.forget(dir);
         self.dirs.insert(
             dir,
             Dir {
-                until,
+                until: sent + self.lease,
                 names: FxHashMap::default(),
             },
         );
-        // Drop the directories whose leases ran out, now and then.
+        // Now and then, drop the directories whose leases had run out when it was sent.
         if self.dirs.len().is_power_of_two() && self.dirs.len() >= 1024 {
-            let now = Instant::now().min(until);
-            let before: usize = self.dirs.values().map(|d| d.names.len()).sum();
-            self.dirs.retain(|_, d| d.until > now);
-            let after: usize = self.dirs.values().map(|d| d.names.len()).sum();
-            self.names -= before - after;
+            let mut dropped = 0;
+            self.dirs.retain(|_, d| {
+                let live = d.until > sent;
+                if !live {
+                    dropped += d.names.len();
+                }
+                live
+            });
+            self.names -= dropped;
         }
     }
 }
@@ -308,14 +317,7 @@ impl CompleteDirs {
 /// mtime equals its birth time until a name is added or removed, and its link count is 2
 /// until a subdirectory is made.
 fn made_dir(reply: &Reply) -> Option<&Attr> {
-    let a = match reply {
-        Reply::Entry(a) => a,
-        Reply::WithDirs { reply, .. } => match reply.as_ref() {
-            Reply::Entry(a) => a,
-            _ => return None,
-        },
-        _ => return None,
-    };
+    let a = reply.entry()?;
     (a.kind() == Some(FileKind::Dir) && a.mtime == a.btime && a.nlink == 2).then_some(a)
 }
 

@@ -472,7 +472,6 @@ impl Inner {
         }
     }
 
-    /// Counts a lookup the kernel now holds.
     /// Notes a file this mount just created: it has no extended attributes, and the lease
     /// its creation's reply granted holds for what is left of the lease since the request
     /// reached the mount.
@@ -506,6 +505,7 @@ impl Inner {
         }
     }
 
+    /// Counts a lookup the kernel now holds.
     fn looked_up(&self, id: InodeId) {
         *self.lookups.lock().entry(self.ino(id).0).or_insert(0) += 1;
     }
@@ -605,11 +605,10 @@ impl Inner {
 
     /// Hands the kernel as much of `page` as its buffer takes, and keeps the rest (or the
     /// end of the listing) for the handle's next request.
-    fn serve_page(&self, mut reply: ReplyDirectoryPlus, fh: u64, mut page: listing::Page) {
+    fn serve_page(&self, mut reply: ReplyDirectoryPlus, fh: u64, page: listing::Page) {
         let ttl = coherence::ttl_since(self.lease, self.config.entry_ttl, page.arrived);
         let dir = INodeNo(page.dir);
-        let mut served = false;
-        while let Some((e, attr)) = page.entries.front() {
+        self.listings.serve(fh, page, |e, attr| {
             let full = reply.add(
                 self.ino(e.id),
                 e.cookie,
@@ -618,44 +617,26 @@ impl Inner {
                 &self.file_attr(attr),
                 Generation(attr.generation),
             );
-            if full {
-                break;
-            }
-            served = true;
-            if e.name != b"." && e.name != b".." {
+            if !full && e.name != b"." && e.name != b".." {
                 // readdirplus entries count as lookups the kernel will forget.
                 self.looked_up(e.id);
                 self.handed(dir, &e.name, ttl);
             }
-            page.next = e.cookie;
-            page.entries.pop_front();
-        }
-        // An empty end of a listing is kept once, for the kernel's last request.
-        if !page.entries.is_empty() || (page.eof && served) {
-            self.listings.keep(fh, page);
-        }
+            full
+        });
         reply.ok();
     }
 
     /// [`Inner::serve_page`] for a plain readdir: names, numbers and types only.
-    fn serve_plain_page(&self, mut reply: ReplyDirectory, fh: u64, mut page: listing::Page) {
-        let mut served = false;
-        while let Some((e, _)) = page.entries.front() {
-            if reply.add(
+    fn serve_plain_page(&self, mut reply: ReplyDirectory, fh: u64, page: listing::Page) {
+        self.listings.serve(fh, page, |e, _| {
+            reply.add(
                 self.ino(e.id),
                 e.cookie,
                 file_type(e.kind),
                 OsStr::from_bytes(&e.name),
-            ) {
-                break;
-            }
-            served = true;
-            page.next = e.cookie;
-            page.entries.pop_front();
-        }
-        if !page.entries.is_empty() || (page.eof && served) {
-            self.listings.keep(fh, page);
-        }
+            )
+        });
         reply.ok();
     }
 

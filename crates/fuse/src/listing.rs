@@ -86,6 +86,24 @@ impl Listings {
             .then_some(page)
     }
 
+    /// Hands `page`'s entries to `add` in order until it says the kernel's buffer is
+    /// full, then keeps the rest (or the listing's empty end, once) for handle `fh`'s next
+    /// request.
+    pub fn serve(&self, fh: u64, mut page: Page, mut add: impl FnMut(&DirEntry, &Attr) -> bool) {
+        let mut served = false;
+        while let Some((e, attr)) = page.entries.front() {
+            if add(e, attr) {
+                break;
+            }
+            served = true;
+            page.next = e.cookie;
+            page.entries.pop_front();
+        }
+        if !page.entries.is_empty() || (page.eof && served) {
+            self.keep(fh, page);
+        }
+    }
+
     /// Keeps what is left of `page` for the handle's next request.
     pub fn keep(&self, fh: u64, page: Page) {
         self.pages.lock().insert(fh, page);

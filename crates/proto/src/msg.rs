@@ -655,6 +655,16 @@ impl Reply {
         Ok(())
     }
 
+    /// The attributes of the inode an entry reply (a lookup or a creation) shows, past the
+    /// directory attributes a namespace change adds.
+    pub fn entry(&self) -> Option<&Attr> {
+        match self {
+            Reply::Entry(a) => Some(a),
+            Reply::WithDirs { reply, .. } => reply.entry(),
+            _ => None,
+        }
+    }
+
     /// The reply without the directory attributes a namespace change adds.
     pub fn without_dirs(self) -> Reply {
         match self {

@@ -254,7 +254,7 @@ impl Core {
                 // `complete` directories). This server hosts the new directory (the engine
                 // refuses a mkdir whose inodes are not hosted), so every change to its names
                 // comes here until its table leaves, which calls the lease back.
-                if let Some(a) = entry_of(reply) {
+                if let Some(a) = reply.entry() {
                     names(&mut self.leases, a.id);
                 }
             }
@@ -273,15 +273,6 @@ impl Core {
             _ => {}
         }
         grant_shown(&mut self.leases, session, reply, now);
-    }
-}
-
-/// The attributes of the inode a creation made, as its reply shows them.
-fn entry_of(reply: &Reply) -> Option<&Attr> {
-    match reply {
-        Reply::Entry(a) => Some(a),
-        Reply::WithDirs { reply, .. } => entry_of(reply),
-        _ => None,
     }
 }
 
