@@ -15,6 +15,8 @@
  * already exist (from a run without r), without r they are left in place (for profiling
  * one phase at a time). Otherwise DIR must exist without the names used, and the
  * directories made are removed at the end.
+ * With MDRATE_TAG set, file names start with it and an existing DIR/shared is used: several
+ * instances (on several mounts of one file system) can then share one directory.
  * Prints one JSON object: per phase ops_per_sec, p50_us, p99_us, max_us, errors, first errno.
  */
 #define _GNU_SOURCE
@@ -88,13 +90,14 @@ int main(int argc, char **argv) {
     pthread_barrierattr_setpshared(&ba, PTHREAD_PROCESS_SHARED);
     pthread_barrier_init(&sh->barrier, &ba, nproc);
 
+    const char *tag = getenv("MDRATE_TAG");
     char path[4096];
     for (int p = 0; p < (shared ? 1 : nproc); p++) {
         if (shared)
             snprintf(path, sizeof path, "%s/shared", dir);
         else
             snprintf(path, sizeof path, "%s/p%d", dir, p);
-        if (run[CREATE] && mkdir(path, 0755) != 0) {
+        if (run[CREATE] && mkdir(path, 0755) != 0 && !(tag && shared && errno == EEXIST)) {
             fprintf(stderr, "mkdir %s: %s\n", path, strerror(errno));
             return 1;
         }
@@ -118,9 +121,9 @@ int main(int argc, char **argv) {
             fprintf(stderr, "open %s: %s\n", path, strerror(errno));
             _exit(1);
         }
-        char (*names)[32] = malloc(nfiles * 32);
+        char (*names)[64] = malloc(nfiles * 64);
         for (long i = 0; i < nfiles; i++)
-            snprintf(names[i], 32, "p%d.f%ld", p, i);
+            snprintf(names[i], 64, "%.8s%sp%d.f%ld", tag ? tag : "", tag ? "." : "", p, i);
         struct proc_res *r = &sh->res[p];
         int ran = 0;
         for (int ph = 0; ph < NPHASE; ph++) {
@@ -195,7 +198,8 @@ int main(int argc, char **argv) {
             snprintf(path, sizeof path, "%s/shared", dir);
         else
             snprintf(path, sizeof path, "%s/p%d", dir, p);
-        if (rmdir(path) != 0)
+        /* Another instance may still have files there. */
+        if (rmdir(path) != 0 && !(tag && errno == ENOTEMPTY))
             fprintf(stderr, "rmdir %s: %s\n", path, strerror(errno));
     }
     return 0;

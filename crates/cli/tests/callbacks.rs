@@ -183,3 +183,92 @@ fn a_mount_caches_names_and_absences_for_longer_than_a_second() {
     assert!(absent, "an absence looked up 1.5 s ago was not cached");
     server.stop();
 }
+
+/// Two mounts creating in one directory at once. Each create waits at the server for the
+/// other mount's callback answer, and the kernel's invalidation of a name takes its
+/// directory's lock, which the kernel holds for that mount's own create there: when every
+/// named entry was invalidated by name, the two deadlocked until the answer's bound (200 ms
+/// a create, 5 creates/s a mount). A mount now drops only names its kernel may hold, and
+/// those under a lock of its own by making every cached entry stale (no lock). Names one
+/// side looked up and the other then created are still seen at once: b looks each up
+/// (caching its absence), a creates it, b must see it, while both create other files there.
+#[test]
+fn two_mounts_create_in_one_directory_without_waiting_on_each_other() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = tmp.path().join("data");
+    let server = ServerProc::start(&data, &[]);
+    let key = data.join("cluster.key");
+    let logs = [tmp.path().join("a.log"), tmp.path().join("b.log")];
+    let a = MountProc::start_logged(
+        server.addr,
+        &key,
+        &tmp.path().join("a"),
+        &[],
+        Some(&logs[0]),
+    );
+    let b = MountProc::start_logged(
+        server.addr,
+        &key,
+        &tmp.path().join("b"),
+        &[],
+        Some(&logs[1]),
+    );
+    fs::create_dir(a.mnt.join("shared")).expect("mkdir on a");
+    let dirs = [a.mnt.join("shared"), b.mnt.join("shared")];
+    const ROUNDS: usize = 200;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let busy = std::sync::atomic::AtomicUsize::new(0);
+    let (looked, to_a) = std::sync::mpsc::channel::<usize>();
+    let (made, to_b) = std::sync::mpsc::channel::<usize>();
+    std::thread::scope(|s| {
+        for (side, dir) in dirs.iter().enumerate() {
+            let (stop, busy) = (&stop, &busy);
+            s.spawn(move || {
+                let mut i = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    fs::write(dir.join(format!("busy-{side}-{i}")), b"").expect("create");
+                    i += 1;
+                }
+                busy.fetch_add(i, std::sync::atomic::Ordering::Relaxed);
+            });
+        }
+        let da = &dirs[0];
+        s.spawn(move || {
+            while let Ok(i) = to_a.recv() {
+                fs::write(da.join(format!("n{i}")), b"").expect("create on a");
+                made.send(i).expect("send");
+            }
+        });
+        // Stops the busy threads however this thread leaves (a failed assertion too).
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let _stop = Stop(&stop);
+        let db = &dirs[1];
+        for i in 0..ROUNDS {
+            let name = db.join(format!("n{i}"));
+            assert!(!exists(&name), "n{i} before a made it");
+            looked.send(i).expect("send");
+            assert_eq!(to_b.recv().expect("made"), i);
+            assert!(exists(&name), "n{i}, made on a, not seen on b");
+        }
+        drop(looked);
+    });
+    let total = ROUNDS + busy.load(std::sync::atomic::Ordering::Relaxed);
+    for dir in &dirs {
+        let n = fs::read_dir(dir).expect("list").count();
+        assert_eq!(n, total, "{} lists all files", dir.display());
+    }
+    drop((a, b));
+    for log in &logs {
+        let text = fs::read_to_string(log).unwrap_or_default();
+        assert!(
+            !text.contains("callback answered before") && !text.contains("cannot make cached"),
+            "{}: {text}",
+            log.display()
+        );
+    }
+}

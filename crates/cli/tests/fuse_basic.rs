@@ -35,6 +35,22 @@ fn data_round_trips_and_sparse_files_read_zeros() {
     let back = fs::read(&p).unwrap();
     assert_eq!(&back[..10], &data[..10]);
     assert!(back[10..].iter().all(|&b| b == 0));
+    // A file is no terminal (isatty, which Python asks at every open): ENOTTY, as ext4.
+    let f = fs::File::open(&p).unwrap();
+    let mut tio = std::mem::MaybeUninit::<libc::termios>::uninit();
+    // SAFETY: TCGETS writes at most one termios into the buffer given.
+    let r = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            libc::TCGETS,
+            tio.as_mut_ptr(),
+        )
+    };
+    assert_eq!(r, -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::ENOTTY)
+    );
 }
 
 #[test]

@@ -27,6 +27,9 @@ const SEND_QUEUE: usize = 4096;
 /// to this long.
 pub const CALLBACK_ANSWER_MAX: Duration = Duration::from_millis(200);
 
+/// Callbacks answered by `CALLBACK_ANSWER_MAX` rather than by the drop they asked for.
+static LATE_CALLBACKS: AtomicU64 = AtomicU64::new(0);
+
 type Rd = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
 type Wr = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
 /// The server's frames.
@@ -426,7 +429,16 @@ async fn read_loop(
                     let answers = notes.answers.clone();
                     let id = f.request_id;
                     tokio::spawn(async move {
-                        let _ = tokio::time::timeout(CALLBACK_ANSWER_MAX, rx).await;
+                        if tokio::time::timeout(CALLBACK_ANSWER_MAX, rx).await.is_err() {
+                            let n = LATE_CALLBACKS.fetch_add(1, Ordering::Relaxed);
+                            if n.is_power_of_two() || n == 0 {
+                                tracing::warn!(
+                                    "callback answered before its cache was dropped (after \
+                                     {CALLBACK_ANSWER_MAX:?}; {} so far)",
+                                    n + 1
+                                );
+                            }
+                        }
                         let mut frame = Vec::new();
                         if encode_frame(&mut frame, FrameKind::CallbackDone, id, &()).is_ok() {
                             let _ = answers.send(frame).await;

@@ -27,10 +27,10 @@ mod writebehind;
 use creds::GroupCache;
 use fuser::{
     AccessFlags, Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, InitFlags, KernelConfig, LockOwner, MountOption, OpenFlags, RenameFlags, ReplyAttr,
-    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLock,
-    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, RequestId, SessionACL, TimeOrNow,
-    WriteFlags,
+    INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner, MountOption, OpenFlags, RenameFlags,
+    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
+    ReplyIoctl, ReplyLock, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, RequestId,
+    SessionACL, TimeOrNow, WriteFlags,
 };
 use interrupts::Interrupts;
 use kochab_client::Client;
@@ -133,7 +133,7 @@ struct Inner {
     /// How long the servers' leases last (zero: no leases, the TTLs of `config` apply).
     lease: Duration,
     /// Names handed to the kernel with a TTL, per directory (see `coherence`).
-    names: coherence::HandedNames,
+    names: Arc<coherence::HandedNames>,
     /// The rest of readdirplus pages, per directory handle (see `listing`).
     listings: listing::Listings,
     /// Files this mount created, which have no security.capability (see `getxattr`), and
@@ -391,6 +391,25 @@ impl coherence::Kernel for Inner {
         }
     }
 
+    fn inc_epoch(&self) -> bool {
+        let Some(n) = self.notifier.get() else {
+            return false;
+        };
+        match n.inc_epoch() {
+            Ok(()) => true,
+            Err(e) => {
+                static TOLD: std::sync::Once = std::sync::Once::new();
+                TOLD.call_once(|| {
+                    tracing::warn!(
+                        "the kernel cannot make cached entries stale at once (FUSE_NOTIFY_INC_EPOCH, \
+                         Linux 6.16: {e}); two mounts changing one directory may wait for each other"
+                    )
+                });
+                false
+            }
+        }
+    }
+
     fn held_inodes(&self) -> Vec<u64> {
         self.lookups.lock().keys().copied().collect()
     }
@@ -520,10 +539,16 @@ impl Inner {
         coherence::ttl(self.lease, self.config.attr_ttl)
     }
 
+    /// Notes a request that may hand the kernel `parent/name` (`None`: names of a listing),
+    /// until the guard is dropped after its reply (see `coherence::HandedNames`).
+    fn busy(&self, parent: INodeNo, name: Option<&[u8]>) -> Option<coherence::Busy> {
+        (!self.lease.is_zero()).then(|| self.names.begin(parent.0, name))
+    }
+
     /// Notes that the kernel caches `parent/name` (so that a callback can drop it).
     fn handed(&self, parent: INodeNo, name: &[u8], ttl: Duration) {
         if !self.lease.is_zero() && !ttl.is_zero() {
-            self.names.handed(parent.0, name);
+            self.names.handed(parent.0, name, ttl);
         }
     }
 
@@ -749,6 +774,7 @@ impl Filesystem for KochabFs {
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let fs = &self.inner;
+        let busy = fs.busy(parent, Some(name.as_bytes()));
         // A name absent from a directory whose every name this mount knows (one it made,
         // under a lease on its names): answered here, a negative entry for the time the
         // lease has left. The open(O_CREAT) of a new file looks its name up first.
@@ -758,6 +784,7 @@ impl Filesystem for KochabFs {
         }
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
+            let _busy = busy;
             let r = if name == b"." {
                 // Only file handles (open_by_handle_at, NFS export) look up "." and "..":
                 // the VFS resolves them itself on paths. "." is the inode of any id, ".."
@@ -874,7 +901,9 @@ impl Filesystem for KochabFs {
     ) {
         self.inner.listings.changed();
         let name = name_bytes(name);
+        let busy = self.inner.busy(parent, Some(&name));
         self.spawn(req, move |fs, cred| async move {
+            let _busy = busy;
             let r = fs
                 .client
                 .mknod(&cred, fs.id(parent), &name, mode, rdev, true)
@@ -894,7 +923,9 @@ impl Filesystem for KochabFs {
     ) {
         self.inner.listings.changed();
         let name = name_bytes(name);
+        let busy = self.inner.busy(parent, Some(&name));
         self.spawn(req, move |fs, cred| async move {
+            let _busy = busy;
             let r = fs.client.mkdir(&cred, fs.id(parent), &name, mode).await;
             fs.entry(reply, parent, &name, r);
         });
@@ -903,7 +934,10 @@ impl Filesystem for KochabFs {
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.inner.listings.changed();
         let name = name_bytes(name);
+        // Hands out nothing, but holds the directory's lock (see `coherence::Held`).
+        let busy = self.inner.busy(parent, Some(&name));
         self.spawn(req, move |fs, cred| async move {
+            let _busy = busy;
             let r = fs.client.unlink(&cred, fs.id(parent), &name).await;
             fs.empty(reply, r);
         });
@@ -912,7 +946,9 @@ impl Filesystem for KochabFs {
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.inner.listings.changed();
         let name = name_bytes(name);
+        let busy = self.inner.busy(parent, Some(&name));
         self.spawn(req, move |fs, cred| async move {
+            let _busy = busy;
             fs.dir_opens_done().await;
             let r = fs.client.rmdir(&cred, fs.id(parent), &name).await;
             fs.empty(reply, r);
@@ -930,7 +966,9 @@ impl Filesystem for KochabFs {
         self.inner.listings.changed();
         let name = name_bytes(link_name);
         let target = target.as_os_str().as_bytes().to_vec();
+        let busy = self.inner.busy(parent, Some(&name));
         self.spawn(req, move |fs, cred| async move {
+            let _busy = busy;
             let r = fs
                 .client
                 .symlink(&cred, fs.id(parent), &name, &target)
@@ -951,7 +989,12 @@ impl Filesystem for KochabFs {
     ) {
         self.inner.listings.changed();
         let (name, newname) = (name_bytes(name), name_bytes(newname));
+        let busy = (
+            self.inner.busy(parent, Some(&name)),
+            self.inner.busy(newparent, Some(&newname)),
+        );
         self.spawn(req, move |fs, cred| async move {
+            let _busy = busy;
             fs.dir_opens_done().await;
             let r = fs
                 .client
@@ -964,6 +1007,13 @@ impl Filesystem for KochabFs {
                     flags.bits(),
                 )
                 .await;
+            if r.is_ok() {
+                // The kernel moves the old name's entry, with its TTL, to the new name
+                // (and swaps them on an exchange).
+                let ttl = fs.entry_ttl();
+                fs.handed(newparent, &newname, ttl);
+                fs.handed(parent, &name, ttl);
+            }
             fs.empty(reply, r);
         });
     }
@@ -978,7 +1028,9 @@ impl Filesystem for KochabFs {
     ) {
         self.inner.listings.changed();
         let newname = name_bytes(newname);
+        let busy = self.inner.busy(newparent, Some(&newname));
         self.spawn(req, move |fs, cred| async move {
+            let _busy = busy;
             let r = fs
                 .client
                 .link(&cred, fs.id(ino), fs.id(newparent), &newname)
@@ -1269,6 +1321,7 @@ impl Filesystem for KochabFs {
         offset: u64,
         reply: ReplyDirectoryPlus,
     ) {
+        let busy = self.inner.busy(ino, None);
         // The rest of the page fetched for this handle's last request: no round trip.
         if let Some(page) = self
             .inner
@@ -1279,6 +1332,7 @@ impl Filesystem for KochabFs {
         }
         let epoch = self.inner.listings.epoch();
         self.spawn(req, move |fs, cred| async move {
+            let _busy = busy;
             let arrived = coherence::ARRIVED
                 .try_with(|a| *a)
                 .unwrap_or_else(|_| Instant::now());
@@ -1465,7 +1519,9 @@ impl Filesystem for KochabFs {
     ) {
         self.inner.listings.changed();
         let name = name_bytes(name);
+        let busy = self.inner.busy(parent, Some(&name));
         self.spawn(req, move |fs, cred| async move {
+            let _busy = busy;
             match fs
                 .client
                 .create_open(&cred, fs.id(parent), &name, mode, flags as u32)
@@ -1589,6 +1645,23 @@ impl Filesystem for KochabFs {
     fn interrupt(&self, _req: &Request, unique: RequestId) -> Result<(), Errno> {
         self.inner.interrupts.interrupt(unique.0);
         Ok(())
+    }
+
+    /// No ioctl is supported (terminal probes, FS_IOC_GETFLAGS): ENOTTY, as from a file
+    /// system without them. fuser's default logged a warning for each, and the kernel asks
+    /// on every call (Python probes isatty() at every open): a log line per file opened.
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        reply.error(Errno::ENOTTY);
     }
 
     fn fallocate(

@@ -74,6 +74,15 @@ impl Notifier {
         self.send_inval(notify_code::FUSE_NOTIFY_INVAL_ENTRY, &notif)
     }
 
+    /// KOCHAB-PATCH: makes every directory entry the kernel caches for this file system
+    /// stale (each is looked up again before its next use), without taking any lock
+    /// (Linux 6.16, FUSE_NOTIFY_INC_EPOCH; older kernels refuse it with EINVAL).
+    /// # Errors
+    /// Returns an error if the kernel rejects the notification.
+    pub fn inc_epoch(&self) -> io::Result<()> {
+        self.send(notify_code::FUSE_NOTIFY_INC_EPOCH, &Notification::new_inc_epoch())
+    }
+
     /// Invalidate the kernel cache for a given inode (metadata and
     /// data in the given range)
     /// # Errors

@@ -274,6 +274,21 @@ impl MountProc {
 
     /// Like `start`, with more arguments (`-o OPTIONS`).
     pub fn start_with(addr: SocketAddr, key_file: &Path, mnt: &Path, extra: &[&str]) -> MountProc {
+        Self::start_logged(addr, key_file, mnt, extra, None)
+    }
+
+    /// Like `start_with`, the process's log written to `log`.
+    pub fn start_logged(
+        addr: SocketAddr,
+        key_file: &Path,
+        mnt: &Path,
+        extra: &[&str],
+        log: Option<&Path>,
+    ) -> MountProc {
+        let stderr = match log {
+            Some(path) => Stdio::from(std::fs::File::create(path).expect("mount log")),
+            None => Stdio::null(),
+        };
         std::fs::create_dir_all(mnt).expect("mountpoint");
         let mut child = Command::new(kochab_bin())
             .args(["mount", &addr.to_string()])
@@ -283,7 +298,7 @@ impl MountProc {
             .arg(key_file)
             .args(extra)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("spawn kochab mount");
         for _ in 0..300 {

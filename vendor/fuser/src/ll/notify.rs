@@ -114,6 +114,11 @@ impl<'a> Notification<'a> {
         Ok(Self::from_struct_with_name(&r, name.as_bytes()))
     }
 
+    /// KOCHAB-PATCH: FUSE_NOTIFY_INC_EPOCH carries nothing but its header.
+    pub(crate) fn new_inc_epoch() -> Self {
+        Self::Bare(NotificationBuf::new())
+    }
+
     pub(crate) fn new_poll(kh: PollHandle) -> Self {
         let r = abi::fuse_notify_poll_wakeup_out { kh: kh.0 };
         Self::from_struct(&r)
