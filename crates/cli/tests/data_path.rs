@@ -361,3 +361,73 @@ fn a_full_store_is_enospc_and_fallocate_reserves_what_statfs_reports() {
     assert_eq!(read_at(&a, 8, 4 << 20), vec![0u8; 8]);
     assert_eq!(a.metadata().unwrap().size(), 16 << 20);
 }
+
+/// An append (`WRITE_AT_END`) lands at the end as the server finds it, whatever the client
+/// thought the end was, and a retry with the same sequence number is answered from the
+/// handle's last append instead of appending twice.
+#[test]
+fn an_append_is_placed_by_the_server_and_runs_once_per_sequence_number() {
+    use kochab_proto::{Op, Reply, Request, WRITE_AT_END};
+    let tmp = tempfile::tempdir().unwrap();
+    let server = ServerProc::start(&tmp.path().join("data"), &[]);
+    let admin = kochab_proto::auth::ClientKey::admin(server.key);
+    common::runtime().block_on(async {
+        let conn =
+            kochab_client::conn::Conn::connect(server.addr, &admin, 4243, Duration::from_secs(5))
+                .await
+                .unwrap();
+        let call = |seq: u64, op: Op| {
+            let req = Request {
+                cred: Credentials::root(),
+                seq,
+                seq_floor: 0,
+                map_version: 0,
+                mode: Default::default(),
+                op,
+            };
+            let conn = conn.clone();
+            async move { conn.call(&req).await.expect("reply").without_dirs() }
+        };
+        let create = Op::Create {
+            parent: conn.root,
+            name: b"log".to_vec(),
+            mode: 0o644,
+            flags: 0o2 | 0o2000, // O_RDWR | O_APPEND
+            handle: 9,
+        };
+        assert!(matches!(call(1, create).await, Reply::Entry(_)));
+        let size = |r: Reply| match r {
+            Reply::Attr(a) => a.size,
+            other => panic!("{other:?}"),
+        };
+        let append = |data: &[u8]| Op::Write {
+            handle: 9,
+            offset: WRITE_AT_END,
+            data: data.to_vec(),
+        };
+        assert_eq!(size(call(2, append(b"one\n")).await), 4);
+        assert_eq!(
+            size(call(2, append(b"one\n")).await),
+            4,
+            "a retry appends nothing"
+        );
+        assert_eq!(size(call(3, append(b"two\n")).await), 8);
+        // A plain write still goes where it says.
+        let at = Op::Write {
+            handle: 9,
+            offset: 0,
+            data: b"ONE".to_vec(),
+        };
+        assert_eq!(size(call(0, at).await), 8);
+        let read = Op::Read {
+            handle: 9,
+            offset: 0,
+            len: 64,
+            atime: Default::default(),
+        };
+        match call(0, read).await {
+            Reply::Bytes(b) | Reply::ReadAtime(b) => assert_eq!(b, b"ONE\ntwo\n"),
+            other => panic!("{other:?}"),
+        }
+    });
+}

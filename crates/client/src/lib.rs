@@ -1294,11 +1294,24 @@ impl Client {
     /// EBADF: the handle is reopened there, with the same number and flags (never
     /// truncating or creating), and the operation tried once more.
     async fn with_handle(&self, cred: &Credentials, handle: u64, op: Op) -> FsResult<Reply> {
-        // Handle operations are idempotent: no sequence number, and the request (which may
-        // carry a MiB of data) is built once and reused for a retry.
+        self.with_handle_seq(cred, handle, op, 0).await
+    }
+
+    /// [`Client::with_handle`] for a request with a sequence number (an append, which the
+    /// server answers once per number).
+    async fn with_handle_seq(
+        &self,
+        cred: &Credentials,
+        handle: u64,
+        op: Op,
+        seq: u64,
+    ) -> FsResult<Reply> {
+        // Handle operations are idempotent (appends by their number): the request (which
+        // may carry a MiB of data) is built once and reused for a retry.
         debug_assert!(!op.needs_reply_cache());
         let target = self.target_of(&op);
         let mut req = plain_request(cred, op);
+        req.seq = seq;
         match self.send(&mut req, target).await {
             Err(e) if e.errno == Errno::EBADF => {
                 let known = self.inner.handles.lock().get(&handle).cloned();
@@ -1384,6 +1397,19 @@ impl Client {
             )
             .await?,
         )
+    }
+
+    /// Appends `data` at the end of the file as its server finds it (O_APPEND), with no
+    /// other write in between; returns the attributes after it (the size is where it
+    /// ended). A retry after a lost connection does not append twice.
+    pub async fn append(&self, cred: &Credentials, handle: u64, data: Vec<u8>) -> FsResult<Attr> {
+        let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        let op = Op::Write {
+            handle,
+            offset: kochab_proto::WRITE_AT_END,
+            data,
+        };
+        as_attr(self.with_handle_seq(cred, handle, op, seq).await?)
     }
 
     pub async fn fsync(&self, cred: &Credentials, handle: u64, datasync: bool) -> FsResult<()> {

@@ -1088,7 +1088,7 @@ impl Filesystem for KochabFs {
         offset: u64,
         data: &[u8],
         write_flags: WriteFlags,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
@@ -1097,8 +1097,13 @@ impl Filesystem for KochabFs {
         // Writeback of cached (e.g. mmap'ed) pages: the kernel waits for this reply to end
         // those pages' writeback, so dropping them first would wait for itself.
         let writeback = write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
+        // O_APPEND (as the descriptor is now, fcntl included): the kernel put the bytes at
+        // the end as it knows it, which another mount may have moved; the server appends
+        // at the real end instead (the kernel rereads the size after any write). Page
+        // writeback is never an append, whatever handle the kernel sends it through.
+        let append = !writeback && flags.0 & libc::O_APPEND != 0;
         let fs = &self.inner;
-        if !writeback && fs.may_buffer(fs.id(ino), fh.0) {
+        if !writeback && !append && fs.may_buffer(fs.id(ino), fh.0) {
             // The common case answers from this thread: no hand-off to the runtime.
             let cred = fs.groups.credentials(req.uid(), req.gid(), req.pid());
             match fs.wb.write_now(&cred, fs.id(ino), fh.0, offset, data) {
@@ -1110,7 +1115,7 @@ impl Filesystem for KochabFs {
         let data = data.to_vec();
         self.spawn(req, move |fs, cred| async move {
             let id = fs.id(ino);
-            if !writeback && fs.may_buffer(id, fh.0) {
+            if !writeback && !append && fs.may_buffer(id, fh.0) {
                 return match fs.wb.write(&cred, id, fh.0, offset, &data).await {
                     Ok(()) => reply.written(len),
                     Err(e) => reply.error(errno(&e)),
@@ -1119,7 +1124,12 @@ impl Filesystem for KochabFs {
             if let Err(e) = fs.wb.flush(id).await {
                 return reply.error(errno(&e));
             }
-            match fs.client.write(&cred, fh.0, offset, data).await {
+            let written = if append {
+                fs.client.append(&cred, fh.0, data).await
+            } else {
+                fs.client.write(&cred, fh.0, offset, data).await
+            };
+            match written {
                 Ok(a) => {
                     let killed =
                         a.mode & (kochab_proto::mode::S_ISUID | kochab_proto::mode::S_ISGID) == 0;

@@ -190,6 +190,9 @@ pub const OP_NAMES: [&str; 36] = [
 /// Bytes of a name, serialized compactly.
 pub type NameBuf = Vec<u8>;
 
+/// The offset of a [`Op::Write`] that appends.
+pub const WRITE_AT_END: u64 = u64::MAX;
+
 /// Every file-system operation a metadata server performs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Op {
@@ -321,6 +324,11 @@ pub enum Op {
         /// Whether the read updates the file's access time (the mount's atime option).
         atime: AtimeRule,
     },
+    /// Writes `data` at `offset`, or, at [`WRITE_AT_END`], at the end of the file as the
+    /// server finds it (O_APPEND: no other write runs in between, so appends of several
+    /// clients never overwrite each other); the reply's size says where it ended. Such an
+    /// append carries a `seq`, and a retry with the same one is answered from the handle's
+    /// last append instead of appending twice.
     Write {
         handle: u64,
         offset: u64,

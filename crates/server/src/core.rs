@@ -92,6 +92,9 @@ pub struct Core {
     /// Where to send a session's callbacks: its connections that asked for leases
     /// (connection number, frames for its writer).
     pub lease_conns: FxHashMap<u64, Vec<(u64, CallbackTx)>>,
+    /// The last append through each handle (client, handle -> its seq and reply): a retry
+    /// of it is answered from here, not appended twice. Soft, as the sessions are.
+    pub appended: FxHashMap<(u64, u64), (u64, kochab_proto::Attr)>,
     scratch: Vec<Mutation>,
 }
 
@@ -168,6 +171,7 @@ impl Core {
             leases: Leases::default(),
             callbacks: Callbacks::default(),
             lease_conns: FxHashMap::default(),
+            appended: FxHashMap::default(),
             scratch: Vec::with_capacity(16),
         }
     }

@@ -75,6 +75,7 @@ impl Shared {
                 core, client, req, *parent, name, *mode, *flags, *handle, now,
             ),
             Op::Close { handle } => {
+                core.appended.remove(&(client, *handle));
                 if let Some(of) = core.sessions.close(client, *handle) {
                     // The last close of an open file description: its OFD locks and its
                     // flock end with it. (A handle reopened here after its table arrived
@@ -220,6 +221,9 @@ impl Shared {
     /// the core lock, with other clients served in between.
     pub fn end_session(&self, core: &mut Core, client: u64) {
         core.locks.release_client(client);
+        if !core.appended.is_empty() {
+            core.appended.retain(|&(c, _), _| c != client);
+        }
         let mut queued = false;
         if let Some(handles) = core.sessions.end(client) {
             core.cleanup.push_back(Cleanup::Closes(handles));
@@ -395,7 +399,7 @@ async fn run_data_op(
             handle,
             offset,
             data: bytes,
-        } => write(shared, client, &req.cred, handle, offset, bytes).await,
+        } => write(shared, client, &req.cred, handle, (offset, req.seq), bytes).await,
         Op::Fsync { handle, .. } => {
             let of = shared
                 .core
@@ -453,12 +457,13 @@ fn end_within_limit(offset: u64, len: u64) -> Result<u64, FsError> {
         })
 }
 
+/// A write at `offset`, or an append (`WRITE_AT_END`, with the request's `seq`).
 async fn write(
     shared: &Arc<Shared>,
     client: u64,
     cred: &Credentials,
     handle: u64,
-    offset: u64,
+    (offset, seq): (u64, u64),
     bytes: Vec<u8>,
 ) -> Result<(Reply, u64), FsError> {
     let of = shared.handle(client, handle, true)?;
@@ -469,8 +474,20 @@ async fn write(
             bytes.len()
         ));
     }
+    let append = offset == WRITE_AT_END;
+    // An append finds the end and writes there alone: no other write of the file runs
+    // in between (so concurrent appends, from any client, each get their own bytes).
+    let (_file, file) = lock_file(shared, &of, append).await?;
+    if append && seq != 0 {
+        let core = shared.core.lock();
+        if let Some((done, attr)) = core.appended.get(&(client, handle))
+            && *done == seq
+        {
+            return Ok((Reply::Attr(attr.clone()), 0));
+        }
+    }
+    let offset = if append { file.size } else { offset };
     let end = end_within_limit(offset, bytes.len() as u64)?;
-    let (_file, file) = lock_file(shared, &of, false).await?;
     if !bytes.is_empty() {
         if !file.may_have_data {
             mark_data(shared, client, &of).await?;
@@ -491,6 +508,9 @@ async fn write(
             .write_done(cred, of.id, end, now_ns())
             .map_err(fail)?;
         shared.journal_now(&mut core, client, &muts);
+        if append && seq != 0 {
+            core.appended.insert((client, handle), (seq, attr.clone()));
+        }
         attr
     };
     Ok((Reply::Attr(attr), 0))
