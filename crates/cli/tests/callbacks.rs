@@ -50,14 +50,25 @@ fn set_xattr(p: &std::path::Path, name: &str, value: &[u8]) {
     assert_eq!(r, 0, "setxattr: {}", std::io::Error::last_os_error());
 }
 
+/// A server and two mounts of it under `dir` (`a`, `b`), their logs in `a.log` and
+/// `b.log` there if `logged`.
+fn two_mounts(dir: &std::path::Path, logged: bool) -> (ServerProc, MountProc, MountProc) {
+    let data = dir.join("data");
+    let server = ServerProc::start(&data, &[]);
+    let key = data.join("cluster.key");
+    let mount = |name: &str| {
+        let log = dir.join(format!("{name}.log"));
+        let log = logged.then_some(log.as_path());
+        MountProc::start_logged(server.addr, &key, &dir.join(name), &[], log)
+    };
+    let (a, b) = (mount("a"), mount("b"));
+    (server, a, b)
+}
+
 #[test]
 fn two_mounts_see_each_others_changes_at_once() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let data = tmp.path().join("data");
-    let server = ServerProc::start(&data, &[]);
-    let key = data.join("cluster.key");
-    let a = MountProc::start(server.addr, &key, &tmp.path().join("a"));
-    let b = MountProc::start(server.addr, &key, &tmp.path().join("b"));
+    let (_server, a, b) = two_mounts(tmp.path(), false);
     fs::create_dir(a.mnt.join("d")).expect("mkdir on a");
     let (da, db) = (a.mnt.join("d"), b.mnt.join("d"));
     for round in 0..20 {
@@ -195,24 +206,8 @@ fn a_mount_caches_names_and_absences_for_longer_than_a_second() {
 #[test]
 fn two_mounts_create_in_one_directory_without_waiting_on_each_other() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let data = tmp.path().join("data");
-    let server = ServerProc::start(&data, &[]);
-    let key = data.join("cluster.key");
+    let (_server, a, b) = two_mounts(tmp.path(), true);
     let logs = [tmp.path().join("a.log"), tmp.path().join("b.log")];
-    let a = MountProc::start_logged(
-        server.addr,
-        &key,
-        &tmp.path().join("a"),
-        &[],
-        Some(&logs[0]),
-    );
-    let b = MountProc::start_logged(
-        server.addr,
-        &key,
-        &tmp.path().join("b"),
-        &[],
-        Some(&logs[1]),
-    );
     fs::create_dir(a.mnt.join("shared")).expect("mkdir on a");
     let dirs = [a.mnt.join("shared"), b.mnt.join("shared")];
     const ROUNDS: usize = 200;
@@ -279,11 +274,7 @@ fn two_mounts_create_in_one_directory_without_waiting_on_each_other() {
 #[test]
 fn appends_from_two_mounts_at_once_all_survive() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let data = tmp.path().join("data");
-    let server = ServerProc::start(&data, &[]);
-    let key = data.join("cluster.key");
-    let a = MountProc::start(server.addr, &key, &tmp.path().join("a"));
-    let b = MountProc::start(server.addr, &key, &tmp.path().join("b"));
+    let (_server, a, b) = two_mounts(tmp.path(), false);
     fs::write(a.mnt.join("log"), b"").expect("create");
     const LINES: usize = 150;
     std::thread::scope(|s| {
