@@ -36,6 +36,15 @@ impl Rng {
     fn pick<'a, T>(&mut self, of: &'a [T]) -> &'a T {
         &of[self.below(of.len())]
     }
+    /// A name of one of the test's directories.
+    fn path(&mut self) -> String {
+        let (d, n) = (*self.pick(&DIRS), *self.pick(&NAMES));
+        if d.is_empty() {
+            n.to_string()
+        } else {
+            format!("{d}/{n}")
+        }
+    }
     fn bytes(&mut self, max: usize) -> Vec<u8> {
         let n = 1 + self.below(max);
         (0..n).map(|_| self.next() as u8).collect()
@@ -122,15 +131,7 @@ fn check(model: &BTreeMap<String, Node>, root: &Path, what: &str) {
 /// One random operation on `root`, applied to the model too: what it did (empty if the
 /// drawn operation made no sense there and was skipped).
 fn step(rng: &mut Rng, model: &mut BTreeMap<String, Node>, root: &Path) -> String {
-    let rel = {
-        let d = rng.pick(&DIRS);
-        let n = rng.pick(&NAMES);
-        if d.is_empty() {
-            n.to_string()
-        } else {
-            format!("{d}/{n}")
-        }
-    };
+    let rel = rng.path();
     if !matches!(model.get(parent(&rel)), Some(Node::Dir(_))) {
         return String::new();
     }
@@ -215,15 +216,7 @@ fn step(rng: &mut Rng, model: &mut BTreeMap<String, Node>, root: &Path) -> Strin
         }
         _ => {
             // rename src -> rel, over an empty directory or a non-directory of its kind
-            let src = {
-                let d = rng.pick(&DIRS);
-                let n = rng.pick(&NAMES);
-                if d.is_empty() {
-                    n.to_string()
-                } else {
-                    format!("{d}/{n}")
-                }
-            };
+            let src = rng.path();
             let movable = model.contains_key(&src)
                 && src != rel
                 && !DIRS.contains(&src.as_str())
