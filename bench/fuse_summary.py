@@ -103,7 +103,8 @@ if md:
             fg = foreign.get((fs, 'mdrate-' + mode))
             print(f"  {mode:6} {fs:8} " + " | ".join(cells) + (f"  foreign% {fg}" if fg else ""))
     for k_fs in ('kochab', 'kochab_nofsync'):
-        for base, target in (('moosefs', 5.0), ('bindfs', 1.0), ('ext4', None), ('ext4j', None),
+        # Issue 10's targets: >= 3x MooseFS and >= bindfs on each phase.
+        for base, target in (('moosefs', 3.0), ('bindfs', 1.0), ('ext4', None), ('ext4j', None),
                              ('kochab_base', None), ('kochab_dirsync', None), ('kochab_sync', None)):
             if k_fs not in fss or base not in fss or k_fs == base:
                 continue
@@ -131,7 +132,8 @@ if fsm:
                   f"{[round(x['unlink_per_sec']) for x in v]})"
                   + (f"  foreign% {foreign[(fs, 'fsmark-' + mode)]}" if (fs, 'fsmark-' + mode) in foreign else ""))
     for k_fs in ('kochab', 'kochab_nofsync'):
-        for base, target in (('ext4', 1 / 3), ('ext4j', 1 / 3), ('moosefs', 5.0), ('kochab_base', 1.0)):
+        # Issue 10's target is a third of ext4; MooseFS is shown without one.
+        for base, target in (('ext4', 1 / 3), ('ext4j', 1 / 3), ('moosefs', None), ('kochab_base', 1.0)):
             if k_fs not in fss or base not in fss:
                 continue
             cells = []
@@ -141,9 +143,10 @@ if fsm:
                 ku = med([x['unlink_per_sec'] for x in fsm.get((k_fs, mode), [])])
                 bu = med([x['unlink_per_sec'] for x in fsm.get((base, mode), [])])
                 q = ratio(k, b)
-                cells.append(f"{mode} files/s {q:.3f}x ({'ok' if q >= target else 'SHORT'})"
-                             f", unlink {ratio(ku, bu):.3f}x")
-            print(f"  ratio {k_fs}/{base} (target >= {target:.3g}x): " + " | ".join(cells))
+                mark = '' if target is None else f" ({'ok' if q >= target else 'SHORT'})"
+                cells.append(f"{mode} files/s {q:.3f}x{mark}, unlink {ratio(ku, bu):.3f}x")
+            goal = '' if target is None else f" (target >= {target:.3g}x)"
+            print(f"  ratio {k_fs}/{base}{goal}: " + " | ".join(cells))
 
 if dd:
     print("\n== dd 1 MiB blocks: write (conv=fsync) / read after drop_caches, MB/s (1e6 bytes/s), "
