@@ -255,6 +255,13 @@ pub trait Kernel {
     fn ino(&self, id: InodeId) -> u64;
     fn inval_entry(&self, parent: u64, name: &[u8]);
     fn inval_inode(&self, ino: u64);
+    /// Drops an inode's cached attributes only (never waits: no page is touched).
+    fn inval_attrs(&self, ino: u64);
+    /// Drops an inode's cached pages soon, on another thread: the page locks it needs may
+    /// be held by a read of this mount whose reply waits for another mount's callback
+    /// answer. Buffered reads do not wait for it: the attributes are gone, and the kernel
+    /// drops the pages itself when it rereads them and finds a new mtime or size.
+    fn drop_pages_later(&self, ino: u64);
     /// Makes every entry the kernel caches stale without taking a lock; false if the
     /// kernel cannot.
     fn inc_epoch(&self) -> bool;
@@ -283,7 +290,9 @@ pub fn drop_cached(k: &impl Kernel, names: &HandedNames, list: &[Invalidation]) 
             }
             Invalidation::Inode { id } => {
                 k.forget_dir_attr(Some(*id));
-                k.inval_inode(k.ino(*id));
+                let ino = k.ino(*id);
+                k.inval_attrs(ino);
+                k.drop_pages_later(ino);
             }
             Invalidation::Names { dir } => {
                 k.forget_dir_attr(Some(*dir));
@@ -325,6 +334,12 @@ mod tests {
         }
         fn inval_inode(&self, ino: u64) {
             self.0.borrow_mut().push(format!("inode {ino}"));
+        }
+        fn inval_attrs(&self, ino: u64) {
+            self.0.borrow_mut().push(format!("attrs {ino}"));
+        }
+        fn drop_pages_later(&self, ino: u64) {
+            self.0.borrow_mut().push(format!("pages {ino}"));
         }
         fn inc_epoch(&self) -> bool {
             if !self.1 {

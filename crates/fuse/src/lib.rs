@@ -39,7 +39,7 @@ use kochab_proto::{
     TimeSet,
 };
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -115,6 +115,8 @@ struct Inner {
     privileged: Mutex<rustc_hash::FxHashSet<InodeId>>,
     /// Sends invalidations to the kernel (set once the session is mounted).
     notifier: std::sync::OnceLock<fuser::Notifier>,
+    /// The thread that drops inodes' cached pages for callbacks (see `coherence::Kernel`).
+    page_dropper: std::sync::OnceLock<std::sync::mpsc::Sender<u64>>,
     groups: GroupCache,
     /// Waiting lock requests, which a signal to their caller interrupts.
     interrupts: Interrupts,
@@ -269,6 +271,7 @@ impl KochabFs {
             seen_at_open: Mutex::new(FxHashMap::default()),
             locked: Mutex::new(Default::default()),
             notifier: std::sync::OnceLock::new(),
+            page_dropper: std::sync::OnceLock::new(),
             privileged: Mutex::new(Default::default()),
             groups: GroupCache::default(),
             interrupts: Interrupts::default(),
@@ -344,6 +347,27 @@ impl KochabFs {
 /// Starts the thread that drops what callbacks revoke, and has the client hand callbacks
 /// to it (see `coherence`).
 fn start_callbacks(inner: &Arc<Inner>) {
+    let (pages, inos) = std::sync::mpsc::channel::<u64>();
+    let weak = Arc::downgrade(inner);
+    let dropper = std::thread::Builder::new()
+        .name("kochab-pages".into())
+        .spawn(move || {
+            while let Ok(first) = inos.recv() {
+                let mut todo: FxHashSet<u64> = std::iter::once(first).collect();
+                todo.extend(inos.try_iter());
+                let Some(inner) = weak.upgrade() else {
+                    return;
+                };
+                if let Some(n) = inner.notifier.get() {
+                    for ino in todo {
+                        let _ = n.inval_inode(INodeNo(ino), 0, 0);
+                    }
+                }
+            }
+        });
+    if dropper.is_ok() {
+        let _ = inner.page_dropper.set(pages);
+    }
     let (tx, rx) = std::sync::mpsc::channel::<coherence::Work>();
     let weak = Arc::downgrade(inner);
     let spawned = std::thread::Builder::new()
@@ -388,6 +412,19 @@ impl coherence::Kernel for Inner {
     fn inval_inode(&self, ino: u64) {
         if let Some(n) = self.notifier.get() {
             let _ = n.inval_inode(INodeNo(ino), 0, 0);
+        }
+    }
+
+    fn inval_attrs(&self, ino: u64) {
+        if let Some(n) = self.notifier.get() {
+            let _ = n.inval_inode(INodeNo(ino), -1, 0);
+        }
+    }
+
+    fn drop_pages_later(&self, ino: u64) {
+        let queued = self.page_dropper.get().is_some_and(|t| t.send(ino).is_ok());
+        if !queued {
+            self.inval_inode(ino);
         }
     }
 
