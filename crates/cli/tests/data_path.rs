@@ -378,12 +378,8 @@ fn an_append_is_placed_by_the_server_and_runs_once_per_sequence_number() {
                 .unwrap();
         let call = |seq: u64, op: Op| {
             let req = Request {
-                cred: Credentials::root(),
                 seq,
-                seq_floor: 0,
-                map_version: 0,
-                mode: Default::default(),
-                op,
+                ..Request::plain(&Credentials::root(), op)
             };
             let conn = conn.clone();
             async move { conn.call(&req).await.expect("reply").without_dirs() }

@@ -317,17 +317,6 @@ impl From<SingleError> for FsError {
     }
 }
 
-fn plain_request(cred: &Credentials, op: Op) -> Request {
-    Request {
-        cred: cred.clone(),
-        seq: 0,
-        seq_floor: 0,
-        map_version: 0,
-        mode: Default::default(),
-        op,
-    }
-}
-
 /// Looks at lost server processes and replays what they answered early, whenever a
 /// connection with kept requests is lost (and again every `REPLAY_RETRY` while some
 /// cannot be replayed yet); ends with the client.
@@ -388,7 +377,7 @@ impl Client {
         };
         let probe = tokio::time::timeout(
             config.request_timeout,
-            conn.call(&plain_request(&Credentials::root(), Op::GetMap)),
+            conn.call(&Request::plain(&Credentials::root(), Op::GetMap)),
         )
         .await;
         let served = match probe {
@@ -572,7 +561,7 @@ impl Client {
         target: InodeId,
     ) -> FsResult<(Reply, Arc<str>)> {
         if !op.needs_reply_cache() {
-            return self.send(&mut plain_request(cred, op), target).await;
+            return self.send(&mut Request::plain(cred, op), target).await;
         }
         let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
         let seq_floor = {
@@ -632,7 +621,7 @@ impl Client {
     /// Asks the single server for a map; with one, switches to routing by it.
     async fn learn_map(&self, addr: &Arc<str>) -> bool {
         let Outcome::Reply(Reply::Map(m)) = self
-            .attempt(addr, &plain_request(&Credentials::root(), Op::GetMap))
+            .attempt(addr, &Request::plain(&Credentials::root(), Op::GetMap))
             .await
         else {
             return false;
@@ -809,7 +798,7 @@ impl Client {
     /// Asks `entry` for the delegation map and caches it if newer.
     async fn fetch_map(&self, entry: &Arc<str>) -> Result<(), Outcome> {
         match self
-            .attempt(entry, &plain_request(&Credentials::root(), Op::GetMap))
+            .attempt(entry, &Request::plain(&Credentials::root(), Op::GetMap))
             .await
         {
             Outcome::Reply(Reply::Map(m)) => {
@@ -1192,7 +1181,7 @@ impl Client {
     /// The status of the server this client connected to (its first entry address that
     /// answered), also when it routes by a map.
     pub async fn status(&self) -> FsResult<StatusReport> {
-        let req = plain_request(&Credentials::root(), Op::Status);
+        let req = Request::plain(&Credentials::root(), Op::Status);
         match self
             .send_single(&self.inner.home, &req, self.root())
             .await
@@ -1282,7 +1271,7 @@ impl Client {
             if Some(addr) != answered.as_ref() {
                 // Best effort: a server that is gone has dropped the handle anyway.
                 let _ = self
-                    .attempt(addr, &plain_request(cred, Op::Close { handle }))
+                    .attempt(addr, &Request::plain(cred, Op::Close { handle }))
                     .await;
             }
         }
@@ -1310,7 +1299,7 @@ impl Client {
         // may carry a MiB of data) is built once and reused for a retry.
         debug_assert!(!op.needs_reply_cache());
         let target = self.target_of(&op);
-        let mut req = plain_request(cred, op);
+        let mut req = Request::plain(cred, op);
         req.seq = seq;
         match self.send(&mut req, target).await {
             Err(e) if e.errno == Errno::EBADF => {
@@ -1477,7 +1466,7 @@ impl Client {
         }
         let mut first_err = None;
         for addr in self.inner.pool.sessions() {
-            let req = plain_request(&Credentials::root(), Op::EndSession);
+            let req = Request::plain(&Credentials::root(), Op::EndSession);
             let err = match self.attempt(&addr, &req).await {
                 // A server that is gone keeps no session (it expires, or went with it).
                 Outcome::Reply(_) | Outcome::WrongServer { .. } | Outcome::Unreachable(_) => {
@@ -1562,7 +1551,7 @@ impl Client {
                     let early = &self.inner.early;
                     early.log.lock().durable(inc, conn.durable_lsn);
                     let upto = early.log.lock().order_now();
-                    let sync = plain_request(&Credentials::root(), Op::StatFs);
+                    let sync = Request::plain(&Credentials::root(), Op::StatFs);
                     let timeout = self.inner.config.request_timeout;
                     match tokio::time::timeout(timeout, conn.call(&sync)).await {
                         Ok(Ok(_)) => {
@@ -1662,7 +1651,7 @@ impl Client {
     }
 
     pub async fn fsck(&self) -> FsResult<Vec<String>> {
-        let req = plain_request(&Credentials::root(), Op::Fsck);
+        let req = Request::plain(&Credentials::root(), Op::Fsck);
         match self
             .send_single(&self.inner.home, &req, self.root())
             .await

@@ -74,10 +74,12 @@ impl DirNames {
         self.handed.is_empty() && self.busy.is_empty() && self.listings == 0
     }
 
-    /// Names the kernel may hold or be handed: all of them, for a drop of everything.
-    fn all(self) -> impl Iterator<Item = Vec<u8>> {
-        let busy = self.busy.into_keys();
-        self.handed.into_keys().chain(busy)
+    /// Takes the names the kernel may hold or be handed (the handed ones are forgotten;
+    /// requests in flight stay registered), for a drop of the whole directory.
+    fn take(&mut self) -> Vec<Vec<u8>> {
+        let mut out: Vec<Vec<u8>> = self.handed.drain().map(|(n, _)| n).collect();
+        out.extend(self.busy.keys().cloned());
+        out
     }
 }
 
@@ -197,15 +199,11 @@ impl HandedNames {
         let Some(dir) = names.get_mut(&parent) else {
             return Vec::new();
         };
-        let taken = DirNames {
-            handed: std::mem::take(&mut dir.handed),
-            busy: dir.busy.clone(),
-            listings: 0,
-        };
+        let taken = dir.take();
         if dir.is_empty() {
             names.remove(&parent);
         }
-        taken.all().collect()
+        taken
     }
 
     /// Takes every name the kernel may hold.
@@ -214,12 +212,7 @@ impl HandedNames {
         let names = &mut names.dirs;
         let mut out = Vec::new();
         for (&parent, dir) in names.iter_mut() {
-            let taken = DirNames {
-                handed: std::mem::take(&mut dir.handed),
-                busy: dir.busy.clone(),
-                listings: 0,
-            };
-            out.extend(taken.all().map(|n| (parent, n)));
+            out.extend(dir.take().into_iter().map(|n| (parent, n)));
         }
         names.retain(|_, d| !d.is_empty());
         out

@@ -129,6 +129,21 @@ pub struct Request {
     pub op: Op,
 }
 
+impl Request {
+    /// A request with no sequence number (not answered from the reply cache), routed by
+    /// no map version yet, with durable replies.
+    pub fn plain(cred: &Credentials, op: Op) -> Request {
+        Request {
+            cred: cred.clone(),
+            seq: 0,
+            seq_floor: 0,
+            map_version: 0,
+            mode: ReplyMode::default(),
+            op,
+        }
+    }
+}
+
 /// When a server may answer a request that changes something (the mount's contract in
 /// docs/ARCHITECTURE.md, "Early replies").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

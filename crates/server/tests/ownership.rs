@@ -23,12 +23,8 @@ fn config(dir: &Path) -> ServerConfig {
 /// `None` if it never may (the journal failed).
 fn run(shared: &Shared, client: u64, seq: u64, op: Op) -> Option<Reply> {
     let req = Request {
-        cred: Credentials::root(),
         seq,
-        seq_floor: 0,
-        map_version: 0,
-        mode: Default::default(),
-        op,
+        ..Request::plain(&Credentials::root(), op)
     };
     let mut replies = Vec::new();
     shared.execute_batch(client, &[(1, req)], &mut replies);
