@@ -311,3 +311,67 @@ fn appends_from_two_mounts_at_once_all_survive() {
         assert_eq!(lines, want, "lines on {}", mnt.display());
     }
 }
+
+/// A mount holds small writes back (write-behind); another mount must still see the exact
+/// size and bytes at once, and its truncations and appends land after what was held back.
+#[test]
+fn another_mount_sees_writes_held_back_at_once() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (_server, a, b) = two_mounts(tmp.path(), true);
+    let (fa, fb) = (a.mnt.join("f"), b.mnt.join("f"));
+    fs::write(&fa, b"").expect("create on a");
+    // b caches the empty file's attributes (a lease) before a opens it for writing.
+    assert_eq!(fs::metadata(&fb).expect("stat on b").len(), 0);
+    let mut w = fs::OpenOptions::new()
+        .write(true)
+        .open(&fa)
+        .expect("open on a");
+    let mut want = Vec::new();
+    for round in 0..100u32 {
+        let chunk = vec![b'a' + (round % 26) as u8; 1 + (round as usize * 37) % 5000];
+        w.write_all(&chunk).expect("write on a");
+        want.extend_from_slice(&chunk);
+        assert_eq!(
+            fs::metadata(&fb).expect("stat on b").len(),
+            want.len() as u64,
+            "round {round}: size on b while a holds the file open"
+        );
+        if round % 10 == 0 {
+            assert!(
+                fs::read(&fb).expect("read on b") == want,
+                "round {round}: bytes"
+            );
+        }
+    }
+    // A truncation on b lands after a's writes, held back or not.
+    w.write_all(&[b'z'; 3000]).expect("write on a");
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&fb)
+        .and_then(|f| f.set_len(10))
+        .expect("truncate on b");
+    drop(w);
+    assert_eq!(fs::read(&fa).expect("read on a"), &want[..10]);
+    // So does an append on b: after a's bytes, not under them.
+    let mut w = fs::OpenOptions::new()
+        .write(true)
+        .open(&fa)
+        .expect("open on a");
+    w.write_all(&[b'x'; 1000]).expect("write on a");
+    let mut app = fs::OpenOptions::new()
+        .append(true)
+        .open(&fb)
+        .expect("open on b");
+    app.write_all(b"tail").expect("append on b");
+    drop((w, app));
+    let mut expect = vec![b'x'; 1000];
+    expect.extend_from_slice(b"tail");
+    assert!(
+        fs::read(&fb).expect("read on b") == expect,
+        "append after held bytes"
+    );
+    for log in ["a.log", "b.log"] {
+        let text = fs::read_to_string(tmp.path().join(log)).expect("log");
+        assert!(!text.contains("callback answered before"), "{log}: {text}");
+    }
+}

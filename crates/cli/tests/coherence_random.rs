@@ -2,7 +2,9 @@
 //! each one the *other* mount must show exactly what a model says (no sleep in between:
 //! the callbacks make it so, docs/ARCHITECTURE.md "Coherent caching between mounts").
 //! Both mounts look up names that do not exist yet, so negative entries are cached on
-//! both and must be dropped. Seeds are fixed: a failure names its seed and step.
+//! both and must be dropped. Files are also written through descriptors kept open across
+//! steps (the writer's mount holds such writes back). Seeds are fixed: a failure names its
+//! seed and step.
 
 mod common;
 
@@ -128,9 +130,19 @@ fn check(model: &BTreeMap<String, Node>, root: &Path, what: &str) {
     }
 }
 
+/// Files a side keeps open for writing between steps (its mount may hold their writes
+/// back), by path; both sides close theirs at any step that moves or removes names.
+type Held = BTreeMap<String, fs::File>;
+
 /// One random operation on `root`, applied to the model too: what it did (empty if the
 /// drawn operation made no sense there and was skipped).
-fn step(rng: &mut Rng, model: &mut BTreeMap<String, Node>, root: &Path) -> String {
+fn step(
+    rng: &mut Rng,
+    model: &mut BTreeMap<String, Node>,
+    root: &Path,
+    held: &mut [Held; 2],
+    side: usize,
+) -> String {
     let rel = rng.path();
     if !matches!(model.get(parent(&rel)), Some(Node::Dir(_))) {
         return String::new();
@@ -139,9 +151,31 @@ fn step(rng: &mut Rng, model: &mut BTreeMap<String, Node>, root: &Path) -> Strin
     let is_dir = |m: &BTreeMap<String, Node>, k: &str| matches!(m.get(k), Some(Node::Dir(_)));
     let op = *rng.pick(&[
         "write", "write", "append", "truncate", "unlink", "rename", "rename", "mkdir", "rmdir",
-        "chmod", "symlink",
+        "chmod", "symlink", "pwrite", "pwrite",
     ]);
+    if matches!(op, "unlink" | "rename" | "rmdir" | "mkdir" | "symlink") {
+        held.iter_mut().for_each(Held::clear);
+    }
+    let held = &mut held[side];
     match op {
+        "pwrite" => {
+            // Through a descriptor kept open: small writes the mount may hold back.
+            let Some(Node::File(data, _)) = model.get_mut(&rel) else {
+                return String::new();
+            };
+            if !held.contains_key(&rel) {
+                let f = fs::OpenOptions::new().write(true).open(&p).expect("open");
+                held.insert(rel.clone(), f);
+            }
+            let at = rng.below(data.len() + 50);
+            let more = rng.bytes(2000);
+            let f = held.get(&rel).expect("held");
+            std::os::unix::fs::FileExt::write_all_at(f, &more, at as u64).expect("pwrite");
+            if data.len() < at + more.len() {
+                data.resize(at + more.len(), 0);
+            }
+            data[at..at + more.len()].copy_from_slice(&more);
+        }
         "write" => {
             if matches!(model.get(&rel), Some(Node::Dir(_) | Node::Link(_))) {
                 return String::new();
@@ -266,9 +300,10 @@ fn random_operations_on_two_mounts_are_seen_on_the_other_at_once() {
             model.insert(d.to_string(), Node::Dir(0o755));
         }
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ seed);
+        let mut held = [Held::new(), Held::new()];
         for n in 0..800 {
             let side = rng.below(2);
-            let done = step(&mut rng, &mut model, &roots[side]);
+            let done = step(&mut rng, &mut model, &roots[side], &mut held, side);
             if done.is_empty() {
                 continue;
             }

@@ -27,6 +27,11 @@ const SEND_QUEUE: usize = 4096;
 /// to this long.
 pub const CALLBACK_ANSWER_MAX: Duration = Duration::from_millis(200);
 
+/// Longest a flush callback waits for the client's held-back writes to reach the servers
+/// before it is answered anyway (the server waits a lease at most; no lock of the kernel
+/// is in the way, so this bounds only a stuck send).
+pub const FLUSH_ANSWER_MAX: Duration = Duration::from_secs(30);
+
 /// Callbacks answered by `CALLBACK_ANSWER_MAX` rather than by the drop they asked for.
 static LATE_CALLBACKS: AtomicU64 = AtomicU64::new(0);
 
@@ -428,13 +433,18 @@ async fn read_loop(
                     let (tx, rx) = oneshot::channel();
                     let answers = notes.answers.clone();
                     let id = f.request_id;
+                    let bound = if list.iter().any(|i| matches!(i, Invalidation::Flush { .. })) {
+                        FLUSH_ANSWER_MAX
+                    } else {
+                        CALLBACK_ANSWER_MAX
+                    };
                     tokio::spawn(async move {
-                        if tokio::time::timeout(CALLBACK_ANSWER_MAX, rx).await.is_err() {
+                        if tokio::time::timeout(bound, rx).await.is_err() {
                             let n = LATE_CALLBACKS.fetch_add(1, Ordering::Relaxed);
                             if n.is_power_of_two() || n == 0 {
                                 tracing::warn!(
-                                    "callback answered before its cache was dropped (after \
-                                     {CALLBACK_ANSWER_MAX:?}; {} so far)",
+                                    "callback answered before its cache was dropped or its \
+                                     writes sent (after {bound:?}; {} so far)",
                                     n + 1
                                 );
                             }

@@ -35,8 +35,8 @@ use fuser::{
 use interrupts::Interrupts;
 use kochab_client::Client;
 use kochab_proto::{
-    AtimeRule, Attr, Credentials, FileKind, FsError, InodeId, LockKind, LockSpec, SetAttrs, TimeNs,
-    TimeSet,
+    AtimeRule, Attr, Credentials, FileKind, FsError, InodeId, Invalidation, LockKind, LockSpec,
+    SetAttrs, TimeNs, TimeSet,
 };
 use parking_lot::Mutex;
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -387,11 +387,46 @@ fn start_callbacks(inner: &Arc<Inner>) {
         Ok(_) => {
             let tx = Mutex::new(tx);
             let weak = Arc::downgrade(inner);
-            inner.client.on_callback(Arc::new(move |list, answer| {
-                if let Some(inner) = weak.upgrade() {
-                    inner.not_bare(&list);
+            inner.client.on_callback(Arc::new(move |mut list, answer| {
+                let Some(inner) = weak.upgrade() else {
+                    return;
+                };
+                inner.not_bare(&list);
+                if list.contains(&Invalidation::Everything) {
+                    // A lost connection: its server forgot which writers it called back.
+                    let (wb, through) = (inner.wb.clone(), inner.lease * 2);
+                    inner
+                        .rt
+                        .spawn(async move { wb.called_back(None, through).await });
                 }
-                let _ = tx.lock().send((list, answer));
+                let flushes: Vec<(InodeId, u64)> = list
+                    .iter()
+                    .filter_map(|i| match *i {
+                        Invalidation::Flush {
+                            id,
+                            write_through_ms,
+                        } => Some((id, write_through_ms)),
+                        _ => None,
+                    })
+                    .collect();
+                if flushes.is_empty() {
+                    let _ = tx.lock().send((list, answer));
+                    return;
+                }
+                // Answered once what this mount held back of the files reached the servers.
+                list.retain(|i| !matches!(i, Invalidation::Flush { .. }));
+                let tx = tx.lock().clone();
+                let wb = inner.wb.clone();
+                inner.rt.spawn(async move {
+                    for (id, ms) in flushes {
+                        wb.called_back(Some(id), Duration::from_millis(ms)).await;
+                    }
+                    if list.is_empty() {
+                        drop(answer);
+                    } else {
+                        let _ = tx.send((list, answer));
+                    }
+                });
             }));
         }
         Err(e) => tracing::error!("no callback thread ({e}): the kernel caches by TTL only"),
@@ -548,14 +583,14 @@ impl Inner {
     }
 
     /// Forgets the files callbacks name: another client may have given them attributes.
-    fn not_bare(&self, list: &[kochab_proto::Invalidation]) {
+    fn not_bare(&self, list: &[Invalidation]) {
         let mut bare = self.bare.lock();
         for what in list {
             match what {
-                kochab_proto::Invalidation::Inode { id } => {
+                Invalidation::Inode { id } => {
                     bare.remove(id);
                 }
-                kochab_proto::Invalidation::Everything => bare.clear(),
+                Invalidation::Everything => bare.clear(),
                 _ => {}
             }
         }
@@ -1153,10 +1188,11 @@ impl Filesystem for KochabFs {
         self.spawn(req, move |fs, cred| async move {
             let id = fs.id(ino);
             if !writeback && !append && fs.may_buffer(id, fh.0) {
-                return match fs.wb.write(&cred, id, fh.0, offset, &data).await {
-                    Ok(()) => reply.written(len),
-                    Err(e) => reply.error(errno(&e)),
-                };
+                match fs.wb.write(&cred, id, fh.0, offset, &data).await {
+                    Some(Ok(())) => return reply.written(len),
+                    Some(Err(e)) => return reply.error(errno(&e)),
+                    None => {}
+                }
             }
             if let Err(e) = fs.wb.flush(id).await {
                 return reply.error(errno(&e));

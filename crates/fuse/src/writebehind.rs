@@ -13,12 +13,19 @@
 //! Only the simple, common case is buffered: one open handle of the inode on this mount,
 //! not O_APPEND, no setuid/setgid bits (see `Inner::may_buffer`); anything else first
 //! sends what is buffered and then writes through as before.
+//!
+//! Other mounts see exact sizes and data too: before another client reads, stats,
+//! truncates or appends to a file this mount has open for writing, the server calls it
+//! back (a `Flush` callback); the mount sends what it holds of the file and then writes
+//! it through for as long as the callback says ([`WriteBehind::called_back`]), so every
+//! change reaches the server, which calls back the other clients' caches.
 
 use kochab_client::Client;
 use kochab_proto::{Credentials, FsError, InodeId};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Bytes gathered before they are sent as one request.
 pub const CHUNK: usize = 1 << 20;
@@ -47,6 +54,10 @@ pub struct WriteBehind {
     inodes: Mutex<FxHashMap<InodeId, Pending>>,
     /// Woken when a send ends.
     sent: tokio::sync::Notify,
+    /// Until when writes of an inode (of any, for `None`) go through: promised to the
+    /// server by a flush callback, or after a lost connection (whose server forgot whom
+    /// it told what).
+    through: Mutex<(FxHashMap<InodeId, Instant>, Option<Instant>)>,
 }
 
 /// A request to start: (handle, credentials, offset, bytes).
@@ -59,7 +70,48 @@ impl WriteBehind {
             rt,
             inodes: Mutex::new(FxHashMap::default()),
             sent: tokio::sync::Notify::new(),
+            through: Mutex::new((FxHashMap::default(), None)),
         })
+    }
+
+    /// False while writes of `id` must go through (see [`WriteBehind::called_back`]).
+    pub fn may_hold(&self, id: InodeId) -> bool {
+        let through = self.through.lock();
+        let now = Instant::now();
+        through.1.is_none_or(|t| t <= now) && through.0.get(&id).is_none_or(|&t| t <= now)
+    }
+
+    /// A flush callback: from now on, for `write_through`, writes of `id` (of every
+    /// inode, for `None`) go through; returns once what was held back has reached the
+    /// servers (its error, if any, stays for the writer's next write, fsync or close).
+    pub async fn called_back(self: &Arc<Self>, id: Option<InodeId>, write_through: Duration) {
+        let until = Instant::now() + write_through;
+        {
+            // Under the buffers' lock: a write held back before this is sent below, and
+            // none is held back after it.
+            let _inodes = self.inodes.lock();
+            let mut through = self.through.lock();
+            let now = Instant::now();
+            if through.0.len() >= 1 << 16 {
+                through.0.retain(|_, t| *t > now);
+            }
+            match id {
+                Some(id) => {
+                    let t = through.0.entry(id).or_insert(until);
+                    *t = (*t).max(until);
+                }
+                None => through.1 = Some(through.1.map_or(until, |t| t.max(until))),
+            }
+        }
+        match id {
+            Some(id) => self.settle(id).await,
+            None => {
+                let ids: Vec<InodeId> = self.inodes.lock().keys().copied().collect();
+                for id in ids {
+                    self.settle(id).await;
+                }
+            }
+        }
     }
 
     /// True if bytes of `id` are buffered or in flight (cheap: for the paths that must
@@ -70,7 +122,8 @@ impl WriteBehind {
 
     /// [`WriteBehind::write`] without waiting, for the FUSE request thread (no hand-off to
     /// the runtime for the common write): `None` if the write would have to wait (it is
-    /// not next to the buffered bytes, or too much is in flight); then nothing changed.
+    /// not next to the buffered bytes, or too much is in flight) or must go through; then
+    /// nothing changed.
     pub fn write_now(
         self: &Arc<Self>,
         cred: &Credentials,
@@ -81,6 +134,9 @@ impl WriteBehind {
     ) -> Option<Result<(), FsError>> {
         let send = {
             let mut inodes = self.inodes.lock();
+            if !self.may_hold(id) {
+                return None;
+            }
             let p = inodes.entry(id).or_insert_with(|| Pending {
                 handle,
                 cred: cred.clone(),
@@ -116,7 +172,8 @@ impl WriteBehind {
     /// Buffers `data` written at `offset` through `handle`; sends a full chunk. Waits
     /// when [`WriteBehind::write_now`] cannot take it: the buffered bytes are sent first
     /// when these are not next to them, else a request in flight must end. `Err`: an
-    /// earlier send of the inode failed (reported once).
+    /// earlier send of the inode failed (reported once). `None`: the write must go
+    /// through (a flush callback asked so); nothing was buffered.
     pub async fn write(
         self: &Arc<Self>,
         cred: &Credentials,
@@ -124,10 +181,13 @@ impl WriteBehind {
         handle: u64,
         offset: u64,
         data: &[u8],
-    ) -> Result<(), FsError> {
+    ) -> Option<Result<(), FsError>> {
         loop {
+            if !self.may_hold(id) {
+                return None;
+            }
             if let Some(done) = self.write_now(cred, id, handle, offset, data) {
-                return done;
+                return Some(done);
             }
             let adjacent = self
                 .inodes
@@ -136,8 +196,8 @@ impl WriteBehind {
                 .is_some_and(|p| p.handle == handle && p.start + p.buf.len() as u64 == offset);
             if adjacent {
                 self.wait_sent(id).await;
-            } else {
-                self.flush(id).await?;
+            } else if let Err(e) = self.flush(id).await {
+                return Some(Err(e));
             }
         }
     }

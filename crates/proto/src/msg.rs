@@ -109,6 +109,11 @@ pub enum Invalidation {
     /// Everything the client caches. The client library hands this to its callback handler
     /// when a connection that held leases ends (the server forgets them then).
     Everything,
+    /// Not a drop: send the writes of inode `id` held back in the client (write-behind)
+    /// and write through, holding nothing back, for `write_through_ms` from now. Another
+    /// client is about to see the file's size or data (docs/ARCHITECTURE.md, "Coherent
+    /// caching between mounts"). A callback frame carries these only, never with drops.
+    Flush { id: InodeId, write_through_ms: u64 },
 }
 
 /// One request. `seq` is non-zero for operations that must not run twice: a retry carries

@@ -16,7 +16,7 @@
 //!   operation using the borrow returns them (RETURN).
 
 use crate::checkpoint::read_manifest_by_id;
-use crate::core::{Core, Shared};
+use crate::core::{Core, Parked, Shared};
 use kochab_cluster::participant::{Action, Admit, Participant, ParticipantConfig, SplitOutcome};
 use kochab_cluster::state::CoordState;
 use kochab_coord::{ClientConfig, CoordClient};
@@ -801,7 +801,33 @@ impl ClusterHost {
 /// plan could not see (behind a directory that was not here), the borrow is let go first
 /// and a bigger one taken: a server never waits for a borrow while holding one, so
 /// borrows cannot deadlock.
-pub async fn borrowed_op(
+/// Runs a request [`Shared::execute_batch`] parked, once what it waits for is there.
+pub async fn parked_op(
+    shared: Arc<Shared>,
+    client: u64,
+    rid: u64,
+    req: Request,
+    mut why: Parked,
+) -> (Reply, u64) {
+    loop {
+        let ids = match why {
+            Parked::Borrow(tables) => return borrowed_op(shared, client, rid, req, tables).await,
+            Parked::Flush(ids) => ids,
+        };
+        shared.wait_answered(&ids).await;
+        let mut replies = Vec::with_capacity(1);
+        let parked = shared.execute_batch(client, &[(rid, req.clone())], &mut replies);
+        if let Some((_, reply, lsn)) = replies.pop() {
+            return (reply, lsn);
+        }
+        match parked.into_iter().next() {
+            Some((_, p)) => why = p,
+            None => return (Reply::Error(fs_err!(EIO, "a parked request vanished")), 0),
+        }
+    }
+}
+
+async fn borrowed_op(
     shared: Arc<Shared>,
     client: u64,
     rid: u64,
@@ -844,12 +870,23 @@ pub async fn borrowed_op(
             return (reply, lsn);
         }
         let before = tables.len();
-        for t in parked.into_iter().flat_map(|(_, more)| more) {
-            if !tables.contains(&t) {
-                tables.push(t);
+        let mut flushed = false;
+        for (_, why) in parked {
+            match why {
+                Parked::Borrow(more) => {
+                    for t in more {
+                        if !tables.contains(&t) {
+                            tables.push(t);
+                        }
+                    }
+                }
+                Parked::Flush(ids) => {
+                    shared.wait_answered(&ids).await;
+                    flushed = true;
+                }
             }
         }
-        if tables.len() == before {
+        if tables.len() == before && !flushed {
             // Granted, yet not all here (moved again since): let the client ask again.
             return (host.not_ready(), 0);
         }

@@ -634,20 +634,19 @@ async fn read_loop(
         if !reqs.is_empty() {
             let started = Instant::now();
             let parked = shared.execute_batch(client, &reqs, &mut replies);
-            // Requests that need other servers' tables wait for their borrow in their own
-            // task; the rest of the connection goes on.
+            // Requests that need other servers' tables, or other sessions' flushes, wait
+            // for them in their own task; the rest of the connection goes on.
             if !parked.is_empty() {
                 let (waiting, rest): (Vec<_>, Vec<_>) = reqs
                     .drain(..)
                     .partition(|(rid, _)| parked.iter().any(|(p, _)| p == rid));
                 reqs = rest;
-                for ((rid, req), (_, tables)) in waiting.into_iter().zip(parked) {
+                for ((rid, req), (_, why)) in waiting.into_iter().zip(parked) {
                     let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
                     tokio::spawn(async move {
                         let op = req.op.index() as u8;
                         let (reply, lsn) =
-                            crate::cluster_host::borrowed_op(shared, client, rid, req, tables)
-                                .await;
+                            crate::cluster_host::parked_op(shared, client, rid, req, why).await;
                         let mut group = Replies::new(Instant::now(), 1);
                         group.add(rid, op, &reply, lsn);
                         let _ = send_replies(&tx, &backlog, group).await;

@@ -7,7 +7,7 @@
 
 use crate::cluster_host::Refusal;
 use crate::data::DataStore;
-use crate::leases::{Callbacks, LeaseKey, Leases};
+use crate::leases::{Callbacks, Flushes, LeaseKey, Leases};
 use crate::locks::LockTable;
 use crate::metrics::Metrics;
 use crate::replycache::{Outcome, ReplyCache};
@@ -95,6 +95,8 @@ pub struct Core {
     /// The last append through each handle (client, handle -> its seq and reply): a retry
     /// of it is answered from here, not appended twice. Soft, as the sessions are.
     pub appended: FxHashMap<(u64, u64), (u64, kochab_proto::Attr)>,
+    /// Writers that may hold writes back, and their flush callbacks (see `leases`).
+    pub flushes: Flushes,
     scratch: Vec<Mutation>,
 }
 
@@ -122,6 +124,7 @@ impl Core {
         hi: InodeId,
     ) -> (Vec<MovedHandle>, Vec<(InodeId, u32)>) {
         let counts = self.engine.take_open_counts(lo, hi);
+        self.flushes.forget(None, Some((lo, hi)));
         let mut handles = self.sessions.take_range(lo, hi);
         let mut arrived = Vec::new();
         self.arrived.retain(|&(c, h), id| {
@@ -155,6 +158,9 @@ impl Core {
         for &(c, h, id) in handles {
             if self.arrived.insert((c, h), id).is_none() {
                 self.engine.add_open_counts(&[(id, 1)]);
+                // Its access mode did not come with it: counted as a writer (at worst
+                // a flush callback with nothing to send).
+                self.flushes.opened(id, c);
             }
         }
     }
@@ -172,6 +178,7 @@ impl Core {
             callbacks: Callbacks::default(),
             lease_conns: FxHashMap::default(),
             appended: FxHashMap::default(),
+            flushes: Flushes::default(),
             scratch: Vec::with_capacity(16),
         }
     }
@@ -222,7 +229,13 @@ impl Core {
 
     /// Sends one callback to `holder` on one of its connections, to be waited for by
     /// `changer`'s replies until `until` (the holder's lease ends then anyway).
-    pub fn call_back(&mut self, changer: u64, holder: u64, list: &[Invalidation], until: Instant) {
+    pub fn call_back(
+        &mut self,
+        changer: u64,
+        holder: u64,
+        list: &[Invalidation],
+        until: Instant,
+    ) -> u64 {
         let id = self.callbacks.issue(changer, holder, until);
         let mut frame = Vec::new();
         let sent = encode_frame(&mut frame, FrameKind::Callback, id, &list).is_ok()
@@ -234,6 +247,55 @@ impl Core {
             // Nobody to tell: the holder's connections are gone, and its leases with them.
             self.callbacks.done(id);
         }
+        id
+    }
+
+    /// The flush callbacks `reader` must wait for before it may see `ids` (see
+    /// `leases::Flushes`): sends those still to send, and returns every one unanswered.
+    /// Empty when no other session may hold writes of them back.
+    pub fn call_flushes(
+        &mut self,
+        reader: u64,
+        ids: impl IntoIterator<Item = InodeId>,
+        now: Instant,
+    ) -> Vec<u64> {
+        let callbacks = &self.callbacks;
+        let (call, mut wait) = self
+            .flushes
+            .wanted(reader, ids, now, |cb| callbacks.is_pending(cb));
+        let mut writers: Vec<u64> = call.iter().map(|&(w, _)| w).collect();
+        writers.dedup();
+        for w in writers {
+            let ids: Vec<InodeId> = call.iter().filter(|c| c.0 == w).map(|c| c.1).collect();
+            let write_through_ms = crate::leases::WRITE_THROUGH.as_millis() as u64;
+            let list: Vec<Invalidation> = ids
+                .iter()
+                .map(|&id| Invalidation::Flush {
+                    id,
+                    write_through_ms,
+                })
+                .collect();
+            // Waited for by the reader's request alone, not by its other replies (changer
+            // 0 is no session): a writer that never answers holds it up for a lease.
+            let cb = self.call_back(0, w, &list, now + crate::leases::LEASE);
+            self.flushes.called(w, &ids, cb, now);
+            if self.callbacks.is_pending(cb) {
+                wait.push(cb);
+            }
+        }
+        wait
+    }
+
+    /// True if `reader` must wait for a flush before it may see `ids` (a cheap test that
+    /// sends nothing).
+    pub fn must_flush(&self, reader: u64, ids: impl IntoIterator<Item = InodeId>) -> bool {
+        if self.flushes.is_empty() {
+            return false;
+        }
+        let (call, wait) = self.flushes.wanted(reader, ids, Instant::now(), |cb| {
+            self.callbacks.is_pending(cb)
+        });
+        !call.is_empty() || !wait.is_empty()
     }
 
     /// Grants `session` the leases a reply to `op` shows it (the caller checked that the
@@ -282,21 +344,35 @@ impl Core {
 
 /// Leases on every inode whose attributes `reply` shows.
 fn grant_shown(leases: &mut Leases, session: u64, reply: &Reply, now: Instant) {
+    let mut ids = Vec::new();
+    shown_ids(reply, &mut ids);
+    for id in ids {
+        leases.grant(session, LeaseKey::Inode(id), now);
+    }
+}
+
+/// The inodes whose attributes `reply` shows.
+fn shown_ids(reply: &Reply, out: &mut Vec<InodeId>) {
     match reply {
-        Reply::Entry(a) | Reply::Attr(a) => leases.grant(session, LeaseKey::Inode(a.id), now),
+        Reply::Entry(a) | Reply::Attr(a) => out.push(a.id),
         Reply::Dir { entries, .. } => {
-            for e in entries.iter().filter(|e| e.attr.is_some()) {
-                leases.grant(session, LeaseKey::Inode(e.id), now);
-            }
+            out.extend(entries.iter().filter(|e| e.attr.is_some()).map(|e| e.id));
         }
         Reply::WithDirs { reply, dirs } => {
-            for d in dirs {
-                leases.grant(session, LeaseKey::Inode(d.id), now);
-            }
-            grant_shown(leases, session, reply, now);
+            out.extend(dirs.iter().map(|d| d.id));
+            shown_ids(reply, out);
         }
         _ => {}
     }
+}
+
+/// A request [`Shared::execute_batch`] did not run.
+#[derive(Debug)]
+pub enum Parked {
+    /// It needs these tables, held by other servers (borrow them).
+    Borrow(Vec<TableId>),
+    /// It must wait until these flush callbacks are answered (then run it again).
+    Flush(Vec<u64>),
 }
 
 /// Everything the connection tasks, the checkpointer and the admin paths share.
@@ -464,22 +540,66 @@ impl Shared {
         }
     }
 
+    /// Waits until `reader` may see `ids`: every other session that may hold writes of
+    /// them back has sent them (or failed to answer within a lease).
+    pub async fn wait_flushes(&self, reader: u64, ids: &[InodeId]) {
+        loop {
+            let wait = {
+                let mut core = self.core.lock();
+                if core.flushes.is_empty() {
+                    return;
+                }
+                core.call_flushes(reader, ids.iter().copied(), Instant::now())
+            };
+            if wait.is_empty() {
+                return;
+            }
+            self.wait_answered(&wait).await;
+        }
+    }
+
+    /// Waits until none of the callbacks `ids` is pending (answered, or run out).
+    pub async fn wait_answered(&self, ids: &[u64]) {
+        loop {
+            let mut ended = {
+                let core = self.core.lock();
+                if !ids.iter().any(|&id| core.callbacks.is_pending(id)) {
+                    return;
+                }
+                core.callbacks.watch_ended()
+            };
+            if ended.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Runs a batch of requests of one client; returns each reply with the LSN that must
-    /// be durable before it is sent. A member returns, instead of a reply, the requests
-    /// that need tables other servers hold, each with the tables to borrow for it (run
-    /// them with [`crate::cluster_host::borrowed_op`]).
+    /// be durable before it is sent. Some requests are returned instead of a reply
+    /// ([`Parked`]): those that must wait for other sessions' flushes, and at a member
+    /// those that need tables other servers hold (run them with
+    /// [`crate::cluster_host::parked_op`]).
     pub fn execute_batch(
         &self,
         client: u64,
         reqs: &[(u64, Request)],
         replies: &mut Vec<(u64, Reply, u64)>,
-    ) -> Vec<(u64, Vec<TableId>)> {
+    ) -> Vec<(u64, Parked)> {
         let now = now_ns();
         let mut parked = Vec::new();
         let mut core = self.core.lock();
         let leasing = core.lease_conns.contains_key(&client);
         let granted = Instant::now();
         for (rid, req) in reqs {
+            // Files another session may hold writes of: they are sent first.
+            if !core.flushes.is_empty() {
+                let ids = req.op.inode_ids().into_iter().flatten();
+                let wait = core.call_flushes(client, ids, granted);
+                if !wait.is_empty() {
+                    parked.push((*rid, Parked::Flush(wait)));
+                    continue;
+                }
+            }
             // A member runs only what its participant admits (see `cluster_host`).
             let admitted = match &self.cluster {
                 Some(host) => match host.admit_op(&core, client, &req.op) {
@@ -489,7 +609,7 @@ impl Shared {
                         continue;
                     }
                     Err(Refusal::Borrow(tables)) => {
-                        parked.push((*rid, tables));
+                        parked.push((*rid, Parked::Borrow(tables)));
                         continue;
                     }
                 },
@@ -525,7 +645,7 @@ impl Shared {
                         // It changed nothing (a failed operation emits no mutation).
                         host.op_done(admitted, 0, 0);
                         match refusal {
-                            Refusal::Borrow(tables) => parked.push((*rid, tables)),
+                            Refusal::Borrow(tables) => parked.push((*rid, Parked::Borrow(tables))),
                             Refusal::Reply(reply) => replies.push((*rid, *reply, 0)),
                         }
                         continue;
@@ -533,6 +653,21 @@ impl Shared {
                 },
                 None => reply,
             };
+            // Attributes of a file another session may hold writes of, which only the
+            // reply named (a lookup, a listing): asked again after the flush. A change
+            // cannot be undone: the writer is called back, and the reply goes as it is.
+            if !core.flushes.is_empty() {
+                let mut ids = Vec::new();
+                shown_ids(&reply, &mut ids);
+                let wait = core.call_flushes(client, ids, granted);
+                if !wait.is_empty() && after == before {
+                    if let Some(host) = &self.cluster {
+                        host.op_done(admitted, 0, 0);
+                    }
+                    parked.push((*rid, Parked::Flush(wait)));
+                    continue;
+                }
+            }
             let needed = own.max(core.needed_lsn(&req.op, &reply));
             if let Some(host) = &self.cluster {
                 host.op_done(admitted, needed, self.journal.durable_lsn());

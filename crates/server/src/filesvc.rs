@@ -15,6 +15,7 @@ use kochab_meta::files::{open_flags, reads, writes};
 use kochab_meta::{Mutation, Reclaim};
 use kochab_proto::*;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Largest read or write in one request (a FUSE request is at most 1 MiB).
 pub const IO_MAX: usize = 4 << 20;
@@ -77,6 +78,9 @@ impl Shared {
             Op::Close { handle } => {
                 core.appended.remove(&(client, *handle));
                 if let Some(of) = core.sessions.close(client, *handle) {
+                    if writes(of.flags) {
+                        core.flushes.closed(of.id, client);
+                    }
                     // The last close of an open file description: its OFD locks and its
                     // flock end with it. (A handle reopened here after its table arrived
                     // was converted from `arrived` when reopened.)
@@ -90,6 +94,7 @@ impl Shared {
                         core.locks.release_handle(client, id, *handle);
                     }
                     if let Some(id) = core.arrived.remove(&(client, *handle)) {
+                        core.flushes.closed(id, client);
                         let muts = core.engine.close_ref(id);
                         self.journal_now(core, client, &muts);
                     }
@@ -221,6 +226,7 @@ impl Shared {
     /// the core lock, with other clients served in between.
     pub fn end_session(&self, core: &mut Core, client: u64) {
         core.locks.release_client(client);
+        core.flushes.forget(Some(client), None);
         if !core.appended.is_empty() {
             core.appended.retain(|&(c, _), _| c != client);
         }
@@ -327,11 +333,23 @@ fn register(
     match core.sessions.open(client, handle, file) {
         Registered::Opened => {
             core.engine.open_ref(attr.id);
+            if writes(file.flags) {
+                core.flushes.opened(attr.id, client);
+                // Others' cached size and data of it go first: this client may hold its
+                // writes back, unseen by the server, until someone looks again.
+                let revoked = core
+                    .leases
+                    .opened_for_writing(client, attr.id, Instant::now());
+                for (holder, list, until) in revoked {
+                    core.call_back(client, holder, &list, until);
+                }
+            }
             if core.arrived.get(&(client, handle)) == Some(&attr.id) {
                 // The client reopened here a handle that came with the table: it is this
                 // server's handle from now on, counted once (the count stays above zero,
                 // so this close drops nothing).
                 core.arrived.remove(&(client, handle));
+                core.flushes.closed(attr.id, client);
                 let muts = core.engine.close_ref(attr.id);
                 debug_assert!(muts.is_empty());
             }
@@ -357,6 +375,27 @@ async fn blocking<T: Send + 'static>(
 
 /// Runs one data operation; returns the reply and the LSN that must be durable first.
 pub async fn data_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, u64) {
+    // What others may hold back of the file is sent before it is read, truncated or
+    // appended to (a plain write needs nothing: overlapping writes of two clients land in
+    // the order they reach the server, and a writer's own flush is made of plain writes).
+    let sees = match req.op {
+        Op::Read { handle, .. } | Op::Fallocate { handle, .. } => Some(handle),
+        Op::Write { handle, offset, .. } if offset == WRITE_AT_END => Some(handle),
+        _ => None,
+    };
+    let seen = match (sees, &req.op) {
+        (Some(handle), _) => shared
+            .core
+            .lock()
+            .sessions
+            .get(client, handle)
+            .map(|of| of.id),
+        (None, Op::SetAttr { id, .. }) => Some(*id),
+        _ => None,
+    };
+    if let Some(id) = seen {
+        shared.wait_flushes(client, &[id]).await;
+    }
     match run_data_op(&shared, client, req).await {
         Ok(r) => r,
         Err(e) => (Reply::Error(e), 0),

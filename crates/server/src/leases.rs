@@ -115,40 +115,67 @@ impl Leases {
                 }
                 Mutation::PutReclaim { .. } | Mutation::DropReclaim { .. } => continue,
             };
-            let Some(holders) = self.held.get_mut(&key) else {
-                continue;
-            };
-            // The common case (one mount changing what only it caches) costs no more.
-            if holders.iter().all(|&(s, _)| s == changer) {
-                continue;
-            }
-            holders.retain(|&(_, until)| until > now);
-            let mut kept = Vec::new();
-            for &(session, until) in holders.iter() {
-                if session == changer {
-                    kept.push((session, until));
-                    continue;
-                }
-                match out.iter_mut().find(|(s, _, _)| *s == session) {
-                    Some((_, list, latest)) => {
-                        if !list.contains(&what) {
-                            list.push(what.clone());
-                        }
-                        *latest = (*latest).max(until);
-                    }
-                    None => out.push((session, vec![what.clone()], until)),
-                }
-                if matches!(key, LeaseKey::Names(_)) {
-                    kept.push((session, until));
-                }
-            }
-            if kept.is_empty() {
-                self.held.remove(&key);
-            } else {
-                *holders = kept;
-            }
+            self.call_back_key(changer, key, what, now, &mut out);
         }
         out
+    }
+
+    /// What holders other than `opener` must drop of inode `id` before `opener` may hold
+    /// writes of it back (their cached size and data would go stale unseen), as for
+    /// [`Leases::changed`].
+    pub fn opened_for_writing(
+        &mut self,
+        opener: u64,
+        id: InodeId,
+        now: Instant,
+    ) -> Vec<(u64, Vec<Invalidation>, Instant)> {
+        let mut out = Vec::new();
+        let what = Invalidation::Inode { id };
+        self.call_back_key(opener, LeaseKey::Inode(id), what, now, &mut out);
+        out
+    }
+
+    /// Adds to `out` the callback of `what` to every holder of `key` but `changer`.
+    fn call_back_key(
+        &mut self,
+        changer: u64,
+        key: LeaseKey,
+        what: Invalidation,
+        now: Instant,
+        out: &mut Vec<(u64, Vec<Invalidation>, Instant)>,
+    ) {
+        let Some(holders) = self.held.get_mut(&key) else {
+            return;
+        };
+        // The common case (one mount changing what only it caches) costs no more.
+        if holders.iter().all(|&(s, _)| s == changer) {
+            return;
+        }
+        holders.retain(|&(_, until)| until > now);
+        let mut kept = Vec::new();
+        for &(session, until) in holders.iter() {
+            if session == changer {
+                kept.push((session, until));
+                continue;
+            }
+            match out.iter_mut().find(|(s, _, _)| *s == session) {
+                Some((_, list, latest)) => {
+                    if !list.contains(&what) {
+                        list.push(what.clone());
+                    }
+                    *latest = (*latest).max(until);
+                }
+                None => out.push((session, vec![what.clone()], until)),
+            }
+            if matches!(key, LeaseKey::Names(_)) {
+                kept.push((session, until));
+            }
+        }
+        if kept.is_empty() {
+            self.held.remove(&key);
+        } else {
+            *holders = kept;
+        }
     }
 
     /// Ends every lease on ids in `lo..hi` (a table leaving this server: whoever serves it
@@ -197,6 +224,111 @@ impl Leases {
     }
 }
 
+/// How long a writer writes through (holds nothing back) after a flush callback: twice a
+/// lease, so that it still writes through for a whole lease after any check that found
+/// its promise good (a lease granted then ends first; see [`Flushes::wanted`]).
+pub const WRITE_THROUGH: Duration = Duration::from_secs(LEASE.as_secs() * 2);
+
+/// Writers that may hold writes back (a mount's write-behind), and the flush callbacks
+/// that make them send them before another session sees the file's size or data.
+///
+/// Every session with a handle open for writing may hold writes back. Before another
+/// session reads, stats, truncates or appends to the file (or is shown its attributes),
+/// each such writer is called back to flush and to write through for [`WRITE_THROUGH`]:
+/// while that promise lasts, every write it makes reaches the server, which calls back
+/// the readers' leases as for any change. A promise is asked for again when less than a
+/// lease of it is left, so no lease granted on the file outlives it.
+#[derive(Default)]
+pub struct Flushes {
+    /// Per inode: the sessions holding it open for writing, once per handle.
+    writers: FxHashMap<InodeId, Vec<u64>>,
+    /// Per (inode, writer): until when it writes through, and the flush callback it was
+    /// sent and may not have answered yet.
+    promised: FxHashMap<(InodeId, u64), (Instant, Option<u64>)>,
+}
+
+impl Flushes {
+    /// `session` opened `id` for writing (one more handle).
+    pub fn opened(&mut self, id: InodeId, session: u64) {
+        self.writers.entry(id).or_default().push(session);
+    }
+
+    /// `session` closed a handle of `id` that was open for writing.
+    pub fn closed(&mut self, id: InodeId, session: u64) {
+        if let Some(w) = self.writers.get_mut(&id) {
+            if let Some(i) = w.iter().position(|&s| s == session) {
+                w.swap_remove(i);
+            }
+            if !w.contains(&session) {
+                self.promised.remove(&(id, session));
+            }
+            if w.is_empty() {
+                self.writers.remove(&id);
+            }
+        }
+    }
+
+    /// Forgets a session whose handles ended, or every writer of ids in `lo..hi` (a
+    /// table leaving: its handles go with it).
+    pub fn forget(&mut self, session: Option<u64>, range: Option<(InodeId, InodeId)>) {
+        let gone = |id: InodeId, s: u64| {
+            session == Some(s) || range.is_some_and(|(lo, hi)| (lo..hi).contains(&id))
+        };
+        self.writers.retain(|&id, w| {
+            w.retain(|&s| !gone(id, s));
+            !w.is_empty()
+        });
+        self.promised.retain(|&(id, s), _| !gone(id, s));
+    }
+
+    /// True if no file is open for writing (the common test before any other work).
+    pub fn is_empty(&self) -> bool {
+        self.writers.is_empty()
+    }
+
+    /// The writers of `ids` other than `reader` that must be called back (their promise
+    /// is missing or has less than a lease left) and the callbacks already out that
+    /// `reader` must wait for. `pending` tells whether a callback is still unanswered.
+    pub fn wanted(
+        &self,
+        reader: u64,
+        ids: impl IntoIterator<Item = InodeId>,
+        now: Instant,
+        pending: impl Fn(u64) -> bool,
+    ) -> (Vec<(u64, InodeId)>, Vec<u64>) {
+        let (mut call, mut wait) = (Vec::new(), Vec::new());
+        for id in ids {
+            let Some(writers) = self.writers.get(&id) else {
+                continue;
+            };
+            for &w in writers.iter().filter(|&&w| w != reader) {
+                if call.contains(&(w, id)) {
+                    continue;
+                }
+                match self.promised.get(&(id, w)) {
+                    Some(&(until, callback)) if until >= now + LEASE => {
+                        if let Some(cb) = callback.filter(|&cb| pending(cb))
+                            && !wait.contains(&cb)
+                        {
+                            wait.push(cb);
+                        }
+                    }
+                    _ => call.push((w, id)),
+                }
+            }
+        }
+        (call, wait)
+    }
+
+    /// Records that `writer` was sent flush callback `callback` for `ids` at `now`.
+    pub fn called(&mut self, writer: u64, ids: &[InodeId], callback: u64, now: Instant) {
+        for &id in ids {
+            self.promised
+                .insert((id, writer), (now + WRITE_THROUGH, Some(callback)));
+        }
+    }
+}
+
 /// How far the callbacks a session's changes caused are done, for the replies that wait
 /// for them: every reply to the session waits until the callbacks issued before it was
 /// made are done (so replies keep their order, as the journal's durability keeps it).
@@ -234,6 +366,8 @@ pub struct Callbacks {
     pending: FxHashMap<u64, Pending>,
     /// Per changing session: its board and its tickets not done yet.
     changers: FxHashMap<u64, (Arc<Board>, BTreeSet<u64>)>,
+    /// Bumped whenever a callback ends (for whoever waits for particular ones).
+    ended: tokio::sync::watch::Sender<u64>,
 }
 
 impl Callbacks {
@@ -269,6 +403,16 @@ impl Callbacks {
         id
     }
 
+    /// True while callback `id` is neither answered nor run out.
+    pub fn is_pending(&self, id: u64) -> bool {
+        self.pending.contains_key(&id)
+    }
+
+    /// Changes whenever a callback ends.
+    pub fn watch_ended(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.ended.subscribe()
+    }
+
     /// The holder answered callback `id` (an unknown id is ignored: it ran out already).
     pub fn done(&mut self, id: u64) {
         if let Some(p) = self.pending.remove(&id) {
@@ -298,6 +442,7 @@ impl Callbacks {
     }
 
     fn finish(&mut self, changer: u64, ticket: u64) {
+        self.ended.send_modify(|n| *n += 1);
         if let Some((board, outstanding)) = self.changers.get_mut(&changer) {
             outstanding.remove(&ticket);
             let upto = match outstanding.first() {
@@ -408,6 +553,50 @@ mod tests {
         assert_eq!(l.keys(), 1);
         l.forget_session(3);
         assert_eq!(l.keys(), 0);
+    }
+
+    #[test]
+    fn readers_wait_for_other_writers_flush_until_a_lease_of_its_promise_is_left() {
+        let mut f = Flushes::default();
+        let t = Instant::now();
+        let none = |_| false;
+        assert!(f.is_empty());
+        f.opened(7, 1);
+        f.opened(7, 1);
+        // The writer itself, and files nobody writes, need nothing.
+        assert_eq!(f.wanted(1, [7], t, none), (vec![], vec![]));
+        assert_eq!(f.wanted(2, [8], t, none), (vec![], vec![]));
+        // Another session: the writer is called back, and waited for while unanswered.
+        assert_eq!(f.wanted(2, [7, 7], t, none), (vec![(1, 7)], vec![]));
+        f.called(1, &[7], 40, t);
+        assert_eq!(f.wanted(3, [7], t, |cb| cb == 40), (vec![], vec![40]));
+        assert_eq!(f.wanted(3, [7], t + LEASE, none), (vec![], vec![]));
+        // Less than a lease of the promise left: asked again.
+        let late = t + WRITE_THROUGH - LEASE + Duration::from_millis(1);
+        assert_eq!(f.wanted(3, [7], late, none), (vec![(1, 7)], vec![]));
+        // One close of two handles keeps the writer; the last ends it and its promise.
+        f.closed(7, 1);
+        assert_eq!(f.wanted(3, [7], late, none).0.len(), 1);
+        f.closed(7, 1);
+        assert!(f.is_empty());
+        f.opened(7, 1);
+        f.opened(9, 2);
+        f.forget(Some(1), None);
+        f.forget(None, Some((9, 10)));
+        assert!(f.is_empty());
+    }
+
+    #[test]
+    fn opening_for_writing_calls_back_others_cached_attributes() {
+        let mut l = Leases::default();
+        let t = Instant::now();
+        l.grant(2, LeaseKey::Inode(7), t);
+        l.grant(1, LeaseKey::Inode(7), t);
+        let out = l.opened_for_writing(1, 7, t);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, 2);
+        assert_eq!(out[0].1, vec![Invalidation::Inode { id: 7 }]);
+        assert!(l.opened_for_writing(1, 7, t).is_empty(), "the lease ended");
     }
 
     #[test]
