@@ -286,18 +286,6 @@ impl Core {
         wait
     }
 
-    /// True if `reader` must wait for a flush before it may see `ids` (a cheap test that
-    /// sends nothing).
-    pub fn must_flush(&self, reader: u64, ids: impl IntoIterator<Item = InodeId>) -> bool {
-        if self.flushes.is_empty() {
-            return false;
-        }
-        let (call, wait) = self.flushes.wanted(reader, ids, Instant::now(), |cb| {
-            self.callbacks.is_pending(cb)
-        });
-        !call.is_empty() || !wait.is_empty()
-    }
-
     /// Grants `session` the leases a reply to `op` shows it (the caller checked that the
     /// session asked for leases). Made under the lock that ran the operation, so a change
     /// after it calls the session back.
