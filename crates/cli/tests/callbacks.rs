@@ -370,6 +370,13 @@ fn another_mount_sees_writes_held_back_at_once() {
         fs::read(&fb).expect("read on b") == expect,
         "append after held bytes"
     );
+    // open(O_CREAT | O_TRUNC) of the name on b, which b never looked up (its kernel
+    // looks it up, then opens with O_TRUNC), truncates after a's held bytes.
+    let mut w = fs::File::create(a.mnt.join("g")).expect("create on a");
+    w.write_all(&[b'y'; 2000]).expect("write on a");
+    fs::write(b.mnt.join("g"), b"new").expect("create over it on b");
+    drop(w);
+    assert_eq!(fs::read(a.mnt.join("g")).expect("read on a"), b"new");
     for log in ["a.log", "b.log"] {
         let text = fs::read_to_string(tmp.path().join(log)).expect("log");
         assert!(!text.contains("callback answered before"), "{log}: {text}");

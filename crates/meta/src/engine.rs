@@ -384,6 +384,11 @@ impl Engine {
     }
 
     /// The entry `dir/name`, if any.
+    /// The inode `name` in `dir` names, if the hosted tables show one.
+    pub fn child(&self, dir: InodeId, name: &[u8]) -> Option<InodeId> {
+        self.entry(dir, name).ok().flatten().map(|e| e.child)
+    }
+
     pub(crate) fn entry(&self, dir: InodeId, name: &[u8]) -> OpResult<Option<&Dentry>> {
         let hash = self.name_hash(name);
         Ok(self

@@ -579,9 +579,14 @@ impl Shared {
         let leasing = core.lease_conns.contains_key(&client);
         let granted = Instant::now();
         for (rid, req) in reqs {
-            // Files another session may hold writes of: they are sent first.
+            // Files another session may hold writes of: they are sent first (an open of
+            // an existing name by create too: it may truncate, and shows the size).
             if !core.flushes.is_empty() {
-                let ids = req.op.inode_ids().into_iter().flatten();
+                let existing = match &req.op {
+                    Op::Create { parent, name, .. } => core.engine.child(*parent, name),
+                    _ => None,
+                };
+                let ids = req.op.inode_ids().into_iter().flatten().chain(existing);
                 let wait = core.call_flushes(client, ids, granted);
                 if !wait.is_empty() {
                     parked.push((*rid, Parked::Flush(wait)));
