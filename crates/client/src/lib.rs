@@ -239,8 +239,8 @@ impl ConnEvents for Early {
                     Invalidation::Inode { id } => Some(*id),
                     Invalidation::Names { dir } => Some(*dir),
                     Invalidation::Everything => None,
-                    // Drops nothing.
-                    Invalidation::Flush { .. } => continue,
+                    // Drop nothing.
+                    Invalidation::Flush { .. } | Invalidation::Hold { .. } => continue,
                 });
             }
         }

@@ -295,8 +295,8 @@ pub fn drop_cached(k: &impl Kernel, names: &HandedNames, list: &[Invalidation]) 
                 }
                 k.inval_inode(dir);
             }
-            // Not a drop (the mount's write-behind answers it).
-            Invalidation::Flush { .. } => {}
+            // Not drops (the mount's write-behind takes them).
+            Invalidation::Flush { .. } | Invalidation::Hold { .. } => {}
             Invalidation::Everything => {
                 k.forget_dir_attr(None);
                 for (parent, name) in names.take_all() {

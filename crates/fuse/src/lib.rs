@@ -394,32 +394,43 @@ fn start_callbacks(inner: &Arc<Inner>) {
                 inner.not_bare(&list);
                 if list.contains(&Invalidation::Everything) {
                     // A lost connection: its server forgot which writers it called back.
-                    let (wb, through) = (inner.wb.clone(), inner.lease * 2);
-                    inner
-                        .rt
-                        .spawn(async move { wb.called_back(None, through).await });
+                    inner.wb.write_through(None, inner.lease * 2);
+                    let wb = inner.wb.clone();
+                    inner.rt.spawn(async move { wb.settle_held(None).await });
                 }
-                let flushes: Vec<(InodeId, u64)> = list
-                    .iter()
-                    .filter_map(|i| match *i {
-                        Invalidation::Flush {
-                            id,
-                            write_through_ms,
-                        } => Some((id, write_through_ms)),
-                        _ => None,
-                    })
-                    .collect();
+                // Not drops: made here, in the order the callbacks came.
+                let mut flushes = Vec::new();
+                list.retain(|i| match *i {
+                    Invalidation::Flush {
+                        id,
+                        write_through_ms,
+                    } => {
+                        inner
+                            .wb
+                            .write_through(Some(id), Duration::from_millis(write_through_ms));
+                        flushes.push(id);
+                        false
+                    }
+                    Invalidation::Hold { id } => {
+                        inner.wb.hold_again(id);
+                        false
+                    }
+                    _ => true,
+                });
                 if flushes.is_empty() {
-                    let _ = tx.lock().send((list, answer));
+                    if list.is_empty() {
+                        drop(answer);
+                    } else {
+                        let _ = tx.lock().send((list, answer));
+                    }
                     return;
                 }
                 // Answered once what this mount held back of the files reached the servers.
-                list.retain(|i| !matches!(i, Invalidation::Flush { .. }));
                 let tx = tx.lock().clone();
                 let wb = inner.wb.clone();
                 inner.rt.spawn(async move {
-                    for (id, ms) in flushes {
-                        wb.called_back(Some(id), Duration::from_millis(ms)).await;
+                    for id in flushes {
+                        wb.settle_held(Some(id)).await;
                     }
                     if list.is_empty() {
                         drop(answer);

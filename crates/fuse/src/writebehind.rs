@@ -17,8 +17,9 @@
 //! Other mounts see exact sizes and data too: before another client reads, stats,
 //! truncates or appends to a file this mount has open for writing, the server calls it
 //! back (a `Flush` callback); the mount sends what it holds of the file and then writes
-//! it through for as long as the callback says ([`WriteBehind::called_back`]), so every
-//! change reaches the server, which calls back the other clients' caches.
+//! it through ([`WriteBehind::write_through`]), so every change reaches the server, which
+//! calls back the other clients' caches; once its next write has done that, the server
+//! says it may hold writes back again (a `Hold` callback, [`WriteBehind::hold_again`]).
 
 use kochab_client::Client;
 use kochab_proto::{Credentials, FsError, InodeId};
@@ -74,7 +75,7 @@ impl WriteBehind {
         })
     }
 
-    /// False while writes of `id` must go through (see [`WriteBehind::called_back`]).
+    /// False while writes of `id` must go through (see [`WriteBehind::write_through`]).
     pub fn may_hold(&self, id: InodeId) -> bool {
         let through = self.through.lock();
         let now = Instant::now();
@@ -82,27 +83,38 @@ impl WriteBehind {
     }
 
     /// A flush callback: from now on, for `write_through`, writes of `id` (of every
-    /// inode, for `None`) go through; returns once what was held back has reached the
-    /// servers (its error, if any, stays for the writer's next write, fsync or close).
-    pub async fn called_back(self: &Arc<Self>, id: Option<InodeId>, write_through: Duration) {
+    /// inode, for `None`) go through. Made at once, in the order callbacks arrive (a
+    /// later `Hold` ends it); [`WriteBehind::settle_held`] then sends what was held back.
+    pub fn write_through(&self, id: Option<InodeId>, write_through: Duration) {
+        tracing::debug!("writes of {id:?} go through for {write_through:?}");
         let until = Instant::now() + write_through;
-        {
-            // Under the buffers' lock: a write held back before this is sent below, and
-            // none is held back after it.
-            let _inodes = self.inodes.lock();
-            let mut through = self.through.lock();
-            let now = Instant::now();
-            if through.0.len() >= 1 << 16 {
-                through.0.retain(|_, t| *t > now);
-            }
-            match id {
-                Some(id) => {
-                    let t = through.0.entry(id).or_insert(until);
-                    *t = (*t).max(until);
-                }
-                None => through.1 = Some(through.1.map_or(until, |t| t.max(until))),
-            }
+        // Under the buffers' lock: a write held back before this is sent by
+        // `settle_held`, and none is held back after it.
+        let _inodes = self.inodes.lock();
+        let mut through = self.through.lock();
+        let now = Instant::now();
+        if through.0.len() >= 1 << 16 {
+            through.0.retain(|_, t| *t > now);
         }
+        match id {
+            Some(id) => {
+                let t = through.0.entry(id).or_insert(until);
+                *t = (*t).max(until);
+            }
+            None => through.1 = Some(through.1.map_or(until, |t| t.max(until))),
+        }
+    }
+
+    /// A `Hold` callback: writes of `id` may be held back again (the server ended the
+    /// write-through a flush callback asked for).
+    pub fn hold_again(&self, id: InodeId) {
+        tracing::debug!("writes of {id:#x} may be held back again");
+        self.through.lock().0.remove(&id);
+    }
+
+    /// Sends what is held back of `id` (of every inode, for `None`) and waits until the
+    /// servers have it; an error stays for the writer's next write, fsync or close.
+    pub async fn settle_held(self: &Arc<Self>, id: Option<InodeId>) {
         match id {
             Some(id) => self.settle(id).await,
             None => {

@@ -112,8 +112,12 @@ pub enum Invalidation {
     /// Not a drop: send the writes of inode `id` held back in the client (write-behind)
     /// and write through, holding nothing back, for `write_through_ms` from now. Another
     /// client is about to see the file's size or data (docs/ARCHITECTURE.md, "Coherent
-    /// caching between mounts"). A callback frame carries these only, never with drops.
+    /// caching between mounts"). A callback frame carries these (or `Hold`) only, never
+    /// with drops.
     Flush { id: InodeId, write_through_ms: u64 },
+    /// Not a drop: the client may hold writes of inode `id` back again (ends the
+    /// write-through of an earlier `Flush`: the leases it covered were called back).
+    Hold { id: InodeId },
 }
 
 /// One request. `seq` is non-zero for operations that must not run twice: a retry carries

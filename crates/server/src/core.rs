@@ -219,11 +219,36 @@ impl Core {
     /// `changer` wait for those callbacks (see `leases::Board`).
     pub fn journaled(&mut self, changer: u64, muts: &[Mutation], lsn: u64) {
         note_modified(&mut self.modified, muts, lsn);
+        if !self.flushes.is_empty() {
+            self.end_promises(changer, muts);
+        }
         if self.leases.keys() == 0 {
             return;
         }
         for (holder, list, until) in self.leases.changed(changer, muts, Instant::now()) {
             self.call_back(changer, holder, &list, until);
+        }
+    }
+
+    /// A writer that promised to write a file through, whose change now calls back the
+    /// leases granted under the promise (below, in `journaled`), may hold writes back
+    /// again: told so by a `Hold` callback, sent on the connection its flush callbacks
+    /// took (so a later flush callback reaches it after this one).
+    fn end_promises(&mut self, changer: u64, muts: &[Mutation]) {
+        let mut ended = Vec::new();
+        for m in muts {
+            if let Mutation::PutInode { id, .. } = m
+                && !ended
+                    .iter()
+                    .any(|i| matches!(i, Invalidation::Hold { id: e } if e == id))
+                && self.flushes.wrote(*id, changer)
+            {
+                ended.push(Invalidation::Hold { id: *id });
+            }
+        }
+        if !ended.is_empty() {
+            let until = Instant::now() + crate::leases::LEASE;
+            self.call_back(0, changer, &ended, until);
         }
     }
 
@@ -264,6 +289,7 @@ impl Core {
             .flushes
             .wanted(reader, ids, now, |cb| callbacks.is_pending(cb));
         let mut writers: Vec<u64> = call.iter().map(|&(w, _)| w).collect();
+        writers.sort_unstable();
         writers.dedup();
         for w in writers {
             let ids: Vec<InodeId> = call.iter().filter(|c| c.0 == w).map(|c| c.1).collect();
@@ -327,6 +353,13 @@ impl Core {
             _ => {}
         }
         grant_shown(&mut self.leases, session, reply, now);
+        if !self.flushes.is_empty() {
+            let mut ids = Vec::new();
+            shown_ids(reply, &mut ids);
+            for id in ids {
+                self.flushes.leased(id, session);
+            }
+        }
     }
 }
 

@@ -242,9 +242,19 @@ pub const WRITE_THROUGH: Duration = Duration::from_secs(LEASE.as_secs() * 2);
 pub struct Flushes {
     /// Per inode: the sessions holding it open for writing, once per handle.
     writers: FxHashMap<InodeId, Vec<u64>>,
-    /// Per (inode, writer): until when it writes through, and the flush callback it was
-    /// sent and may not have answered yet.
-    promised: FxHashMap<(InodeId, u64), (Instant, Option<u64>)>,
+    /// Per (inode, writer): its promise to write through.
+    promised: FxHashMap<(InodeId, u64), Promise>,
+}
+
+/// A writer's promise to write a file through, made by answering a flush callback.
+#[derive(Clone, Copy, Debug)]
+struct Promise {
+    until: Instant,
+    /// The flush callback, which the writer may not have answered yet.
+    callback: Option<u64>,
+    /// Another session was granted a lease on the file under it: the writer's next
+    /// write calls that lease back, and then may hold writes back again.
+    leased: bool,
 }
 
 impl Flushes {
@@ -306,8 +316,8 @@ impl Flushes {
                     continue;
                 }
                 match self.promised.get(&(id, w)) {
-                    Some(&(until, callback)) if until >= now + LEASE => {
-                        if let Some(cb) = callback.filter(|&cb| pending(cb))
+                    Some(p) if p.until >= now + LEASE => {
+                        if let Some(cb) = p.callback.filter(|&cb| pending(cb))
                             && !wait.contains(&cb)
                         {
                             wait.push(cb);
@@ -323,9 +333,37 @@ impl Flushes {
     /// Records that `writer` was sent flush callback `callback` for `ids` at `now`.
     pub fn called(&mut self, writer: u64, ids: &[InodeId], callback: u64, now: Instant) {
         for &id in ids {
-            self.promised
-                .insert((id, writer), (now + WRITE_THROUGH, Some(callback)));
+            let promise = Promise {
+                until: now + WRITE_THROUGH,
+                callback: Some(callback),
+                leased: false,
+            };
+            self.promised.insert((id, writer), promise);
         }
+    }
+
+    /// `session` was granted a lease on `id`: the promises of its other writers now
+    /// cover a lease.
+    pub fn leased(&mut self, id: InodeId, session: u64) {
+        if let Some(writers) = self.writers.get(&id) {
+            for &w in writers.iter().filter(|&&w| w != session) {
+                if let Some(p) = self.promised.get_mut(&(id, w)) {
+                    p.leased = true;
+                }
+            }
+        }
+    }
+
+    /// `writer` changed `id` at the server: if it promised to write through and a lease
+    /// was granted under that promise, this change calls the lease back (leases on an
+    /// inode end with their callback), so the promise ends. True if it did: tell the
+    /// writer it may hold writes back again (a `Hold` callback).
+    pub fn wrote(&mut self, id: InodeId, writer: u64) -> bool {
+        let ends = self.promised.get(&(id, writer)).is_some_and(|p| p.leased);
+        if ends {
+            self.promised.remove(&(id, writer));
+        }
+        ends
     }
 }
 
@@ -574,9 +612,19 @@ mod tests {
         // Less than a lease of the promise left: asked again.
         let late = t + WRITE_THROUGH - LEASE + Duration::from_millis(1);
         assert_eq!(f.wanted(3, [7], late, none), (vec![(1, 7)], vec![]));
+        // The writer's own change ends its promise only once a lease was granted under
+        // it (that change calls the lease back); then a reader needs a new flush.
+        assert!(!f.wrote(7, 1));
+        f.leased(7, 1);
+        assert!(!f.wrote(7, 1), "its own lease");
+        f.leased(7, 3);
+        assert!(!f.wrote(7, 3), "not the writer");
+        assert!(f.wrote(7, 1));
+        assert_eq!(f.wanted(3, [7], t, none), (vec![(1, 7)], vec![]));
+        f.called(1, &[7], 41, late);
         // One close of two handles keeps the writer; the last ends it and its promise.
         f.closed(7, 1);
-        assert_eq!(f.wanted(3, [7], late, none).0.len(), 1);
+        assert_eq!(f.wanted(3, [7], late + WRITE_THROUGH, none).0.len(), 1);
         f.closed(7, 1);
         assert!(f.is_empty());
         f.opened(7, 1);

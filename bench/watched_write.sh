@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# A file written through one mount while another mount watches it (`stat` every
+# INTERVAL s, as `watch ls -l` or a progress monitor would): what the writer's write-behind
+# costs the watcher, and what watching costs the writer. Per binary and round: dd bs=4k of
+# COUNT blocks with conv=fsync through mount a, alone and then watched from mount b; the
+# watcher's samples (how many showed a size of 0 while dd ran, and the largest size seen).
+# Usage: bench/watched_write.sh [KOCHAB_BIN...]   (root; default target/release/kochab)
+# Env:   COUNT=65536 INTERVAL=0.2 ROUNDS=3 PORT=7493
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ "$(id -u)" = 0 ] || { echo "needs root" >&2; exit 1; }
+COUNT=${COUNT:-65536}
+INTERVAL=${INTERVAL:-0.2}
+ROUNDS=${ROUNDS:-3}
+PORT=${PORT:-7493}
+tmp=$(mktemp -d /var/tmp/kwatch.XXXXXX)
+pids=()
+cleanup() {
+  for m in "$tmp"/run/a "$tmp"/run/b; do fusermount3 -uz "$m" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+mounted() { for _ in $(seq 200); do grep -qs " $1 " /proc/mounts && return 0; sleep 0.1; done; return 1; }
+rate() { dd if=/dev/zero of="$1" bs=4k count="$COUNT" conv=fsync 2>&1 | awk '/copied/ {print $(NF-1), $NF}'; }
+for r in $(seq "$ROUNDS"); do
+  for bin in "${@:-target/release/kochab}"; do
+    d="$tmp/run"; rm -rf "$d"; mkdir -p "$d/a" "$d/b"
+    "$bin" up --data "$d/data" --port "$PORT" >"$d/up.log" 2>&1 &
+    pids=($!)
+    for _ in $(seq 100); do [ -s "$d/data/cluster.key" ] && break; sleep 0.1; done
+    sleep 0.5
+    for side in a b; do
+      "$bin" mount "127.0.0.1:$PORT" "$d/$side" --foreground --key-file "$d/data/cluster.key" \
+        >"$d/$side.log" 2>&1 &
+      pids+=($!)
+    done
+    mounted "$d/a"; mounted "$d/b"
+    alone=$(rate "$d/a/alone")
+    touch "$d/a/watched"
+    stat -c %s "$d/b/watched" >/dev/null
+    ( while :; do stat -c %s "$d/b/watched"; sleep "$INTERVAL"; done ) >"$d/sizes" 2>/dev/null &
+    watcher=$!
+    watched=$(rate "$d/a/watched")
+    kill "$watcher"; wait "$watcher" 2>/dev/null || true
+    zero=$(grep -c '^0$' "$d/sizes" || true)
+    echo "round $r $bin dd 4k: alone $alone, watched $watched;" \
+      "watcher: $(wc -l <"$d/sizes") samples, $zero of size 0, largest $(sort -n "$d/sizes" | tail -1)" \
+      "(file $((COUNT * 4096)))"
+    fusermount3 -u "$d/a"; fusermount3 -u "$d/b"
+    kill "${pids[@]}" 2>/dev/null || true
+    wait "${pids[@]}" 2>/dev/null || true
+  done
+done
