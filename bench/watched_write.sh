@@ -4,13 +4,17 @@
 # costs the watcher, and what watching costs the writer. Per binary and round: dd bs=4k of
 # COUNT blocks with conv=fsync through mount a, alone and then watched from mount b; the
 # watcher's samples (how many showed a size of 0 while dd ran, and the largest size seen).
+# Then in lockstep: LOCKSTEP writes of 100 bytes through one descriptor on a, each followed
+# by a stat on b: how many stats showed another size than the bytes written so far, and
+# the median time of a write+stat pair.
 # Usage: bench/watched_write.sh [KOCHAB_BIN...]   (root; default target/release/kochab)
-# Env:   COUNT=65536 INTERVAL=0.2 ROUNDS=3 PORT=7493
+# Env:   COUNT=65536 INTERVAL=0.2 LOCKSTEP=300 ROUNDS=3 PORT=7493
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "needs root" >&2; exit 1; }
 COUNT=${COUNT:-65536}
 INTERVAL=${INTERVAL:-0.2}
+LOCKSTEP=${LOCKSTEP:-300}
 ROUNDS=${ROUNDS:-3}
 PORT=${PORT:-7493}
 tmp=$(mktemp -d /var/tmp/kwatch.XXXXXX)
@@ -47,6 +51,23 @@ for r in $(seq "$ROUNDS"); do
     echo "round $r $bin dd 4k: alone $alone, watched $watched;" \
       "watcher: $(wc -l <"$d/sizes") samples, $zero of size 0, largest $(sort -n "$d/sizes" | tail -1)" \
       "(file $((COUNT * 4096)))"
+    python3 - "$d/a/step" "$d/b/step" "$LOCKSTEP" <<'PY'
+import os, statistics, sys, time
+fa, fb, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+open(fa, "w").close()
+os.stat(fb)
+fd = os.open(fa, os.O_WRONLY)
+wrong, pairs = 0, []
+for i in range(n):
+    t = time.perf_counter()
+    os.write(fd, b"x" * 100)
+    size = os.stat(fb).st_size
+    pairs.append(time.perf_counter() - t)
+    wrong += size != 100 * (i + 1)
+os.close(fd)
+print(f"    lockstep: {wrong} of {n} stats on b showed another size than written on a;"
+      f" write+stat median {statistics.median(pairs) * 1e3:.2f} ms")
+PY
     fusermount3 -u "$d/a"; fusermount3 -u "$d/b"
     kill "${pids[@]}" 2>/dev/null || true
     wait "${pids[@]}" 2>/dev/null || true
