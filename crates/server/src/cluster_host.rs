@@ -795,12 +795,6 @@ impl ClusterHost {
     }
 }
 
-/// Runs an operation that needs tables other servers hold: borrows them all at once, runs
-/// it as one local record, and lets the borrow go (its last user returns the tables, once
-/// the drain of the RETURN has seen the record durable). If running it shows a table the
-/// plan could not see (behind a directory that was not here), the borrow is let go first
-/// and a bigger one taken: a server never waits for a borrow while holding one, so
-/// borrows cannot deadlock.
 /// Runs a request [`Shared::execute_batch`] parked, once what it waits for is there.
 pub async fn parked_op(
     shared: Arc<Shared>,
@@ -827,6 +821,12 @@ pub async fn parked_op(
     }
 }
 
+/// Runs an operation that needs tables other servers hold: borrows them all at once, runs
+/// it as one local record, and lets the borrow go (its last user returns the tables, once
+/// the drain of the RETURN has seen the record durable). If running it shows a table the
+/// plan could not see (behind a directory that was not here), the borrow is let go first
+/// and a bigger one taken: a server never waits for a borrow while holding one, so
+/// borrows cannot deadlock.
 async fn borrowed_op(
     shared: Arc<Shared>,
     client: u64,

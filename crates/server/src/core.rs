@@ -581,6 +581,14 @@ impl Shared {
 
     /// Waits until none of the callbacks `ids` is pending (answered, or run out).
     pub async fn wait_answered(&self, ids: &[u64]) {
+        let started = Instant::now();
+        self.wait_pending(ids).await;
+        self.metrics
+            .flush_wait_seconds
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    async fn wait_pending(&self, ids: &[u64]) {
         loop {
             let mut ended = {
                 let core = self.core.lock();

@@ -52,6 +52,7 @@ pub struct Metrics {
     /// Operations that waited for a borrow of other servers' tables (multi-server).
     pub borrowed_ops: Counter,
     pub borrow_wait_seconds: Histogram,
+    pub flush_wait_seconds: Histogram,
 }
 
 impl Metrics {
@@ -137,6 +138,13 @@ impl Metrics {
             "Time an operation waited until every table it needed was here",
             borrow_wait_seconds.clone(),
         );
+        let flush_wait_seconds = Histogram::new(exponential_buckets(1e-4, 2.0, 18));
+        registry.register(
+            "flush_wait_seconds",
+            "Time a request waited for other clients to send writes they held back of a file \
+             it reads or stats (flush callbacks)",
+            flush_wait_seconds.clone(),
+        );
         let table_inodes = Family::<TableLabel, Gauge>::default();
         registry.register("table_inodes", "Inodes per table", table_inodes.clone());
         let table_dentries = Family::<TableLabel, Gauge>::default();
@@ -195,6 +203,7 @@ impl Metrics {
             data_reclaims_pending,
             borrowed_ops,
             borrow_wait_seconds,
+            flush_wait_seconds,
         }
     }
 
