@@ -382,3 +382,34 @@ fn another_mount_sees_writes_held_back_at_once() {
         assert!(!text.contains("callback answered before"), "{log}: {text}");
     }
 }
+
+/// A writer's mount that stops answering (SIGSTOP) holds a request of a reader on another
+/// mount up for about a lease (5 s), not for good: the reader then sees what the servers
+/// have, and once the writer resumes and closes, everything.
+#[test]
+fn a_writer_that_stops_answering_does_not_hang_readers() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (_server, a, b) = two_mounts(tmp.path(), false);
+    let (fa, fb) = (a.mnt.join("f"), b.mnt.join("f"));
+    let mut w = fs::File::create(&fa).expect("create on a");
+    w.write_all(&[b'a'; 1000]).expect("write on a");
+    // kill(2), not kill(1): a child process would close its copy of `w` at exec, which
+    // waits for the stopped mount (FLUSH).
+    let pid = a.child.id() as libc::pid_t;
+    // SAFETY: a plain syscall on our own child's pid.
+    let signal = |sig| assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill");
+    signal(libc::SIGSTOP);
+    // The stat runs on a thread: a hang must fail the test, not stop it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = fb.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(fs::metadata(&reader).map_or(u64::MAX, |m| m.len()));
+    });
+    // A lease (5 s); generous for a slow host.
+    let seen = rx.recv_timeout(Duration::from_secs(30));
+    signal(libc::SIGCONT);
+    let size = seen.expect("a stat on b hung behind a stopped writer");
+    assert!(size <= 1000, "size {size}");
+    drop(w);
+    assert_eq!(fs::metadata(&fb).expect("stat on b").len(), 1000);
+}

@@ -803,14 +803,18 @@ pub async fn parked_op(
     req: Request,
     mut why: Parked,
 ) -> (Reply, u64) {
+    let mut flushed = false;
     loop {
         let ids = match why {
-            Parked::Borrow(tables) => return borrowed_op(shared, client, rid, req, tables).await,
+            Parked::Borrow(tables) => {
+                return borrowed_op(shared, client, rid, req, tables, flushed).await;
+            }
             Parked::Flush(ids) => ids,
         };
         shared.wait_answered(&ids).await;
+        flushed = true;
         let mut replies = Vec::with_capacity(1);
-        let parked = shared.execute_batch(client, &[(rid, req.clone())], &mut replies);
+        let parked = shared.execute_flushed(client, &(rid, req.clone()), &mut replies);
         if let Some((_, reply, lsn)) = replies.pop() {
             return (reply, lsn);
         }
@@ -833,6 +837,7 @@ async fn borrowed_op(
     rid: u64,
     req: Request,
     mut tables: Vec<TableId>,
+    mut flushed: bool,
 ) -> (Reply, u64) {
     let Some(host) = shared.cluster.clone() else {
         return (
@@ -864,13 +869,17 @@ async fn borrowed_op(
             Err(reply) => return (reply, 0),
         };
         let mut replies = Vec::with_capacity(1);
-        let parked = shared.execute_batch(client, &[(rid, req.clone())], &mut replies);
+        let parked = if flushed {
+            shared.execute_flushed(client, &(rid, req.clone()), &mut replies)
+        } else {
+            shared.execute_batch(client, &[(rid, req.clone())], &mut replies)
+        };
         drop(held);
         if let Some((_, reply, lsn)) = replies.pop() {
             return (reply, lsn);
         }
         let before = tables.len();
-        let mut flushed = false;
+        let mut waited = false;
         for (_, why) in parked {
             match why {
                 Parked::Borrow(more) => {
@@ -882,11 +891,11 @@ async fn borrowed_op(
                 }
                 Parked::Flush(ids) => {
                     shared.wait_answered(&ids).await;
-                    flushed = true;
+                    (flushed, waited) = (true, true);
                 }
             }
         }
-        if tables.len() == before && !flushed {
+        if tables.len() == before && !waited {
             // Granted, yet not all here (moved again since): let the client ask again.
             return (host.not_ready(), 0);
         }

@@ -563,18 +563,16 @@ impl Shared {
 
     /// Waits until `reader` may see `ids`: every other session that may hold writes of
     /// them back has sent them (or failed to answer within a lease).
+    /// Once: a writer that did not answer within a lease is not asked again.
     pub async fn wait_flushes(&self, reader: u64, ids: &[InodeId]) {
-        loop {
-            let wait = {
-                let mut core = self.core.lock();
-                if core.flushes.is_empty() {
-                    return;
-                }
-                core.call_flushes(reader, ids.iter().copied(), Instant::now())
-            };
-            if wait.is_empty() {
+        let wait = {
+            let mut core = self.core.lock();
+            if core.flushes.is_empty() {
                 return;
             }
+            core.call_flushes(reader, ids.iter().copied(), Instant::now())
+        };
+        if !wait.is_empty() {
             self.wait_answered(&wait).await;
         }
     }
@@ -614,6 +612,28 @@ impl Shared {
         reqs: &[(u64, Request)],
         replies: &mut Vec<(u64, Reply, u64)>,
     ) -> Vec<(u64, Parked)> {
+        self.run_batch(client, reqs, replies, true)
+    }
+
+    /// [`Shared::execute_batch`] for a request that already waited for flushes once: it
+    /// waits for none again (a writer that did not answer within a lease is not asked
+    /// again and again; one that opened the file since wrote after this request began).
+    pub fn execute_flushed(
+        &self,
+        client: u64,
+        req: &(u64, Request),
+        replies: &mut Vec<(u64, Reply, u64)>,
+    ) -> Vec<(u64, Parked)> {
+        self.run_batch(client, std::slice::from_ref(req), replies, false)
+    }
+
+    fn run_batch(
+        &self,
+        client: u64,
+        reqs: &[(u64, Request)],
+        replies: &mut Vec<(u64, Reply, u64)>,
+        flushes: bool,
+    ) -> Vec<(u64, Parked)> {
         let now = now_ns();
         let mut parked = Vec::new();
         let mut core = self.core.lock();
@@ -622,7 +642,7 @@ impl Shared {
         for (rid, req) in reqs {
             // Files another session may hold writes of: they are sent first (an open of
             // an existing name by create too: it may truncate, and shows the size).
-            if !core.flushes.is_empty() {
+            if flushes && !core.flushes.is_empty() {
                 let existing = match &req.op {
                     Op::Create { parent, name, .. } => core.engine.child(*parent, name),
                     _ => None,
@@ -690,7 +710,7 @@ impl Shared {
             // Attributes of a file another session may hold writes of, which only the
             // reply named (a lookup, a listing): asked again after the flush. A change
             // cannot be undone: the writer is called back, and the reply goes as it is.
-            if !core.flushes.is_empty() {
+            if flushes && !core.flushes.is_empty() {
                 let mut ids = Vec::new();
                 shown_ids(&reply, &mut ids);
                 let wait = core.call_flushes(client, ids, granted);
