@@ -9,36 +9,18 @@
 # Env:   NPROC=2 FILES=2000 PAUSE=2 ROUNDS=3 PORT=7491
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "$(id -u)" = 0 ] || { echo "needs root" >&2; exit 1; }
 NPROC=${NPROC:-2}
 FILES=${FILES:-2000}
 PAUSE=${PAUSE:-2}
 ROUNDS=${ROUNDS:-3}
 PORT=${PORT:-7491}
-tmp=$(mktemp -d /var/tmp/ktwo.XXXXXX)
-pids=()
-cleanup() {
-  for m in "$tmp"/run/a "$tmp"/run/b "$tmp"/run/m; do fusermount3 -uz "$m" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
+TMP_PREFIX=ktwo . bench/lib_two_mounts.sh
 gcc -O2 -Wall -o "$tmp/mdrate" bench/mdrate.c -lpthread
 rate() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(' '.join('%.0f' % d[p]['ops_per_sec'] for p in ('create','stat','remove')))" "$1"; }
-mounted() { for _ in $(seq 200); do grep -qs " $1 " /proc/mounts && return 0; sleep 0.1; done; return 1; }
 for r in $(seq "$ROUNDS"); do
   for bin in "${@:-target/release/kochab}"; do
     d="$tmp/run"; rm -rf "$d"; mkdir -p "$d/a" "$d/b" "$d/m"
-    "$bin" up --data "$d/data" --port "$PORT" >"$d/up.log" 2>&1 &
-    pids=($!)
-    for _ in $(seq 100); do [ -s "$d/data/cluster.key" ] && break; sleep 0.1; done
-    sleep 0.5
-    for side in a b; do
-      "$bin" mount "127.0.0.1:$PORT" "$d/$side" --foreground --key-file "$d/data/cluster.key" \
-        >"$d/$side.log" 2>&1 &
-      pids+=($!)
-    done
-    mounted "$d/a"; mounted "$d/b"
+    start_two_mounts "$bin" "$d"
     MDRATE_TAG=a "$tmp/mdrate" "$d/a" "$NPROC" "$FILES" shared "$PAUSE" >"$d/a.json" &
     ma=$!
     MDRATE_TAG=b "$tmp/mdrate" "$d/b" "$NPROC" "$FILES" shared "$PAUSE" >"$d/b.json" &

@@ -11,35 +11,17 @@
 # Env:   COUNT=65536 INTERVAL=0.2 LOCKSTEP=300 ROUNDS=3 PORT=7493
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "$(id -u)" = 0 ] || { echo "needs root" >&2; exit 1; }
 COUNT=${COUNT:-65536}
 INTERVAL=${INTERVAL:-0.2}
 LOCKSTEP=${LOCKSTEP:-300}
 ROUNDS=${ROUNDS:-3}
 PORT=${PORT:-7493}
-tmp=$(mktemp -d /var/tmp/kwatch.XXXXXX)
-pids=()
-cleanup() {
-  for m in "$tmp"/run/a "$tmp"/run/b; do fusermount3 -uz "$m" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-mounted() { for _ in $(seq 200); do grep -qs " $1 " /proc/mounts && return 0; sleep 0.1; done; return 1; }
+TMP_PREFIX=kwatch . bench/lib_two_mounts.sh
 rate() { dd if=/dev/zero of="$1" bs=4k count="$COUNT" conv=fsync 2>&1 | awk '/copied/ {print $(NF-1), $NF}'; }
 for r in $(seq "$ROUNDS"); do
   for bin in "${@:-target/release/kochab}"; do
     d="$tmp/run"; rm -rf "$d"; mkdir -p "$d/a" "$d/b"
-    "$bin" up --data "$d/data" --port "$PORT" >"$d/up.log" 2>&1 &
-    pids=($!)
-    for _ in $(seq 100); do [ -s "$d/data/cluster.key" ] && break; sleep 0.1; done
-    sleep 0.5
-    for side in a b; do
-      "$bin" mount "127.0.0.1:$PORT" "$d/$side" --foreground --key-file "$d/data/cluster.key" \
-        >"$d/$side.log" 2>&1 &
-      pids+=($!)
-    done
-    mounted "$d/a"; mounted "$d/b"
+    start_two_mounts "$bin" "$d"
     alone=$(rate "$d/a/alone")
     touch "$d/a/watched"
     stat -c %s "$d/b/watched" >/dev/null
