@@ -128,27 +128,34 @@ impl Conn {
         leases: bool,
     ) -> Result<Arc<Conn>, ConnError> {
         let lost = |e: std::io::Error| ConnError::Lost(format!("{addr}: {e}"));
-        let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
-            .await
-            .map_err(|_| ConnError::Lost(format!("{addr}: connect timed out")))?
-            .map_err(lost)?;
-        let _ = sock.set_nodelay(true);
-        kochab_proto::net::size_socket_buffers(&sock);
-        let (rd, mut wr): (Rd, Wr) = match tls {
-            None => {
-                let (r, w) = sock.into_split();
-                (Box::new(r), Box::new(w))
-            }
-            Some(tls) => {
-                let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
-                let s = tokio::time::timeout(timeout, tls.0.connect(name, sock))
-                    .await
-                    .map_err(|_| ConnError::Lost(format!("{addr}: TLS handshake timed out")))?
-                    .map_err(|e| {
-                        ConnError::Refused(fs_err!(EACCES, "{addr}: TLS handshake failed: {e}"))
-                    })?;
-                let (r, w) = tokio::io::split(s);
-                (Box::new(r), Box::new(w))
+        let (rd, mut wr): (Rd, Wr) = if let Some(stream) = kochab_local::connect(addr) {
+            // A server of this process: no socket, no TLS (nothing crosses a wire); the
+            // key handshake below still runs.
+            let (r, w) = tokio::io::split(stream);
+            (Box::new(r), Box::new(w))
+        } else {
+            let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
+                .await
+                .map_err(|_| ConnError::Lost(format!("{addr}: connect timed out")))?
+                .map_err(lost)?;
+            let _ = sock.set_nodelay(true);
+            kochab_proto::net::size_socket_buffers(&sock);
+            match tls {
+                None => {
+                    let (r, w) = sock.into_split();
+                    (Box::new(r), Box::new(w))
+                }
+                Some(tls) => {
+                    let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+                    let s = tokio::time::timeout(timeout, tls.0.connect(name, sock))
+                        .await
+                        .map_err(|_| ConnError::Lost(format!("{addr}: TLS handshake timed out")))?
+                        .map_err(|e| {
+                            ConnError::Refused(fs_err!(EACCES, "{addr}: TLS handshake failed: {e}"))
+                        })?;
+                    let (r, w) = tokio::io::split(s);
+                    (Box::new(r), Box::new(w))
+                }
             }
         };
         // Until the server has proven the key, only small frames (as a server reads them).

@@ -82,7 +82,7 @@ impl LogLimiter {
     }
 }
 
-fn log_bad_frame(shared: &Shared, peer: SocketAddr, what: &str) {
+fn log_bad_frame(shared: &Shared, peer: Peer, what: &str) {
     match shared.bad_frame_log.allow(Instant::now()) {
         Some(0) => tracing::warn!("closing connection from {peer}: {what}"),
         Some(n) => tracing::warn!(
@@ -224,21 +224,60 @@ struct Identity {
     leases: bool,
 }
 
+/// Who is at the other end of a connection (for the log).
+#[derive(Debug, Clone, Copy)]
+pub enum Peer {
+    Tcp(SocketAddr),
+    /// A client of this process (see `kochab_local`).
+    Local,
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peer::Tcp(a) => a.fmt(f),
+            Peer::Local => f.write_str("a client in this process"),
+        }
+    }
+}
+
+/// An accepted connection.
+pub enum Accepted {
+    Tcp(TcpStream, SocketAddr),
+    Local(kochab_local::Stream),
+}
+
 /// Serves one accepted connection until it closes or the server shuts down. The caller
 /// has counted it in `shared.connections`; this uncounts it when it ends.
 pub async fn serve(
     shared: Arc<Shared>,
-    sock: TcpStream,
-    peer: SocketAddr,
+    accepted: Accepted,
     shutdown: watch::Receiver<bool>,
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     let _counted = Counted(&shared.connections);
-    let _ = sock.set_nodelay(true);
-    kochab_proto::net::size_socket_buffers(&sock);
     // TLS and the key handshake share one deadline.
     let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
-    let (rd, mut wr): (Rd, Wr) = match tls {
+    let (peer, sock) = match accepted {
+        Accepted::Tcp(sock, peer) => (Peer::Tcp(peer), sock),
+        Accepted::Local(stream) => {
+            // Nothing crosses a wire: no TLS (the key handshake still runs).
+            let (r, w) = tokio::io::split(stream);
+            serve_stream(
+                shared.clone(),
+                Box::new(r),
+                Box::new(w),
+                Peer::Local,
+                shutdown,
+                deadline,
+            )
+            .await;
+            return;
+        }
+    };
+    let _ = sock.set_nodelay(true);
+    kochab_proto::net::size_socket_buffers(&sock);
+    let (rd, wr): (Rd, Wr) = match tls {
         None => {
             let (r, w) = sock.into_split();
             (Box::new(r), Box::new(w))
@@ -257,6 +296,18 @@ pub async fn serve(
             Err(_) => return,
         },
     };
+    serve_stream(shared.clone(), rd, wr, peer, shutdown, deadline).await;
+}
+
+/// [`serve`], from the handshake on.
+async fn serve_stream(
+    shared: Arc<Shared>,
+    rd: Rd,
+    mut wr: Wr,
+    peer: Peer,
+    shutdown: watch::Receiver<bool>,
+    deadline: tokio::time::Instant,
+) {
     // Never more than the small pre-authentication frame is read before the key is proven.
     let mut frames =
         FramedRead::with_capacity(rd, FrameCodec::preauth(), FrameCodec::PREAUTH_BUFFER);
@@ -536,7 +587,7 @@ async fn read_loop(
     who: Identity,
     mut frames: Frames,
     tx: mpsc::Sender<Outgoing>,
-    peer: SocketAddr,
+    peer: Peer,
     mut shutdown: watch::Receiver<bool>,
     backlog: Arc<Backlog>,
 ) {
@@ -770,7 +821,7 @@ async fn write_loop(
     mut wr: Wr,
     mut rx: mpsc::Receiver<Outgoing>,
     mut callbacks: Option<mpsc::UnboundedReceiver<Vec<u8>>>,
-    peer: SocketAddr,
+    peer: Peer,
     backlog: Arc<Backlog>,
 ) {
     let _gone = WriterGone(backlog.clone());

@@ -1,6 +1,7 @@
 //! Starting, running and stopping one metadata server.
 
 use crate::checkpoint::Checkpointer;
+use crate::conn::{Accepted, Peer};
 use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
 use crate::data::DataStore;
 use crate::datadir::{DataDir, DataDirLock};
@@ -349,8 +350,12 @@ async fn serve(
     let listener = TcpListener::bind(config.listen).await?;
     let addr = listener.local_addr()?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    // Clients of this process reach the server without a socket (see `kochab_local`);
+    // registered before `start` returns, so a client started next finds it.
+    let local = kochab_local::listen(addr);
     let accept_task = tokio::spawn(accept_loop(
         listener,
+        local,
         shared.clone(),
         shutdown_rx,
         shared.journal.subscribe_failure(),
@@ -392,37 +397,47 @@ async fn serve(
 
 async fn accept_loop(
     listener: TcpListener,
+    mut local: kochab_local::Listener,
     shared: Arc<Shared>,
     mut shutdown: watch::Receiver<bool>,
     mut journal_failure: watch::Receiver<Option<String>>,
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     loop {
-        tokio::select! {
+        let accepted = tokio::select! {
             // A server whose journal failed takes no new clients (fail-stop).
             _ = journal_failure.changed() => return,
             r = listener.accept() => match r {
-                Ok((sock, peer)) => {
-                    // Counted from accept, not from authentication: unauthenticated
-                    // connections take slots too (each for at most the handshake timeout).
-                    if shared.connections.fetch_add(1, Ordering::Relaxed) >= MAX_CONNECTIONS {
-                        shared.connections.fetch_sub(1, Ordering::Relaxed);
-                        if shared.bad_frame_log.allow(Instant::now()).is_some() {
-                            tracing::warn!("refusing {peer}: {MAX_CONNECTIONS} connections open");
-                        }
-                        drop(sock);
-                        continue;
-                    }
-                    tokio::spawn(crate::conn::serve(shared.clone(), sock, peer, shutdown.clone(), tls.clone()));
-                }
+                Ok((sock, peer)) => Accepted::Tcp(sock, peer),
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
                     tracing::warn!("accept failed: {e}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
                 }
             },
+            stream = local.accept() => Accepted::Local(stream),
             _ = shutdown.changed() => return,
+        };
+        // Counted from accept, not from authentication: unauthenticated connections take
+        // slots too (each for at most the handshake timeout).
+        if shared.connections.fetch_add(1, Ordering::Relaxed) >= MAX_CONNECTIONS {
+            shared.connections.fetch_sub(1, Ordering::Relaxed);
+            if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                let peer = match &accepted {
+                    Accepted::Tcp(_, peer) => Peer::Tcp(*peer),
+                    Accepted::Local(_) => Peer::Local,
+                };
+                tracing::warn!("refusing {peer}: {MAX_CONNECTIONS} connections open");
+            }
+            continue;
         }
+        tokio::spawn(crate::conn::serve(
+            shared.clone(),
+            accepted,
+            shutdown.clone(),
+            tls.clone(),
+        ));
     }
 }
 
