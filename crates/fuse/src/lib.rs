@@ -22,6 +22,7 @@ mod coherence;
 mod creds;
 mod interrupts;
 mod listing;
+mod loops;
 mod writebehind;
 
 use creds::GroupCache;
@@ -60,7 +61,8 @@ const LOCK_POLL_MAX: Duration = Duration::from_millis(100);
 pub struct MountConfig {
     pub attr_ttl: Duration,
     pub entry_ttl: Duration,
-    /// Threads reading requests from /dev/fuse (each hands requests to the runtime).
+    /// Request loops reading /dev/fuse, each with its own descriptor (tasks on the
+    /// runtime; see `loops`).
     pub threads: usize,
     /// The mount's source as /proc/mounts shows it: the cluster's address, so that tools
     /// (findmnt -S, xfstests) find the mount by what was mounted.
@@ -323,6 +325,9 @@ impl KochabFs {
         c.acl = SessionACL::All;
         c.n_threads = Some(self.inner.config.threads.max(1));
         c.clone_fd = true;
+        if loops::on_runtime() {
+            c.loop_runner = Some(loops::runner(self.inner.rt.clone()));
+        }
         c
     }
 

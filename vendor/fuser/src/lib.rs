@@ -50,6 +50,7 @@ pub use crate::ll::request::Version;
 pub use crate::mnt::mount_options::Config;
 pub use crate::mnt::mount_options::MountOption;
 pub use crate::notify::Notifier;
+pub use crate::session::{LoopRunner, LoopStep, RequestLoop};
 pub use crate::notify::PollHandle;
 pub use crate::notify::PollNotifier;
 pub use crate::open_flags::OpenAccMode;

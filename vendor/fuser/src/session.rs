@@ -290,6 +290,42 @@ impl<FS: Filesystem> Session<FS> {
 
         let mut threads = Vec::with_capacity(n_threads);
 
+        if let Some(runner) = &config.loop_runner {
+            // Loops on the caller's executor: wait for every one of them to end.
+            let mut finished = Vec::with_capacity(n_threads);
+            for (i, ch) in channels.into_iter().enumerate() {
+                let event_loop = SessionEventLoop {
+                    thread_name: format!("fuser-{i}"),
+                    filesystem: filesystem.clone(),
+                    ch,
+                    allowed,
+                    session_owner,
+                };
+                finished.push((runner.0)(Box::new(OwnedLoop {
+                    event_loop,
+                    buf: FuseReadBuf::new(),
+                }))?);
+            }
+            let mut reply: io::Result<()> = Ok(());
+            for done in finished {
+                let res = done.recv().unwrap_or_else(|_| {
+                    Err(io::Error::other("request loop dropped without an answer"))
+                });
+                if let Err(e) = res {
+                    if reply.is_ok() {
+                        reply = Err(e);
+                    }
+                }
+            }
+            let Some(filesystem) = Arc::get_mut(&mut filesystem) else {
+                return Err(io::Error::other(
+                    "BUG: must have one refcount for filesystem",
+                ));
+            };
+            filesystem.destroy();
+            return reply;
+        }
+
         for (i, ch) in channels.into_iter().enumerate() {
             let thread_name = format!("fuser-{i}");
             let event_loop = SessionEventLoop {
@@ -551,6 +587,89 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 Err(nix::errno::Errno::ENODEV) => return Ok(()),
                 Err(err) => return Err(err.into()),
             }
+        }
+    }
+}
+
+/// What one step of a [`RequestLoop`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoopStep {
+    /// Read and dispatched a request (or a retryable error): step again.
+    Continue,
+    /// The session is over (unmounted, or the kernel sent DESTROY).
+    Finished,
+}
+
+/// One request loop, driven by the caller (Kochab patch): the caller makes the
+/// descriptor non-blocking, waits until it is readable, and steps until a step
+/// returns `WouldBlock`.
+pub trait RequestLoop: AsFd + Send {
+    /// Reads one request from the descriptor and dispatches it to the file system.
+    /// # Errors
+    /// `WouldBlock` when no request is queued (a non-blocking descriptor); any other error
+    /// ends the loop.
+    fn step(&mut self) -> io::Result<LoopStep>;
+}
+
+/// Starts a request loop on the caller's executor and returns a receiver of the loop's
+/// final result (see `Config::loop_runner`).
+#[derive(Clone)]
+pub struct LoopRunner(
+    pub  Arc<
+        dyn Fn(Box<dyn RequestLoop>) -> io::Result<std::sync::mpsc::Receiver<io::Result<()>>>
+            + Send
+            + Sync,
+    >,
+);
+
+impl std::fmt::Debug for LoopRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LoopRunner")
+    }
+}
+
+impl PartialEq for LoopRunner {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for LoopRunner {}
+
+struct OwnedLoop<FS: Filesystem> {
+    event_loop: SessionEventLoop<FS>,
+    buf: FuseReadBuf,
+}
+
+impl<FS: Filesystem> AsFd for OwnedLoop<FS> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.event_loop.ch.as_fd()
+    }
+}
+
+impl<FS: Filesystem + Send + Sync + 'static> RequestLoop for OwnedLoop<FS> {
+    fn step(&mut self) -> io::Result<LoopStep> {
+        let buf = self.buf.as_mut();
+        match self.event_loop.ch.receive(buf) {
+            Ok(size) => match RequestWithSender::new(self.event_loop.ch.sender(), &buf[..size]) {
+                Some(req) => {
+                    if let Ok(Operation::Destroy(_)) = req.request.operation() {
+                        req.reply::<ReplyEmpty>().ok();
+                        Ok(LoopStep::Finished)
+                    } else {
+                        req.dispatch(&self.event_loop);
+                        Ok(LoopStep::Continue)
+                    }
+                }
+                None => Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "Invalid request",
+                )),
+            },
+            Err(nix::errno::Errno::ENODEV) => Ok(LoopStep::Finished),
+            Err(nix::errno::Errno::EAGAIN) => Err(io::ErrorKind::WouldBlock.into()),
+            Err(nix::errno::Errno::ENOENT | nix::errno::Errno::EINTR) => Ok(LoopStep::Continue),
+            Err(err) => Err(err.into()),
         }
     }
 }

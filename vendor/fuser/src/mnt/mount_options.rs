@@ -18,6 +18,9 @@ pub struct Config {
     /// This enables more efficient request processing
     /// when multiple threads are used. Requires Linux 4.5+.
     pub clone_fd: bool,
+    /// Runs each request loop on the caller's executor instead of a thread of its own
+    /// (Kochab patch, see KOCHAB-PATCH.md).
+    pub loop_runner: Option<crate::session::LoopRunner>,
 }
 
 /// Mount options accepted by the FUSE filesystem type

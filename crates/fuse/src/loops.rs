@@ -1,0 +1,101 @@
+//! FUSE request loops on the tokio runtime instead of threads of their own.
+//!
+//! With a thread per loop, every request that needs the servers crossed threads twice: the
+//! loop's thread read it and woke a runtime worker to run it. Here a runtime task waits
+//! until its /dev/fuse descriptor is readable (the runtime's poller) and reads and dispatches
+//! requests on the worker that runs it: a request answered from the mount's caches is
+//! answered there, and one that needs the servers is spawned onto the same worker, which
+//! runs it (and, for a server of this process, the server's side too) without waking
+//! another thread. The file system's methods never block for long (they spawn what waits),
+//! which is what running them on a worker needs.
+//!
+//! `KOCHAB_FUSE_THREADS=1` in the environment keeps fuser's thread per loop (to measure
+//! the difference).
+
+use fuser::{LoopRunner, LoopStep, RequestLoop};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::sync::Arc;
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+
+/// Environment variable that keeps fuser's threads (`1`).
+pub const THREADS_ENV: &str = "KOCHAB_FUSE_THREADS";
+
+/// Requests one loop reads and dispatches before it lets other tasks of its worker run.
+const REQUESTS_PER_TURN: usize = 32;
+
+/// Whether request loops run on the runtime (the default).
+pub fn on_runtime() -> bool {
+    std::env::var(THREADS_ENV).map_or(true, |v| v != "1")
+}
+
+/// A runner that starts each request loop as a task on `rt`.
+pub fn runner(rt: tokio::runtime::Handle) -> LoopRunner {
+    LoopRunner(Arc::new(move |lp: Box<dyn RequestLoop>| {
+        set_nonblocking(lp.as_fd().as_raw_fd())?;
+        let (done, finished) = std::sync::mpsc::channel();
+        rt.spawn(async move {
+            let r = run(lp).await;
+            if let Err(e) = &r {
+                tracing::error!("FUSE request loop ended: {e}");
+            }
+            let _ = done.send(r);
+        });
+        Ok(finished)
+    }))
+}
+
+/// A loop, registered with the poller by its descriptor.
+struct Loop(Box<dyn RequestLoop>);
+
+impl AsRawFd for Loop {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+async fn run(lp: Box<dyn RequestLoop>) -> io::Result<()> {
+    // ERROR too: an unmount aborts the connection, which the descriptor reports as
+    // POLLERR only; the read that follows sees ENODEV and ends the loop.
+    let interest = Interest::READABLE | Interest::ERROR;
+    // SAFETY: the descriptor is the loop's own, open for as long as the loop lives, and
+    // the AsyncFd owns the loop.
+    let mut fd = unsafe { AsyncFd::register_with_interest(Loop(lp), interest) }
+        .map_err(|e| e.into_parts().1)?;
+    loop {
+        let mut ready = fd.ready_mut(interest).await?;
+        let mut turn = 0;
+        loop {
+            match ready.get_inner_mut().0.step() {
+                Ok(LoopStep::Continue) => {}
+                Ok(LoopStep::Finished) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    ready.clear_ready_matching(tokio::io::Ready::READABLE);
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+            turn += 1;
+            if turn == REQUESTS_PER_TURN {
+                // Still readable: come back after the tasks this turn spawned had a go.
+                drop(ready);
+                tokio::task::yield_now().await;
+                break;
+            }
+        }
+    }
+}
+
+fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor the loop owns; only the status flags change.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
