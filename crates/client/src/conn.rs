@@ -128,35 +128,14 @@ impl Conn {
         leases: bool,
     ) -> Result<Arc<Conn>, ConnError> {
         let lost = |e: std::io::Error| ConnError::Lost(format!("{addr}: {e}"));
-        let (rd, mut wr): (Rd, Wr) = if let Some(stream) = kochab_local::connect(addr) {
+        let (rd, mut wr): (Rd, Wr) = match kochab_local::connect(addr) {
             // A server of this process: no socket, no TLS (nothing crosses a wire); the
             // key handshake below still runs.
-            let (r, w) = tokio::io::split(stream);
-            (Box::new(r), Box::new(w))
-        } else {
-            let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
-                .await
-                .map_err(|_| ConnError::Lost(format!("{addr}: connect timed out")))?
-                .map_err(lost)?;
-            let _ = sock.set_nodelay(true);
-            kochab_proto::net::size_socket_buffers(&sock);
-            match tls {
-                None => {
-                    let (r, w) = sock.into_split();
-                    (Box::new(r), Box::new(w))
-                }
-                Some(tls) => {
-                    let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
-                    let s = tokio::time::timeout(timeout, tls.0.connect(name, sock))
-                        .await
-                        .map_err(|_| ConnError::Lost(format!("{addr}: TLS handshake timed out")))?
-                        .map_err(|e| {
-                            ConnError::Refused(fs_err!(EACCES, "{addr}: TLS handshake failed: {e}"))
-                        })?;
-                    let (r, w) = tokio::io::split(s);
-                    (Box::new(r), Box::new(w))
-                }
+            Some(stream) => {
+                let (r, w) = tokio::io::split(stream);
+                (Box::new(r), Box::new(w))
             }
+            None => dial(addr, timeout, tls).await?,
         };
         // Until the server has proven the key, only small frames (as a server reads them).
         let mut frames =
@@ -307,6 +286,31 @@ fn refused(payload: &[u8]) -> ConnError {
         Ok(e) => ConnError::Refused(e),
         Err(e) => ConnError::Lost(format!("undecodable goodbye: {e}")),
     }
+}
+
+/// A TCP connection to `addr` (through TLS if `tls` is given), split.
+async fn dial(
+    addr: SocketAddr,
+    timeout: Duration,
+    tls: Option<&crate::tls::TlsClient>,
+) -> Result<(Rd, Wr), ConnError> {
+    let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| ConnError::Lost(format!("{addr}: connect timed out")))?
+        .map_err(|e| ConnError::Lost(format!("{addr}: {e}")))?;
+    let _ = sock.set_nodelay(true);
+    kochab_proto::net::size_socket_buffers(&sock);
+    let Some(tls) = tls else {
+        let (r, w) = sock.into_split();
+        return Ok((Box::new(r), Box::new(w)));
+    };
+    let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+    let s = tokio::time::timeout(timeout, tls.0.connect(name, sock))
+        .await
+        .map_err(|_| ConnError::Lost(format!("{addr}: TLS handshake timed out")))?
+        .map_err(|e| ConnError::Refused(fs_err!(EACCES, "{addr}: TLS handshake failed: {e}")))?;
+    let (r, w) = tokio::io::split(s);
+    Ok((Box::new(r), Box::new(w)))
 }
 
 async fn read_frame(frames: &mut Frames) -> Result<Frame, ConnError> {

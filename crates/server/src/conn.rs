@@ -247,6 +247,15 @@ pub enum Accepted {
     Local(kochab_local::Stream),
 }
 
+impl Accepted {
+    pub fn peer(&self) -> Peer {
+        match self {
+            Accepted::Tcp(_, peer) => Peer::Tcp(*peer),
+            Accepted::Local(_) => Peer::Local,
+        }
+    }
+}
+
 /// Serves one accepted connection until it closes or the server shuts down. The caller
 /// has counted it in `shared.connections`; this uncounts it when it ends.
 pub async fn serve(
@@ -258,8 +267,9 @@ pub async fn serve(
     let _counted = Counted(&shared.connections);
     // TLS and the key handshake share one deadline.
     let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
-    let (peer, sock) = match accepted {
-        Accepted::Tcp(sock, peer) => (Peer::Tcp(peer), sock),
+    let peer = accepted.peer();
+    let sock = match accepted {
+        Accepted::Tcp(sock, _) => sock,
         Accepted::Local(stream) => {
             // Nothing crosses a wire: no TLS (the key handshake still runs).
             let (r, w) = tokio::io::split(stream);

@@ -235,12 +235,10 @@ impl Core {
     /// again: told so by a `Hold` callback, sent on the connection its flush callbacks
     /// took (so a later flush callback reaches it after this one).
     fn end_promises(&mut self, changer: u64, muts: &[Mutation]) {
+        // `wrote` forgets the promise it ends: an inode put twice is told once.
         let mut ended = Vec::new();
         for m in muts {
             if let Mutation::PutInode { id, .. } = m
-                && !ended
-                    .iter()
-                    .any(|i| matches!(i, Invalidation::Hold { id: e } if e == id))
                 && self.flushes.wrote(*id, changer)
             {
                 ended.push(Invalidation::Hold { id: *id });

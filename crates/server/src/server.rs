@@ -1,7 +1,7 @@
 //! Starting, running and stopping one metadata server.
 
 use crate::checkpoint::Checkpointer;
-use crate::conn::{Accepted, Peer};
+use crate::conn::Accepted;
 use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
 use crate::data::DataStore;
 use crate::datadir::{DataDir, DataDirLock};
@@ -424,10 +424,7 @@ async fn accept_loop(
         if shared.connections.fetch_add(1, Ordering::Relaxed) >= MAX_CONNECTIONS {
             shared.connections.fetch_sub(1, Ordering::Relaxed);
             if shared.bad_frame_log.allow(Instant::now()).is_some() {
-                let peer = match &accepted {
-                    Accepted::Tcp(_, peer) => Peer::Tcp(*peer),
-                    Accepted::Local(_) => Peer::Local,
-                };
+                let peer = accepted.peer();
                 tracing::warn!("refusing {peer}: {MAX_CONNECTIONS} connections open");
             }
             continue;

@@ -288,44 +288,8 @@ impl<FS: Filesystem> Session<FS> {
         }
         channels.push(ch);
 
-        let mut threads = Vec::with_capacity(n_threads);
-
-        if let Some(runner) = &config.loop_runner {
-            // Loops on the caller's executor: wait for every one of them to end.
-            let mut finished = Vec::with_capacity(n_threads);
-            for (i, ch) in channels.into_iter().enumerate() {
-                let event_loop = SessionEventLoop {
-                    thread_name: format!("fuser-{i}"),
-                    filesystem: filesystem.clone(),
-                    ch,
-                    allowed,
-                    session_owner,
-                };
-                finished.push((runner.0)(Box::new(OwnedLoop {
-                    event_loop,
-                    buf: FuseReadBuf::new(),
-                }))?);
-            }
-            let mut reply: io::Result<()> = Ok(());
-            for done in finished {
-                let res = done.recv().unwrap_or_else(|_| {
-                    Err(io::Error::other("request loop dropped without an answer"))
-                });
-                if let Err(e) = res {
-                    if reply.is_ok() {
-                        reply = Err(e);
-                    }
-                }
-            }
-            let Some(filesystem) = Arc::get_mut(&mut filesystem) else {
-                return Err(io::Error::other(
-                    "BUG: must have one refcount for filesystem",
-                ));
-            };
-            filesystem.destroy();
-            return reply;
-        }
-
+        // Each loop on a thread of its own, or handed to the caller's runner (Kochab patch).
+        let mut loops = Vec::with_capacity(n_threads);
         for (i, ch) in channels.into_iter().enumerate() {
             let thread_name = format!("fuser-{i}");
             let event_loop = SessionEventLoop {
@@ -335,20 +299,31 @@ impl<FS: Filesystem> Session<FS> {
                 allowed,
                 session_owner,
             };
-            threads.push(
-                thread::Builder::new()
-                    .name(thread_name)
-                    .spawn(move || event_loop.event_loop())?,
-            );
+            loops.push(match &config.loop_runner {
+                Some(runner) => LoopEnd::Runner((runner.0)(Box::new(OwnedLoop {
+                    event_loop,
+                    buf: FuseReadBuf::new(),
+                }))?),
+                None => LoopEnd::Thread(
+                    thread::Builder::new()
+                        .name(thread_name)
+                        .spawn(move || event_loop.event_loop())?,
+                ),
+            });
         }
 
         let mut reply: io::Result<()> = Ok(());
-        for thread in threads {
-            let res = match thread.join() {
-                Ok(res) => res,
-                Err(_) => {
-                    return Err(io::Error::other("event loop thread panicked"));
-                }
+        for end in loops {
+            let res = match end {
+                LoopEnd::Thread(thread) => match thread.join() {
+                    Ok(res) => res,
+                    Err(_) => {
+                        return Err(io::Error::other("event loop thread panicked"));
+                    }
+                },
+                LoopEnd::Runner(done) => done.recv().unwrap_or_else(|_| {
+                    Err(io::Error::other("request loop dropped without an answer"))
+                }),
             };
             if let Err(e) = res {
                 if reply.is_ok() {
@@ -566,27 +541,36 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
             match self.ch.receive_retrying(buf) {
-                Ok(size) => match RequestWithSender::new(self.ch.sender(), &buf[..size]) {
-                    // Dispatch request
-                    Some(req) => {
-                        if let Ok(Operation::Destroy(_)) = req.request.operation() {
-                            req.reply::<ReplyEmpty>().ok();
-                            return Ok(());
-                        } else {
-                            req.dispatch(self)
-                        }
+                Ok(size) => {
+                    if self.handle(&buf[..size])? == LoopStep::Finished {
+                        return Ok(());
                     }
-                    // Quit loop on illegal request
-                    None => {
-                        return Err(io::Error::new(
-                            io::ErrorKind::InvalidData,
-                            "Invalid request",
-                        ));
-                    }
-                },
+                }
                 Err(nix::errno::Errno::ENODEV) => return Ok(()),
                 Err(err) => return Err(err.into()),
             }
+        }
+    }
+
+    /// Dispatches one request read from the kernel (Kochab patch: shared by the thread
+    /// loop above and `OwnedLoop::step`).
+    fn handle(&self, request: &[u8]) -> io::Result<LoopStep> {
+        match RequestWithSender::new(self.ch.sender(), request) {
+            // Dispatch request
+            Some(req) => {
+                if let Ok(Operation::Destroy(_)) = req.request.operation() {
+                    req.reply::<ReplyEmpty>().ok();
+                    Ok(LoopStep::Finished)
+                } else {
+                    req.dispatch(self);
+                    Ok(LoopStep::Continue)
+                }
+            }
+            // Quit loop on illegal request
+            None => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "Invalid request",
+            )),
         }
     }
 }
@@ -636,6 +620,12 @@ impl PartialEq for LoopRunner {
 
 impl Eq for LoopRunner {}
 
+/// How `Session::run` waits for a request loop to end.
+enum LoopEnd {
+    Thread(JoinHandle<io::Result<()>>),
+    Runner(std::sync::mpsc::Receiver<io::Result<()>>),
+}
+
 struct OwnedLoop<FS: Filesystem> {
     event_loop: SessionEventLoop<FS>,
     buf: FuseReadBuf,
@@ -651,21 +641,7 @@ impl<FS: Filesystem + Send + Sync + 'static> RequestLoop for OwnedLoop<FS> {
     fn step(&mut self) -> io::Result<LoopStep> {
         let buf = self.buf.as_mut();
         match self.event_loop.ch.receive(buf) {
-            Ok(size) => match RequestWithSender::new(self.event_loop.ch.sender(), &buf[..size]) {
-                Some(req) => {
-                    if let Ok(Operation::Destroy(_)) = req.request.operation() {
-                        req.reply::<ReplyEmpty>().ok();
-                        Ok(LoopStep::Finished)
-                    } else {
-                        req.dispatch(&self.event_loop);
-                        Ok(LoopStep::Continue)
-                    }
-                }
-                None => Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "Invalid request",
-                )),
-            },
+            Ok(size) => self.event_loop.handle(&buf[..size]),
             Err(nix::errno::Errno::ENODEV) => Ok(LoopStep::Finished),
             Err(nix::errno::Errno::EAGAIN) => Err(io::ErrorKind::WouldBlock.into()),
             Err(nix::errno::Errno::ENOENT | nix::errno::Errno::EINTR) => Ok(LoopStep::Continue),
