@@ -21,6 +21,16 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# FUSE over io_uring (Linux 6.14+; the mount uses it when the kernel offers it, and the
+# tests then run through it): the kernel leaves it off until this parameter is set.
+uring=/sys/module/fuse/parameters/enable_uring
+[ -e /sys/module/fuse ] || modprobe fuse 2>/dev/null || true
+if [ -w "$uring" ] && [ "$(cat "$uring")" != Y ]; then
+  if echo Y 2>/dev/null >"$uring"; then
+    echo "setup: enabled FUSE over io_uring" >&2
+  fi
+fi
+
 if ! command -v cargo >/dev/null 2>&1; then
   if [ -x "$HOME/.cargo/bin/cargo" ]; then
     export PATH="$HOME/.cargo/bin:$PATH"

@@ -23,6 +23,7 @@ mod creds;
 mod interrupts;
 mod listing;
 mod loops;
+mod uring;
 mod writebehind;
 
 use creds::GroupCache;
@@ -326,7 +327,7 @@ impl KochabFs {
         c.n_threads = Some(self.inner.config.threads.max(1));
         c.clone_fd = true;
         if loops::on_runtime() {
-            c.loop_runner = Some(loops::runner(self.inner.rt.clone()));
+            c.loop_runner = Some(loops::runner(self.inner.rt.clone(), MAX_WRITE as usize));
         }
         c
     }

@@ -12,10 +12,11 @@
 //! `KOCHAB_FUSE_THREADS=1` in the environment keeps fuser's thread per loop (to measure
 //! the difference).
 
+use crate::uring;
 use fuser::{LoopRunner, LoopStep, RequestLoop};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
@@ -30,20 +31,46 @@ pub fn on_runtime() -> bool {
     std::env::var(THREADS_ENV).map_or(true, |v| v != "1")
 }
 
-/// A runner that starts each request loop as a task on `rt`.
-pub fn runner(rt: tokio::runtime::Handle) -> LoopRunner {
+/// A runner that starts each request loop as a task on `rt`, and with the first loop the
+/// FUSE-over-io_uring queues (`uring`, entries of `ring_payload` bytes) when asked for.
+pub fn runner(rt: tokio::runtime::Handle, ring_payload: usize) -> LoopRunner {
+    let ring: Arc<OnceLock<Option<uring::Ring>>> = Arc::new(OnceLock::new());
     LoopRunner(Arc::new(move |lp: Box<dyn RequestLoop>| {
+        // The loops start after INIT, which a ring registration needs.
+        ring.get_or_init(|| start_ring(lp.as_ref(), ring_payload));
         set_nonblocking(lp.as_fd().as_raw_fd())?;
         let (done, finished) = std::sync::mpsc::channel();
+        let ring = ring.clone();
         rt.spawn(async move {
             let r = run(lp).await;
             if let Err(e) = &r {
                 tracing::error!("FUSE request loop ended: {e}");
             }
+            // The session is over (unmounted): so are the queues.
+            if let Some(Some(ring)) = ring.get() {
+                ring.stop();
+            }
             let _ = done.send(r);
         });
         Ok(finished)
     }))
+}
+
+fn start_ring(lp: &dyn RequestLoop, payload: usize) -> Option<uring::Ring> {
+    if !uring::wanted() {
+        return None;
+    }
+    let started = lp
+        .as_fd()
+        .try_clone_to_owned()
+        .and_then(|dev| uring::Ring::start(dev, lp.dispatcher(), payload));
+    match started {
+        Ok(ring) => Some(ring),
+        Err(e) => {
+            tracing::info!("FUSE over io_uring not started: {e}");
+            None
+        }
+    }
 }
 
 /// A loop, registered with the poller by its descriptor.

@@ -47,6 +47,8 @@ use crate::read_buf::FuseReadBuf;
 use crate::reply::Reply;
 use crate::reply::ReplyRaw;
 use crate::reply::ReplySender;
+use crate::reply::ReplyChannel;
+use crate::request::ReplyTo;
 use crate::request::RequestWithSender;
 
 /// The max size of write requests from the kernel. The absolute minimum is 4k,
@@ -555,7 +557,12 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
     /// Dispatches one request read from the kernel (Kochab patch: shared by the thread
     /// loop above and `OwnedLoop::step`).
     fn handle(&self, request: &[u8]) -> io::Result<LoopStep> {
-        match RequestWithSender::new(self.ch.sender(), request) {
+        self.handle_with(request, ReplyTo::Channel(self.ch.sender()))
+    }
+
+    /// Dispatches one request whose reply goes to `reply_to`.
+    fn handle_with(&self, request: &[u8], reply_to: ReplyTo) -> io::Result<LoopStep> {
+        match RequestWithSender::new(reply_to, request) {
             // Dispatch request
             Some(req) => {
                 if let Ok(Operation::Destroy(_)) = req.request.operation() {
@@ -572,6 +579,23 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 "Invalid request",
             )),
         }
+    }
+}
+
+/// Dispatches requests that arrive another way than by reading /dev/fuse (Kochab patch
+/// 7): FUSE over io_uring hands each request to the file system with a reply channel of
+/// its own (the request's ring entry).
+pub trait Dispatch: Send + Sync {
+    /// Dispatches one request (a FUSE in header and its arguments, as a read of /dev/fuse
+    /// returns them); its reply goes to `reply`.
+    /// # Errors
+    /// A request that does not parse.
+    fn dispatch(&self, request: &[u8], reply: Arc<dyn ReplyChannel>) -> io::Result<LoopStep>;
+}
+
+impl<FS: Filesystem + Send + Sync + 'static> Dispatch for SessionEventLoop<FS> {
+    fn dispatch(&self, request: &[u8], reply: Arc<dyn ReplyChannel>) -> io::Result<LoopStep> {
+        self.handle_with(request, ReplyTo::Custom(reply))
     }
 }
 
@@ -593,6 +617,10 @@ pub trait RequestLoop: AsFd + Send {
     /// `WouldBlock` when no request is queued (a non-blocking descriptor); any other error
     /// ends the loop.
     fn step(&mut self) -> io::Result<LoopStep>;
+
+    /// A dispatcher to the same file system, for requests that arrive another way
+    /// (Kochab patch 7).
+    fn dispatcher(&self) -> Arc<dyn Dispatch>;
 }
 
 /// Starts a request loop on the caller's executor and returns a receiver of the loop's
@@ -647,6 +675,17 @@ impl<FS: Filesystem + Send + Sync + 'static> RequestLoop for OwnedLoop<FS> {
             Err(nix::errno::Errno::ENOENT | nix::errno::Errno::EINTR) => Ok(LoopStep::Continue),
             Err(err) => Err(err.into()),
         }
+    }
+
+    fn dispatcher(&self) -> Arc<dyn Dispatch> {
+        let lp = &self.event_loop;
+        Arc::new(SessionEventLoop {
+            thread_name: format!("{}-dispatch", lp.thread_name),
+            ch: lp.ch.clone(),
+            filesystem: lp.filesystem.clone(),
+            allowed: lp.allowed,
+            session_owner: lp.session_owner,
+        })
     }
 }
 

@@ -1,0 +1,115 @@
+//! FUSE over io_uring (opt-in, `KOCHAB_FUSE_URING=1`): the mount then takes the kernel's
+//! per-CPU request queues when the kernel offers them
+//! (`/sys/module/fuse/parameters/enable_uring`, which scripts/setup.sh sets), and keeps
+//! /dev/fuse when it does not; by default it uses /dev/fuse. This test checks which one a
+//! mount used and runs the same mixed workload over both. (Any FUSE test runs over the
+//! rings with `KOCHAB_FUSE_URING=1` in the test's environment.)
+
+mod common;
+
+use common::{ServerProc, force_unmount, is_mounted};
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+const ANNOUNCED: &str = "FUSE requests arrive through io_uring";
+
+fn kernel_offers_uring() -> bool {
+    fs::read_to_string("/sys/module/fuse/parameters/enable_uring").is_ok_and(|s| s.trim() == "Y")
+}
+
+/// Small requests, and replies and writes as large as a ring entry's payload (1 MiB).
+fn workload(mnt: &Path) {
+    let dir = mnt.join("d");
+    fs::create_dir(&dir).unwrap();
+    for i in 0..300 {
+        fs::write(dir.join(format!("f{i}")), format!("file {i}")).unwrap();
+    }
+    assert_eq!(fs::read_dir(&dir).unwrap().count(), 300);
+    assert_eq!(fs::read(dir.join("f123")).unwrap(), b"file 123");
+    fs::rename(dir.join("f1"), dir.join("renamed")).unwrap();
+    assert!(fs::metadata(dir.join("f1")).is_err());
+
+    let big: Vec<u8> = (0..(3u32 << 20) + 4321).map(|i| (i % 253) as u8).collect();
+    let mut f = fs::File::create(mnt.join("big")).unwrap();
+    for chunk in big.chunks(1 << 20) {
+        f.write_all(chunk).unwrap();
+    }
+    f.sync_all().unwrap();
+    drop(f);
+    assert_eq!(
+        fs::metadata(mnt.join("big")).unwrap().size(),
+        big.len() as u64
+    );
+    let mut back = Vec::new();
+    fs::File::open(mnt.join("big"))
+        .unwrap()
+        .read_to_end(&mut back)
+        .unwrap();
+    assert!(back == big, "the big file reads back as written");
+
+    // A POSIX lock taken and released (the lock and its release on close are requests of
+    // their own).
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(mnt.join("big"))
+        .unwrap();
+    let fl = libc::flock {
+        l_type: libc::F_WRLCK as i16,
+        l_whence: libc::SEEK_SET as i16,
+        l_start: 0,
+        l_len: 10,
+        l_pid: 0,
+    };
+    // SAFETY: F_SETLK with a valid flock on an open descriptor.
+    let r = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_SETLK, &fl) };
+    assert_eq!(r, 0, "lock: {}", std::io::Error::last_os_error());
+    drop(f);
+
+    for i in 0..300 {
+        let p = if i == 1 {
+            dir.join("renamed")
+        } else {
+            dir.join(format!("f{i}"))
+        };
+        fs::remove_file(p).unwrap();
+    }
+    fs::remove_dir(&dir).unwrap();
+    fs::remove_file(mnt.join("big")).unwrap();
+    assert!(fs::metadata(&dir).is_err());
+}
+
+#[test]
+fn asked_for_io_uring_the_mount_takes_it_when_the_kernel_offers_it_and_dev_fuse_otherwise() {
+    for (env, ring_expected) in [(Some("1"), kernel_offers_uring()), (None, false)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mnt = tmp.path().join("mnt");
+        fs::create_dir_all(&mnt).unwrap();
+        let envs: Vec<(&str, &str)> = env.map(|v| ("KOCHAB_FUSE_URING", v)).into_iter().collect();
+        let mut server = ServerProc::start_env(
+            &tmp.path().join("data"),
+            "0",
+            &["--mount", mnt.to_str().unwrap()],
+            &envs,
+        );
+        assert!(is_mounted(&mnt), "log:\n{}", server.log_text());
+        workload(&mnt);
+        let log = server.log_text();
+        assert_eq!(
+            log.contains(ANNOUNCED),
+            ring_expected,
+            "KOCHAB_FUSE_URING={env:?}, kernel offers io_uring: {}; log:\n{log}",
+            kernel_offers_uring()
+        );
+        assert_eq!(
+            server.stop(),
+            Some(0),
+            "a clean exit; log:\n{}",
+            server.log_text()
+        );
+        assert!(!is_mounted(&mnt));
+        force_unmount(&mnt);
+    }
+}

@@ -1,0 +1,513 @@
+//! FUSE over io_uring (Linux 6.14+, `/sys/module/fuse/parameters/enable_uring`).
+//!
+//! With /dev/fuse, a request from a program on one CPU wakes whichever request loop waits
+//! on the device, mostly on the other CPU, and its reply wakes the program back across
+//! CPUs: two cross-CPU wake-ups per request, the dearest part of a request on a virtual
+//! machine. The kernel's io_uring transport has one queue per CPU: a request goes to the
+//! queue of the CPU its program runs on. Here each queue is served by a thread pinned to
+//! that CPU, so a request the mount answers from its caches (a lookup of a name known
+//! absent, a flush or release with nothing to report, a cached attribute) is answered on
+//! the program's own CPU. A request that needs the servers is spawned onto the runtime as
+//! before; its reply is handed back to the queue's thread, which commits it.
+//!
+//! Protocol (kernel `fs/fuse/dev_uring.c`): each ring entry is a header buffer (the in or
+//! out header, the operation's first argument, and the entry's commit id and payload size)
+//! and a payload buffer (the remaining arguments, or the reply's arguments); REGISTER hands
+//! an entry to the kernel, whose completion carries a request; COMMIT_AND_FETCH answers it
+//! and hands the entry back. Until every CPU's queue has an entry the kernel keeps using
+//! /dev/fuse, and forgets and interrupts always come through /dev/fuse: the request loops
+//! keep running beside the queues. The transport is not negotiated in FUSE_INIT, so a
+//! kernel that refuses the registration (the module parameter off) simply keeps /dev/fuse.
+//!
+//! Not the default: `KOCHAB_FUSE_URING=1` in the environment turns it on. Measured on this
+//! project's 2-CPU virtual machine (docs/BENCHMARKS.md, "FUSE over io_uring"), a request
+//! answered in the mount costs a tenth of its /dev/fuse round trip, but one that needs the
+//! servers crosses threads twice more (queue thread to runtime worker and back, where the
+//! runtime's request loop runs it on the worker that read it), and creates in a shared
+//! directory, removes and fs_mark were slower. Running those on the queue's thread too
+//! (its own runtime, connection and server task) is what would make it the default.
+
+use fuser::{Dispatch, ReplyChannel};
+use io_uring::{IoUring, cqueue, opcode, squeue, types};
+use parking_lot::Mutex;
+use std::io::{self, IoSlice};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::ThreadId;
+
+/// Environment variable that turns FUSE over io_uring on (`1`).
+pub const URING_ENV: &str = "KOCHAB_FUSE_URING";
+
+/// Entries per queue: requests of one CPU's programs in the mount at once. A request
+/// beyond them waits in the kernel until an entry is answered, so this must exceed the
+/// requests that can wait on one another (blocked lock requests wait for an unlock).
+const DEPTH: usize = 64;
+
+/// `struct fuse_uring_req_header`: in/out header, first argument, `fuse_uring_ent_in_out`.
+const IN_OUT_SIZE: usize = 128;
+const OP_IN_SIZE: usize = 128;
+const HEADER_SIZE: usize = IN_OUT_SIZE + OP_IN_SIZE + 32;
+/// Offsets in the header buffer of `fuse_uring_ent_in_out.commit_id` and `.payload_sz`.
+const COMMIT_ID_AT: usize = IN_OUT_SIZE + OP_IN_SIZE + 8;
+const PAYLOAD_SZ_AT: usize = IN_OUT_SIZE + OP_IN_SIZE + 16;
+/// `struct fuse_in_header` and `struct fuse_out_header`.
+const IN_HEADER_SIZE: usize = 40;
+const OUT_HEADER_SIZE: usize = 16;
+/// `enum fuse_uring_cmd`.
+const CMD_REGISTER: u32 = 1;
+const CMD_COMMIT_AND_FETCH: u32 = 2;
+/// user_data of the wake-up poll (entries use their index).
+const WAKE: u64 = u64::MAX;
+
+/// Set when the first request arrives through a ring (logged once per process).
+static ANNOUNCED: AtomicBool = AtomicBool::new(false);
+
+/// Whether the mount tries FUSE over io_uring (`KOCHAB_FUSE_URING=1`).
+pub fn wanted() -> bool {
+    std::env::var(URING_ENV).is_ok_and(|v| v == "1")
+}
+
+/// The queues of one mount; dropping it does not stop them (see `stop`).
+pub struct Ring {
+    queues: Vec<Arc<Queue>>,
+}
+
+impl Ring {
+    /// Starts a queue thread per possible CPU, registering ring entries of
+    /// `max_payload` bytes on `dev` (a /dev/fuse descriptor of the session, after INIT).
+    pub fn start(
+        dev: OwnedFd,
+        dispatcher: Arc<dyn Dispatch>,
+        max_payload: usize,
+    ) -> io::Result<Ring> {
+        let dev = Arc::new(dev);
+        let mut queues = Vec::new();
+        for qid in 0..possible_cpus() {
+            let queue = Arc::new(Queue::new(qid, max_payload)?);
+            let (q, dev, dispatcher) = (queue.clone(), dev.clone(), dispatcher.clone());
+            std::thread::Builder::new()
+                .name(format!("fuse-ring-{qid}"))
+                .spawn(move || serve(q, dev, dispatcher))?;
+            queues.push(queue);
+        }
+        Ok(Ring { queues })
+    }
+
+    /// Ends the queue threads once the session is over (each exits when it wakes).
+    pub fn stop(&self) {
+        for q in &self.queues {
+            q.stop.store(true, Ordering::Release);
+            q.wake();
+        }
+    }
+}
+
+/// One ring entry's buffers. They stay where they are for the life of the queue, and the
+/// kernel writes them only between a REGISTER or COMMIT_AND_FETCH and its completion; the
+/// mount reads and writes them only between a completion and the next command, through one
+/// reply at a time (fuser answers each request once).
+struct Entry {
+    header: *mut u8,
+    payload: *mut u8,
+    iov: Box<[libc::iovec; 2]>,
+    commit_id: AtomicU64,
+}
+
+// SAFETY: the raw pointers are to buffers the entry owns (freed in `Drop`), used as the
+// comment on `Entry` says: by one side at a time.
+unsafe impl Send for Entry {}
+// SAFETY: as above.
+unsafe impl Sync for Entry {}
+
+impl Entry {
+    fn new(max_payload: usize) -> Entry {
+        let header = Box::into_raw(vec![0u8; HEADER_SIZE].into_boxed_slice()).cast::<u8>();
+        let payload = Box::into_raw(vec![0u8; max_payload].into_boxed_slice()).cast::<u8>();
+        let iov = Box::new([
+            libc::iovec {
+                iov_base: header.cast(),
+                iov_len: HEADER_SIZE,
+            },
+            libc::iovec {
+                iov_base: payload.cast(),
+                iov_len: max_payload,
+            },
+        ]);
+        Entry {
+            header,
+            payload,
+            iov,
+            commit_id: AtomicU64::new(0),
+        }
+    }
+
+    // Shared entries hand out their buffers mutably: see `Entry` for who may use them when.
+    #[allow(clippy::mut_from_ref)]
+    fn header(&self) -> &mut [u8] {
+        // SAFETY: see `Entry`: the caller owns the entry between completion and command.
+        unsafe { std::slice::from_raw_parts_mut(self.header, HEADER_SIZE) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn payload(&self) -> &mut [u8] {
+        // SAFETY: as `header`.
+        unsafe { std::slice::from_raw_parts_mut(self.payload, self.iov[1].iov_len) }
+    }
+
+    /// Copies the request the kernel put in the entry into `out` as a read of /dev/fuse
+    /// would have returned it: the in header, the first argument, the rest.
+    fn request(&self, out: &mut Vec<u8>) -> io::Result<()> {
+        let header = self.header();
+        let field = |at: usize| {
+            u32::from_ne_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+        };
+        let len = field(0) as usize;
+        let payload = field(PAYLOAD_SZ_AT) as usize;
+        self.commit_id.store(
+            u64::from_ne_bytes(
+                header[COMMIT_ID_AT..COMMIT_ID_AT + 8]
+                    .try_into()
+                    .unwrap_or_default(),
+            ),
+            Ordering::Relaxed,
+        );
+        let first = len
+            .checked_sub(IN_HEADER_SIZE + payload)
+            .filter(|&n| n <= OP_IN_SIZE && payload <= self.iov[1].iov_len)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed ring request"))?;
+        out.clear();
+        out.extend_from_slice(&header[..IN_HEADER_SIZE]);
+        out.extend_from_slice(&header[IN_OUT_SIZE..IN_OUT_SIZE + first]);
+        out.extend_from_slice(&self.payload()[..payload]);
+        Ok(())
+    }
+
+    /// Writes a reply (out header, then arguments) into the entry; false if it is larger
+    /// than the payload buffer.
+    fn put_reply(&self, data: &[IoSlice<'_>]) -> bool {
+        let total: usize = data.iter().map(|s| s.len()).sum();
+        if total < OUT_HEADER_SIZE || total - OUT_HEADER_SIZE > self.iov[1].iov_len {
+            return false;
+        }
+        let (header, payload) = (self.header(), self.payload());
+        let (mut at, mut put) = (0, 0);
+        for s in data {
+            let mut s: &[u8] = s;
+            if at < OUT_HEADER_SIZE {
+                let n = (OUT_HEADER_SIZE - at).min(s.len());
+                header[at..at + n].copy_from_slice(&s[..n]);
+                at += n;
+                s = &s[n..];
+            }
+            payload[put..put + s.len()].copy_from_slice(s);
+            put += s.len();
+        }
+        header[PAYLOAD_SZ_AT..PAYLOAD_SZ_AT + 4].copy_from_slice(&(put as u32).to_ne_bytes());
+        true
+    }
+
+    /// Writes an error reply for the entry's request.
+    fn put_error(&self, errno: i32, unique: u64) {
+        let mut out = [0u8; OUT_HEADER_SIZE];
+        out[..4].copy_from_slice(&(OUT_HEADER_SIZE as u32).to_ne_bytes());
+        out[4..8].copy_from_slice(&(-errno).to_ne_bytes());
+        out[8..].copy_from_slice(&unique.to_ne_bytes());
+        self.put_reply(&[IoSlice::new(&out)]);
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        // SAFETY: both were made by `Box::into_raw` of boxed slices of these lengths in
+        // `new`, and the queue (so the kernel's use of them) is over.
+        unsafe {
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.header,
+                HEADER_SIZE,
+            )));
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.payload,
+                self.iov[1].iov_len,
+            )));
+        }
+    }
+}
+
+/// One CPU's queue: its entries, and the entries answered but not yet committed.
+struct Queue {
+    qid: u16,
+    entries: Box<[Entry]>,
+    answered: Mutex<Vec<u32>>,
+    /// Wakes the queue's thread for answers from other threads (eventfd).
+    wake: OwnedFd,
+    thread: OnceLock<ThreadId>,
+    stop: AtomicBool,
+}
+
+impl Queue {
+    fn new(qid: usize, max_payload: usize) -> io::Result<Queue> {
+        // SAFETY: eventfd with flags only; the descriptor is owned below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Queue {
+            qid: u16::try_from(qid).unwrap_or(u16::MAX),
+            entries: (0..DEPTH).map(|_| Entry::new(max_payload)).collect(),
+            answered: Mutex::new(Vec::with_capacity(DEPTH)),
+            // SAFETY: a descriptor eventfd just returned, owned by nothing else.
+            wake: unsafe { OwnedFd::from_raw_fd(fd) },
+            thread: OnceLock::new(),
+            stop: AtomicBool::new(false),
+        })
+    }
+
+    fn wake(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: an 8-byte write to the queue's eventfd.
+        let _ = unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    /// Entry `index` holds its reply: the queue's thread commits it.
+    fn answered(&self, index: u32) {
+        self.answered.lock().push(index);
+        if self.thread.get() != Some(&std::thread::current().id()) {
+            self.wake();
+        }
+    }
+
+    /// The 80 command bytes of a `struct fuse_uring_cmd_req`.
+    fn command(&self, commit_id: u64) -> [u8; 80] {
+        let mut cmd = [0u8; 80];
+        cmd[8..16].copy_from_slice(&commit_id.to_ne_bytes());
+        cmd[16..18].copy_from_slice(&self.qid.to_ne_bytes());
+        cmd
+    }
+
+    fn register(&self, dev: RawFd, index: usize) -> squeue::Entry128 {
+        let e = &self.entries[index];
+        let sqe = opcode::UringCmd80::new(types::Fd(dev), CMD_REGISTER)
+            .cmd(self.command(0))
+            .addr(Some(e.iov.as_ptr() as u64))
+            .build()
+            .user_data(index as u64);
+        with_len(sqe, 2)
+    }
+
+    fn commit(&self, dev: RawFd, index: usize) -> squeue::Entry128 {
+        let id = self.entries[index].commit_id.load(Ordering::Relaxed);
+        opcode::UringCmd80::new(types::Fd(dev), CMD_COMMIT_AND_FETCH)
+            .cmd(self.command(id))
+            .build()
+            .user_data(index as u64)
+    }
+}
+
+/// Sets an SQE's `len` (the REGISTER command's iovec count), which io-uring's
+/// `UringCmd80` builder does not expose.
+fn with_len(sqe: squeue::Entry128, len: u32) -> squeue::Entry128 {
+    // SAFETY: `Entry128` is `repr(C)`: a 64-byte `io_uring_sqe` and 64 command bytes, 128
+    // bytes in all; `len` is the u32 at byte 24 of `io_uring_sqe`.
+    let mut raw: [u8; 128] = unsafe { std::mem::transmute(sqe) };
+    raw[24..28].copy_from_slice(&len.to_ne_bytes());
+    // SAFETY: the same bytes, one field changed to a valid u32.
+    unsafe { std::mem::transmute(raw) }
+}
+
+/// The reply channel of one ring entry's request.
+#[derive(Debug)]
+struct EntryReply {
+    queue: Arc<Queue>,
+    index: u32,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "fuse ring queue {}", self.qid)
+    }
+}
+
+impl ReplyChannel for EntryReply {
+    fn send(&self, data: &[IoSlice<'_>]) -> io::Result<()> {
+        let e = &self.queue.entries[self.index as usize];
+        let r = if e.put_reply(data) {
+            Ok(())
+        } else {
+            // The request must still be answered, or its program waits forever.
+            e.put_error(libc::EIO, e.commit_id.load(Ordering::Relaxed));
+            Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "reply larger than the ring entry",
+            ))
+        };
+        self.queue.answered(self.index);
+        r
+    }
+}
+
+/// A queue's thread: registers the entries, then dispatches each request the kernel puts
+/// in one and commits the answers, until the session is over.
+fn serve(queue: Arc<Queue>, dev: Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
+    pin_to_cpu(usize::from(queue.qid));
+    let _ = queue.thread.set(std::thread::current().id());
+    let depth = queue.entries.len();
+    let sq = u32::try_from(depth + 1).unwrap_or(u32::MAX);
+    let mut ring: IoUring<squeue::Entry128, cqueue::Entry> = match IoUring::builder()
+        .setup_cqsize(2 * sq)
+        .build(sq)
+    {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::info!("FUSE over io_uring unavailable (io_uring setup: {e}); using /dev/fuse");
+            return;
+        }
+    };
+    let fd = dev.as_raw_fd();
+    let mut pending: Vec<squeue::Entry128> = (0..depth).map(|i| queue.register(fd, i)).collect();
+    pending.push(wake_poll(&queue));
+    let mut live = depth;
+    let mut request = Vec::with_capacity(64 * 1024);
+    let mut logged = false;
+    loop {
+        {
+            let mut sq = ring.submission();
+            // Each entry has at most one command out, so the queue (one slot per entry and
+            // one for the wake-up poll) has room; what would not fit waits for the next turn.
+            pending.retain(|sqe| {
+                // SAFETY: every buffer an SQE names (the entries' iovecs and buffers)
+                // lives as long as the queue, which outlives the ring.
+                unsafe { sq.push(sqe) }.is_err()
+            });
+        }
+        // Leaving would close the ring while the kernel routes this CPU's requests to it
+        // (they would wait forever): an error other than a signal is logged and retried.
+        if let Err(e) = ring.submit_and_wait(1)
+            && e.raw_os_error() != Some(libc::EINTR)
+        {
+            tracing::error!("fuse ring {}: {e}", queue.qid);
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let done: Vec<(u64, i32, u32)> = ring
+            .completion()
+            .map(|c| (c.user_data(), c.result(), c.flags()))
+            .collect();
+        for (data, res, flags) in done {
+            if data == WAKE {
+                drain(&queue.wake);
+                if !cqueue::more(flags) {
+                    pending.push(wake_poll(&queue));
+                }
+                continue;
+            }
+            let Ok(index) = usize::try_from(data) else {
+                continue;
+            };
+            if index >= depth {
+                continue;
+            }
+            if res < 0 {
+                let errno = -res;
+                if errno == libc::ENOTCONN
+                    || errno == libc::ECONNABORTED
+                    || errno == libc::ECANCELED
+                {
+                    live -= 1;
+                } else if errno == libc::EOPNOTSUPP || errno == libc::EINVAL {
+                    live -= 1;
+                    if !logged {
+                        logged = true;
+                        tracing::info!(
+                            "FUSE over io_uring refused ({}); using /dev/fuse (the kernel offers it with \
+                             `echo Y > /sys/module/fuse/parameters/enable_uring`)",
+                            io::Error::from_raw_os_error(errno)
+                        );
+                    }
+                } else {
+                    // A commit the kernel could not match (its request ended meanwhile):
+                    // the entry is out of the ring; hand it back.
+                    tracing::debug!(
+                        "fuse ring {}: entry {index}: {}",
+                        queue.qid,
+                        io::Error::from_raw_os_error(errno)
+                    );
+                    if errno == libc::EAGAIN {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    pending.push(queue.register(fd, index));
+                }
+                continue;
+            }
+            if !ANNOUNCED.swap(true, Ordering::Relaxed) {
+                tracing::info!("FUSE requests arrive through io_uring (a queue per CPU)");
+            }
+            let entry = &queue.entries[index];
+            let reply: Arc<dyn ReplyChannel> = Arc::new(EntryReply {
+                queue: queue.clone(),
+                index: index as u32,
+            });
+            // A request that does not parse is not dispatched (so not answered): EIO.
+            let dispatched = entry
+                .request(&mut request)
+                .and_then(|()| dispatcher.dispatch(&request, reply));
+            if let Err(e) = dispatched {
+                tracing::error!("fuse ring {}: {e}", queue.qid);
+                entry.put_error(libc::EIO, entry.commit_id.load(Ordering::Relaxed));
+                queue.answered(index as u32);
+            }
+        }
+        for index in std::mem::take(&mut *queue.answered.lock()) {
+            pending.push(queue.commit(fd, index as usize));
+        }
+        if live == 0 || queue.stop.load(Ordering::Acquire) {
+            return;
+        }
+    }
+}
+
+fn wake_poll(queue: &Queue) -> squeue::Entry128 {
+    opcode::PollAdd::new(types::Fd(queue.wake.as_raw_fd()), libc::POLLIN as u32)
+        .multi(true)
+        .build()
+        .user_data(WAKE)
+        .into()
+}
+
+fn drain(fd: &OwnedFd) {
+    let mut buf = [0u8; 8];
+    // SAFETY: an 8-byte read from a non-blocking eventfd into a local buffer.
+    let _ = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
+}
+
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET stays within it for cpu < 1024.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if cpu < 1024 {
+            libc::CPU_SET(cpu, &mut set);
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                tracing::debug!(
+                    "fuse ring {cpu}: not pinned: {}",
+                    io::Error::last_os_error()
+                );
+            }
+        }
+    }
+}
+
+/// The kernel's queue count: its possible CPUs ("0-3" or "0,2-5").
+fn possible_cpus() -> usize {
+    let parse = |s: &str| -> Option<usize> {
+        let mut max = 0;
+        for part in s.trim().split(',') {
+            let last = part.rsplit('-').next()?.trim().parse::<usize>().ok()?;
+            max = max.max(last + 1);
+        }
+        Some(max)
+    };
+    std::fs::read_to_string("/sys/devices/system/cpu/possible")
+        .ok()
+        .and_then(|s| parse(&s))
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
