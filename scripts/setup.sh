@@ -21,8 +21,8 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# FUSE over io_uring (Linux 6.14+; the mount uses it when the kernel offers it, and the
-# tests then run through it): the kernel leaves it off until this parameter is set.
+# FUSE over io_uring (Linux 6.14+): the kernel leaves it off until this parameter is set.
+# A mount takes it only when asked (KOCHAB_FUSE_URING=1); its test needs the kernel's.
 uring=/sys/module/fuse/parameters/enable_uring
 [ -e /sys/module/fuse ] || modprobe fuse 2>/dev/null || true
 if [ -w "$uring" ] && [ "$(cat "$uring")" != Y ]; then
