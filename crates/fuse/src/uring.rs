@@ -208,7 +208,8 @@ impl Entry {
     }
 
     /// Writes an error reply for the entry's request.
-    fn put_error(&self, errno: i32, unique: u64) {
+    fn put_error(&self, errno: i32) {
+        let unique = self.commit_id.load(Ordering::Relaxed);
         let mut out = [0u8; OUT_HEADER_SIZE];
         out[..4].copy_from_slice(&(OUT_HEADER_SIZE as u32).to_ne_bytes());
         out[4..8].copy_from_slice(&(-errno).to_ne_bytes());
@@ -335,7 +336,7 @@ impl ReplyChannel for EntryReply {
             Ok(())
         } else {
             // The request must still be answered, or its program waits forever.
-            e.put_error(libc::EIO, e.commit_id.load(Ordering::Relaxed));
+            e.put_error(libc::EIO);
             Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "reply larger than the ring entry",
@@ -368,6 +369,8 @@ fn serve(queue: Arc<Queue>, dev: Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
     pending.push(wake_poll(&queue));
     let mut live = depth;
     let mut request = Vec::with_capacity(64 * 1024);
+    let mut done: Vec<(u64, i32, u32)> = Vec::with_capacity(2 * (depth + 1));
+    let mut commits: Vec<u32> = Vec::with_capacity(depth);
     let mut logged = false;
     loop {
         {
@@ -388,11 +391,13 @@ fn serve(queue: Arc<Queue>, dev: Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
             tracing::error!("fuse ring {}: {e}", queue.qid);
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        let done: Vec<(u64, i32, u32)> = ring
-            .completion()
-            .map(|c| (c.user_data(), c.result(), c.flags()))
-            .collect();
-        for (data, res, flags) in done {
+        // Buffers kept from turn to turn: nothing is allocated per turn.
+        done.clear();
+        done.extend(
+            ring.completion()
+                .map(|c| (c.user_data(), c.result(), c.flags())),
+        );
+        for &(data, res, flags) in &done {
             if data == WAKE {
                 drain(&queue.wake);
                 if !cqueue::more(flags) {
@@ -452,11 +457,12 @@ fn serve(queue: Arc<Queue>, dev: Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
                 .and_then(|()| dispatcher.dispatch(&request, reply));
             if let Err(e) = dispatched {
                 tracing::error!("fuse ring {}: {e}", queue.qid);
-                entry.put_error(libc::EIO, entry.commit_id.load(Ordering::Relaxed));
+                entry.put_error(libc::EIO);
                 queue.answered(index as u32);
             }
         }
-        for index in std::mem::take(&mut *queue.answered.lock()) {
+        std::mem::swap(&mut *queue.answered.lock(), &mut commits);
+        for index in commits.drain(..) {
             pending.push(queue.commit(fd, index as usize));
         }
         if live == 0 || queue.stop.load(Ordering::Acquire) {
