@@ -22,7 +22,7 @@ if ((${#missing[@]})); then
 fi
 
 # FUSE over io_uring (Linux 6.14+): the kernel leaves it off until this parameter is set.
-# A mount takes it only when asked (KOCHAB_FUSE_URING=1); its test needs the kernel's.
+# Mounts take it by default where it is on (KOCHAB_FUSE_URING=0 keeps /dev/fuse).
 uring=/sys/module/fuse/parameters/enable_uring
 [ -e /sys/module/fuse ] || modprobe fuse 2>/dev/null || true
 if [ -w "$uring" ] && [ "$(cat "$uring")" != Y ]; then

@@ -1,9 +1,10 @@
-//! FUSE over io_uring (opt-in, `KOCHAB_FUSE_URING=1`): the mount then takes the kernel's
-//! per-CPU request queues when the kernel offers them
+//! FUSE over io_uring (the default; `KOCHAB_FUSE_URING=0` turns it off): a mount takes the
+//! kernel's per-CPU request queues when the kernel offers them
 //! (`/sys/module/fuse/parameters/enable_uring`, which scripts/setup.sh sets), and keeps
-//! /dev/fuse when it does not; by default it uses /dev/fuse. This test checks which one a
-//! mount used and runs the same mixed workload over both. (Any FUSE test runs over the
-//! rings with `KOCHAB_FUSE_URING=1` in the test's environment.)
+//! /dev/fuse when it does not or is told so. This test checks which one a mount used and
+//! runs the same mixed workload over both. (Every other FUSE test runs over the rings
+//! where the kernel offers them, and over /dev/fuse with `KOCHAB_FUSE_URING=0` in the
+//! test's environment.)
 
 mod common;
 
@@ -82,8 +83,8 @@ fn workload(mnt: &Path) {
 }
 
 #[test]
-fn asked_for_io_uring_the_mount_takes_it_when_the_kernel_offers_it_and_dev_fuse_otherwise() {
-    for (env, ring_expected) in [(Some("1"), kernel_offers_uring()), (None, false)] {
+fn the_mount_takes_io_uring_when_the_kernel_offers_it_and_dev_fuse_otherwise_or_when_told() {
+    for (env, ring_expected) in [(Some("1"), kernel_offers_uring()), (Some("0"), false)] {
         let tmp = tempfile::tempdir().unwrap();
         let mnt = tmp.path().join("mnt");
         fs::create_dir_all(&mnt).unwrap();

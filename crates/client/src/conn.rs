@@ -128,7 +128,10 @@ impl Conn {
         leases: bool,
     ) -> Result<Arc<Conn>, ConnError> {
         let lost = |e: std::io::Error| ConnError::Lost(format!("{addr}: {e}"));
-        let (rd, mut wr): (Rd, Wr) = match kochab_local::connect(addr) {
+        // A lane's connection is served on the lane's runtime (see `pool::set_lane`).
+        let serve_here =
+            crate::pool::lane().and_then(|_| tokio::runtime::Handle::try_current().ok());
+        let (rd, mut wr): (Rd, Wr) = match kochab_local::connect(addr, serve_here) {
             // A server of this process: no socket, no TLS (nothing crosses a wire); the
             // key handshake below still runs.
             Some(stream) => {
@@ -321,6 +324,20 @@ async fn read_frame(frames: &mut Frames) -> Result<Frame, ConnError> {
     }
 }
 
+/// Fails the connection however its reader ends, also when its task is dropped unfinished
+/// (with the runtime it ran on: a lane's, see `pool::set_lane`), so that no caller waits
+/// for a reply that cannot come and the next one reconnects.
+struct Ended {
+    pending: Arc<Pending>,
+    alive: Arc<AtomicBool>,
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        fail_all(&self.pending, &self.alive, "connection ended");
+    }
+}
+
 fn fail_all(pending: &Pending, alive: &AtomicBool, why: &str) {
     alive.store(false, Ordering::Release);
     let waiters: Vec<_> = pending.lock().drain().collect();
@@ -395,6 +412,10 @@ async fn read_loop(
     alive: Arc<AtomicBool>,
     notes: Notes,
 ) {
+    let _ended = Ended {
+        pending: pending.clone(),
+        alive: alive.clone(),
+    };
     loop {
         let f = match kochab_proto::codec::next(&mut frames).await {
             Some(Ok(f)) => f,

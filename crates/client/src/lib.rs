@@ -29,6 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub use kochab_proto as proto;
+pub use pool::set_lane;
 
 /// Most symlinks followed while resolving one path (Linux's limit).
 pub const SYMLINK_FOLLOW_MAX: u32 = 40;

@@ -1,15 +1,38 @@
 //! Connections to every server the client talks to: a few multiplexed connections per
-//! address, opened on first use and reopened after a failure.
+//! address, opened on first use and reopened after a failure, and one per lane (see
+//! [`set_lane`]).
 
 use crate::conn::{Conn, ConnError};
 use kochab_proto::auth::ClientKey;
 use kochab_proto::*;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
+use std::cell::Cell;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+
+thread_local! {
+    static LANE: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Gives the requests this thread makes connections of their own, lane `lane`'s, opened
+/// from this thread: their I/O tasks, and for a server of this process the server's side
+/// of them, run on the runtime this thread drives. A thread that drives a current-thread
+/// runtime (the mount's per-CPU FUSE queues) then serves a request from start to end
+/// without waking another thread. Requests made on other threads never use a lane's
+/// connections; `None` returns this thread to the shared ones.
+pub fn set_lane(lane: Option<usize>) {
+    LANE.with(|l| l.set(lane));
+}
+
+/// This thread's lane, if it has one.
+pub(crate) fn lane() -> Option<usize> {
+    LANE.with(Cell::get)
+}
+
+type Slot = Arc<tokio::sync::Mutex<Option<Arc<Conn>>>>;
 
 /// How connections are made.
 pub(crate) struct Dial {
@@ -25,8 +48,10 @@ pub(crate) struct Dial {
 
 /// The connections to one server.
 struct Slots {
-    slots: Vec<tokio::sync::Mutex<Option<Arc<Conn>>>>,
+    slots: Vec<Slot>,
     next: AtomicUsize,
+    /// Each lane's connection.
+    lanes: Mutex<FxHashMap<usize, Slot>>,
 }
 
 /// One pool per server address.
@@ -57,16 +82,21 @@ impl Pool {
                 .entry(addr.clone())
                 .or_insert_with(|| {
                     Arc::new(Slots {
-                        slots: (0..self.per_server)
-                            .map(|_| tokio::sync::Mutex::new(None))
-                            .collect(),
+                        slots: (0..self.per_server).map(|_| Slot::default()).collect(),
                         next: AtomicUsize::new(0),
+                        lanes: Mutex::default(),
                     })
                 })
                 .clone()
         };
-        let i = slots.next.fetch_add(1, Ordering::Relaxed) % slots.slots.len();
-        let mut guard = slots.slots[i].lock().await;
+        let slot = match lane() {
+            Some(l) => slots.lanes.lock().entry(l).or_default().clone(),
+            None => {
+                let i = slots.next.fetch_add(1, Ordering::Relaxed) % slots.slots.len();
+                slots.slots[i].clone()
+            }
+        };
+        let mut guard = slot.lock().await;
         if let Some(c) = guard.as_ref()
             && c.is_alive()
         {

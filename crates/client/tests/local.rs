@@ -47,3 +47,74 @@ async fn a_server_of_this_process_is_reached_without_a_socket() {
     let again = Client::connect(ClientConfig::with_entries(vec![addr], key)).await;
     assert!(again.is_err(), "a shut-down server refuses new clients");
 }
+
+/// A client lane (`set_lane`) on a thread that drives a runtime of its own, as the mount's
+/// FUSE queues do: its requests go over a connection of its own, which the server of this
+/// process serves on that runtime; when the runtime goes away the connection ends with it,
+/// for the server too (uncounted), and the lane's next runtime connects again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_is_served_on_its_own_runtime_and_ends_with_it() {
+    use std::sync::atomic::Ordering;
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(ServerConfig::new(
+        tmp.path(),
+        "127.0.0.1:0".parse().unwrap(),
+    ))
+    .await
+    .unwrap();
+    let c = Client::connect(ClientConfig::with_entries(vec![a.addr], a.key))
+        .await
+        .unwrap();
+    let cred = Credentials::root();
+    let d = c.mkdir(&cred, c.root(), b"d", 0o755).await.unwrap();
+    let shared_conns = a.shared().connections.load(Ordering::Relaxed);
+    let on_lane = |name: &'static [u8]| {
+        let (c, counted) = (c.clone(), a.shared().clone());
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            kochab_client::set_lane(Some(0));
+            let served = rt.block_on(async {
+                let f = c
+                    .create(&Credentials::root(), d.id, name, 0o644)
+                    .await
+                    .unwrap();
+                (f.id, counted.connections.load(Ordering::Relaxed))
+            });
+            kochab_client::set_lane(None);
+            drop(rt);
+            served
+        })
+    };
+    for name in [&b"one"[..], b"two"] {
+        let (_, during) = tokio::task::spawn_blocking({
+            let t = on_lane(name);
+            move || t.join().unwrap()
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            during,
+            shared_conns + 1,
+            "the lane has a connection of its own"
+        );
+        assert_eq!(
+            a.shared().connections.load(Ordering::Relaxed),
+            shared_conns,
+            "gone with the lane's runtime"
+        );
+    }
+    // Both creates are there for everyone.
+    let names: Vec<Vec<u8>> = c
+        .readdir_all(&cred, d.id, false)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert!(names.contains(&b"one".to_vec()) && names.contains(&b"two".to_vec()));
+    c.end_session().await.unwrap();
+    a.shutdown().await;
+}

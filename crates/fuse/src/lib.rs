@@ -344,9 +344,12 @@ impl KochabFs {
             .credentials(req.uid(), req.gid(), req.pid());
         let inner = self.inner.clone();
         let arrived = Instant::now();
-        self.inner
-            .rt
-            .spawn(coherence::ARRIVED.scope(arrived, async move { f(inner, cred).await }));
+        let task = coherence::ARRIVED.scope(arrived, async move { f(inner, cred).await });
+        // A request from a FUSE queue runs on that queue's thread (see `uring`).
+        match uring::queue_runtime() {
+            Some(rt) => drop(rt.spawn(task)),
+            None => drop(self.inner.rt.spawn(task)),
+        }
     }
 }
 

@@ -1,42 +1,45 @@
-//! FUSE over io_uring (Linux 6.14+, `/sys/module/fuse/parameters/enable_uring`).
+//! FUSE over io_uring (Linux 6.14+, `/sys/module/fuse/parameters/enable_uring`), the
+//! mount's default transport where the kernel offers it.
 //!
 //! With /dev/fuse, a request from a program on one CPU wakes whichever request loop waits
 //! on the device, mostly on the other CPU, and its reply wakes the program back across
 //! CPUs: two cross-CPU wake-ups per request, the dearest part of a request on a virtual
 //! machine. The kernel's io_uring transport has one queue per CPU: a request goes to the
 //! queue of the CPU its program runs on. Here each queue is served by a thread pinned to
-//! that CPU, so a request the mount answers from its caches (a lookup of a name known
-//! absent, a flush or release with nothing to report, a cached attribute) is answered on
-//! the program's own CPU. A request that needs the servers is spawned onto the runtime as
-//! before; its reply is handed back to the queue's thread, which commits it.
+//! that CPU, which drives a runtime of its own: a request the mount answers from its
+//! caches (a lookup of a name known absent, a flush or release with nothing to report, a
+//! cached attribute, a small write held back) is answered in the turn that took it, and one
+//! that needs the servers runs as a task of that runtime, over the queue's own connections
+//! (a client lane, `kochab_client::set_lane`) whose server side, for a server of this
+//! process, runs there too (`kochab_local`). A request is served on its program's CPU from
+//! start to end without waking another thread; only the journal's flush and what other
+//! mounts or servers must do happen elsewhere.
 //!
 //! Protocol (kernel `fs/fuse/dev_uring.c`): each ring entry is a header buffer (the in or
 //! out header, the operation's first argument, and the entry's commit id and payload size)
 //! and a payload buffer (the remaining arguments, or the reply's arguments); REGISTER hands
 //! an entry to the kernel, whose completion carries a request; COMMIT_AND_FETCH answers it
-//! and hands the entry back. Until every CPU's queue has an entry the kernel keeps using
-//! /dev/fuse, and forgets and interrupts always come through /dev/fuse: the request loops
-//! keep running beside the queues. The transport is not negotiated in FUSE_INIT, so a
-//! kernel that refuses the registration (the module parameter off) simply keeps /dev/fuse.
+//! and hands the entry back. The kernel delivers an entry's next request through task work
+//! of the thread that submitted its last command, so every command is submitted by the
+//! queue's thread. Until every CPU's queue has an entry the kernel keeps using /dev/fuse,
+//! and forgets and interrupts always come through /dev/fuse: the request loops keep running
+//! beside the queues. The transport is not negotiated in FUSE_INIT, so a kernel that
+//! refuses the registration (the module parameter off) simply keeps /dev/fuse.
 //!
-//! Not the default: `KOCHAB_FUSE_URING=1` in the environment turns it on. Measured on this
-//! project's 2-CPU virtual machine (docs/BENCHMARKS.md, "FUSE over io_uring"), a request
-//! answered in the mount costs a tenth of its /dev/fuse round trip, but one that needs the
-//! servers crosses threads twice more (queue thread to runtime worker and back, where the
-//! runtime's request loop runs it on the worker that read it), and creates in a shared
-//! directory, removes and fs_mark were slower. Running those on the queue's thread too
-//! (its own runtime, connection and server task) is what would make it the default.
+//! `KOCHAB_FUSE_URING=0` in the environment keeps /dev/fuse (to measure the difference:
+//! docs/BENCHMARKS.md, "FUSE over io_uring").
 
 use fuser::{Dispatch, ReplyChannel};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use parking_lot::Mutex;
 use std::io::{self, IoSlice};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::thread::ThreadId;
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
 
-/// Environment variable that turns FUSE over io_uring on (`1`).
+/// Environment variable that turns FUSE over io_uring off (`0`).
 pub const URING_ENV: &str = "KOCHAB_FUSE_URING";
 
 /// Entries per queue: requests of one CPU's programs in the mount at once. A request
@@ -57,15 +60,12 @@ const OUT_HEADER_SIZE: usize = 16;
 /// `enum fuse_uring_cmd`.
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
-/// user_data of the wake-up poll (entries use their index).
-const WAKE: u64 = u64::MAX;
-
 /// Set when the first request arrives through a ring (logged once per process).
 static ANNOUNCED: AtomicBool = AtomicBool::new(false);
 
-/// Whether the mount tries FUSE over io_uring (`KOCHAB_FUSE_URING=1`).
+/// Whether the mount tries FUSE over io_uring (unless `KOCHAB_FUSE_URING=0`).
 pub fn wanted() -> bool {
-    std::env::var(URING_ENV).is_ok_and(|v| v == "1")
+    std::env::var(URING_ENV).map_or(true, |v| v != "0")
 }
 
 /// The queues of one mount; dropping it does not stop them (see `stop`).
@@ -84,7 +84,7 @@ impl Ring {
         let dev = Arc::new(dev);
         let mut queues = Vec::new();
         for qid in 0..possible_cpus() {
-            let queue = Arc::new(Queue::new(qid, max_payload)?);
+            let queue = Arc::new(Queue::new(qid, max_payload));
             let (q, dev, dispatcher) = (queue.clone(), dev.clone(), dispatcher.clone());
             std::thread::Builder::new()
                 .name(format!("fuse-ring-{qid}"))
@@ -98,7 +98,7 @@ impl Ring {
     pub fn stop(&self) {
         for q in &self.queues {
             q.stop.store(true, Ordering::Release);
-            q.wake();
+            q.notify.notify_one();
         }
     }
 }
@@ -240,42 +240,27 @@ struct Queue {
     qid: u16,
     entries: Box<[Entry]>,
     answered: Mutex<Vec<u32>>,
-    /// Wakes the queue's thread for answers from other threads (eventfd).
-    wake: OwnedFd,
-    thread: OnceLock<ThreadId>,
+    /// Wakes the queue's thread: answers are in, or the session is over.
+    notify: tokio::sync::Notify,
     stop: AtomicBool,
 }
 
 impl Queue {
-    fn new(qid: usize, max_payload: usize) -> io::Result<Queue> {
-        // SAFETY: eventfd with flags only; the descriptor is owned below.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Queue {
+    fn new(qid: usize, max_payload: usize) -> Queue {
+        Queue {
             qid: u16::try_from(qid).unwrap_or(u16::MAX),
             entries: (0..DEPTH).map(|_| Entry::new(max_payload)).collect(),
             answered: Mutex::new(Vec::with_capacity(DEPTH)),
-            // SAFETY: a descriptor eventfd just returned, owned by nothing else.
-            wake: unsafe { OwnedFd::from_raw_fd(fd) },
-            thread: OnceLock::new(),
+            notify: tokio::sync::Notify::new(),
             stop: AtomicBool::new(false),
-        })
-    }
-
-    fn wake(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: an 8-byte write to the queue's eventfd.
-        let _ = unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+        }
     }
 
     /// Entry `index` holds its reply: the queue's thread commits it.
     fn answered(&self, index: u32) {
         self.answered.lock().push(index);
-        if self.thread.get() != Some(&std::thread::current().id()) {
-            self.wake();
-        }
+        // From the queue's own thread too: a request's task answers while the ring waits.
+        self.notify.notify_one();
     }
 
     /// The 80 command bytes of a `struct fuse_uring_cmd_req`.
@@ -347,13 +332,58 @@ impl ReplyChannel for EntryReply {
     }
 }
 
-/// A queue's thread: registers the entries, then dispatches each request the kernel puts
-/// in one and commits the answers, until the session is over.
+thread_local! {
+    /// The runtime of the queue whose thread this is.
+    static QUEUE_RUNTIME: std::cell::RefCell<Option<tokio::runtime::Handle>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// On a queue's thread, the runtime that thread drives: a request that needs the servers
+/// runs there, start to end.
+pub fn queue_runtime() -> Option<tokio::runtime::Handle> {
+    QUEUE_RUNTIME.with(|r| r.borrow().clone())
+}
+
+/// A queue's thread: drives a runtime of its own, on which it serves the ring and runs the
+/// requests that need the servers, over connections of its own (a client lane, see
+/// `kochab_client::set_lane`), whose server side, for a server of this process, runs there
+/// too: a request is served on the CPU its program runs on without waking another thread.
 fn serve(queue: Arc<Queue>, dev: Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
     pin_to_cpu(usize::from(queue.qid));
-    let _ = queue.thread.set(std::thread::current().id());
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::info!("FUSE over io_uring unavailable (no runtime: {e}); using /dev/fuse");
+            return;
+        }
+    };
+    QUEUE_RUNTIME.with(|r| *r.borrow_mut() = Some(rt.handle().clone()));
+    kochab_client::set_lane(Some(usize::from(queue.qid)));
+    rt.block_on(serve_ring(&queue, &dev, dispatcher.as_ref()));
+    // The session is over: the queue's tasks (requests, connections) end with its runtime,
+    // without waiting for blocking calls they started.
+    kochab_client::set_lane(None);
+    QUEUE_RUNTIME.with(|r| *r.borrow_mut() = None);
+    rt.shutdown_background();
+}
+
+/// The ring's descriptor, for the runtime's poller (readable: completions are in).
+struct RingFd(RawFd);
+
+impl AsRawFd for RingFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// Registers the queue's entries, then dispatches each request the kernel puts in one and
+/// commits the answers, until the session is over.
+async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch) {
     let depth = queue.entries.len();
-    let sq = u32::try_from(depth + 1).unwrap_or(u32::MAX);
+    let sq = u32::try_from(depth).unwrap_or(u32::MAX);
     let mut ring: IoUring<squeue::Entry128, cqueue::Entry> = match IoUring::builder()
         .setup_cqsize(2 * sq)
         .build(sq)
@@ -364,47 +394,69 @@ fn serve(queue: Arc<Queue>, dev: Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
             return;
         }
     };
+    // Declared after the ring, so dropped (deregistered) before the ring's descriptor closes.
+    // SAFETY: the descriptor is the ring's, open until the ring is dropped, after `ready`.
+    let registered =
+        unsafe { AsyncFd::register_with_interest(RingFd(ring.as_raw_fd()), Interest::READABLE) };
+    let ready = match registered {
+        Ok(r) => r,
+        Err(e) => {
+            let e = e.into_parts().1;
+            tracing::info!("FUSE over io_uring unavailable (poller: {e}); using /dev/fuse");
+            return;
+        }
+    };
     let fd = dev.as_raw_fd();
     let mut pending: Vec<squeue::Entry128> = (0..depth).map(|i| queue.register(fd, i)).collect();
-    pending.push(wake_poll(&queue));
     let mut live = depth;
     let mut request = Vec::with_capacity(64 * 1024);
-    let mut done: Vec<(u64, i32, u32)> = Vec::with_capacity(2 * (depth + 1));
+    let mut done: Vec<(u64, i32)> = Vec::with_capacity(2 * depth);
     let mut commits: Vec<u32> = Vec::with_capacity(depth);
     let mut logged = false;
     loop {
-        {
-            let mut sq = ring.submission();
-            // Each entry has at most one command out, so the queue (one slot per entry and
-            // one for the wake-up poll) has room; what would not fit waits for the next turn.
-            pending.retain(|sqe| {
-                // SAFETY: every buffer an SQE names (the entries' iovecs and buffers)
-                // lives as long as the queue, which outlives the ring.
-                unsafe { sq.push(sqe) }.is_err()
-            });
-        }
-        // Leaving would close the ring while the kernel routes this CPU's requests to it
-        // (they would wait forever): an error other than a signal is logged and retried.
-        if let Err(e) = ring.submit_and_wait(1)
-            && e.raw_os_error() != Some(libc::EINTR)
-        {
-            tracing::error!("fuse ring {}: {e}", queue.qid);
-            std::thread::sleep(std::time::Duration::from_millis(10));
+        if !pending.is_empty() {
+            {
+                let mut sq = ring.submission();
+                // Each entry has at most one command out, so the queue (a slot per entry)
+                // has room; what would not fit waits for the next turn.
+                pending.retain(|sqe| {
+                    // SAFETY: every buffer an SQE names (the entries' iovecs and buffers)
+                    // lives as long as the queue, which outlives the ring.
+                    unsafe { sq.push(sqe) }.is_err()
+                });
+            }
+            // Leaving would close the ring while the kernel routes this CPU's requests to
+            // it (they would wait forever): an error other than a signal is logged and
+            // retried.
+            if let Err(e) = ring.submit()
+                && e.raw_os_error() != Some(libc::EINTR)
+            {
+                tracing::error!("fuse ring {}: {e}", queue.qid);
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
         }
         // Buffers kept from turn to turn: nothing is allocated per turn.
         done.clear();
-        done.extend(
-            ring.completion()
-                .map(|c| (c.user_data(), c.result(), c.flags())),
-        );
-        for &(data, res, flags) in &done {
-            if data == WAKE {
-                drain(&queue.wake);
-                if !cqueue::more(flags) {
-                    pending.push(wake_poll(&queue));
-                }
-                continue;
+        done.extend(ring.completion().map(|c| (c.user_data(), c.result())));
+        if done.is_empty() && queue.answered.lock().is_empty() {
+            if live == 0 || queue.stop.load(Ordering::Acquire) {
+                return;
             }
+            // Nothing to do: wait for a completion or an answer. Readiness is cleared
+            // before the completions are looked at again, so none is missed.
+            tokio::select! {
+                r = ready.readable() => match r {
+                    Ok(mut guard) => guard.clear_ready(),
+                    Err(e) => {
+                        tracing::error!("fuse ring {}: poller: {e}", queue.qid);
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    }
+                },
+                () = queue.notify.notified() => {}
+            }
+            continue;
+        }
+        for &(data, res) in &done {
             let Ok(index) = usize::try_from(data) else {
                 continue;
             };
@@ -437,7 +489,7 @@ fn serve(queue: Arc<Queue>, dev: Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
                         io::Error::from_raw_os_error(errno)
                     );
                     if errno == libc::EAGAIN {
-                        std::thread::sleep(std::time::Duration::from_millis(1));
+                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
                     }
                     pending.push(queue.register(fd, index));
                 }
@@ -465,24 +517,9 @@ fn serve(queue: Arc<Queue>, dev: Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
         for index in commits.drain(..) {
             pending.push(queue.commit(fd, index as usize));
         }
-        if live == 0 || queue.stop.load(Ordering::Acquire) {
-            return;
-        }
+        // Let the requests this turn spawned run before the next turn.
+        tokio::task::yield_now().await;
     }
-}
-
-fn wake_poll(queue: &Queue) -> squeue::Entry128 {
-    opcode::PollAdd::new(types::Fd(queue.wake.as_raw_fd()), libc::POLLIN as u32)
-        .multi(true)
-        .build()
-        .user_data(WAKE)
-        .into()
-}
-
-fn drain(fd: &OwnedFd) {
-    let mut buf = [0u8; 8];
-    // SAFETY: an 8-byte read from a non-blocking eventfd into a local buffer.
-    let _ = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
 }
 
 fn pin_to_cpu(cpu: usize) {

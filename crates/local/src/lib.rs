@@ -9,7 +9,9 @@
 //! server is in another process, uses TCP as before: nothing here is visible on the wire.
 //!
 //! A server registers the address it listens on ([`listen`]); a client asks for that
-//! address ([`connect`]) before it dials it.
+//! address ([`connect`]) before it dials it. A client may ask for the server's side of its
+//! connection to run on a runtime of its choosing (its own thread's, see
+//! `kochab_client::set_lane`), so that a request and its reply never leave that thread.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -29,7 +31,16 @@ pub const DISABLE_ENV: &str = "KOCHAB_NO_LOCAL_CONNECTIONS";
 
 struct Registered {
     id: u64,
-    accept: mpsc::UnboundedSender<Stream>,
+    accept: mpsc::UnboundedSender<Incoming>,
+}
+
+/// A connection a client of this process made.
+pub struct Incoming {
+    /// The server's end.
+    pub stream: Stream,
+    /// Where the client asks the server to run its side of the connection (`None`: where
+    /// the server runs its connections).
+    pub runtime: Option<tokio::runtime::Handle>,
 }
 
 static LISTENERS: LazyLock<Mutex<HashMap<SocketAddr, Registered>>> =
@@ -47,7 +58,7 @@ fn listeners() -> std::sync::MutexGuard<'static, HashMap<SocketAddr, Registered>
 pub struct Listener {
     addr: SocketAddr,
     id: u64,
-    incoming: mpsc::UnboundedReceiver<Stream>,
+    incoming: mpsc::UnboundedReceiver<Incoming>,
 }
 
 /// Registers `addr` (the address a server's TCP listener is bound to) for in-process
@@ -62,7 +73,7 @@ pub fn listen(addr: SocketAddr) -> Listener {
 
 impl Listener {
     /// The next in-process connection (never ends while the listener lives).
-    pub async fn accept(&mut self) -> Stream {
+    pub async fn accept(&mut self) -> Incoming {
         match self.incoming.recv().await {
             Some(s) => s,
             // Unreachable while registered (the map holds a sender): wait forever, as an
@@ -82,8 +93,9 @@ impl Drop for Listener {
 }
 
 /// An in-process connection to the server listening on `addr` in this process, if there
-/// is one (and they are not turned off); `None` means dial TCP.
-pub fn connect(addr: SocketAddr) -> Option<Stream> {
+/// is one (and they are not turned off), served by the server on `runtime` if given;
+/// `None` means dial TCP.
+pub fn connect(addr: SocketAddr, runtime: Option<tokio::runtime::Handle>) -> Option<Stream> {
     if *DISABLED {
         return None;
     }
@@ -98,7 +110,12 @@ pub fn connect(addr: SocketAddr) -> Option<Stream> {
         .get(&addr)
         .or_else(|| map.get(&SocketAddr::new(unspecified, addr.port())))?;
     let (client, server) = tokio::io::duplex(BUFFER_BYTES);
-    reg.accept.send(server).ok()?;
+    reg.accept
+        .send(Incoming {
+            stream: server,
+            runtime,
+        })
+        .ok()?;
     Some(client)
 }
 
@@ -111,8 +128,8 @@ mod tests {
     async fn bytes_cross_and_the_end_is_seen() {
         let addr: SocketAddr = "127.0.0.1:61001".parse().unwrap();
         let mut l = listen(addr);
-        let mut c = connect(addr).expect("registered");
-        let mut s = l.accept().await;
+        let mut c = connect(addr, None).expect("registered");
+        let mut s = l.accept().await.stream;
         c.write_all(b"ping").await.unwrap();
         let mut buf = [0u8; 4];
         s.read_exact(&mut buf).await.unwrap();
@@ -128,11 +145,11 @@ mod tests {
     #[tokio::test]
     async fn unregistered_addresses_dial_tcp() {
         let addr: SocketAddr = "127.0.0.1:61002".parse().unwrap();
-        assert!(connect(addr).is_none());
+        assert!(connect(addr, None).is_none());
         let l = listen(addr);
-        assert!(connect(addr).is_some());
+        assert!(connect(addr, None).is_some());
         drop(l);
-        assert!(connect(addr).is_none(), "gone with its listener");
+        assert!(connect(addr, None).is_none(), "gone with its listener");
     }
 
     #[tokio::test]
@@ -141,14 +158,25 @@ mod tests {
         let old = listen(addr);
         let mut new = listen(addr);
         drop(old);
-        let _c = connect(addr).expect("the newer one is still there");
+        let _c = connect(addr, None).expect("the newer one is still there");
         let _s = new.accept().await;
     }
 
     #[tokio::test]
     async fn a_server_bound_to_every_address_is_found() {
         let mut l = listen("0.0.0.0:61004".parse().unwrap());
-        assert!(connect("127.0.0.1:61004".parse().unwrap()).is_some());
+        assert!(connect("127.0.0.1:61004".parse().unwrap(), None).is_some());
         let _s = l.accept().await;
+    }
+
+    #[tokio::test]
+    async fn the_client_may_choose_where_the_server_serves() {
+        let addr: SocketAddr = "127.0.0.1:61005".parse().unwrap();
+        let mut l = listen(addr);
+        let here = tokio::runtime::Handle::current();
+        let _c = connect(addr, Some(here)).expect("registered");
+        assert!(l.accept().await.runtime.is_some());
+        let _c = connect(addr, None).expect("registered");
+        assert!(l.accept().await.runtime.is_none());
     }
 }

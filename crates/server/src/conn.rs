@@ -208,11 +208,13 @@ async fn send_replies(tx: &mpsc::Sender<Outgoing>, backlog: &Backlog, mut group:
 }
 
 /// Counts a connection from accept to close (authenticated or not) against the limit.
-struct Counted<'a>(&'a AtomicU64);
+/// A connection counted in `shared.connections`, uncounted when dropped: when its task
+/// ends, or with the task if that never ran (a client's runtime that went away first).
+pub struct Counted(pub Arc<Shared>);
 
-impl Drop for Counted<'_> {
+impl Drop for Counted {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.connections.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -256,15 +258,15 @@ impl Accepted {
     }
 }
 
-/// Serves one accepted connection until it closes or the server shuts down. The caller
-/// has counted it in `shared.connections`; this uncounts it when it ends.
+/// Serves one accepted connection until it closes or the server shuts down; `counted`
+/// uncounts it then.
 pub async fn serve(
-    shared: Arc<Shared>,
+    counted: Counted,
     accepted: Accepted,
     shutdown: watch::Receiver<bool>,
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
-    let _counted = Counted(&shared.connections);
+    let shared = counted.0.clone();
     // TLS and the key handshake share one deadline.
     let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
     let peer = accepted.peer();
@@ -353,6 +355,11 @@ async fn serve_stream(
         }
         core.callbacks.board(session)
     };
+    let _attached = Attached {
+        shared: &shared,
+        session,
+        conn_id,
+    };
     let backlog = Arc::new(Backlog {
         bytes: AtomicUsize::new(0),
         drained: Notify::new(),
@@ -371,20 +378,34 @@ async fn serve_stream(
     ));
     read_loop(&shared, who, frames, tx, peer, shutdown, backlog).await;
     let _ = writer.await;
-    let mut core = shared.core.lock();
-    core.sessions.disconnect(session, Instant::now());
-    if let Some(conns) = core.lease_conns.get_mut(&session) {
-        conns.retain(|(c, _)| *c != conn_id);
-        if conns.is_empty() {
-            // The client drops everything it cached when it loses its last connection.
-            core.lease_conns.remove(&session);
-            core.leases.forget_session(session);
-            core.callbacks.expire(Instant::now(), Some(session));
+}
+
+/// A connection's part in its session, ended when the connection ends, or when its task is
+/// dropped before that (served on a client's runtime that went away, see `kochab_local`).
+struct Attached<'a> {
+    shared: &'a Shared,
+    session: u64,
+    conn_id: u64,
+}
+
+impl Drop for Attached<'_> {
+    fn drop(&mut self) {
+        let (session, conn_id) = (self.session, self.conn_id);
+        let mut core = self.shared.core.lock();
+        core.sessions.disconnect(session, Instant::now());
+        if let Some(conns) = core.lease_conns.get_mut(&session) {
+            conns.retain(|(c, _)| *c != conn_id);
+            if conns.is_empty() {
+                // The client drops everything it cached when it loses its last connection.
+                core.lease_conns.remove(&session);
+                core.leases.forget_session(session);
+                core.callbacks.expire(Instant::now(), Some(session));
+            }
         }
-    }
-    if !core.sessions.connected(session) {
-        // Its board goes with its last connection (unless callbacks it caused are out).
-        core.callbacks.forget_changer(session);
+        if !core.sessions.connected(session) {
+            // Its board goes with its last connection (unless callbacks it caused are out).
+            core.callbacks.forget_changer(session);
+        }
     }
 }
 

@@ -404,6 +404,9 @@ async fn accept_loop(
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     loop {
+        // Where the connection is served: here, unless a client of this process asked for
+        // its own runtime (see `kochab_local`).
+        let mut runtime = None;
         let accepted = tokio::select! {
             // A server whose journal failed takes no new clients (fail-stop).
             _ = journal_failure.changed() => return,
@@ -416,7 +419,10 @@ async fn accept_loop(
                     continue;
                 }
             },
-            stream = local.accept() => Accepted::Local(stream),
+            incoming = local.accept() => {
+                runtime = incoming.runtime;
+                Accepted::Local(incoming.stream)
+            }
             _ = shutdown.changed() => return,
         };
         // Counted from accept, not from authentication: unauthenticated connections take
@@ -429,12 +435,12 @@ async fn accept_loop(
             }
             continue;
         }
-        tokio::spawn(crate::conn::serve(
-            shared.clone(),
-            accepted,
-            shutdown.clone(),
-            tls.clone(),
-        ));
+        let counted = crate::conn::Counted(shared.clone());
+        let served = crate::conn::serve(counted, accepted, shutdown.clone(), tls.clone());
+        match runtime {
+            Some(rt) => drop(rt.spawn(served)),
+            None => drop(tokio::spawn(served)),
+        }
     }
 }
 
