@@ -13,6 +13,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+/// Lane connections per server at most: lane `l` uses connection `l % MAX_LANES` (a server
+/// takes at most 4,096 connections; a client of a machine with many CPUs must not take
+/// hundreds). Lanes sharing a connection reach it across threads; they are one mount's
+/// queues, which end together.
+const MAX_LANES: usize = 16;
+
 thread_local! {
     static LANE: Cell<Option<usize>> = const { Cell::new(None) };
 }
@@ -90,7 +96,7 @@ impl Pool {
                 .clone()
         };
         let slot = match lane() {
-            Some(l) => slots.lanes.lock().entry(l).or_default().clone(),
+            Some(l) => slots.lanes.lock().entry(l % MAX_LANES).or_default().clone(),
             None => {
                 let i = slots.next.fetch_add(1, Ordering::Relaxed) % slots.slots.len();
                 slots.slots[i].clone()

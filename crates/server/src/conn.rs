@@ -695,7 +695,9 @@ async fn read_loop(
                 return;
             };
             let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
-            tokio::spawn(async move {
+            // On the server's runtime: a data write or a cluster operation must not end
+            // halfway with a client's runtime.
+            shared.runtime.clone().spawn(async move {
                 let mut group = Replies::new(Instant::now(), 1);
                 let op = req.op.index() as u8;
                 let (reply, lsn) = crate::cluster_host::task_op(shared, client, req).await;
@@ -725,7 +727,8 @@ async fn read_loop(
                 reqs = rest;
                 for ((rid, req), (_, why)) in waiting.into_iter().zip(parked) {
                     let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
-                    tokio::spawn(async move {
+                    // On the server's runtime, as the data operations above.
+                    shared.runtime.clone().spawn(async move {
                         let op = req.op.index() as u8;
                         let (reply, lsn) =
                             crate::cluster_host::parked_op(shared, client, rid, req, why).await;

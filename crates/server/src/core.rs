@@ -397,6 +397,10 @@ pub enum Parked {
 /// Everything the connection tasks, the checkpointer and the admin paths share.
 pub struct Shared {
     pub core: Mutex<Core>,
+    /// The runtime the server was started on: operations that outlive one turn of a
+    /// connection run there, not on a client's runtime that may serve the connection
+    /// (see `kochab_local`) and end before they do.
+    pub runtime: tokio::runtime::Handle,
     pub journal: Journal,
     pub store: Arc<dyn ObjectStore>,
     pub metrics: Arc<Metrics>,

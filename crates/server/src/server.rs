@@ -295,6 +295,7 @@ async fn serve(
     let orphans = engine.orphans();
     let shared = Arc::new(Shared {
         core: Mutex::new(Core::new(engine, replies)),
+        runtime: tokio::runtime::Handle::current(),
         journal,
         store: dir.store.clone(),
         metrics: metrics.clone(),
