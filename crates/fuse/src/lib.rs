@@ -1734,8 +1734,12 @@ impl Filesystem for KochabFs {
                     Ok(()) if want.kind != LockKind::Unlock => {
                         // Taking a lock is a consistency point (as in NFS): another mount
                         // may have changed the file while this kernel kept its pages.
-                        if let Some(n) = fs.notifier.get() {
-                            let _ = n.inval_inode(ino, 0, 0);
+                        // Dropped off this thread: the kernel waits for reads in flight on
+                        // those pages, which this thread may be the one to answer (a FUSE
+                        // queue's thread serves every request of its CPU).
+                        if let Some(n) = fs.notifier.get().cloned() {
+                            let _ =
+                                tokio::task::spawn_blocking(move || n.inval_inode(ino, 0, 0)).await;
                         }
                         return reply.ok();
                     }

@@ -10,10 +10,13 @@
 //! caches (a lookup of a name known absent, a flush or release with nothing to report, a
 //! cached attribute, a small write held back) is answered in the turn that took it, and one
 //! that needs the servers runs as a task of that runtime, over the queue's own connections
-//! (a client lane, `kochab_client::set_lane`) whose server side, for a server of this
-//! process, runs there too (`kochab_local`). A request is served on its program's CPU from
-//! start to end without waking another thread; only the journal's flush and what other
-//! mounts or servers must do happen elsewhere.
+//! (a client lane, `kochab_client::set_lane`, 16 per server at most) whose server side, for
+//! a server of this process, runs there too (`kochab_local`). A request is served on its
+//! program's CPU from start to end without waking another thread; only the journal's
+//! flush, the server's data and parked operations and what other mounts must do happen
+//! elsewhere. Nothing a request does may block this thread on the kernel (an invalidation
+//! of pages waits for reads that this thread may be the one to answer): such calls go to
+//! the runtime's blocking pool.
 //!
 //! Protocol (kernel `fs/fuse/dev_uring.c`): each ring entry is a header buffer (the in or
 //! out header, the operation's first argument, and the entry's commit id and payload size)
