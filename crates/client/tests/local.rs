@@ -20,18 +20,21 @@ fn tcp_connections(port: u16) -> usize {
         .count()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_of_this_process_is_reached_without_a_socket() {
-    let tmp = tempfile::tempdir().unwrap();
-    let a = start(ServerConfig::new(
-        tmp.path(),
-        "127.0.0.1:0".parse().unwrap(),
-    ))
-    .await
-    .unwrap();
+/// A server in `dir` of this process and a client of it.
+async fn server_and_client(dir: &std::path::Path) -> (kochab_server::RunningServer, Client) {
+    let a = start(ServerConfig::new(dir, "127.0.0.1:0".parse().unwrap()))
+        .await
+        .unwrap();
     let c = Client::connect(ClientConfig::with_entries(vec![a.addr], a.key))
         .await
         .unwrap();
+    (a, c)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_of_this_process_is_reached_without_a_socket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, c) = server_and_client(tmp.path()).await;
     let cred = Credentials::root();
     let d = c.mkdir(&cred, c.root(), b"d", 0o755).await.unwrap();
     let (_, h) = c.create_open(&cred, d.id, b"f", 0o644, 0o2).await.unwrap();
@@ -56,15 +59,7 @@ async fn a_server_of_this_process_is_reached_without_a_socket() {
 async fn a_lane_is_served_on_its_own_runtime_and_ends_with_it() {
     use std::sync::atomic::Ordering;
     let tmp = tempfile::tempdir().unwrap();
-    let a = start(ServerConfig::new(
-        tmp.path(),
-        "127.0.0.1:0".parse().unwrap(),
-    ))
-    .await
-    .unwrap();
-    let c = Client::connect(ClientConfig::with_entries(vec![a.addr], a.key))
-        .await
-        .unwrap();
+    let (a, c) = server_and_client(tmp.path()).await;
     let cred = Credentials::root();
     let d = c.mkdir(&cred, c.root(), b"d", 0o755).await.unwrap();
     let shared_conns = a.shared().connections.load(Ordering::Relaxed);
