@@ -56,8 +56,8 @@ pub(crate) struct Dial {
 struct Slots {
     slots: Vec<Slot>,
     next: AtomicUsize,
-    /// Each lane's connection.
-    lanes: Mutex<FxHashMap<usize, Slot>>,
+    /// The lanes' connections (`MAX_LANES`).
+    lanes: Vec<Slot>,
 }
 
 /// One pool per server address.
@@ -90,13 +90,13 @@ impl Pool {
                     Arc::new(Slots {
                         slots: (0..self.per_server).map(|_| Slot::default()).collect(),
                         next: AtomicUsize::new(0),
-                        lanes: Mutex::default(),
+                        lanes: (0..MAX_LANES).map(|_| Slot::default()).collect(),
                     })
                 })
                 .clone()
         };
         let slot = match lane() {
-            Some(l) => slots.lanes.lock().entry(l % MAX_LANES).or_default().clone(),
+            Some(l) => slots.lanes[l % MAX_LANES].clone(),
             None => {
                 let i = slots.next.fetch_add(1, Ordering::Relaxed) % slots.slots.len();
                 slots.slots[i].clone()

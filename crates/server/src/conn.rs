@@ -207,10 +207,21 @@ async fn send_replies(tx: &mpsc::Sender<Outgoing>, backlog: &Backlog, mut group:
     true
 }
 
-/// Counts a connection from accept to close (authenticated or not) against the limit.
-/// A connection counted in `shared.connections`, uncounted when dropped: when its task
-/// ends, or with the task if that never ran (a client's runtime that went away first).
-pub struct Counted(pub Arc<Shared>);
+/// Counts a connection from accept to close (authenticated or not) against the limit, in
+/// `shared.connections`; uncounted when dropped: when its task ends, or with the task if
+/// that never ran (a client's runtime that went away first).
+pub struct Counted(Arc<Shared>);
+
+impl Counted {
+    /// Counts one more connection, unless `max` are open.
+    pub fn take(shared: &Arc<Shared>, max: u64) -> Option<Counted> {
+        if shared.connections.fetch_add(1, Ordering::Relaxed) >= max {
+            shared.connections.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Counted(shared.clone()))
+    }
+}
 
 impl Drop for Counted {
     fn drop(&mut self) {

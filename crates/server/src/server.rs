@@ -428,15 +428,13 @@ async fn accept_loop(
         };
         // Counted from accept, not from authentication: unauthenticated connections take
         // slots too (each for at most the handshake timeout).
-        if shared.connections.fetch_add(1, Ordering::Relaxed) >= MAX_CONNECTIONS {
-            shared.connections.fetch_sub(1, Ordering::Relaxed);
+        let Some(counted) = crate::conn::Counted::take(&shared, MAX_CONNECTIONS) else {
             if shared.bad_frame_log.allow(Instant::now()).is_some() {
                 let peer = accepted.peer();
                 tracing::warn!("refusing {peer}: {MAX_CONNECTIONS} connections open");
             }
             continue;
-        }
-        let counted = crate::conn::Counted(shared.clone());
+        };
         let served = crate::conn::serve(counted, accepted, shutdown.clone(), tls.clone());
         match runtime {
             Some(rt) => drop(rt.spawn(served)),
