@@ -8,11 +8,14 @@
 
 mod common;
 
-use common::{ServerProc, force_unmount, is_mounted};
+use common::{Cluster, ServerProc, force_unmount, is_mounted};
 use std::fs;
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 const ANNOUNCED: &str = "FUSE requests arrive through io_uring";
 
@@ -113,4 +116,101 @@ fn the_mount_takes_io_uring_when_the_kernel_offers_it_and_dev_fuse_otherwise_or_
         assert!(!is_mounted(&mnt));
         force_unmount(&mnt);
     }
+}
+
+/// Pins the calling thread to CPU 0, so its FUSE requests go to that CPU's queue.
+fn pin_to_cpu0() {
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU 0 is within it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
+            0
+        );
+    }
+}
+
+/// An open file description's write lock on the whole file (F_OFD_SETLK/F_OFD_SETLKW).
+fn ofd_lock(f: &fs::File, kind: i32, wait: bool) -> std::io::Result<()> {
+    let fl = libc::flock {
+        l_type: kind as i16,
+        l_whence: libc::SEEK_SET as i16,
+        l_start: 0,
+        l_len: 0,
+        l_pid: 0,
+    };
+    let cmd = if wait {
+        libc::F_OFD_SETLKW
+    } else {
+        libc::F_OFD_SETLK
+    };
+    // SAFETY: an OFD lock command with a valid flock on an open descriptor.
+    match unsafe { libc::fcntl(f.as_raw_fd(), cmd, &fl) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// Threads of this process blocked in fcntl(2) (syscall 72 on x86-64, 25 on arm64).
+fn threads_in_fcntl() -> usize {
+    let nr = if cfg!(target_arch = "aarch64") {
+        "25"
+    } else {
+        "72"
+    };
+    fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| fs::read_to_string(t.ok()?.path().join("syscall")).ok())
+        .filter(|s| s.split_whitespace().next() == Some(nr))
+        .count()
+}
+
+/// A blocked lock request holds its ring entry until the lock is granted. More waiters on
+/// one CPU than a queue's first entries (64) must not leave that CPU's other requests, the
+/// holder's unlock among them, waiting behind them in the kernel for ever: the queue
+/// registers more entries while its requests hold most of them.
+#[test]
+fn more_lock_waiters_on_one_cpu_than_ring_entries_do_not_stall_it() {
+    const WAITERS: usize = 150;
+    let tmp = tempfile::tempdir().unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    let path = c.mnt.join("locked");
+    let (done_tx, done_rx) = mpsc::channel();
+    let mnt = c.mnt.clone();
+    // The holder runs in a thread of its own, so that a stall fails the test, not hangs it.
+    std::thread::spawn(move || {
+        pin_to_cpu0();
+        let holder = fs::File::create(&path).unwrap();
+        ofd_lock(&holder, libc::F_WRLCK, false).unwrap();
+        let waiters: Vec<_> = (0..WAITERS)
+            .map(|_| {
+                let f = fs::OpenOptions::new().write(true).open(&path).unwrap();
+                std::thread::spawn(move || {
+                    pin_to_cpu0();
+                    ofd_lock(&f, libc::F_WRLCK, true).unwrap();
+                    ofd_lock(&f, libc::F_UNLCK, false).unwrap();
+                })
+            })
+            .collect();
+        // Every waiter is in the kernel with its request (state, not time: bounded).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while threads_in_fcntl() < WAITERS {
+            assert!(Instant::now() < deadline, "waiters never blocked");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Requests of the same CPU still get through: a create, then the unlock.
+        fs::write(mnt.join("beside"), b"served").unwrap();
+        ofd_lock(&holder, libc::F_UNLCK, false).unwrap();
+        for w in waiters {
+            w.join().unwrap();
+        }
+        done_tx.send(()).unwrap();
+    });
+    assert!(
+        done_rx.recv_timeout(Duration::from_secs(120)).is_ok(),
+        "requests on CPU 0 stalled behind {WAITERS} blocked lock requests; log:\n{}",
+        c.server.log_text()
+    );
+    assert_eq!(fs::read(c.mnt.join("beside")).unwrap(), b"served");
 }

@@ -45,10 +45,17 @@ use tokio::io::unix::AsyncFd;
 /// Environment variable that turns FUSE over io_uring off (`0`).
 pub const URING_ENV: &str = "KOCHAB_FUSE_URING";
 
-/// Entries per queue: requests of one CPU's programs in the mount at once. A request
-/// beyond them waits in the kernel until an entry is answered, so this must exceed the
-/// requests that can wait on one another (blocked lock requests wait for an unlock).
+/// Entries a queue starts with: requests of one CPU's programs in the mount at once. A
+/// request beyond them waits in the kernel until an entry is answered.
 const DEPTH: usize = 64;
+/// Entries kept with the kernel for new requests. A request the mount holds for long holds
+/// its entry (a blocked lock request until the lock is granted), and the requests queued
+/// behind may be the ones that end the wait (the holder's unlock, or its close): when the
+/// requests in the mount leave fewer than this many entries with the kernel, the queue
+/// registers `GROW` more, up to `MAX_DEPTH` (the kernel has no way to take entries back).
+const RESERVE: usize = 16;
+const GROW: usize = 16;
+const MAX_DEPTH: usize = 4096;
 
 /// `struct fuse_uring_req_header`: in/out header, first argument, `fuse_uring_ent_in_out`.
 const IN_OUT_SIZE: usize = 128;
@@ -85,14 +92,16 @@ impl Ring {
         max_payload: usize,
     ) -> io::Result<Ring> {
         let dev = Arc::new(dev);
-        let mut queues = Vec::new();
-        for qid in 0..possible_cpus() {
-            let queue = Arc::new(Queue::new(qid, max_payload));
+        // Every queue's first entries are made before any thread registers one: the ring
+        // is used only once each queue has registered.
+        let queues = (0..possible_cpus())
+            .map(|qid| Queue::new(qid, max_payload).map(Arc::new))
+            .collect::<io::Result<Vec<_>>>()?;
+        for queue in &queues {
             let (q, dev, dispatcher) = (queue.clone(), dev.clone(), dispatcher.clone());
             std::thread::Builder::new()
-                .name(format!("fuse-ring-{qid}"))
+                .name(format!("fuse-ring-{}", queue.qid))
                 .spawn(move || serve(q, dev, dispatcher))?;
-            queues.push(queue);
         }
         Ok(Ring { queues })
     }
@@ -109,7 +118,9 @@ impl Ring {
 /// One ring entry's buffers. They stay where they are for the life of the queue, and the
 /// kernel writes them only between a REGISTER or COMMIT_AND_FETCH and its completion; the
 /// mount reads and writes them only between a completion and the next command, through one
-/// reply at a time (fuser answers each request once).
+/// reply at a time (fuser answers each request once). The payload buffer is mapped, not
+/// allocated: its pages cost memory only once a request or reply as large as them has
+/// used them, so entries for small requests (and for lock requests that wait) are cheap.
 struct Entry {
     header: *mut u8,
     payload: *mut u8,
@@ -124,9 +135,23 @@ unsafe impl Send for Entry {}
 unsafe impl Sync for Entry {}
 
 impl Entry {
-    fn new(max_payload: usize) -> Entry {
+    fn new(max_payload: usize) -> io::Result<Entry> {
+        // SAFETY: a private anonymous mapping of a new range, no file, no address asked for.
+        let payload = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                max_payload,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if payload == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let payload = payload.cast::<u8>();
         let header = Box::into_raw(vec![0u8; HEADER_SIZE].into_boxed_slice()).cast::<u8>();
-        let payload = Box::into_raw(vec![0u8; max_payload].into_boxed_slice()).cast::<u8>();
         let iov = Box::new([
             libc::iovec {
                 iov_base: header.cast(),
@@ -137,12 +162,12 @@ impl Entry {
                 iov_len: max_payload,
             },
         ]);
-        Entry {
+        Ok(Entry {
             header,
             payload,
             iov,
             commit_id: AtomicU64::new(0),
-        }
+        })
     }
 
     // Shared entries hand out their buffers mutably: see `Entry` for who may use them when.
@@ -223,25 +248,26 @@ impl Entry {
 
 impl Drop for Entry {
     fn drop(&mut self) {
-        // SAFETY: both were made by `Box::into_raw` of boxed slices of these lengths in
-        // `new`, and the queue (so the kernel's use of them) is over.
+        // SAFETY: the header was made by `Box::into_raw` of a boxed slice of this length
+        // and the payload mapped with this length in `new`; the queue (so the kernel's use
+        // of them) is over.
         unsafe {
             drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
                 self.header,
                 HEADER_SIZE,
             )));
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
-                self.payload,
-                self.iov[1].iov_len,
-            )));
+            libc::munmap(self.payload.cast(), self.iov[1].iov_len);
         }
     }
 }
 
-/// One CPU's queue: its entries, and the entries answered but not yet committed.
+/// One CPU's queue: its entries (the first `DEPTH`, then more as needed: slots fill in
+/// order and are never emptied, so an index once handed out stays valid), and the entries
+/// answered but not yet committed.
 struct Queue {
     qid: u16,
-    entries: Box<[Entry]>,
+    max_payload: usize,
+    entries: Box<[std::sync::OnceLock<Entry>]>,
     answered: Mutex<Vec<u32>>,
     /// Wakes the queue's thread: answers are in, or the session is over.
     notify: tokio::sync::Notify,
@@ -249,14 +275,35 @@ struct Queue {
 }
 
 impl Queue {
-    fn new(qid: usize, max_payload: usize) -> Queue {
-        Queue {
+    fn new(qid: usize, max_payload: usize) -> io::Result<Queue> {
+        let queue = Queue {
             qid: u16::try_from(qid).unwrap_or(u16::MAX),
-            entries: (0..DEPTH).map(|_| Entry::new(max_payload)).collect(),
+            max_payload,
+            entries: (0..MAX_DEPTH).map(|_| std::sync::OnceLock::new()).collect(),
             answered: Mutex::new(Vec::with_capacity(DEPTH)),
             notify: tokio::sync::Notify::new(),
             stop: AtomicBool::new(false),
+        };
+        for index in 0..DEPTH {
+            queue.add_entry(index)?;
         }
+        Ok(queue)
+    }
+
+    /// Makes entry `index`, the first slot not yet filled.
+    fn add_entry(&self, index: usize) -> io::Result<()> {
+        let slot = self
+            .entries
+            .get(index)
+            .ok_or_else(|| io::Error::other("no ring entry slot left"))?;
+        let entry = Entry::new(self.max_payload)?;
+        slot.set(entry)
+            .map_err(|_| io::Error::other("ring entry made twice"))
+    }
+
+    /// Entry `index`, made by `add_entry`.
+    fn entry(&self, index: usize) -> Option<&Entry> {
+        self.entries.get(index)?.get()
     }
 
     /// Entry `index` holds its reply: the queue's thread commits it.
@@ -274,22 +321,24 @@ impl Queue {
         cmd
     }
 
-    fn register(&self, dev: RawFd, index: usize) -> squeue::Entry128 {
-        let e = &self.entries[index];
+    /// The REGISTER command of entry `index` (made: see `entry`).
+    fn register(&self, dev: RawFd, index: usize) -> Option<squeue::Entry128> {
+        let e = self.entry(index)?;
         let sqe = opcode::UringCmd80::new(types::Fd(dev), CMD_REGISTER)
             .cmd(self.command(0))
             .addr(Some(e.iov.as_ptr() as u64))
             .build()
             .user_data(index as u64);
-        with_len(sqe, 2)
+        Some(with_len(sqe, 2))
     }
 
-    fn commit(&self, dev: RawFd, index: usize) -> squeue::Entry128 {
-        let id = self.entries[index].commit_id.load(Ordering::Relaxed);
-        opcode::UringCmd80::new(types::Fd(dev), CMD_COMMIT_AND_FETCH)
+    fn commit(&self, dev: RawFd, index: usize) -> Option<squeue::Entry128> {
+        let id = self.entry(index)?.commit_id.load(Ordering::Relaxed);
+        let sqe = opcode::UringCmd80::new(types::Fd(dev), CMD_COMMIT_AND_FETCH)
             .cmd(self.command(id))
             .build()
-            .user_data(index as u64)
+            .user_data(index as u64);
+        Some(sqe)
     }
 }
 
@@ -319,7 +368,9 @@ impl std::fmt::Debug for Queue {
 
 impl ReplyChannel for EntryReply {
     fn send(&self, data: &[IoSlice<'_>]) -> io::Result<()> {
-        let e = &self.queue.entries[self.index as usize];
+        let Some(e) = self.queue.entry(self.index as usize) else {
+            return Err(io::Error::other("reply to a ring entry never made"));
+        };
         let r = if e.put_reply(data) {
             Ok(())
         } else {
@@ -385,10 +436,10 @@ impl AsRawFd for RingFd {
 /// Registers the queue's entries, then dispatches each request the kernel puts in one and
 /// commits the answers, until the session is over.
 async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch) {
-    let depth = queue.entries.len();
-    let sq = u32::try_from(depth).unwrap_or(u32::MAX);
+    // A completion per entry at most is out at once.
+    let (sq, cq) = (DEPTH as u32, MAX_DEPTH as u32);
     let mut ring: IoUring<squeue::Entry128, cqueue::Entry> = match IoUring::builder()
-        .setup_cqsize(2 * sq)
+        .setup_cqsize(cq)
         .build(sq)
     {
         Ok(r) => r,
@@ -410,18 +461,19 @@ async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch
         }
     };
     let fd = dev.as_raw_fd();
-    let mut pending: Vec<squeue::Entry128> = (0..depth).map(|i| queue.register(fd, i)).collect();
-    let mut live = depth;
+    let mut pending: Vec<squeue::Entry128> =
+        (0..DEPTH).filter_map(|i| queue.register(fd, i)).collect();
+    // Entries made, those alive in the ring, and those whose request the mount holds.
+    let (mut made, mut live, mut held) = (DEPTH, DEPTH, 0usize);
     let mut request = Vec::with_capacity(64 * 1024);
-    let mut done: Vec<(u64, i32)> = Vec::with_capacity(2 * depth);
-    let mut commits: Vec<u32> = Vec::with_capacity(depth);
+    let mut done: Vec<(u64, i32)> = Vec::with_capacity(2 * DEPTH);
+    let mut commits: Vec<u32> = Vec::with_capacity(DEPTH);
     let mut logged = false;
     loop {
-        if !pending.is_empty() {
+        while !pending.is_empty() {
             {
                 let mut sq = ring.submission();
-                // Each entry has at most one command out, so the queue (a slot per entry)
-                // has room; what would not fit waits for the next turn.
+                // What does not fit in the submission queue goes in the next round.
                 pending.retain(|sqe| {
                     // SAFETY: every buffer an SQE names (the entries' iovecs and buffers)
                     // lives as long as the queue, which outlives the ring.
@@ -436,12 +488,13 @@ async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch
             {
                 tracing::error!("fuse ring {}: {e}", queue.qid);
                 tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                break;
             }
         }
         // Buffers kept from turn to turn: nothing is allocated per turn.
         done.clear();
         done.extend(ring.completion().map(|c| (c.user_data(), c.result())));
-        if done.is_empty() && queue.answered.lock().is_empty() {
+        if done.is_empty() && pending.is_empty() && queue.answered.lock().is_empty() {
             if live == 0 || queue.stop.load(Ordering::Acquire) {
                 return;
             }
@@ -463,9 +516,9 @@ async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch
             let Ok(index) = usize::try_from(data) else {
                 continue;
             };
-            if index >= depth {
+            let Some(entry) = queue.entry(index) else {
                 continue;
-            }
+            };
             if res < 0 {
                 let errno = -res;
                 if errno == libc::ENOTCONN
@@ -494,14 +547,14 @@ async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch
                     if errno == libc::EAGAIN {
                         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
                     }
-                    pending.push(queue.register(fd, index));
+                    pending.extend(queue.register(fd, index));
                 }
                 continue;
             }
+            held += 1;
             if !ANNOUNCED.swap(true, Ordering::Relaxed) {
                 tracing::info!("FUSE requests arrive through io_uring (a queue per CPU)");
             }
-            let entry = &queue.entries[index];
             let reply: Arc<dyn ReplyChannel> = Arc::new(EntryReply {
                 queue: queue.clone(),
                 index: index as u32,
@@ -517,8 +570,31 @@ async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch
             }
         }
         std::mem::swap(&mut *queue.answered.lock(), &mut commits);
+        held = held.saturating_sub(commits.len());
         for index in commits.drain(..) {
-            pending.push(queue.commit(fd, index as usize));
+            pending.extend(queue.commit(fd, index as usize));
+        }
+        // Too few entries left with the kernel: make more (see `RESERVE`), unless the ring
+        // is ending or refused (entries ended).
+        let ending = live < made || queue.stop.load(Ordering::Acquire);
+        let mut grow = if !ending && live.saturating_sub(held) < RESERVE {
+            GROW.min(MAX_DEPTH - made)
+        } else {
+            0
+        };
+        while grow > 0 {
+            grow -= 1;
+            match queue.add_entry(made) {
+                Ok(()) => {
+                    pending.extend(queue.register(fd, made));
+                    made += 1;
+                    live += 1;
+                }
+                Err(e) => {
+                    tracing::warn!("fuse ring {}: no entry beyond {made}: {e}", queue.qid);
+                    break;
+                }
+            }
         }
         // Let the requests this turn spawned run before the next turn.
         tokio::task::yield_now().await;
