@@ -130,6 +130,10 @@ struct Inner {
     /// when one ends (see `Inner::closes_done`).
     closing: Mutex<FxHashMap<InodeId, u32>>,
     closed: tokio::sync::Notify,
+    /// Rings when a lock of this mount may have been let go (an unlock, a close that
+    /// released locks): its waiting lock requests try again at once instead of at their
+    /// next poll. Waiters on other mounts still poll.
+    unlocked: tokio::sync::Notify,
     /// Directory opens sent but not yet answered (see `opendir`), and a wake-up when one is.
     dir_opens: Mutex<u32>,
     dir_opened: tokio::sync::Notify,
@@ -281,6 +285,7 @@ impl KochabFs {
             opens: Mutex::new(Opens::default()),
             closing: Mutex::new(FxHashMap::default()),
             closed: tokio::sync::Notify::new(),
+            unlocked: tokio::sync::Notify::new(),
             dir_opens: Mutex::new(0),
             dir_opened: tokio::sync::Notify::new(),
         });
@@ -1273,7 +1278,9 @@ impl Filesystem for KochabFs {
         self.spawn(req, move |fs, cred| async move {
             let written = fs.wb.flush(id).await;
             let r = if locked {
-                fs.client.release_locks(&cred, fh.0, lock_owner.0).await
+                let r = fs.client.release_locks(&cred, fh.0, lock_owner.0).await;
+                fs.unlocked.notify_waiters();
+                r
             } else {
                 Ok(())
             };
@@ -1327,6 +1334,7 @@ impl Filesystem for KochabFs {
                 }
                 drop(closing);
                 fs.closed.notify_waiters();
+                fs.unlocked.notify_waiters();
             }
             fs.empty(reply, r);
         });
@@ -1717,6 +1725,10 @@ impl Filesystem for KochabFs {
             fs.closes_done(id).await;
             let mut pause = Duration::from_millis(2);
             loop {
+                // Listening from before the attempt, so an unlock during it is not missed.
+                let unlocked = fs.unlocked.notified();
+                tokio::pin!(unlocked);
+                unlocked.as_mut().enable();
                 match fs.client.setlk(&cred, fh.0, want).await {
                     Err(e) if sleep && e.errno == kochab_proto::Errno::EAGAIN => {
                         let interrupted = async {
@@ -1727,11 +1739,16 @@ impl Filesystem for KochabFs {
                         };
                         tokio::select! {
                             () = tokio::time::sleep(pause) => {}
+                            () = unlocked => {}
                             () = interrupted => return reply.error(Errno::EINTR),
                         }
                         pause = (pause * 2).min(LOCK_POLL_MAX);
                     }
-                    Ok(()) if want.kind != LockKind::Unlock => {
+                    Ok(()) if want.kind == LockKind::Unlock => {
+                        fs.unlocked.notify_waiters();
+                        return reply.ok();
+                    }
+                    Ok(()) => {
                         // Taking a lock is a consistency point (as in NFS): another mount
                         // may have changed the file while this kernel kept its pages.
                         // Dropped off this thread: the kernel waits for reads in flight on
