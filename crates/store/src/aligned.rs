@@ -28,6 +28,14 @@ impl AlignedBuf {
 
     /// A zeroed slice of `len` bytes rounded up to whole blocks, reusing the allocation.
     pub fn zeroed(&mut self, len: usize) -> &mut [u8] {
+        let slice = self.reused(len);
+        slice.fill(0);
+        slice
+    }
+
+    /// Like `zeroed`, without the zeroing: the bytes are what this buffer held last (zero
+    /// when new), so a caller must use only what it wrote into them (a read's count).
+    pub fn reused(&mut self, len: usize) -> &mut [u8] {
         let need = len.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
         if need > self.cap {
             self.free();
@@ -42,11 +50,10 @@ impl AlignedBuf {
             self.ptr = ptr;
             self.cap = cap;
         }
-        // SAFETY: `ptr` points to `cap >= need` bytes owned by this buffer, and the only
-        // reference handed out borrows `self` mutably.
-        let slice = unsafe { std::slice::from_raw_parts_mut(self.ptr, need) };
-        slice.fill(0);
-        slice
+        // SAFETY: `ptr` points to `cap >= need` bytes owned by this buffer, all initialized
+        // (allocated zeroed, then only ever written), and the only reference handed out
+        // borrows `self` mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, need) }
     }
 
     /// Replaces the contents with `data`, zero-extended to whole blocks.
