@@ -427,3 +427,24 @@ fn an_append_is_placed_by_the_server_and_runs_once_per_sequence_number() {
         }
     });
 }
+
+#[test]
+fn a_small_write_to_a_file_kept_open_reaches_the_servers_without_fsync_or_close() {
+    // Write-behind holds small writes in the mount; a writer that keeps its file open and
+    // writes a line now and then (a log) must not keep them there for ever: a crash of the
+    // mount would lose them all. Watched on the server's disk, which calls nobody back.
+    let tmp = tempfile::tempdir().unwrap();
+    let c = Cluster::start(tmp.path(), &[]);
+    let mut f = fs::File::create(c.mnt.join("log")).unwrap();
+    std::io::Write::write_all(&mut f, b"one line\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while files_under(&chunk_dir(&c)) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the line is still held in the mount after 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(f);
+    assert_eq!(fs::read(c.mnt.join("log")).unwrap(), b"one line\n");
+}

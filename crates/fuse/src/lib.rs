@@ -263,6 +263,7 @@ impl KochabFs {
         }
         let root = client.root();
         let wb = writebehind::WriteBehind::new(client.clone(), rt.clone());
+        wb.start_ager();
         let lease = client.lease();
         let inner = Arc::new(Inner {
             lease,

@@ -33,6 +33,11 @@ pub const CHUNK: usize = 1 << 20;
 /// Requests of one inode in flight at once; a writer past it waits (back-pressure: at most
 /// `CHUNK * (IN_FLIGHT + 1)` bytes per inode are held).
 pub const IN_FLIGHT: usize = 4;
+/// Longest a written byte is held back in the mount. A writer that keeps its file open and
+/// writes little (a log) still reaches the servers within about this, as the kernel sends
+/// a local file system's dirty pages after `dirty_expire_centisecs`; until then only a
+/// crash of the mount loses it (fsync and close send it at once).
+pub const MAX_HELD: Duration = Duration::from_secs(5);
 
 /// What is buffered and in flight for one inode.
 struct Pending {
@@ -42,6 +47,8 @@ struct Pending {
     /// Offset of `buf[0]`.
     start: u64,
     buf: Vec<u8>,
+    /// When the oldest byte of `buf` was buffered.
+    since: Instant,
     in_flight: usize,
     /// The first error of a send, until it is reported.
     error: Option<FsError>,
@@ -154,6 +161,7 @@ impl WriteBehind {
                 cred: cred.clone(),
                 start: offset,
                 buf: Vec::new(),
+                since: Instant::now(),
                 in_flight: 0,
                 error: None,
             });
@@ -170,6 +178,9 @@ impl WriteBehind {
             }
             if p.buf.capacity() == 0 {
                 p.buf.reserve_exact(CHUNK);
+            }
+            if p.buf.is_empty() {
+                p.since = Instant::now();
             }
             p.buf.extend_from_slice(data);
             p.cred.clone_from(cred);
@@ -211,6 +222,41 @@ impl WriteBehind {
             } else if let Err(e) = self.flush(id).await {
                 return Some(Err(e));
             }
+        }
+    }
+
+    /// Sends, every `MAX_HELD / 5` for as long as the write-behind lives, what has been
+    /// held back for `MAX_HELD` or longer.
+    pub fn start_ager(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        self.rt.spawn(async move {
+            let mut tick = tokio::time::interval(MAX_HELD / 5);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                tick.tick().await;
+                let Some(wb) = weak.upgrade() else {
+                    return;
+                };
+                wb.send_aged(MAX_HELD);
+            }
+        });
+    }
+
+    /// Starts a send of what each inode has held back for `age` or longer (its errors stay
+    /// for the writer's next write, fsync or close, as for any send).
+    fn send_aged(self: &Arc<Self>, age: Duration) {
+        let sends: Vec<(InodeId, Send)> = {
+            let mut inodes = self.inodes.lock();
+            inodes
+                .iter_mut()
+                .filter(|(_, p)| {
+                    !p.buf.is_empty() && p.in_flight < IN_FLIGHT && p.since.elapsed() >= age
+                })
+                .map(|(&id, p)| (id, self.take(p)))
+                .collect()
+        };
+        for (id, send) in sends {
+            self.spawn_send(id, send);
         }
     }
 
