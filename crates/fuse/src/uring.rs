@@ -528,7 +528,15 @@ async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch
                     live -= 1;
                 } else if errno == libc::EOPNOTSUPP || errno == libc::EINVAL {
                     live -= 1;
-                    if !logged {
+                    if index >= DEPTH {
+                        // One made while the ring served: the ring goes on without it (and
+                        // makes no more, see `ending`).
+                        tracing::warn!(
+                            "fuse ring {}: entry {index} refused: {}",
+                            queue.qid,
+                            io::Error::from_raw_os_error(errno)
+                        );
+                    } else if !logged {
                         logged = true;
                         tracing::info!(
                             "FUSE over io_uring refused ({}); using /dev/fuse (the kernel offers it with \
