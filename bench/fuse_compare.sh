@@ -322,7 +322,8 @@ KTREE_ENTRIES=0
 prepare_ktree() {
   if [ ! -s "$KTREE" ]; then
     local src
-    src=$(ls /usr/src/linux-source-*.tar.xz 2>/dev/null | head -1)
+    # No match is an empty answer, not an exit (set -e with pipefail).
+    src=$(ls /usr/src/linux-source-*.tar.xz 2>/dev/null | head -1 || true)
     if [ -z "$src" ]; then
       log "installing linux-source (for the tar tree)"
       apt-get -o DPkg::Lock::Timeout=600 update -q >&2

@@ -38,15 +38,7 @@ fn errno_of(r: libc::c_int) -> String {
 
 /// fcntl(fd, cmd, {typ, whole file}): "ok" or the errno's name.
 fn fcntl_lock(fd: RawFd, cmd: i32, typ: i32) -> String {
-    let fl = libc::flock {
-        l_type: typ as i16,
-        l_whence: libc::SEEK_SET as i16,
-        l_start: 0,
-        l_len: 0,
-        l_pid: 0,
-    };
-    // SAFETY: a lock command with a valid descriptor and an initialized struct flock.
-    errno_of(unsafe { libc::fcntl(fd, cmd, &fl) })
+    errno_of(common::fcntl_lock(fd, cmd, typ, 0, 0))
 }
 
 fn flock(fd: RawFd, op: i32) -> String {

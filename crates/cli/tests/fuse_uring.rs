@@ -60,15 +60,7 @@ fn workload(mnt: &Path) {
         .write(true)
         .open(mnt.join("big"))
         .unwrap();
-    let fl = libc::flock {
-        l_type: libc::F_WRLCK as i16,
-        l_whence: libc::SEEK_SET as i16,
-        l_start: 0,
-        l_len: 10,
-        l_pid: 0,
-    };
-    // SAFETY: F_SETLK with a valid flock on an open descriptor.
-    let r = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_SETLK, &fl) };
+    let r = common::fcntl_lock(f.as_raw_fd(), libc::F_SETLK, libc::F_WRLCK, 0, 10);
     assert_eq!(r, 0, "lock: {}", std::io::Error::last_os_error());
     drop(f);
 
@@ -131,22 +123,14 @@ fn pin_to_cpu0() {
     }
 }
 
-/// An open file description's write lock on the whole file (F_OFD_SETLK/F_OFD_SETLKW).
+/// An open file description's lock on the whole file (F_OFD_SETLK, or F_OFD_SETLKW to wait).
 fn ofd_lock(f: &fs::File, kind: i32, wait: bool) -> std::io::Result<()> {
-    let fl = libc::flock {
-        l_type: kind as i16,
-        l_whence: libc::SEEK_SET as i16,
-        l_start: 0,
-        l_len: 0,
-        l_pid: 0,
-    };
     let cmd = if wait {
         libc::F_OFD_SETLKW
     } else {
         libc::F_OFD_SETLK
     };
-    // SAFETY: an OFD lock command with a valid flock on an open descriptor.
-    match unsafe { libc::fcntl(f.as_raw_fd(), cmd, &fl) } {
+    match common::fcntl_lock(f.as_raw_fd(), cmd, kind, 0, 0) {
         0 => Ok(()),
         _ => Err(std::io::Error::last_os_error()),
     }

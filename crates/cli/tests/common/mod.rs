@@ -372,3 +372,17 @@ pub fn offline_fsck_clean(data: &Path, what: &str) -> String {
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+/// fcntl(fd, cmd, {typ, start, len}) of a record lock (F_SETLK, F_SETLKW, F_OFD_SETLK...):
+/// 0, or -1 with errno set.
+pub fn fcntl_lock(fd: std::os::fd::RawFd, cmd: i32, typ: i32, start: i64, len: i64) -> i32 {
+    let fl = libc::flock {
+        l_type: typ as i16,
+        l_whence: libc::SEEK_SET as i16,
+        l_start: start,
+        l_len: len,
+        l_pid: 0,
+    };
+    // SAFETY: a lock command with a caller's descriptor and an initialized struct flock.
+    unsafe { libc::fcntl(fd, cmd, &fl) }
+}
