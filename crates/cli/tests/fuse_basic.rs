@@ -72,16 +72,8 @@ fn two_mounts_see_each_other_close_to_open() {
 }
 
 fn fcntl_lock(f: &fs::File, typ: i32, start: i64, len: i64) -> i32 {
-    let fl = libc::flock {
-        l_type: typ as i16,
-        l_whence: libc::SEEK_SET as i16,
-        l_start: start,
-        l_len: len,
-        l_pid: 0,
-    };
-    // SAFETY: F_SETLK with a valid descriptor and a properly initialized struct flock.
-    let r = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(f), libc::F_SETLK, &fl) };
-    if r == 0 {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(f);
+    if common::fcntl_lock(fd, libc::F_SETLK, typ, start, len) == 0 {
         0
     } else {
         std::io::Error::last_os_error().raw_os_error().unwrap_or(0)

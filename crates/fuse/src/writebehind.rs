@@ -5,7 +5,8 @@
 //! A write is answered once it is in the mount's buffer. What is buffered for an inode is
 //! sent before anything on this mount could see the file without it: a read, getattr,
 //! setattr, fallocate, lookup or readdirplus of the inode, another open of it, fsync,
-//! close (flush and release), and unmount. So every reader on this mount sees its own
+//! close (flush and release), and unmount; and whatever is buffered is sent once it is
+//! `MAX_HELD` old (see `start_ager`). So every reader on this mount sees its own
 //! writes and exact sizes; other mounts see them once they are sent (at the latest at the
 //! writer's close: close-to-open consistency, as NFS gives). An error of a send is kept
 //! and returned by the next write, fsync or close of the inode.
