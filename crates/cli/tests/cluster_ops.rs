@@ -505,3 +505,76 @@ fn a_split_interrupted_after_its_commit_point_is_finished_by_the_recoverer() {
     std::thread::sleep(Duration::from_secs(2));
     common::offline_fsck_clean(&dir.path().join("data"), "after an interrupted split");
 }
+
+/// Closes gathered into one request per server (`Client::close_soon`, what the mount does
+/// with closes that have nothing to report) reach every server a file is on; handles whose
+/// files' table moved after they were opened (their server was drained) are refused by
+/// their old server as a gathered request and closed one by one instead. Each file was unlinked while open: its
+/// last close ends it.
+#[test]
+fn gathered_closes_reach_every_server_and_follow_a_moved_table() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = ServerProc::start(&dir.path().join("data"), &["--servers", "2"]);
+    wait_spread(&server, 2, 6);
+    let rt = runtime();
+    let cred = Credentials::root();
+    let client = rt.block_on(server.client(3));
+    // Directories until two are on different servers.
+    let mut dirs: Vec<InodeId> = Vec::new();
+    let (a, b) = loop {
+        let i = dirs.len();
+        assert!(i < 40, "no two directories on different servers");
+        let d = rt
+            .block_on(client.mkdir(&cred, client.root(), format!("d{i}").as_bytes(), 0o755))
+            .expect("mkdir");
+        dirs.push(d.id);
+        let v = status(&server).expect("status");
+        let owner = |id| table_of(&v, id).expect("table").1;
+        if let Some(&other) = dirs.iter().find(|&&o| owner(o) != owner(d.id)) {
+            break (other, d.id);
+        }
+    };
+    let open_unlinked = |parent: InodeId, name: &[u8]| {
+        rt.block_on(async {
+            let (attr, h) = client
+                .create_open(&cred, parent, name, 0o644, libc::O_RDWR as u32)
+                .await
+                .expect("create and open");
+            client.unlink(&cred, parent, name).await.expect("unlink");
+            (attr.id, h)
+        })
+    };
+    let files = [
+        open_unlinked(a, b"f"),
+        open_unlinked(b, b"f"),
+        open_unlinked(b, b"g"),
+    ];
+    // b's server is drained while the files are open: their table moves to a's server
+    // (the balancer leaves it there while the drain stands).
+    let v = status(&server).expect("status");
+    let (_, from) = table_of(&v, b).expect("table of b");
+    let (ok, out) = kochab(
+        &server,
+        &["server", "drain", &from.to_string(), "--timeout", "120"],
+    );
+    assert!(ok, "drain failed: {out}\nlog:\n{}", server.log_text());
+    let v = status(&server).expect("status");
+    assert_ne!(table_of(&v, files[1].0).expect("table").1, from, "{v:#}");
+    rt.block_on(async {
+        for (id, h) in files {
+            assert!(client.getattr(&cred, id).await.is_ok(), "open: kept");
+            client.close_soon(h, &tokio::runtime::Handle::current());
+        }
+        // A statfs waits for the gathered closes.
+        client.statfs(&cred).await.expect("statfs");
+        for (id, _) in files {
+            assert!(
+                client.getattr(&cred, id).await.is_err(),
+                "inode {id:#x} outlived its last close\nlog:\n{}",
+                server.log_text()
+            );
+        }
+        let problems = client.fsck().await.expect("fsck");
+        assert!(problems.is_empty(), "{problems:?}");
+    });
+}

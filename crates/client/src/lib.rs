@@ -5,6 +5,7 @@
 //! server's reply cache remembers: a create whose reply was lost is answered from the cache
 //! on retry instead of failing with EEXIST.
 
+mod closes;
 pub mod complete;
 pub mod conn;
 pub mod dircache;
@@ -204,6 +205,8 @@ struct Inner {
     replaying: tokio::sync::Mutex<()>,
     /// How long the servers' leases last (zero: this client asked for none).
     lease: Duration,
+    /// Closes waiting to go to their servers together (see `closes`).
+    closes: closes::Gathered<Handle>,
 }
 
 /// What a client that holds leases is told to drop; answered when the
@@ -421,6 +424,7 @@ impl Client {
             config,
             early,
             replaying: tokio::sync::Mutex::new(()),
+            closes: Default::default(),
         });
         tokio::spawn(replayer(Arc::downgrade(&inner)));
         Ok(Client { inner })
@@ -1158,6 +1162,8 @@ impl Client {
     /// store's, as any server reports it. (A table that moves between two of the questions
     /// may be counted twice or not at all: a df, not a census.)
     pub async fn statfs(&self, cred: &Credentials) -> FsResult<StatFs> {
+        // An unlinked file frees its space at its last close, which may be gathered.
+        self.inner.closes.flushed().await;
         let targets = self.inner.routing.lock().one_id_per_server(self.root());
         if targets.len() <= 1 {
             return match self.call(cred, Op::StatFs).await? {
@@ -1267,6 +1273,72 @@ impl Client {
     /// server still holds it in this client's session there).
     pub async fn close(&self, cred: &Credentials, handle: u64) -> FsResult<()> {
         let known = self.inner.handles.lock().remove(&handle);
+        self.close_known(cred, handle, known).await
+    }
+
+    /// Closes a handle that has nothing to report (no locks to end, no writes held back)
+    /// soon, with others in one request to its server (see `closes`); `rt`, the runtime of
+    /// the calling thread, sends them. Nobody waits for it but a statfs.
+    pub fn close_soon(&self, handle: u64, rt: &tokio::runtime::Handle) {
+        let Some(known) = self.inner.handles.lock().remove(&handle) else {
+            return;
+        };
+        if known.servers.len() != 1 {
+            // Opened at several servers (its table moved): closed at each, as usual.
+            let client = self.clone();
+            rt.spawn(async move {
+                let cred = known.cred.clone();
+                if let Err(e) = client.close_known(&cred, handle, Some(known)).await {
+                    tracing::debug!("close of handle {handle} failed: {e}");
+                }
+            });
+            return;
+        }
+        let lane = pool::lane();
+        let addr = known.servers[0].clone();
+        if self.inner.closes.push(lane, addr, handle, known) {
+            let client = self.clone();
+            rt.spawn(async move {
+                tokio::time::sleep(closes::GATHER).await;
+                client.send_gathered(lane).await;
+            });
+        }
+    }
+
+    /// Sends `lane`'s gathered closes, one request per server; where a server does not
+    /// close them all, closes each as [`Client::close`] does.
+    async fn send_gathered(&self, lane: Option<usize>) {
+        for (addr, list) in self.inner.closes.take(lane) {
+            let n = list.len();
+            let cred = list[0].1.cred.clone();
+            let handles = list.iter().map(|(h, _)| *h).collect();
+            let mut req = Request::plain(&cred, Op::CloseMany { handles });
+            if self.inner.config.early_replies {
+                // As any close: a durable reply would wait for (and so hurry) the journal.
+                req.mode = ReplyMode::Early;
+            }
+            if !matches!(
+                self.attempt(&addr, &req).await,
+                Outcome::Reply(Reply::Empty)
+            ) {
+                for (handle, known) in list {
+                    let cred = known.cred.clone();
+                    if let Err(e) = self.close_known(&cred, handle, Some(known)).await {
+                        tracing::debug!("close of handle {handle} failed: {e}");
+                    }
+                }
+            }
+            self.inner.closes.finished(n);
+        }
+    }
+
+    /// [`Client::close`] of a handle already taken from the table.
+    async fn close_known(
+        &self,
+        cred: &Credentials,
+        handle: u64,
+        known: Option<Handle>,
+    ) -> FsResult<()> {
         let target = known.as_ref().map_or_else(|| self.root(), |h| h.id);
         let result = self.call_at(cred, Op::Close { handle }, target).await;
         let answered = result.as_ref().ok().map(|(_, a)| a.clone());

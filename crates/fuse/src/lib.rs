@@ -1307,13 +1307,11 @@ impl Filesystem for KochabFs {
         let locked = self.inner.locked.lock().contains(&id);
         if !locked && !self.inner.wb.pending(id) {
             // Nothing to report and nobody waiting for the close (no locks, no writes held
-            // back): the kernel is answered now and the server told without waiting.
+            // back): the kernel is answered now, and the server told soon, with other such
+            // closes in one request.
             reply.ok();
-            return self.spawn(req, move |fs, cred| async move {
-                if let Err(e) = fs.client.close(&cred, fh.0).await {
-                    tracing::debug!("close of handle {} failed: {e}", fh.0);
-                }
-            });
+            let rt = uring::queue_runtime().unwrap_or_else(|| self.inner.rt.clone());
+            return self.inner.client.close_soon(fh.0, &rt);
         }
         if locked {
             *self.inner.closing.lock().entry(id).or_insert(0) += 1;

@@ -202,6 +202,7 @@ impl Engine {
             Op::Open { .. }
             | Op::Create { .. }
             | Op::Close { .. }
+            | Op::CloseMany { .. }
             | Op::Read { .. }
             | Op::Write { .. }
             | Op::Fsync { .. }

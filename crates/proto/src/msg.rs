@@ -172,7 +172,7 @@ pub enum ReplyMode {
 }
 
 /// Names of the operation kinds, indexed by [`Op::index`].
-pub const OP_NAMES: [&str; 36] = [
+pub const OP_NAMES: [&str; 37] = [
     "lookup",
     "getattr",
     "setattr",
@@ -209,6 +209,7 @@ pub const OP_NAMES: [&str; 36] = [
     "keyrevoke",
     "getmap",
     "control",
+    "closemany",
 ];
 
 /// Bytes of a name, serialized compactly.
@@ -406,6 +407,14 @@ pub enum Op {
     Control {
         control: Control,
     },
+    /// Closes several handles of this client at once, as [`Op::Close`] does each: a mount
+    /// gathers the closes that have nothing to report (no locks, no writes held back).
+    /// All are closed, or none: if a file's table is not served here (WrongServer) or a
+    /// handle is unknown here (EBADF: opened elsewhere, or the server restarted), the client
+    /// closes each by itself, routed by its file.
+    CloseMany {
+        handles: Vec<u64>,
+    },
 }
 
 /// A byte-range lock: `[start, end]` inclusive (`end == u64::MAX` means to the end of the
@@ -483,6 +492,7 @@ impl Op {
             Op::KeyRevoke { .. } => 33,
             Op::GetMap => 34,
             Op::Control { .. } => 35,
+            Op::CloseMany { .. } => 36,
         }
     }
 

@@ -243,6 +243,8 @@ fn op() -> impl Strategy<Value = Op> {
         any::<u32>().prop_map(|id| Op::KeyRevoke { id }),
         Just(Op::GetMap),
         control().prop_map(|control| Op::Control { control }),
+        proptest::collection::vec(any::<u64>(), 0..40)
+            .prop_map(|handles| Op::CloseMany { handles }),
     ]
 }
 

@@ -172,6 +172,13 @@ fn op_ids(core: &Core, client: u64, op: &Op) -> Vec<InodeId> {
     {
         ids.push(of.id);
     }
+    if let Op::CloseMany { handles } = op {
+        ids.extend(
+            handles
+                .iter()
+                .filter_map(|&h| Some(core.sessions.get(client, h)?.id)),
+        );
+    }
     ids.extend(core.engine.plan(op));
     ids
 }
@@ -365,6 +372,8 @@ impl ClusterHost {
                 refuse(self.wrong_server(tables[0], map_version, owner))
             }
             Admit::NotReady => refuse(self.not_ready()),
+            // Gathered closes never borrow: the client closes each by itself instead.
+            Admit::NeedBorrow if matches!(op, Op::CloseMany { .. }) => refuse(self.not_ready()),
             Admit::NeedBorrow => Err(Refusal::Borrow(tables)),
         }
     }

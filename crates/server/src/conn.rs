@@ -829,7 +829,11 @@ fn waits_for_replays(op: &Op) -> bool {
     op.needs_reply_cache()
         || matches!(
             op,
-            Op::SetAttr { .. } | Op::Open { .. } | Op::Close { .. } | Op::EndSession
+            Op::SetAttr { .. }
+                | Op::Open { .. }
+                | Op::Close { .. }
+                | Op::CloseMany { .. }
+                | Op::EndSession
         )
 }
 

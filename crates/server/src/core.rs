@@ -683,6 +683,7 @@ impl Shared {
                 Op::Open { .. }
                 | Op::Create { .. }
                 | Op::Close { .. }
+                | Op::CloseMany { .. }
                 | Op::GetLk { .. }
                 | Op::SetLk { .. }
                 | Op::ReleaseLocks { .. }

@@ -76,28 +76,22 @@ impl Shared {
                 core, client, req, *parent, name, *mode, *flags, *handle, now,
             ),
             Op::Close { handle } => {
-                core.appended.remove(&(client, *handle));
-                if let Some(of) = core.sessions.close(client, *handle) {
-                    if writes(of.flags) {
-                        core.flushes.closed(of.id, client);
-                    }
-                    // The last close of an open file description: its OFD locks and its
-                    // flock end with it. (A handle reopened here after its table arrived
-                    // was converted from `arrived` when reopened.)
-                    core.locks.release_handle(client, of.id, *handle);
-                    let muts = core.engine.close_ref(of.id);
-                    self.journal_now(core, client, &muts);
-                } else {
-                    // Opened at another server; its locks may have come here with the
-                    // file's table, and so may its open count.
-                    for id in core.locks.inodes_of_handle(client, *handle) {
-                        core.locks.release_handle(client, id, *handle);
-                    }
-                    if let Some(id) = core.arrived.remove(&(client, *handle)) {
-                        core.flushes.closed(id, client);
-                        let muts = core.engine.close_ref(id);
-                        self.journal_now(core, client, &muts);
-                    }
+                self.close_handle(core, client, *handle);
+                Reply::Empty
+            }
+            Op::CloseMany { handles } => {
+                // Admitted as a whole (every file's table is served here). A handle this
+                // server does not know may be known where its file's table went: then
+                // nothing is closed, and the client closes each, routed by its file.
+                let known = |h: &u64| {
+                    core.sessions.get(client, *h).is_some()
+                        || core.arrived.contains_key(&(client, *h))
+                };
+                if let Some(h) = handles.iter().find(|h| !known(h)) {
+                    return bad_handle(*h);
+                }
+                for handle in handles {
+                    self.close_handle(core, client, *handle);
                 }
                 Reply::Empty
             }
@@ -277,6 +271,33 @@ impl Shared {
     }
 
     /// Journals `muts` (if any) as one record; returns its LSN or 0.
+    /// Closes one handle of `client`: the last close of an open file description ends its
+    /// OFD locks and flock, and the last close of an unlinked file removes it.
+    fn close_handle(&self, core: &mut Core, client: u64, handle: u64) {
+        core.appended.remove(&(client, handle));
+        if let Some(of) = core.sessions.close(client, handle) {
+            if writes(of.flags) {
+                core.flushes.closed(of.id, client);
+            }
+            // (A handle reopened here after its table arrived was converted from
+            // `arrived` when reopened.)
+            core.locks.release_handle(client, of.id, handle);
+            let muts = core.engine.close_ref(of.id);
+            self.journal_now(core, client, &muts);
+        } else {
+            // Opened at another server; its locks may have come here with the file's
+            // table, and so may its open count.
+            for id in core.locks.inodes_of_handle(client, handle) {
+                core.locks.release_handle(client, id, handle);
+            }
+            if let Some(id) = core.arrived.remove(&(client, handle)) {
+                core.flushes.closed(id, client);
+                let muts = core.engine.close_ref(id);
+                self.journal_now(core, client, &muts);
+            }
+        }
+    }
+
     pub(crate) fn journal_now(&self, core: &mut Core, client: u64, muts: &[Mutation]) -> u64 {
         if muts.is_empty() {
             return 0;

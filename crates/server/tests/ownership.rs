@@ -305,6 +305,65 @@ async fn handles_open_when_their_table_moves_are_closed_at_the_new_owner() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gathered_closes_close_each_handle_as_a_close_does_before_and_after_a_move() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(config(&tmp.path().join("a"))).await.unwrap();
+    let root = a.root;
+    let lo = root_table(&a);
+    let sa = a.shared().clone();
+    let Some(Reply::Entry(f)) = create(&sa, root, "open", 1) else {
+        panic!("create");
+    };
+    for handle in [100, 101, 102] {
+        let open = Op::Open {
+            id: f.id,
+            flags: libc::O_RDWR as u32,
+            handle,
+        };
+        assert!(matches!(run(&sa, 7, 0, open), Some(Reply::Entry(_))));
+    }
+    let unlink = Op::Unlink {
+        parent: root,
+        name: b"open".to_vec(),
+    };
+    assert_eq!(run(&sa, 7, 2, unlink), Some(Reply::Empty));
+    let stat = |s: &Shared| run(s, 8, 0, Op::GetAttr { id: f.id });
+    let close_many = |handles: &[u64]| Op::CloseMany {
+        handles: handles.to_vec(),
+    };
+    assert_eq!(run(&sa, 7, 0, close_many(&[100, 101])), Some(Reply::Empty));
+    assert!(
+        matches!(stat(&sa), Some(Reply::Attr(a)) if a.nlink == 0),
+        "handle 102 still holds it: {:?}",
+        stat(&sa)
+    );
+
+    // The table moves: the new owner never saw handle 102 opened, yet closes it, and the
+    // last close ends the file; with a handle it does not know, it closes none.
+    let s = sa.clone();
+    blocking(move || s.drop_table(lo)).unwrap();
+    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let sb = b.shared().clone();
+    let s = sb.clone();
+    blocking(move || s.add_table(lo)).unwrap();
+    assert!(matches!(stat(&sb), Some(Reply::Attr(_))));
+    match run(&sb, 7, 0, close_many(&[102, 999])) {
+        Some(Reply::Error(e)) => assert_eq!(e.errno, kochab_proto::Errno::EBADF, "{e}"),
+        other => panic!("an unknown handle among them: {other:?}"),
+    }
+    assert!(matches!(stat(&sb), Some(Reply::Attr(_))), "none closed");
+    assert_eq!(run(&sb, 7, 0, close_many(&[102])), Some(Reply::Empty));
+    assert!(
+        matches!(stat(&sb), Some(Reply::Error(_))),
+        "the last close ends it: {:?}",
+        stat(&sb)
+    );
+    assert!(sb.core.lock().engine.check_invariants().is_empty());
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sealed_journal_stops_acknowledging_and_its_tables_are_recovered_elsewhere() {
     let tmp = tempfile::tempdir().unwrap();
     let a = start(config(&tmp.path().join("a"))).await.unwrap();
