@@ -86,6 +86,17 @@ async fn member(dir: &Path, a: &RunningServer, server: u64, epoch: u64) -> Runni
     .unwrap()
 }
 
+/// Moves table `lo` from `a` to a new member (server 2) under `dir`, as a migration does:
+/// `a` lets it go (which checkpoints it), the member takes it.
+async fn move_to_member(dir: &Path, a: &RunningServer, lo: u64) -> RunningServer {
+    let s = a.shared().clone();
+    blocking(move || s.drop_table(lo)).unwrap();
+    let b = member(dir, a, 2, 1).await;
+    let s = b.shared().clone();
+    blocking(move || s.add_table(lo)).unwrap();
+    b
+}
+
 fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     std::thread::spawn(f).join().unwrap()
 }
@@ -221,12 +232,8 @@ async fn a_lock_held_when_its_table_moves_holds_at_the_new_owner_until_its_close
     assert!(matches!(run(&sa, 7, 0, open(100)), Some(Reply::Entry(_))));
     assert_eq!(run(&sa, 7, 0, lock(1, LockKind::Write)), Some(Reply::Empty));
 
-    let s = sa.clone();
-    blocking(move || s.drop_table(lo)).unwrap();
-    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let b = move_to_member(&tmp.path().join("b"), &a, lo).await;
     let sb = b.shared().clone();
-    let s = sb.clone();
-    blocking(move || s.add_table(lo)).unwrap();
 
     // Another client at the new owner: the lock taken at the old one still holds.
     assert!(matches!(run(&sb, 9, 0, open(200)), Some(Reply::Entry(_))));
@@ -263,12 +270,8 @@ async fn handles_open_when_their_table_moves_are_closed_at_the_new_owner() {
     assert!(matches!(run(&sa, 7, 0, open(100)), Some(Reply::Entry(_))));
     assert!(matches!(run(&sa, 7, 0, open(101)), Some(Reply::Entry(_))));
 
-    let s = sa.clone();
-    blocking(move || s.drop_table(lo)).unwrap();
-    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let b = move_to_member(&tmp.path().join("b"), &a, lo).await;
     let sb = b.shared().clone();
-    let s = sb.clone();
-    blocking(move || s.add_table(lo)).unwrap();
     let stat = |s: &Shared| run(s, 8, 0, Op::GetAttr { id: f.id });
 
     // Handle 101 is reopened at the new owner (as a client does after EBADF), 100 is not.
@@ -340,12 +343,8 @@ async fn gathered_closes_close_each_handle_as_a_close_does_before_and_after_a_mo
 
     // The table moves: the new owner never saw handle 102 opened, yet closes it, and the
     // last close ends the file; with a handle it does not know, it closes none.
-    let s = sa.clone();
-    blocking(move || s.drop_table(lo)).unwrap();
-    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let b = move_to_member(&tmp.path().join("b"), &a, lo).await;
     let sb = b.shared().clone();
-    let s = sb.clone();
-    blocking(move || s.add_table(lo)).unwrap();
     assert!(matches!(stat(&sb), Some(Reply::Attr(_))));
     match run(&sb, 7, 0, close_many(&[102, 999])) {
         Some(Reply::Error(e)) => assert_eq!(e.errno, kochab_proto::Errno::EBADF, "{e}"),
