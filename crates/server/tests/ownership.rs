@@ -86,6 +86,14 @@ async fn member(dir: &Path, a: &RunningServer, server: u64, epoch: u64) -> Runni
     .unwrap()
 }
 
+/// Server A of a test, started under `dir/a`: the server, its root, the root's table and
+/// its shared state.
+async fn server_a(dir: &Path) -> (RunningServer, u64, u64, Arc<Shared>) {
+    let a = start(config(&dir.join("a"))).await.unwrap();
+    let (root, lo, sa) = (a.root, root_table(&a), a.shared().clone());
+    (a, root, lo, sa)
+}
+
 /// Moves table `lo` from `a` to a new member (server 2) under `dir`, as a migration does:
 /// `a` lets it go (which checkpoints it), the member takes it.
 async fn move_to_member(dir: &Path, a: &RunningServer, lo: u64) -> RunningServer {
@@ -104,10 +112,7 @@ fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_table_is_served_by_the_server_that_adds_it_with_every_acknowledged_op() {
     let tmp = tempfile::tempdir().unwrap();
-    let a = start(config(&tmp.path().join("a"))).await.unwrap();
-    let root = a.root;
-    let lo = root_table(&a);
-    let sa = a.shared().clone();
+    let (a, root, lo, sa) = server_a(tmp.path()).await;
     for i in 0..200 {
         let r = create(&sa, root, &format!("f{i}"), i + 1);
         assert!(matches!(r, Some(Reply::Entry(_))), "{r:?}");
@@ -206,10 +211,7 @@ async fn a_dropped_table_is_served_by_the_server_that_adds_it_with_every_acknowl
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_held_when_its_table_moves_holds_at_the_new_owner_until_its_close() {
     let tmp = tempfile::tempdir().unwrap();
-    let a = start(config(&tmp.path().join("a"))).await.unwrap();
-    let root = a.root;
-    let lo = root_table(&a);
-    let sa = a.shared().clone();
+    let (a, root, lo, sa) = server_a(tmp.path()).await;
     let Some(Reply::Entry(f)) = create(&sa, root, "locked", 1) else {
         panic!("create");
     };
@@ -255,10 +257,7 @@ async fn a_lock_held_when_its_table_moves_holds_at_the_new_owner_until_its_close
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handles_open_when_their_table_moves_are_closed_at_the_new_owner() {
     let tmp = tempfile::tempdir().unwrap();
-    let a = start(config(&tmp.path().join("a"))).await.unwrap();
-    let root = a.root;
-    let lo = root_table(&a);
-    let sa = a.shared().clone();
+    let (a, root, lo, sa) = server_a(tmp.path()).await;
     let Some(Reply::Entry(f)) = create(&sa, root, "open", 1) else {
         panic!("create");
     };
@@ -310,10 +309,7 @@ async fn handles_open_when_their_table_moves_are_closed_at_the_new_owner() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gathered_closes_close_each_handle_as_a_close_does_before_and_after_a_move() {
     let tmp = tempfile::tempdir().unwrap();
-    let a = start(config(&tmp.path().join("a"))).await.unwrap();
-    let root = a.root;
-    let lo = root_table(&a);
-    let sa = a.shared().clone();
+    let (a, root, lo, sa) = server_a(tmp.path()).await;
     let Some(Reply::Entry(f)) = create(&sa, root, "open", 1) else {
         panic!("create");
     };
@@ -365,10 +361,7 @@ async fn gathered_closes_close_each_handle_as_a_close_does_before_and_after_a_mo
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sealed_journal_stops_acknowledging_and_its_tables_are_recovered_elsewhere() {
     let tmp = tempfile::tempdir().unwrap();
-    let a = start(config(&tmp.path().join("a"))).await.unwrap();
-    let root = a.root;
-    let lo = root_table(&a);
-    let sa = a.shared().clone();
+    let (a, root, lo, sa) = server_a(tmp.path()).await;
     let mut acked = Vec::new();
     for i in 0..100 {
         if let Some(Reply::Entry(_)) = create(&sa, root, &format!("f{i}"), i + 1) {
@@ -400,10 +393,7 @@ async fn a_sealed_journal_stops_acknowledging_and_its_tables_are_recovered_elsew
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_owners_late_checkpoint_is_refused_by_the_store() {
     let tmp = tempfile::tempdir().unwrap();
-    let a = start(config(&tmp.path().join("a"))).await.unwrap();
-    let root = a.root;
-    let lo = root_table(&a);
-    let sa = a.shared().clone();
+    let (a, root, lo, sa) = server_a(tmp.path()).await;
     assert!(matches!(create(&sa, root, "x", 1), Some(Reply::Entry(_))));
     // A fencer replaces the manifest (here without sealing A's journal, so that only the
     // store's conditional write stands between A and the table).
@@ -475,10 +465,7 @@ async fn restarts_start_new_incarnations_and_old_journals_are_collected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_after_a_takeover_is_answered_from_the_moved_reply_cache() {
     let tmp = tempfile::tempdir().unwrap();
-    let a = start(config(&tmp.path().join("a"))).await.unwrap();
-    let root = a.root;
-    let lo = root_table(&a);
-    let sa = a.shared().clone();
+    let (a, root, lo, sa) = server_a(tmp.path()).await;
     let Some(Reply::Entry(first)) = create(&sa, root, "once", 42) else {
         panic!("create");
     };
