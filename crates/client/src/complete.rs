@@ -49,6 +49,19 @@ pub enum Change {
     },
 }
 
+impl Change {
+    /// The directories whose names it reads or changes.
+    fn dirs(&self) -> impl Iterator<Item = InodeId> {
+        let (a, b) = match *self {
+            Change::Read { dir, .. } | Change::Add { dir, .. } | Change::Remove { dir, .. } => {
+                (dir, None)
+            }
+            Change::Rename { from, to, .. } => (from.0, Some(to.0)),
+        };
+        std::iter::once(a).chain(b)
+    }
+}
+
 /// Hash of a name as the complete directories keep it.
 pub fn name_hash(name: &[u8]) -> u64 {
     let mut h = rustc_hash::FxHasher::default();
@@ -187,7 +200,7 @@ impl CompleteDirs {
     }
 
     /// Notes the end of an operation that was sent at `sent`, when [`CompleteDirs::seen`]
-    /// said `seen`, with its outcome.
+    /// said `seen`, with its outcome, now.
     pub fn ended(
         &mut self,
         change: &Change,
@@ -195,8 +208,29 @@ impl CompleteDirs {
         outcome: Result<&Reply, &FsError>,
         sent: Instant,
     ) {
+        self.ended_at(change, seen, outcome, sent, Instant::now());
+    }
+
+    /// [`CompleteDirs::ended`] with the reply in at `now`.
+    pub fn ended_at(
+        &mut self,
+        change: &Change,
+        seen: u64,
+        outcome: Result<&Reply, &FsError>,
+        sent: Instant,
+        now: Instant,
+    ) {
         if self.lease.is_zero() {
             return;
+        }
+        // A lease that ran out before this reply came in may have run out before the
+        // server granted the new one: in between, another client could change names
+        // without calling this one back, so the picture is no longer known complete. (The
+        // grant came before `now`; a lease still held at `now` was held at the grant.)
+        for dir in change.dirs() {
+            if self.dirs.get(&dir).is_some_and(|d| d.until <= now) {
+                self.forget(dir);
+            }
         }
         let until = sent + self.lease;
         let reply = outcome.ok();
@@ -459,6 +493,31 @@ mod tests {
         c.ended(&mkdir(1, "e"), seen, Ok(&new_dir(8, 5)), t0);
         assert!(c.absent(8, b"x", t0).is_none());
         assert!(c.absent(7, b"x", t1).is_some(), "other directories stay");
+    }
+
+    #[test]
+    fn a_lease_that_ran_out_is_not_renewed() {
+        let t0 = Instant::now();
+        let mut c = CompleteDirs::new(LEASE);
+        c.ended_at(&mkdir(1, "d"), c.seen(), Ok(&new_dir(7, 5)), t0, t0);
+        let lookup = Change::of(&Op::Lookup {
+            parent: 7,
+            name: b"x".to_vec(),
+        })
+        .unwrap();
+        let absent = fs_err!(ENOENT, "absent");
+        // Renewed while held: stays complete.
+        let t1 = t0 + Duration::from_secs(4);
+        c.ended_at(&lookup, c.seen(), Err(&absent), t1, t1);
+        assert!(c.absent(7, b"y", t0 + LEASE).is_some());
+        // Sent while held, answered after it ran out: another client may have added a
+        // name unseen in between (no callback is due once a lease ran out).
+        let late = t1 + LEASE + Duration::from_millis(1);
+        c.ended_at(&lookup, c.seen(), Err(&absent), t1 + LEASE, late);
+        assert!(c.absent(7, b"y", late).is_none(), "no longer complete");
+        let later = late + Duration::from_secs(1);
+        c.ended_at(&lookup, c.seen(), Err(&absent), later, later);
+        assert!(c.absent(7, b"y", later).is_none(), "and never again");
     }
 
     #[test]
