@@ -178,6 +178,14 @@ impl CompleteDirs {
         (!left.is_zero() && !d.names.contains_key(&name_hash(name))).then_some(left)
     }
 
+    /// How long `dir` is known to hold a name hashed as `name` from `now`, if it is (the
+    /// caller knows which name: a hash may stand for several).
+    pub fn present(&self, dir: InodeId, name: &[u8], now: Instant) -> Option<Duration> {
+        let d = self.dirs.get(&dir)?;
+        let left = d.until.checked_duration_since(now)?;
+        (!left.is_zero() && d.names.contains_key(&name_hash(name))).then_some(left)
+    }
+
     /// A callback named `dir` (`None`: everything, the connection holding the leases was
     /// lost).
     pub fn called_back(&mut self, dir: Option<InodeId>) {

@@ -548,6 +548,20 @@ impl Client {
             .absent(dir, name, Instant::now())
     }
 
+    /// How long directory `dir` is known to hold `name`, if this client knows every name
+    /// in it (see `complete`; a hash of the name is kept, so the caller must know by other
+    /// means which inode the name is).
+    pub fn known_present(&self, dir: InodeId, name: &[u8]) -> Option<Duration> {
+        if self.inner.lease.is_zero() {
+            return None;
+        }
+        self.inner
+            .early
+            .complete
+            .lock()
+            .present(dir, name, Instant::now())
+    }
+
     /// Forgets what this client knows of directory `id`'s attributes from its own changes
     /// (`None`: of every directory): a callback said another client changed it.
     pub fn forget_dir_attr(&self, id: Option<InodeId>) {

@@ -21,6 +21,7 @@
 mod coherence;
 mod creds;
 mod interrupts;
+mod known;
 mod listing;
 mod loops;
 mod uring;
@@ -148,6 +149,9 @@ struct Inner {
     /// Files this mount created, which have no security.capability (see `getxattr`), and
     /// until when the lease on each runs at least.
     bare: Mutex<FxHashMap<InodeId, Instant>>,
+    /// Files this mount made, by name, with the attributes the kernel last saw (see
+    /// `known`): lookups of them in complete directories need no round trip.
+    known: Mutex<known::KnownNames>,
 }
 
 #[derive(Default)]
@@ -270,6 +274,7 @@ impl KochabFs {
             names: Default::default(),
             listings: Default::default(),
             bare: Mutex::new(FxHashMap::default()),
+            known: Mutex::new(known::KnownNames::default()),
             wb,
             client,
             rt,
@@ -407,6 +412,7 @@ fn start_callbacks(inner: &Arc<Inner>) {
                     return;
                 };
                 inner.not_bare(&list);
+                inner.known.lock().called_back(&list);
                 if list.contains(&Invalidation::Everything) {
                     // A lost connection: its server forgot which writers it called back.
                     inner.wb.write_through(None, inner.lease * 2);
@@ -568,6 +574,7 @@ impl Inner {
     }
 
     fn file_attr(&self, a: &Attr) -> FileAttr {
+        self.known.lock().shows(a);
         FileAttr {
             ino: self.ino(a.id),
             size: a.size,
@@ -606,6 +613,22 @@ impl Inner {
             bare.retain(|_, u| *u > now);
         }
         bare.insert(id, until);
+    }
+
+    /// Notes `parent/name`, which this mount just made, as the reply `a` shows it to the
+    /// kernel (see `known`); called before the reply goes, under the kernel's lock of the
+    /// directory.
+    fn made(&self, parent: INodeNo, name: &[u8], a: &Attr) {
+        if self.lease.is_zero() {
+            return;
+        }
+        let until = coherence::ARRIVED.try_with(|t| *t + self.lease).ok();
+        self.known.lock().made(self.id(parent), name, a, until);
+    }
+
+    /// The kernel's picture of `ino` may change without a reply showing it.
+    fn changed(&self, ino: INodeNo) {
+        self.known.lock().changed(self.id(ino));
     }
 
     /// Forgets the files callbacks name: another client may have given them attributes.
@@ -880,6 +903,28 @@ impl Filesystem for KochabFs {
             fs.handed(parent, name.as_bytes(), ttl);
             return reply.entry(&ttl, &NO_INODE, Generation(0));
         }
+        // A file this mount made there, whose entry the kernel looks up again once its TTL
+        // ran out (before an unlink, say): answered with what the kernel last saw of it.
+        if let Some(entry_ttl) = fs.client.known_present(fs.id(parent), name.as_bytes()) {
+            let known = fs
+                .known
+                .lock()
+                .get(fs.id(parent), name.as_bytes(), Instant::now())
+                .map(|(a, ttl)| (a.clone(), ttl));
+            if let Some((a, attr_ttl)) = known
+                && !fs.wb.pending(a.id)
+            {
+                fs.looked_up(a.id);
+                fs.handed(parent, name.as_bytes(), entry_ttl);
+                let attr = fs.file_attr(&a);
+                return reply.entry_with_ttls(
+                    &attr_ttl,
+                    &entry_ttl,
+                    &attr,
+                    Generation(a.generation),
+                );
+            }
+        }
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             let _busy = busy;
@@ -953,6 +998,7 @@ impl Filesystem for KochabFs {
         reply: ReplyAttr,
     ) {
         self.inner.listings.changed();
+        self.inner.changed(ino);
         let conv = |t: TimeOrNow| match t {
             TimeOrNow::Now => TimeSet::Now,
             TimeOrNow::SpecificTime(st) => TimeSet::At(ns_of(st)),
@@ -1006,6 +1052,9 @@ impl Filesystem for KochabFs {
                 .client
                 .mknod(&cred, fs.id(parent), &name, mode, rdev, true)
                 .await;
+            if let Ok(a) = &r {
+                fs.made(parent, &name, a);
+            }
             fs.entry(reply, parent, &name, r);
         });
     }
@@ -1025,6 +1074,9 @@ impl Filesystem for KochabFs {
         self.spawn(req, move |fs, cred| async move {
             let _busy = busy;
             let r = fs.client.mkdir(&cred, fs.id(parent), &name, mode).await;
+            if let Ok(a) = &r {
+                fs.made(parent, &name, a);
+            }
             fs.entry(reply, parent, &name, r);
         });
     }
@@ -1034,6 +1086,7 @@ impl Filesystem for KochabFs {
         let name = name_bytes(name);
         // Hands out nothing, but holds the directory's lock (see `coherence::Held`).
         let busy = self.inner.busy(parent, Some(&name));
+        self.inner.known.lock().gone(self.inner.id(parent), &name);
         self.spawn(req, move |fs, cred| async move {
             let _busy = busy;
             let r = fs.client.unlink(&cred, fs.id(parent), &name).await;
@@ -1044,6 +1097,7 @@ impl Filesystem for KochabFs {
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.inner.listings.changed();
         let name = name_bytes(name);
+        self.inner.known.lock().gone(self.inner.id(parent), &name);
         let busy = self.inner.busy(parent, Some(&name));
         self.spawn(req, move |fs, cred| async move {
             let _busy = busy;
@@ -1071,6 +1125,9 @@ impl Filesystem for KochabFs {
                 .client
                 .symlink(&cred, fs.id(parent), &name, &target)
                 .await;
+            if let Ok(a) = &r {
+                fs.made(parent, &name, a);
+            }
             fs.entry(reply, parent, &name, r);
         });
     }
@@ -1087,6 +1144,11 @@ impl Filesystem for KochabFs {
     ) {
         self.inner.listings.changed();
         let (name, newname) = (name_bytes(name), name_bytes(newname));
+        {
+            let mut known = self.inner.known.lock();
+            known.gone(self.inner.id(parent), &name);
+            known.gone(self.inner.id(newparent), &newname);
+        }
         let busy = (
             self.inner.busy(parent, Some(&name)),
             self.inner.busy(newparent, Some(&newname)),
@@ -1125,6 +1187,7 @@ impl Filesystem for KochabFs {
         reply: ReplyEntry,
     ) {
         self.inner.listings.changed();
+        self.inner.changed(ino);
         let newname = name_bytes(newname);
         let busy = self.inner.busy(newparent, Some(&newname));
         self.spawn(req, move |fs, cred| async move {
@@ -1139,6 +1202,10 @@ impl Filesystem for KochabFs {
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let flags = flags.0;
+        if flags & libc::O_TRUNC != 0 {
+            // The kernel sets the size it caches to zero itself.
+            self.inner.changed(ino);
+        }
         self.spawn(req, move |fs, cred| async move {
             match fs.client.open(&cred, fs.id(ino), flags as u32).await {
                 Ok((a, handle)) => {
@@ -1191,6 +1258,7 @@ impl Filesystem for KochabFs {
         reply: ReplyWrite,
     ) {
         self.inner.listings.changed();
+        self.inner.changed(ino);
         let len = data.len() as u32;
         // Writeback of cached (e.g. mmap'ed) pages: the kernel waits for this reply to end
         // those pages' writeback, so dropping them first would wait for itself.
@@ -1560,6 +1628,7 @@ impl Filesystem for KochabFs {
     ) {
         self.inner.listings.changed();
         self.inner.bare.lock().remove(&self.inner.id(ino));
+        self.inner.changed(ino);
         let (name, value) = (name_bytes(name), value.to_vec());
         self.spawn(req, move |fs, cred| async move {
             let r = fs
@@ -1602,6 +1671,7 @@ impl Filesystem for KochabFs {
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.inner.listings.changed();
         self.inner.bare.lock().remove(&self.inner.id(ino));
+        self.inner.changed(ino);
         let name = name_bytes(name);
         self.spawn(req, move |fs, cred| async move {
             let r = fs.client.removexattr(&cred, fs.id(ino), &name).await;
@@ -1640,6 +1710,7 @@ impl Filesystem for KochabFs {
                 Ok((a, handle)) => {
                     fs.looked_up(a.id);
                     fs.created(a.id);
+                    fs.made(parent, &name, &a);
                     let ttl = fs.entry_ttl();
                     fs.handed(parent, &name, ttl);
                     let open = fs.open_flags(&a, flags, handle);
@@ -1798,6 +1869,7 @@ impl Filesystem for KochabFs {
         reply: ReplyEmpty,
     ) {
         self.inner.listings.changed();
+        self.inner.changed(ino);
         self.spawn(req, move |fs, cred| async move {
             fs.wb.settle(fs.id(ino)).await;
             let r = fs
