@@ -9,7 +9,9 @@
 //! entries, negative entries and attributes for what is left of the servers' lease, and a
 //! callback makes it drop them before another client's change is acknowledged
 //! (`coherence`); without leases, for `attr_ttl`/`entry_ttl` (1 s), negative lookups not at
-//! all. A directory this mount just changed is answered from the attributes the change's
+//! all. In a directory whose every name the client knows, a lookup is answered here: of an
+//! absent name, and of a file this mount made (`known`). A directory this mount just
+//! changed is answered from the attributes the change's
 //! reply carried (see `kochab_client::dircache`); the page cache of a
 //! file is kept across opens only if its size and mtime did not change, and the kernel
 //! drops it when a getattr shows a new mtime (auto_inval_data) or a callback says another
