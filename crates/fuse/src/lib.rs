@@ -801,11 +801,13 @@ impl Inner {
         }
     }
 
-    /// Waits until the closes of `id`'s handles that this mount received before now have
+    /// Waits until the closes of `id`'s handles that the kernel sent before now have
     /// reached the servers. The kernel sends the RELEASE of a last close in the background
     /// and lets close(2) return at once; the release ends the description's OFD locks and
     /// flock, so a lock request that follows it (from any process) must not overtake it.
     async fn closes_done(&self, id: InodeId) {
+        // Releases the kernel handed to the ring of another CPU are taken first.
+        uring::settled().await;
         loop {
             let woken = self.closed.notified();
             tokio::pin!(woken);

@@ -97,6 +97,11 @@ impl Ring {
         let queues = (0..possible_cpus())
             .map(|qid| Queue::new(qid, max_payload).map(Arc::new))
             .collect::<io::Result<Vec<_>>>()?;
+        {
+            let mut all = ALL_QUEUES.lock();
+            all.retain(|q| q.strong_count() > 0);
+            all.extend(queues.iter().map(Arc::downgrade));
+        }
         for queue in &queues {
             let (q, dev, dispatcher) = (queue.clone(), dev.clone(), dispatcher.clone());
             std::thread::Builder::new()
@@ -269,9 +274,14 @@ struct Queue {
     max_payload: usize,
     entries: Box<[std::sync::OnceLock<Entry>]>,
     answered: Mutex<Vec<u32>>,
-    /// Wakes the queue's thread: answers are in, or the session is over.
+    /// Wakes the queue's thread: answers are in, a settle is asked, or the session is over.
     notify: tokio::sync::Notify,
     stop: AtomicBool,
+    /// Settles asked for (see [`settled`]) and served: a turn that saw `asked` at its start
+    /// sets `served` to it at its end, and wakes `turned`.
+    asked: AtomicU64,
+    served: AtomicU64,
+    turned: tokio::sync::Notify,
 }
 
 impl Queue {
@@ -283,11 +293,22 @@ impl Queue {
             answered: Mutex::new(Vec::with_capacity(DEPTH)),
             notify: tokio::sync::Notify::new(),
             stop: AtomicBool::new(false),
+            asked: AtomicU64::new(0),
+            served: AtomicU64::new(0),
+            turned: tokio::sync::Notify::new(),
         };
         for index in 0..DEPTH {
             queue.add_entry(index)?;
         }
         Ok(queue)
+    }
+
+    /// Ends a turn that saw `settle` settles asked at its start.
+    fn turn_ended(&self, settle: u64) {
+        if settle > self.served.load(Ordering::Acquire) {
+            self.served.fetch_max(settle, Ordering::AcqRel);
+            self.turned.notify_waiters();
+        }
     }
 
     /// Makes entry `index`, the first slot not yet filled.
@@ -392,6 +413,46 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
+/// Every queue of this process, for [`settled`].
+static ALL_QUEUES: Mutex<Vec<std::sync::Weak<Queue>>> = Mutex::new(Vec::new());
+
+/// How long [`settled`] waits for one queue at most (a queue's turn takes microseconds;
+/// this only bounds a queue that stopped).
+const SETTLE_MAX: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Waits until every queue has taken and dispatched each request the kernel had handed
+/// it before this call. The kernel sends a RELEASE in the background to the queue of the
+/// CPU that closed, so a lock request from a program on another CPU, sent after close(2)
+/// returned, can reach the mount first: it must not overtake the release (which ends the
+/// description's OFD locks). A request handed to a queue is delivered by task work on the
+/// queue's thread, which runs when that thread next returns from a system call: a turn
+/// asked to settle makes one (an empty submit) before it takes its completions.
+pub async fn settled() {
+    let queues: Vec<Arc<Queue>> = ALL_QUEUES
+        .lock()
+        .iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .collect();
+    for q in queues {
+        let ticket = q.asked.fetch_add(1, Ordering::AcqRel) + 1;
+        q.notify.notify_one();
+        let wait = async {
+            loop {
+                let turned = q.turned.notified();
+                tokio::pin!(turned);
+                turned.as_mut().enable();
+                if q.served.load(Ordering::Acquire) >= ticket || q.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                turned.await;
+            }
+        };
+        if tokio::time::timeout(SETTLE_MAX, wait).await.is_err() {
+            tracing::warn!("fuse ring {} did not settle within {SETTLE_MAX:?}", q.qid);
+        }
+    }
+}
+
 /// On a queue's thread, the runtime that thread drives: a request that needs the servers
 /// runs there, start to end.
 pub fn queue_runtime() -> Option<tokio::runtime::Handle> {
@@ -403,6 +464,13 @@ pub fn queue_runtime() -> Option<tokio::runtime::Handle> {
 /// `kochab_client::set_lane`), whose server side, for a server of this process, runs there
 /// too: a request is served on the CPU its program runs on without waking another thread.
 fn serve(queue: Arc<Queue>, dev: Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
+    serve_until_over(&queue, &dev, dispatcher);
+    // Nothing comes through this queue any more: nobody waits for it to settle.
+    queue.stop.store(true, Ordering::Release);
+    queue.turned.notify_waiters();
+}
+
+fn serve_until_over(queue: &Arc<Queue>, dev: &Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
     pin_to_cpu(usize::from(queue.qid));
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -416,7 +484,7 @@ fn serve(queue: Arc<Queue>, dev: Arc<OwnedFd>, dispatcher: Arc<dyn Dispatch>) {
     };
     QUEUE_RUNTIME.with(|r| *r.borrow_mut() = Some(rt.handle().clone()));
     kochab_client::set_lane(Some(usize::from(queue.qid)));
-    rt.block_on(serve_ring(&queue, &dev, dispatcher.as_ref()));
+    rt.block_on(serve_ring(queue, dev, dispatcher.as_ref()));
     // The session is over: the queue's tasks (requests, connections) end with its runtime,
     // without waiting for blocking calls they started.
     kochab_client::set_lane(None);
@@ -470,6 +538,12 @@ async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch
     let mut commits: Vec<u32> = Vec::with_capacity(DEPTH);
     let mut logged = false;
     loop {
+        // A settle asked before this turn (see `settled`): a system call first, which runs
+        // the task work that hands this queue the requests the kernel routed to it.
+        let settle = queue.asked.load(Ordering::Acquire);
+        if settle > queue.served.load(Ordering::Acquire) && pending.is_empty() {
+            let _ = ring.submit();
+        }
         while !pending.is_empty() {
             {
                 let mut sq = ring.submission();
@@ -495,8 +569,12 @@ async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch
         done.clear();
         done.extend(ring.completion().map(|c| (c.user_data(), c.result())));
         if done.is_empty() && pending.is_empty() && queue.answered.lock().is_empty() {
+            queue.turn_ended(settle);
             if live == 0 || queue.stop.load(Ordering::Acquire) {
                 return;
+            }
+            if queue.asked.load(Ordering::Acquire) > settle {
+                continue;
             }
             // Nothing to do: wait for a completion or an answer. Readiness is cleared
             // before the completions are looked at again, so none is missed.
@@ -604,6 +682,7 @@ async fn serve_ring(queue: &Arc<Queue>, dev: &OwnedFd, dispatcher: &dyn Dispatch
                 }
             }
         }
+        queue.turn_ended(settle);
         // Let the requests this turn spawned run before the next turn.
         tokio::task::yield_now().await;
     }
