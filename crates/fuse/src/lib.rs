@@ -116,6 +116,9 @@ struct Inner {
     /// Inodes on which this mount ever took a lock: only their closes need to tell the
     /// server to release locks (saves a round trip on every other close).
     locked: Mutex<rustc_hash::FxHashSet<InodeId>>,
+    /// Per inode, the handles open here through which a lock was asked for: a lock request
+    /// through another handle may have to wait for their closes (see `closes_done`).
+    lock_handles: Mutex<FxHashMap<InodeId, rustc_hash::FxHashSet<u64>>>,
     /// Open setuid/setgid files: a non-root write clears those bits on the servers, and the
     /// kernel's cached mode must then be dropped.
     privileged: Mutex<rustc_hash::FxHashSet<InodeId>>,
@@ -285,6 +288,7 @@ impl KochabFs {
             lookups: Mutex::new(FxHashMap::default()),
             seen_at_open: Mutex::new(FxHashMap::default()),
             locked: Mutex::new(Default::default()),
+            lock_handles: Mutex::new(Default::default()),
             notifier: std::sync::OnceLock::new(),
             page_dropper: std::sync::OnceLock::new(),
             privileged: Mutex::new(Default::default()),
@@ -805,9 +809,17 @@ impl Inner {
     /// reached the servers. The kernel sends the RELEASE of a last close in the background
     /// and lets close(2) return at once; the release ends the description's OFD locks and
     /// flock, so a lock request that follows it (from any process) must not overtake it.
-    async fn closes_done(&self, id: InodeId) {
-        // Releases the kernel handed to the ring of another CPU are taken first.
-        uring::settled().await;
+    async fn closes_done(&self, id: InodeId, fh: u64) {
+        // A release of another handle that locked may be on its way through the ring of
+        // another CPU: taken first. (Costs a wake-up of each queue, so only then.)
+        let others = self
+            .lock_handles
+            .lock()
+            .get(&id)
+            .is_some_and(|hs| hs.iter().any(|&h| h != fh));
+        if others {
+            uring::settled().await;
+        }
         loop {
             let woken = self.closed.notified();
             tokio::pin!(woken);
@@ -1387,6 +1399,14 @@ impl Filesystem for KochabFs {
         }
         if locked {
             *self.inner.closing.lock().entry(id).or_insert(0) += 1;
+            // Only now: a lock request that no longer sees the handle sees the close.
+            let mut handles = self.inner.lock_handles.lock();
+            if let Some(hs) = handles.get_mut(&id) {
+                hs.remove(&fh.0);
+                if hs.is_empty() {
+                    handles.remove(&id);
+                }
+            }
         }
         self.spawn(req, move |fs, cred| async move {
             if let Err(e) = fs.wb.flush(id).await {
@@ -1754,7 +1774,7 @@ impl Filesystem for KochabFs {
         };
         let id = self.inner.id(ino);
         self.spawn(req, move |fs, cred| async move {
-            fs.closes_done(id).await;
+            fs.closes_done(id, fh.0).await;
             match fs.client.getlk(&cred, fh.0, want).await {
                 Ok(l) => reply.locked(l.start, l.end, lock_typ(l.kind), l.pid),
                 Err(e) => reply.error(errno(&e)),
@@ -1785,7 +1805,14 @@ impl Filesystem for KochabFs {
             flock,
         };
         if want.kind != LockKind::Unlock {
-            self.inner.locked.lock().insert(self.inner.id(ino));
+            let id = self.inner.id(ino);
+            self.inner.locked.lock().insert(id);
+            self.inner
+                .lock_handles
+                .lock()
+                .entry(id)
+                .or_default()
+                .insert(fh.0);
         }
         // Watch before the task starts: the interrupt may be handled by another thread.
         let watch = sleep.then(|| self.inner.interrupts.watch(req.unique().0));
@@ -1796,7 +1823,7 @@ impl Filesystem for KochabFs {
             // SIGKILL kills the process. The interrupt is looked at only between attempts,
             // so a lock is never granted to a caller that was told EINTR.
             let id = fs.id(ino);
-            fs.closes_done(id).await;
+            fs.closes_done(id, fh.0).await;
             let mut pause = Duration::from_millis(2);
             loop {
                 // Listening from before the attempt, so an unlock during it is not missed.
