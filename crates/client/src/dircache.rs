@@ -158,22 +158,7 @@ mod tests {
     use super::*;
 
     fn dir(id: InodeId, nlink: u32) -> Attr {
-        Attr {
-            id,
-            generation: 1,
-            mode: 0o040755,
-            nlink,
-            uid: 0,
-            gid: 0,
-            size: 0,
-            blocks: 0,
-            atime: 0,
-            mtime: 0,
-            ctime: 0,
-            btime: 0,
-            rdev: 0,
-            blksize: 4096,
-        }
+        Attr::new(id, 0o040755, nlink)
     }
 
     fn create(parent: InodeId) -> Op {

@@ -538,28 +538,25 @@ impl Client {
     /// every name in it (a directory it made, see `complete`): then a lookup of the name
     /// needs no round trip.
     pub fn known_absent(&self, dir: InodeId, name: &[u8]) -> Option<Duration> {
-        if self.inner.lease.is_zero() {
-            return None;
-        }
-        self.inner
-            .early
-            .complete
-            .lock()
-            .absent(dir, name, Instant::now())
+        self.ask_complete(|c, now| c.absent(dir, name, now))
     }
 
     /// How long directory `dir` is known to hold `name`, if this client knows every name
     /// in it (see `complete`; a hash of the name is kept, so the caller must know by other
     /// means which inode the name is).
     pub fn known_present(&self, dir: InodeId, name: &[u8]) -> Option<Duration> {
+        self.ask_complete(|c, now| c.present(dir, name, now))
+    }
+
+    /// Asks the complete directories (none without leases).
+    fn ask_complete(
+        &self,
+        ask: impl FnOnce(&complete::CompleteDirs, Instant) -> Option<Duration>,
+    ) -> Option<Duration> {
         if self.inner.lease.is_zero() {
             return None;
         }
-        self.inner
-            .early
-            .complete
-            .lock()
-            .present(dir, name, Instant::now())
+        ask(&self.inner.early.complete.lock(), Instant::now())
     }
 
     /// Forgets what this client knows of directory `id`'s attributes from its own changes

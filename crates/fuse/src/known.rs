@@ -149,22 +149,7 @@ mod tests {
     use kochab_proto::mode::{S_IFDIR, S_IFREG};
 
     fn attr(id: InodeId, mode: u32) -> Attr {
-        Attr {
-            id,
-            generation: 1,
-            mode,
-            nlink: if mode & S_IFDIR != 0 { 2 } else { 1 },
-            uid: 0,
-            gid: 0,
-            size: 0,
-            blocks: 0,
-            atime: 0,
-            mtime: 0,
-            ctime: 0,
-            btime: 0,
-            rdev: 0,
-            blksize: 4096,
-        }
+        Attr::new(id, mode, if mode & S_IFDIR != 0 { 2 } else { 1 })
     }
 
     #[test]

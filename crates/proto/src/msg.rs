@@ -757,22 +757,7 @@ mod tests {
     use crate::Errno;
 
     fn attr(mode: u32) -> Attr {
-        Attr {
-            id: 7,
-            generation: 1,
-            mode,
-            nlink: 1,
-            uid: 0,
-            gid: 0,
-            size: 0,
-            blocks: 0,
-            atime: 0,
-            mtime: 0,
-            ctime: 0,
-            btime: 0,
-            rdev: 0,
-            blksize: 4096,
-        }
+        Attr::new(7, mode, 1)
     }
 
     #[test]

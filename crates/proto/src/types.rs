@@ -163,6 +163,27 @@ pub struct Attr {
 }
 
 impl Attr {
+    /// Attributes of inode `id` with `mode` and `nlink`, generation 1, owned by root, empty,
+    /// every time zero, 4 KiB blocks (a starting point for tests).
+    pub fn new(id: InodeId, mode: u32, nlink: u32) -> Attr {
+        Attr {
+            id,
+            generation: 1,
+            mode,
+            nlink,
+            uid: 0,
+            gid: 0,
+            size: 0,
+            blocks: 0,
+            atime: 0,
+            mtime: 0,
+            ctime: 0,
+            btime: 0,
+            rdev: 0,
+            blksize: 4096,
+        }
+    }
+
     /// The file type, from the mode bits; `None` if they name none. A server never sends
     /// such attributes and the client refuses them (EIO, see [`crate::Reply::check_attrs`]),
     /// so no caller has to guess a type.
