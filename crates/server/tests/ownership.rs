@@ -105,6 +105,35 @@ async fn move_to_member(dir: &Path, a: &RunningServer, lo: u64) -> RunningServer
     b
 }
 
+/// Opens file `id` read-write through `handle` (client 7).
+fn open_rw(id: u64, handle: u64) -> Op {
+    Op::Open {
+        id,
+        flags: libc::O_RDWR as u32,
+        handle,
+    }
+}
+
+/// Unlinks "open" from `root` at `s` (client 7, sequence 2).
+fn unlink_open(s: &Shared, root: u64) -> Option<Reply> {
+    let unlink = Op::Unlink {
+        parent: root,
+        name: b"open".to_vec(),
+    };
+    run(s, 7, 2, unlink)
+}
+
+/// Asserts that file `id`, unlinked, ended with its last close at `s`, with the engine's
+/// invariants holding.
+fn assert_ended_at_last_close(s: &Shared, id: u64) {
+    let stat = run(s, 8, 0, Op::GetAttr { id });
+    assert!(
+        matches!(stat, Some(Reply::Error(_))),
+        "the last close ends it: {stat:?}"
+    );
+    assert!(s.core.lock().engine.check_invariants().is_empty());
+}
+
 fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     std::thread::spawn(f).join().unwrap()
 }
@@ -261,11 +290,7 @@ async fn handles_open_when_their_table_moves_are_closed_at_the_new_owner() {
     let Some(Reply::Entry(f)) = create(&sa, root, "open", 1) else {
         panic!("create");
     };
-    let open = |handle| Op::Open {
-        id: f.id,
-        flags: libc::O_RDWR as u32,
-        handle,
-    };
+    let open = |handle| open_rw(f.id, handle);
     assert!(matches!(run(&sa, 7, 0, open(100)), Some(Reply::Entry(_))));
     assert!(matches!(run(&sa, 7, 0, open(101)), Some(Reply::Entry(_))));
 
@@ -275,11 +300,7 @@ async fn handles_open_when_their_table_moves_are_closed_at_the_new_owner() {
 
     // Handle 101 is reopened at the new owner (as a client does after EBADF), 100 is not.
     assert!(matches!(run(&sb, 7, 0, open(101)), Some(Reply::Entry(_))));
-    let unlink = Op::Unlink {
-        parent: root,
-        name: b"open".to_vec(),
-    };
-    assert_eq!(run(&sb, 7, 2, unlink), Some(Reply::Empty));
+    assert_eq!(unlink_open(&sb, root), Some(Reply::Empty));
     assert!(
         matches!(stat(&sb), Some(Reply::Attr(a)) if a.nlink == 0),
         "open elsewhere: unlinked but kept"
@@ -296,12 +317,7 @@ async fn handles_open_when_their_table_moves_are_closed_at_the_new_owner() {
         run(&sb, 7, 0, Op::Close { handle: 101 }),
         Some(Reply::Empty)
     );
-    assert!(
-        matches!(stat(&sb), Some(Reply::Error(_))),
-        "the last close ends it: {:?}",
-        stat(&sb)
-    );
-    assert!(sb.core.lock().engine.check_invariants().is_empty());
+    assert_ended_at_last_close(&sb, f.id);
     b.shutdown().await;
     a.shutdown().await;
 }
@@ -314,18 +330,12 @@ async fn gathered_closes_close_each_handle_as_a_close_does_before_and_after_a_mo
         panic!("create");
     };
     for handle in [100, 101, 102] {
-        let open = Op::Open {
-            id: f.id,
-            flags: libc::O_RDWR as u32,
-            handle,
-        };
-        assert!(matches!(run(&sa, 7, 0, open), Some(Reply::Entry(_))));
+        assert!(matches!(
+            run(&sa, 7, 0, open_rw(f.id, handle)),
+            Some(Reply::Entry(_))
+        ));
     }
-    let unlink = Op::Unlink {
-        parent: root,
-        name: b"open".to_vec(),
-    };
-    assert_eq!(run(&sa, 7, 2, unlink), Some(Reply::Empty));
+    assert_eq!(unlink_open(&sa, root), Some(Reply::Empty));
     let stat = |s: &Shared| run(s, 8, 0, Op::GetAttr { id: f.id });
     let close_many = |handles: &[u64]| Op::CloseMany {
         handles: handles.to_vec(),
@@ -348,12 +358,7 @@ async fn gathered_closes_close_each_handle_as_a_close_does_before_and_after_a_mo
     }
     assert!(matches!(stat(&sb), Some(Reply::Attr(_))), "none closed");
     assert_eq!(run(&sb, 7, 0, close_many(&[102])), Some(Reply::Empty));
-    assert!(
-        matches!(stat(&sb), Some(Reply::Error(_))),
-        "the last close ends it: {:?}",
-        stat(&sb)
-    );
-    assert!(sb.core.lock().engine.check_invariants().is_empty());
+    assert_ended_at_last_close(&sb, f.id);
     b.shutdown().await;
     a.shutdown().await;
 }
