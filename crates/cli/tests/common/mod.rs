@@ -386,3 +386,18 @@ pub fn fcntl_lock(fd: std::os::fd::RawFd, cmd: i32, typ: i32, start: i64, len: i
     // SAFETY: a lock command with a caller's descriptor and an initialized struct flock.
     unsafe { libc::fcntl(fd, cmd, &fl) }
 }
+
+/// A server and two mounts of it under `dir` (`a`, `b`), their logs in `a.log` and
+/// `b.log` there if `logged`.
+pub fn two_mounts(dir: &Path, logged: bool) -> (ServerProc, MountProc, MountProc) {
+    let data = dir.join("data");
+    let server = ServerProc::start(&data, &[]);
+    let key = data.join("cluster.key");
+    let mount = |name: &str| {
+        let log = dir.join(format!("{name}.log"));
+        let log = logged.then_some(log.as_path());
+        MountProc::start_logged(server.addr, &key, &dir.join(name), &[], log)
+    };
+    let (a, b) = (mount("a"), mount("b"));
+    (server, a, b)
+}
