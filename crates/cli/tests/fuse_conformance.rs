@@ -744,6 +744,35 @@ fn open_directories_and_files_outlive_their_names() {
     assert_eq!(got.1, want.1, "creating in a removed directory");
 }
 
+/// A directory open on one mount outlives its removal by another mount: its open reaches
+/// the server, although the mount holds it back a moment (so that a walk's open and close
+/// of each directory, `dir_opens` in the fuse crate, need no request at all).
+#[test]
+fn an_open_directory_outlives_its_removal_by_another_mount() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_server, a, b) = common::two_mounts(tmp.path(), false);
+    fs::create_dir_all(a.mnt.join("d/sub")).unwrap();
+    fs::write(a.mnt.join("d/f"), b"x").unwrap();
+    let d = fs::File::open(a.mnt.join("d")).unwrap();
+    // Walks on both mounts, which open, list and close directories at once.
+    for m in [&a.mnt, &b.mnt] {
+        let names = fs::read_dir(m.join("d")).unwrap().count();
+        assert_eq!(names, 2);
+    }
+    // Well past the hold (a millisecond).
+    std::thread::sleep(Duration::from_millis(200));
+    fs::remove_file(b.mnt.join("d/f")).unwrap();
+    fs::remove_dir(b.mnt.join("d/sub")).unwrap();
+    fs::remove_dir(b.mnt.join("d")).unwrap();
+    assert_eq!(nlink_of(&d), Ok(0), "fstat of the removed directory");
+    let listed = fs::read_dir(format!("/proc/self/fd/{}", d.as_raw_fd()))
+        .map(|r| r.count())
+        .map_err(|e| errno_name(e.raw_os_error().unwrap_or(0)));
+    assert_eq!(listed, Ok(0), "listing of the removed directory");
+    drop(d);
+    assert!(!a.mnt.join("d").exists());
+}
+
 // ---------------------------------------------------------------------------------------
 // Shared mappings of O_DIRECT files (generic/091, 263).
 

@@ -22,6 +22,7 @@
 
 mod coherence;
 mod creds;
+mod dir_opens;
 mod interrupts;
 mod known;
 mod listing;
@@ -140,9 +141,8 @@ struct Inner {
     /// released locks): its waiting lock requests try again at once instead of at their
     /// next poll. Waiters on other mounts still poll.
     unlocked: tokio::sync::Notify,
-    /// Directory opens sent but not yet answered (see `opendir`), and a wake-up when one is.
-    dir_opens: Mutex<u32>,
-    dir_opened: tokio::sync::Notify,
+    /// Directory opens not yet answered by their servers (see `dir_opens`).
+    dir_opens: dir_opens::DirOpens,
     /// Writes gathered in the mount before they are sent.
     wb: Arc<writebehind::WriteBehind>,
     /// How long the servers' leases last (zero: no leases, the TTLs of `config` apply).
@@ -298,8 +298,7 @@ impl KochabFs {
             closing: Mutex::new(FxHashMap::default()),
             closed: tokio::sync::Notify::new(),
             unlocked: tokio::sync::Notify::new(),
-            dir_opens: Mutex::new(0),
-            dir_opened: tokio::sync::Notify::new(),
+            dir_opens: dir_opens::DirOpens::default(),
         });
         if !lease.is_zero() {
             start_callbacks(&inner);
@@ -832,17 +831,44 @@ impl Inner {
     }
 
     /// Waits until every directory open this mount answered before now has reached the
-    /// servers, so that a removal or rename from this mount never overtakes it.
+    /// servers (sending those still held), so that a removal or rename from this mount
+    /// never overtakes it.
     async fn dir_opens_done(&self) {
+        self.send_dir_opens().await;
+        self.dir_opens.in_flight_done().await;
+    }
+
+    /// Sends the directory opens held (see `dir_opens`), all at once.
+    async fn send_dir_opens(&self) {
+        self.send_taken_dir_opens(self.dir_opens.take()).await;
+    }
+
+    /// The timer task of held directory opens: sends each once held for `HOLD`.
+    async fn send_due_dir_opens(&self) {
         loop {
-            let woken = self.dir_opened.notified();
-            tokio::pin!(woken);
-            woken.as_mut().enable();
-            if *self.dir_opens.lock() == 0 {
-                return;
+            let (due, next) = self.dir_opens.take_due(Instant::now());
+            self.send_taken_dir_opens(due).await;
+            match next {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => return,
             }
-            woken.await;
         }
+    }
+
+    /// Sends directory opens taken from `dir_opens`, all at once.
+    async fn send_taken_dir_opens(&self, taken: Vec<(u64, dir_opens::Held)>) {
+        let n = taken.len();
+        let mut opens = tokio::task::JoinSet::new();
+        for (handle, held) in taken {
+            let client = self.client.clone();
+            opens.spawn(async move {
+                let _ = client
+                    .open_as(&held.cred, held.id, held.flags, handle)
+                    .await;
+            });
+        }
+        while opens.join_next().await.is_some() {}
+        self.dir_opens.sent(n);
     }
 
     /// True if a write through `handle` bypassed the kernel's page cache while another
@@ -1458,19 +1484,27 @@ impl Filesystem for KochabFs {
         // A server-side handle, so that a directory removed (or renamed over) while open
         // lives on with nlink 0 until its last close, as on a local file system. The
         // kernel has checked the permissions already, so the answer does not wait for the
-        // open (a round trip per opendir made directory walks markedly slower); removals
-        // and renames from this mount wait for opens in flight instead (`dir_opens_done`).
-        // One from another mount within that round trip can still remove the directory
-        // first; its descriptor then answers fstat with ESTALE.
+        // open, which is held a moment and usually closed before it is sent (`dir_opens`).
         let flags = flags.0 as u32;
         let handle = self.inner.client.new_handle();
-        *self.inner.dir_opens.lock() += 1;
+        let cred = self
+            .inner
+            .groups
+            .credentials(req.uid(), req.gid(), req.pid());
+        let held = dir_opens::Held {
+            id: self.inner.id(ino),
+            flags,
+            cred,
+            at: Instant::now(),
+        };
+        let timer = self.inner.dir_opens.hold(handle, held);
         reply.opened(FileHandle(handle), FopenFlags::empty());
-        self.spawn(req, move |fs, cred| async move {
-            let _ = fs.client.open_as(&cred, fs.id(ino), flags, handle).await;
-            *fs.dir_opens.lock() -= 1;
-            fs.dir_opened.notify_waiters();
-        });
+        if timer {
+            self.spawn(req, move |fs, _| async move {
+                tokio::time::sleep(dir_opens::HOLD).await;
+                fs.send_due_dir_opens().await;
+            });
+        }
     }
 
     fn readdir(
@@ -1606,10 +1640,16 @@ impl Filesystem for KochabFs {
         // a removal that overtakes it only keeps the dead directory a moment longer.
         self.inner.listings.closed(fh.0);
         reply.ok();
-        self.spawn(req, move |fs, cred| async move {
-            // Never before the open it closes (which would then stay registered).
-            fs.dir_opens_done().await;
-            let _ = fs.client.close(&cred, fh.0).await;
+        if self.inner.dir_opens.closed_while_held(fh.0) {
+            return; // Its open never reached the servers.
+        }
+        self.spawn(req, move |fs, _| async move {
+            // Never before the open it closes (which would then stay registered). A
+            // directory handle has nothing to report (flock on a directory stays in the
+            // kernel), so its close goes with others (`close_soon`).
+            fs.dir_opens.in_flight_done().await;
+            fs.client
+                .close_soon(fh.0, &tokio::runtime::Handle::current());
         });
     }
 
