@@ -753,13 +753,13 @@ fn an_open_directory_outlives_its_removal_by_another_mount() {
     let (_server, a, b) = common::two_mounts(tmp.path(), false);
     fs::create_dir_all(a.mnt.join("d/sub")).unwrap();
     fs::write(a.mnt.join("d/f"), b"x").unwrap();
-    let d = fs::File::open(a.mnt.join("d")).unwrap();
     // Walks on both mounts, which open, list and close directories at once.
     for m in [&a.mnt, &b.mnt] {
         let names = fs::read_dir(m.join("d")).unwrap().count();
         assert_eq!(names, 2);
     }
-    // Well past the hold (a millisecond).
+    let d = fs::File::open(a.mnt.join("d")).unwrap();
+    // Well past the hold (a millisecond), with nothing else asked of the mount meanwhile.
     std::thread::sleep(Duration::from_millis(200));
     fs::remove_file(b.mnt.join("d/f")).unwrap();
     fs::remove_dir(b.mnt.join("d/sub")).unwrap();
