@@ -110,37 +110,6 @@ fn the_mount_takes_io_uring_when_the_kernel_offers_it_and_dev_fuse_otherwise_or_
     }
 }
 
-/// Pins the calling thread to CPU 0, so its FUSE requests go to that CPU's queue.
-fn pin_to_cpu0() {
-    pin_to_cpu(0);
-}
-
-/// Pins the calling thread to `cpu`.
-fn pin_to_cpu(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is an empty set; `cpu` is below CPU_SETSIZE.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        assert_eq!(
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
-            0
-        );
-    }
-}
-
-/// An open file description's lock on the whole file (F_OFD_SETLK, or F_OFD_SETLKW to wait).
-fn ofd_lock(f: &fs::File, kind: i32, wait: bool) -> std::io::Result<()> {
-    let cmd = if wait {
-        libc::F_OFD_SETLKW
-    } else {
-        libc::F_OFD_SETLK
-    };
-    match common::fcntl_lock(f.as_raw_fd(), cmd, kind, 0, 0) {
-        0 => Ok(()),
-        _ => Err(std::io::Error::last_os_error()),
-    }
-}
-
 /// Threads of this process blocked in fcntl(2) (syscall 72 on x86-64, 25 on arm64).
 fn threads_in_fcntl() -> usize {
     let nr = if cfg!(target_arch = "aarch64") {
@@ -169,16 +138,16 @@ fn more_lock_waiters_on_one_cpu_than_ring_entries_do_not_stall_it() {
     let mnt = c.mnt.clone();
     // The holder runs in a thread of its own, so that a stall fails the test, not hangs it.
     std::thread::spawn(move || {
-        pin_to_cpu0();
+        common::pin_to_cpu(0);
         let holder = fs::File::create(&path).unwrap();
-        ofd_lock(&holder, libc::F_WRLCK, false).unwrap();
+        common::ofd_lock(&holder, libc::F_WRLCK, false).unwrap();
         let waiters: Vec<_> = (0..WAITERS)
             .map(|_| {
                 let f = fs::OpenOptions::new().write(true).open(&path).unwrap();
                 std::thread::spawn(move || {
-                    pin_to_cpu0();
-                    ofd_lock(&f, libc::F_WRLCK, true).unwrap();
-                    ofd_lock(&f, libc::F_UNLCK, false).unwrap();
+                    common::pin_to_cpu(0);
+                    common::ofd_lock(&f, libc::F_WRLCK, true).unwrap();
+                    common::ofd_lock(&f, libc::F_UNLCK, false).unwrap();
                 })
             })
             .collect();
@@ -190,7 +159,7 @@ fn more_lock_waiters_on_one_cpu_than_ring_entries_do_not_stall_it() {
         }
         // Requests of the same CPU still get through: a create, then the unlock.
         fs::write(mnt.join("beside"), b"served").unwrap();
-        ofd_lock(&holder, libc::F_UNLCK, false).unwrap();
+        common::ofd_lock(&holder, libc::F_UNLCK, false).unwrap();
         for w in waiters {
             w.join().unwrap();
         }
@@ -202,51 +171,4 @@ fn more_lock_waiters_on_one_cpu_than_ring_entries_do_not_stall_it() {
         c.server.log_text()
     );
     assert_eq!(fs::read(c.mnt.join("beside")).unwrap(), b"served");
-}
-
-/// The kernel sends the RELEASE of a last close in the background, to the queue of the CPU
-/// that closed, and close(2) returns before the mount has it; a lock request sent after
-/// that from another CPU reaches the mount through another queue and could overtake it,
-/// and then still see the closed description's OFD lock (xfstests generic/478 failed so
-/// on 4 of 4 runs). A lock request waits until every queue has taken what the kernel
-/// handed it (`uring::settled`). Runs over /dev/fuse too where the kernel has no rings.
-#[test]
-fn a_lock_request_from_another_cpu_never_overtakes_the_close_that_released_an_ofd_lock() {
-    const ROUNDS: usize = 200;
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let tmp = tempfile::tempdir().unwrap();
-    let c = Cluster::start(tmp.path(), &[]);
-    let path = c.mnt.join("locked");
-    fs::write(&path, b"x").unwrap();
-    let (done_tx, done_rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        pin_to_cpu(usize::from(cpus > 1));
-        for round in 0..ROUNDS {
-            // Opened first, as a program that locks after a signal would have it.
-            let f = fs::OpenOptions::new().write(true).open(&path).unwrap();
-            let (closed_tx, closed_rx) = mpsc::channel();
-            let setter = path.clone();
-            std::thread::spawn(move || {
-                pin_to_cpu(0);
-                let f = fs::OpenOptions::new().write(true).open(&setter).unwrap();
-                ofd_lock(&f, libc::F_WRLCK, false).unwrap();
-                // The last close ends the lock.
-                drop(f);
-                closed_tx.send(()).unwrap();
-            });
-            closed_rx.recv().unwrap();
-            if let Err(e) = ofd_lock(&f, libc::F_WRLCK, false) {
-                let _ = done_tx.send(Err(format!("round {round}: {e}")));
-                return;
-            }
-        }
-        let _ = done_tx.send(Ok(()));
-    });
-    let r = done_rx.recv_timeout(Duration::from_secs(120));
-    assert_eq!(
-        r,
-        Ok(Ok(())),
-        "a lock saw a closed description's OFD lock; log:\n{}",
-        c.server.log_text()
-    );
 }

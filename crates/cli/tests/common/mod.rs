@@ -387,6 +387,32 @@ pub fn fcntl_lock(fd: std::os::fd::RawFd, cmd: i32, typ: i32, start: i64, len: i
     unsafe { libc::fcntl(fd, cmd, &fl) }
 }
 
+/// Pins the calling thread to `cpu`, so its FUSE requests go to that CPU's ring queue.
+pub fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is an empty set; `cpu` is below CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
+            0
+        );
+    }
+}
+
+/// An open file description's lock on the whole file (F_OFD_SETLK, or F_OFD_SETLKW to wait).
+pub fn ofd_lock(f: &std::fs::File, kind: i32, wait: bool) -> std::io::Result<()> {
+    let cmd = if wait {
+        libc::F_OFD_SETLKW
+    } else {
+        libc::F_OFD_SETLK
+    };
+    match fcntl_lock(std::os::fd::AsRawFd::as_raw_fd(f), cmd, kind, 0, 0) {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
 /// A server and two mounts of it under `dir` (`a`, `b`), their logs in `a.log` and
 /// `b.log` there if `logged`.
 pub fn two_mounts(dir: &Path, logged: bool) -> (ServerProc, MountProc, MountProc) {
