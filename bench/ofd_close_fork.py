@@ -8,7 +8,7 @@ Each round opens FILE twice in one process: a second thread locks its own descri
 /bin/true in a loop, a forked child holds every descriptor of the process until it calls
 exec, so a closed description and its lock can live on: that is POSIX, on any file system.
 Prints how many attempts got EAGAIN. Run on a local file system to see the reference
-(ext4, 3,000 rounds: 0 with no spawners, 2,718 with two) and on a Kochab mount to compare.
+(ext4, 3,000 rounds: 0 with no spawners, 3,072 with two; a Kochab mount: 0 and 1,161).
 """
 import fcntl
 import os

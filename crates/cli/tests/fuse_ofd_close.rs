@@ -6,10 +6,10 @@
 //! test that spawns a server, a mount or `kill`), the child holds a copy of every open
 //! descriptor of the process until it calls exec, so a description closed meanwhile lives
 //! on, with its OFD lock, until that exec: POSIX semantics, not the mount's. Local ext4
-//! shows it just as much (a Python loop of these rounds beside two threads running
-//! `/bin/true`: EAGAIN in 2,718 of 3,000 rounds on ext4, 0 without the spawning threads).
-//! In `fuse_uring.rs`, beside tests that start servers, this test failed about one run in
-//! five with two CPU hogs; its rounds here run with no other test in the process.
+//! shows it just as much (`bench/ofd_close_fork.py`, these rounds beside two threads
+//! running `/bin/true`: 3,072 EAGAINs in 3,000 rounds on ext4, 0 without the spawning
+//! threads). In `fuse_uring.rs`, beside tests that start servers, this test failed about
+//! one run in four with CPU hogs; its rounds here run with no other test in the process.
 
 mod common;
 

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Cluster, ServerProc, force_unmount, is_mounted};
+use common::{Cluster, ServerProc, force_unmount, is_mounted, ofd_lock, pin_to_cpu};
 use std::fs;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -138,16 +138,16 @@ fn more_lock_waiters_on_one_cpu_than_ring_entries_do_not_stall_it() {
     let mnt = c.mnt.clone();
     // The holder runs in a thread of its own, so that a stall fails the test, not hangs it.
     std::thread::spawn(move || {
-        common::pin_to_cpu(0);
+        pin_to_cpu(0);
         let holder = fs::File::create(&path).unwrap();
-        common::ofd_lock(&holder, libc::F_WRLCK, false).unwrap();
+        ofd_lock(&holder, libc::F_WRLCK, false).unwrap();
         let waiters: Vec<_> = (0..WAITERS)
             .map(|_| {
                 let f = fs::OpenOptions::new().write(true).open(&path).unwrap();
                 std::thread::spawn(move || {
-                    common::pin_to_cpu(0);
-                    common::ofd_lock(&f, libc::F_WRLCK, true).unwrap();
-                    common::ofd_lock(&f, libc::F_UNLCK, false).unwrap();
+                    pin_to_cpu(0);
+                    ofd_lock(&f, libc::F_WRLCK, true).unwrap();
+                    ofd_lock(&f, libc::F_UNLCK, false).unwrap();
                 })
             })
             .collect();
@@ -159,7 +159,7 @@ fn more_lock_waiters_on_one_cpu_than_ring_entries_do_not_stall_it() {
         }
         // Requests of the same CPU still get through: a create, then the unlock.
         fs::write(mnt.join("beside"), b"served").unwrap();
-        common::ofd_lock(&holder, libc::F_UNLCK, false).unwrap();
+        ofd_lock(&holder, libc::F_UNLCK, false).unwrap();
         for w in waiters {
             w.join().unwrap();
         }
