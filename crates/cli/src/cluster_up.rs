@@ -398,12 +398,14 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     }
     let mount_session = match &args.mount {
         Some(dir) => {
-            let entry: SocketAddr = server_addrs[0]
-                .parse()
-                .map_err(|e| format!("server address: {e}"))?;
-            let cfg = ClientConfig::new(entry, key);
+            let entries = server_addrs
+                .iter()
+                .map(|a| a.parse().map_err(|e| format!("server address {a}: {e}")))
+                .collect::<Result<Vec<SocketAddr>, String>>()?;
+            let cfg = ClientConfig::with_entries(entries, key);
             let options = args.mount_options.as_deref();
-            Some(mount::connect_and_mount(cfg, &server_addrs[0], dir, options).await?)
+            let source = server_addrs.join(",");
+            Some(mount::connect_and_mount(cfg, &source, dir, options).await?)
         }
         None => None,
     };
@@ -417,8 +419,9 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
         args.servers,
         server_addrs.join(",")
     );
-    // Any server is an entry point; the first is named, as a single server's address is.
-    println!("kochab: cluster ready at {}", server_addrs[0]);
+    // Every server is an entry point: the list is usable as `KOCHAB_CLUSTER` or as the
+    // source of `kochab mount`, and a client given it gets in while any one of them runs.
+    println!("kochab: cluster ready at {}", server_addrs.join(","));
     let signal = crate::wait_for_signal();
     match mount_session {
         Some(session) => {

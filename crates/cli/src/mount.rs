@@ -21,20 +21,46 @@ pub struct Options {
     pub sync: bool,
     /// `dirsync`: every metadata change is durable before it returns (no early replies).
     pub dirsync: bool,
+    /// `retry=SECONDS`: how long a request keeps trying a server that cannot be reached
+    /// (restarting, failing over) before the application gets an error. Like an NFS hard
+    /// mount, applications otherwise see only the delay; SIGKILL ends a waiting process.
+    pub retry_secs: u64,
 }
+
+/// A mount's default `retry=`: ten minutes rides out a server restart with a large
+/// journal, a failover and a machine reboot; a mount whose cluster is gone for good still
+/// answers (ENOTCONN or ETIMEDOUT) eventually.
+pub const RETRY_SECS_DEFAULT: u64 = 600;
 
 impl Options {
     /// Whether the mount's client asks for early replies (docs/ARCHITECTURE.md).
     pub fn early_replies(&self) -> bool {
         !self.sync && !self.dirsync
     }
+
+    /// Sets what the options ask of the mount's client: early replies, leases (the kernel
+    /// caches for them and callbacks keep it coherent), the retry budget.
+    pub fn configure(&self, cfg: &mut ClientConfig) {
+        cfg.connections = 2;
+        cfg.early_replies = self.early_replies();
+        cfg.leases = true;
+        cfg.retry_budget = Duration::from_secs(self.retry_secs);
+    }
 }
 
 /// Parses a mount's comma-separated options.
 pub fn options(text: Option<&str>) -> Options {
-    let mut o = Options::default();
+    let mut o = Options {
+        retry_secs: RETRY_SECS_DEFAULT,
+        ..Options::default()
+    };
     for word in text.unwrap_or("").split(',') {
-        match word.trim() {
+        let word = word.trim();
+        if let Some(secs) = word.strip_prefix("retry=").and_then(|v| v.parse().ok()) {
+            o.retry_secs = secs;
+            continue;
+        }
+        match word {
             "noatime" => o.atime = AtimeRule::Never,
             "relatime" | "atime" => o.atime = AtimeRule::Relative,
             "strictatime" => o.atime = AtimeRule::Always,
@@ -90,11 +116,8 @@ pub async fn connect_and_mount(
     dir: &Path,
     options_text: Option<&str>,
 ) -> Result<fuser::BackgroundSession, String> {
-    cfg.connections = 2;
     let opts = options(options_text);
-    cfg.early_replies = opts.early_replies();
-    // The kernel caches for the servers' leases, and callbacks keep it coherent.
-    cfg.leases = true;
+    opts.configure(&mut cfg);
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect the mount: {e}"))?;
@@ -152,12 +175,9 @@ pub async fn wait<T>(
 pub async fn foreground(args: MountArgs) -> Result<(), String> {
     let addrs = resolve_addrs(&args.cluster).map_err(|e| e.to_string())?;
     let mut cfg = ClientConfig::with_entries(addrs, args.key.load()?);
-    cfg.connections = 2;
     cfg.tls = args.tls.load()?;
     let opts = options(args.options.as_deref());
-    cfg.early_replies = opts.early_replies();
-    // The kernel caches for the servers' leases, and callbacks keep it coherent.
-    cfg.leases = true;
+    opts.configure(&mut cfg);
     let client = Client::connect(cfg)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", args.cluster))?;
@@ -255,8 +275,10 @@ mod tests {
 
     #[test]
     fn mount_options() {
-        assert_eq!(options(None), Options::default());
         assert_eq!(options(None).atime, AtimeRule::Relative);
+        assert_eq!(options(None).retry_secs, RETRY_SECS_DEFAULT);
+        assert_eq!(options(Some("retry=30,noatime")).retry_secs, 30);
+        assert_eq!(options(Some("retry=x")).retry_secs, RETRY_SECS_DEFAULT);
         assert_eq!(options(Some("rw,noatime")).atime, AtimeRule::Never);
         assert_eq!(options(Some("strictatime,nodev")).atime, AtimeRule::Always);
         assert_eq!(options(Some("noatime,relatime")).atime, AtimeRule::Relative);

@@ -46,6 +46,31 @@ const UNSAFE_MAX: usize = 4096;
 /// Pause between attempts to replay to a server that cannot be reached yet.
 const REPLAY_RETRY: Duration = Duration::from_millis(200);
 
+/// Bytes of written data a client keeps at most in requests answered early (writes are
+/// replayed with their data, see `replay`); past it writers wait for durability reports,
+/// as at `UNSAFE_MAX`. About a hundred 1 MiB write-behind requests: a journal lags a
+/// few milliseconds, which is a few MiB of writes at full speed.
+const UNSAFE_BYTES_MAX: usize = 64 << 20;
+
+tokio::task_local! {
+    /// Set while a replay runs: its own requests (the replayed change, the reopen of its
+    /// handle) go out without waiting for replays, which they are part of.
+    static IN_REPLAY: ();
+}
+
+/// True unless the current task is replaying.
+fn outside_replay() -> bool {
+    IN_REPLAY.try_with(|_| ()).is_err()
+}
+
+/// Times a handle operation reopens its handle where the server does not know it (each a
+/// server restart or a table move while the operation is retried) before it fails.
+const REOPEN_TRIES: u32 = 8;
+
+/// Attempts of a request a single server answers WRONG_SERVER before the client asks it
+/// for a map (it became one of many).
+const WRONG_SERVER_TRIES: u32 = 3;
+
 /// How a client behaves.
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
@@ -59,10 +84,13 @@ pub struct ClientConfig {
     pub connections: usize,
     /// Time one attempt may take before it is retried.
     pub request_timeout: Duration,
-    /// Attempts per request (the first included), against a single server.
+    /// Most attempts per request (the first included) against a single server; the retry
+    /// budget bounds them too.
     pub attempts: u32,
-    /// How long a request keeps retrying after its first failed attempt when routed by a
-    /// map (many servers): long enough to ride out a failover.
+    /// How long a request keeps retrying after its first failed attempt (a server that
+    /// cannot be reached, a connection lost, no reply in time, a table in flight): long
+    /// enough to ride out a restart or a failover. The mount's is longer (`-o
+    /// retry=SECONDS`): applications see a server that comes back only as a delay.
     pub retry_budget: Duration,
     /// A delegation map to start from, for servers that do not hand one out yet.
     pub map: Option<DelegationMap>,
@@ -95,7 +123,7 @@ impl ClientConfig {
             key: key.into(),
             connections: 2,
             request_timeout: Duration::from_secs(15),
-            attempts: 4,
+            attempts: u32::MAX,
             retry_budget: Duration::from_millis(kochab_cluster::router::RETRY_BUDGET_MS),
             map: None,
             connect_timeout: Duration::from_secs(5),
@@ -169,6 +197,9 @@ pub fn resolve_addrs(s: &str) -> FsResult<Vec<SocketAddr>> {
 
 /// The open(2) flags a reopen must not repeat: it reopens an existing file as it is.
 const REOPEN_STRIP: u32 = 0o1000 | 0o100 | 0o200; // O_TRUNC | O_CREAT | O_EXCL
+
+/// open(2)'s O_WRONLY: how a replay reopens a handle the application has closed since.
+const O_WRONLY: u32 = 0o1;
 
 /// An open handle, remembered to route its operations (by the inode it was opened on) and
 /// to reopen it where it is not known (a restarted server, or a table that moved).
@@ -365,21 +396,29 @@ impl Client {
             },
             config.connections,
         );
-        let mut found = None;
-        let mut last = fs_err!(ENOTCONN, "no server address given");
-        for e in &config.entries {
-            let addr: Arc<str> = e.to_string().into();
-            match pool.conn(&addr).await {
-                Ok(c) => {
-                    found = Some((addr, c));
-                    break;
+        // Every entry in turn, again and again while none can be reached (a server that
+        // restarts refuses connections for a moment), within the retry budget (at most
+        // the cluster's, so that a mount of a cluster that is not there fails in seconds).
+        let budget = config.retry_budget.min(Duration::from_millis(
+            kochab_cluster::router::RETRY_BUDGET_MS,
+        ));
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(50);
+        let (addr, conn) = 'found: loop {
+            let mut last = fs_err!(ENOTCONN, "no server address given");
+            for e in &config.entries {
+                let addr: Arc<str> = e.to_string().into();
+                match pool.conn(&addr).await {
+                    Ok(c) => break 'found (addr, c),
+                    Err(e) if e.errno == Errno::ENOTCONN => last = e,
+                    Err(e) => return Err(e),
                 }
-                Err(e) if e.errno == Errno::ENOTCONN => last = e,
-                Err(e) => return Err(e),
             }
-        }
-        let Some((addr, conn)) = found else {
-            return Err(last);
+            if started.elapsed() >= budget {
+                return Err(last);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(800));
         };
         let probe = tokio::time::timeout(
             config.request_timeout,
@@ -614,6 +653,12 @@ impl Client {
             // Boxed: replays are sent through here too (not recursively at run time).
             Box::pin(self.before_send(req)).await;
         }
+        self.route(req, target).await
+    }
+
+    /// [`Client::send`] without what every new request does first (a replay's own helper
+    /// requests, such as the reopen of a handle, go straight out).
+    async fn route(&self, req: &mut Request, target: InodeId) -> FsResult<(Reply, Arc<str>)> {
         let single = match &*self.inner.routing.lock() {
             Routing::Single { addr } => Some(addr.clone()),
             Routing::Cluster(_) => None,
@@ -654,8 +699,11 @@ impl Client {
         true
     }
 
-    /// One server serves everything: a few quick retries, so that a mount whose server is
-    /// gone fails promptly.
+    /// One server serves everything. A server that cannot be reached (restarting: refused
+    /// connections, a lost connection, no reply in time) is tried again with a growing
+    /// pause until the retry budget is spent (`ClientConfig::retry_budget`; the mount's is
+    /// long, as an NFS hard mount waits) or `ClientConfig::attempts` were made; what it
+    /// answered early and lost is replayed before the retry (never overtaken by it).
     async fn send_single(
         &self,
         addr: &Arc<str>,
@@ -665,21 +713,31 @@ impl Client {
         let cfg = &self.inner.config;
         let mut last_err = fs_err!(ETIMEDOUT, "no attempt made");
         let mut wrong_server = false;
+        let mut first_failure: Option<Instant> = None;
         for attempt in 0..cfg.attempts.max(1) {
-            if attempt > 0 {
-                // 50, 100, 200 ms...: long enough for a restarting server, short enough
-                // that a mount whose cluster is gone fails promptly.
-                tokio::time::sleep(Duration::from_millis(50 << (attempt - 1).min(5))).await;
+            if let Some(failed) = first_failure {
+                if failed.elapsed() >= cfg.retry_budget {
+                    break;
+                }
+                // 50, 100, 200 ... 800 ms: soon after a restarted server listens again,
+                // without a storm of connection attempts while it does not.
+                let pause = Duration::from_millis(50 << (attempt - 1).min(4));
+                tokio::time::sleep(pause).await;
+                if outside_replay() && self.inner.early.log.lock().has_suspects() {
+                    Box::pin(self.replay_lost()).await;
+                }
             }
             let conn = match self.inner.pool.conn(addr).await {
                 Ok(c) => c,
                 Err(e) if e.errno == Errno::ENOTCONN => {
                     wrong_server = false;
                     last_err = e;
+                    first_failure.get_or_insert_with(Instant::now);
                     continue;
                 }
                 Err(e) => return Err(SingleError::Other(e)),
             };
+            self.replays_first(addr, &conn).await;
             match tokio::time::timeout(cfg.request_timeout, conn.call_answer(req)).await {
                 Ok(Ok((Reply::Error(e), _))) => return Err(SingleError::Other(e)),
                 Ok(Ok((Reply::WrongServer { map_version, .. }, _))) => {
@@ -688,20 +746,29 @@ impl Client {
                         ESTALE,
                         "server does not serve this table (map version {map_version})"
                     );
+                    // Not a server down: a few quick tries, then the caller learns the map.
+                    if attempt >= WRONG_SERVER_TRIES {
+                        break;
+                    }
+                    first_failure.get_or_insert_with(Instant::now);
                 }
                 Ok(Ok((reply, lsn))) => {
                     self.note_answer(&conn, addr, req, target, &reply, lsn);
                     return Ok(reply);
                 }
+                // A single server that says goodbye stops for good (its journal failed:
+                // fail-stop, the client is told EIO) or refuses this client's key.
                 Ok(Err(ConnError::Refused(e))) => return Err(SingleError::Other(e)),
                 Ok(Err(ConnError::Lost(why))) => {
                     wrong_server = false;
-                    last_err = fs_err!(ENOTCONN, "connection lost: {why}")
+                    last_err = fs_err!(ENOTCONN, "connection lost: {why}");
+                    first_failure.get_or_insert_with(Instant::now);
                 }
                 Err(_) => {
                     wrong_server = false;
                     conn.mark_dead();
                     last_err = fs_err!(ETIMEDOUT, "no reply within {:?}", cfg.request_timeout);
+                    first_failure.get_or_insert_with(Instant::now);
                 }
             }
         }
@@ -803,6 +870,10 @@ impl Client {
             let started = *first_failure.get_or_insert_with(Instant::now);
             let failed_for = started.elapsed().as_millis() as u64;
             let next = self.inner.routing.lock().retry(failed_for, attempts);
+            tracing::debug!(
+                "{} of inode {target:#x}: attempt {attempts} failed ({err}); {next:?}",
+                req.op.name()
+            );
             match next {
                 Retry::GiveUp => return Err(err),
                 Retry::After { delay_ms } => {
@@ -841,6 +912,7 @@ impl Client {
             Err(e) if e.errno == Errno::ENOTCONN => return Outcome::Unreachable(e),
             Err(e) => return Outcome::Refused(e),
         };
+        self.replays_first(addr, &conn).await;
         match tokio::time::timeout(cfg.request_timeout, conn.call_answer(req)).await {
             Ok(Ok((Reply::Error(e), _))) => Outcome::Error(e),
             Ok(Ok((
@@ -1381,40 +1453,58 @@ impl Client {
         op: Op,
         seq: u64,
     ) -> FsResult<Reply> {
-        // Handle operations are idempotent (appends by their number): the request (which
-        // may carry a MiB of data) is built once and reused for a retry.
+        // Handle operations are idempotent (appends and early writes by their number): the
+        // request (which may carry a MiB of data) is built once and reused for a retry.
         debug_assert!(!op.needs_reply_cache());
         let target = self.target_of(&op);
         let mut req = Request::plain(cred, op);
         req.seq = seq;
-        match self.send(&mut req, target).await {
-            Err(e) if e.errno == Errno::EBADF => {
-                let known = self.inner.handles.lock().get(&handle).cloned();
-                let Some(h) = known else {
-                    return Err(e);
-                };
-                let reopen = Op::Open {
-                    id: h.id,
-                    flags: h.flags & !REOPEN_STRIP,
-                    handle,
-                };
-                match self.call_at(&h.cred, reopen, h.id).await {
-                    Ok((_, addr)) => {
-                        if let Some(h) = self.inner.handles.lock().get_mut(&handle)
-                            && !h.servers.contains(&addr)
-                        {
-                            h.servers.push(addr);
-                        }
-                        Ok(self.send(&mut req, h.id).await?.0)
+        let known = |c: &Client| c.inner.handles.lock().get(&handle).cloned();
+        let mut reopens = 0;
+        loop {
+            let err = match self.send(&mut req, target).await {
+                Err(e) if e.errno == Errno::EBADF && reopens < REOPEN_TRIES => e,
+                other => return Ok(other?.0),
+            };
+            reopens += 1;
+            let Some(h) = known(self) else {
+                return Err(err);
+            };
+            match self
+                .reclaim(&h.cred, h.id, h.flags & !REOPEN_STRIP, handle)
+                .await
+            {
+                Ok(addr) => {
+                    if let Some(h) = self.inner.handles.lock().get_mut(&handle)
+                        && !h.servers.contains(&addr)
+                    {
+                        h.servers.push(addr);
                     }
-                    Err(reopen) if reopen.errno == Errno::ENOENT => {
-                        Err(fs_err!(ESTALE, "the file is gone: {reopen}"))
-                    }
-                    Err(_) => Err(e),
                 }
+                Err(reopen) if reopen.errno == Errno::ENOENT => {
+                    return Err(fs_err!(ESTALE, "the file is gone: {reopen}"));
+                }
+                Err(_) => return Err(err),
             }
-            other => Ok(other?.0),
         }
+    }
+
+    /// Reopens `handle` on file `id` with `flags` where its server does not know it (a
+    /// restart, a failover, a table that moved), as a reclaim (see `OPEN_RECLAIM`); returns
+    /// the server that opened it.
+    async fn reclaim(
+        &self,
+        cred: &Credentials,
+        id: InodeId,
+        flags: u32,
+        handle: u64,
+    ) -> FsResult<Arc<str>> {
+        let op = Op::Open {
+            id,
+            flags: flags | kochab_proto::OPEN_RECLAIM,
+            handle,
+        };
+        Ok(self.route(&mut Request::plain(cred, op), id).await?.1)
     }
 
     pub async fn read(
@@ -1452,7 +1542,10 @@ impl Client {
         }
     }
 
-    /// Writes `data` at `offset`; returns the attributes after the write.
+    /// Writes `data` at `offset`; returns the attributes after the write. With early
+    /// replies the write has a sequence number: it is kept until durable and replayed if
+    /// its server is lost first, and a replay of one that was durable after all is
+    /// answered by the server's reply cache, never run again over newer changes.
     pub async fn write(
         &self,
         cred: &Credentials,
@@ -1460,18 +1553,21 @@ impl Client {
         offset: u64,
         data: Vec<u8>,
     ) -> FsResult<Attr> {
-        as_attr(
-            self.with_handle(
-                cred,
-                handle,
-                Op::Write {
-                    handle,
-                    offset,
-                    data,
-                },
-            )
-            .await?,
-        )
+        let op = Op::Write {
+            handle,
+            offset,
+            data,
+        };
+        if !self.inner.config.early_replies {
+            return as_attr(self.with_handle(cred, handle, op).await?);
+        }
+        let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        self.inner.in_flight.lock().insert(seq);
+        let _done = InFlight {
+            inner: &self.inner,
+            seq,
+        };
+        as_attr(self.with_handle_seq(cred, handle, op, seq).await?)
     }
 
     /// Appends `data` at the end of the file as its server finds it (O_APPEND), with no
@@ -1479,6 +1575,11 @@ impl Client {
     /// ended). A retry after a lost connection does not append twice.
     pub async fn append(&self, cred: &Credentials, handle: u64, data: Vec<u8>) -> FsResult<Attr> {
         let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        self.inner.in_flight.lock().insert(seq);
+        let _done = InFlight {
+            inner: &self.inner,
+            seq,
+        };
         let op = Op::Write {
             handle,
             offset: kochab_proto::WRITE_AT_END,
@@ -1582,11 +1683,35 @@ impl Client {
             loop {
                 let early = &self.inner.early;
                 let notified = early.changed.notified();
-                if early.log.lock().len() < UNSAFE_MAX || Instant::now() >= deadline {
+                let room = {
+                    let log = early.log.lock();
+                    log.len() < UNSAFE_MAX && log.bytes() < UNSAFE_BYTES_MAX
+                };
+                if room || Instant::now() >= deadline {
                     break;
                 }
                 let _ = tokio::time::timeout(REPLAY_RETRY, notified).await;
             }
+        }
+    }
+
+    /// Before a request goes to the process `conn` reached at `addr`: if another process
+    /// answered there early before (it restarted), what it lost is replayed first, and a
+    /// replay already running is waited for. The server's replay window keeps other
+    /// clients' new changes out meanwhile; this keeps this client's own.
+    async fn replays_first(&self, addr: &str, conn: &conn::Conn) {
+        if !outside_replay() {
+            return;
+        }
+        let superseded = self
+            .inner
+            .early
+            .log
+            .lock()
+            .superseded(addr, conn.incarnation);
+        if superseded {
+            tracing::debug!("{addr}: a new server process; replaying what the last one lost");
+            Box::pin(self.replay_lost()).await;
         }
     }
 
@@ -1607,7 +1732,9 @@ impl Client {
         if req.op.is_read_only() || matches!(reply, Reply::Error(_)) {
             return;
         }
-        self.inner.early.log.lock().answered(Unsafe {
+        let early = &self.inner.early;
+        let mut log = early.log.lock();
+        let kept = log.answered(Unsafe {
             req: req.clone(),
             target,
             addr: addr.clone(),
@@ -1615,6 +1742,15 @@ impl Client {
             lsn,
             created: replay::created_by(reply),
         });
+        // The connection may have ended between the reply and now: its end was then
+        // reported before this entry was kept (and so found nothing to look at). Is the
+        // process still there? A connection is marked dead before its end is reported,
+        // so one of the two sees the other.
+        if kept && !conn.is_alive() {
+            log.lost(conn.incarnation);
+            drop(log);
+            early.lost.notify_one();
+        }
     }
 
     /// Looks at every server process a connection to which was lost while it had
@@ -1671,9 +1807,7 @@ impl Client {
         );
         let mut rest = taken.into_iter();
         while let Some((order, e)) = rest.next() {
-            let mut req = e.req.clone();
-            req.mode = ReplyMode::Replay { want_id: e.created };
-            match self.send(&mut req, e.target).await {
+            match IN_REPLAY.scope((), self.replay_one(&e)).await {
                 Ok(_) => {}
                 Err(err)
                     if matches!(
@@ -1701,13 +1835,60 @@ impl Client {
         true
     }
 
+    /// Replays one change answered early by a process that is gone. A change made through
+    /// a handle (a write) that the new server does not know is replayed through the handle
+    /// reopened there as a reclaim (the file's owner is not held to mode bits changed since
+    /// the open, see `OPEN_RECLAIM`); a handle the application has closed since is closed
+    /// again after.
+    async fn replay_one(&self, e: &Unsafe) -> FsResult<()> {
+        let mut req = e.req.clone();
+        req.mode = ReplyMode::Replay { want_id: e.created };
+        let mut reopened = None;
+        let mut reopens = 0;
+        let replayed = loop {
+            let err = match self.route(&mut req, e.target).await {
+                Err(err) if err.errno == Errno::EBADF && reopens < REOPEN_TRIES => err,
+                other => break other.map(drop),
+            };
+            let Some(handle) = req.op.handle() else {
+                break Err(err);
+            };
+            reopens += 1;
+            let open = self
+                .inner
+                .handles
+                .lock()
+                .get(&handle)
+                .map(|h| h.flags & !REOPEN_STRIP);
+            if let Err(e) = self
+                .reclaim(&e.req.cred, e.target, open.unwrap_or(O_WRONLY), handle)
+                .await
+            {
+                break Err(e);
+            }
+            if open.is_none() {
+                reopened = Some(handle);
+            }
+        };
+        if let Some(handle) = reopened {
+            let close = Op::Close { handle };
+            let _ = self
+                .route(&mut Request::plain(&e.req.cred, close), e.target)
+                .await;
+        }
+        replayed
+    }
+
     /// Returns once every change this client had answered early before the call is
     /// durable (replayed first where its server was lost): fsync, fsyncdir and O_SYNC
     /// writes wait for it. EIO if that takes longer than a request may.
     pub async fn wait_durable(&self) -> FsResult<()> {
         let early = &self.inner.early;
         let upto = early.log.lock().order_now();
-        let deadline = Instant::now() + self.inner.config.request_timeout;
+        // A server that restarts or fails over may take the whole retry budget to come
+        // back; the replays then follow.
+        let cfg = &self.inner.config;
+        let deadline = Instant::now() + cfg.request_timeout.max(cfg.retry_budget);
         loop {
             let notified = early.changed.notified();
             let (clear, suspects) = {
@@ -1721,7 +1902,7 @@ impl Client {
                 return Err(fs_err!(
                     EIO,
                     "changes acknowledged early did not become durable within {:?}",
-                    self.inner.config.request_timeout
+                    cfg.request_timeout.max(cfg.retry_budget)
                 ));
             }
             if suspects {

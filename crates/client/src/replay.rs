@@ -42,6 +42,26 @@ pub struct ReplayLog {
     suspects: BTreeSet<u64>,
     /// Processes found gone: an entry that still arrives from one is replayed too.
     gone: BTreeSet<u64>,
+    /// Bytes of written data the entries hold (writes are replayed with their data).
+    bytes: usize,
+    /// Per server process with entries kept or being replayed: where it answered.
+    processes: FxHashMap<u64, Process>,
+}
+
+/// What the log holds of one server process.
+struct Process {
+    addr: Arc<str>,
+    kept: usize,
+    /// Taken to be replayed, not replayed yet.
+    replaying: usize,
+}
+
+/// Bytes of file data a kept request carries.
+fn data_bytes(e: &Unsafe) -> usize {
+    match &e.req.op {
+        kochab_proto::Op::Write { data, .. } => data.len(),
+        _ => 0,
+    }
 }
 
 impl ReplayLog {
@@ -60,6 +80,15 @@ impl ReplayLog {
         if e.req.seq != 0 {
             self.seqs.insert(e.req.seq);
         }
+        self.bytes += data_bytes(&e);
+        self.processes
+            .entry(e.incarnation)
+            .or_insert_with(|| Process {
+                addr: e.addr.clone(),
+                kept: 0,
+                replaying: 0,
+            })
+            .kept += 1;
         self.entries.insert(self.next, e);
         self.next += 1;
         true
@@ -83,13 +112,35 @@ impl ReplayLog {
 
     fn forget(&mut self, mut done: impl FnMut(u64, &Unsafe) -> bool) {
         let seqs = &mut self.seqs;
+        let bytes = &mut self.bytes;
+        let processes = &mut self.processes;
         self.entries.retain(|&order, e| {
             let drop = done(order, e);
-            if drop && e.req.seq != 0 {
-                seqs.remove(&e.req.seq);
+            if drop {
+                if e.req.seq != 0 {
+                    seqs.remove(&e.req.seq);
+                }
+                *bytes -= data_bytes(e);
+                count(processes, e.incarnation, |p| p.kept -= 1);
             }
             !drop
         });
+    }
+
+    /// A connection to `addr` reached process `incarnation`: true if entries of another
+    /// process that answered at that address are kept or being replayed (it is gone, and
+    /// a new request must not overtake their replay), and those kept become suspects.
+    pub fn superseded(&mut self, addr: &str, incarnation: u64) -> bool {
+        let mut found = false;
+        for (&inc, p) in &self.processes {
+            if inc != incarnation && &*p.addr == addr {
+                found = true;
+                if p.kept > 0 {
+                    self.suspects.insert(inc);
+                }
+            }
+        }
+        found
     }
 
     /// A connection to process `incarnation` failed.
@@ -136,6 +187,11 @@ impl ReplayLog {
         let mut out = Vec::with_capacity(orders.len());
         for o in orders {
             if let Some(e) = self.entries.remove(&o) {
+                self.bytes -= data_bytes(&e);
+                count(&mut self.processes, e.incarnation, |p| {
+                    p.kept -= 1;
+                    p.replaying += 1;
+                });
                 out.push((o, e));
             }
         }
@@ -146,8 +202,18 @@ impl ReplayLog {
     pub fn put_back(&mut self, rest: Vec<(u64, Unsafe)>) {
         for (o, e) in rest {
             self.suspects.insert(e.incarnation);
+            self.bytes += data_bytes(&e);
+            count(&mut self.processes, e.incarnation, |p| {
+                p.replaying -= 1;
+                p.kept += 1;
+            });
             self.entries.insert(o, e);
         }
+    }
+
+    /// Bytes of written data kept (see [`ReplayLog::answered`]).
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
     /// A replay ran (or failed for good): its sequence number may leave the floor.
@@ -155,6 +221,7 @@ impl ReplayLog {
         if e.req.seq != 0 {
             self.seqs.remove(&e.req.seq);
         }
+        count(&mut self.processes, e.incarnation, |p| p.replaying -= 1);
     }
 
     /// The number the next answered entry gets.
@@ -180,6 +247,17 @@ impl ReplayLog {
 
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+}
+
+/// Changes what the log counts of process `inc` (whose entry exists while it counts
+/// anything).
+fn count(processes: &mut FxHashMap<u64, Process>, inc: u64, change: impl FnOnce(&mut Process)) {
+    if let Some(p) = processes.get_mut(&inc) {
+        change(p);
+        if p.kept == 0 && p.replaying == 0 {
+            processes.remove(&inc);
+        }
     }
 }
 

@@ -218,6 +218,15 @@ pub type NameBuf = Vec<u8>;
 /// The offset of a [`Op::Write`] that appends.
 pub const WRITE_AT_END: u64 = u64::MAX;
 
+/// A flag of [`Op::Open`] (a bit no open(2) flag uses): the client reopens a handle it
+/// had, at a server that lost it (a restart, a failover), to finish or replay what it
+/// wrote through it (NFSv4's reclaim after a server restart). The file's owner is then
+/// not held to the mode bits: a file made read-only after it was opened for writing (a
+/// create with mode 0444, as tar and git do) stays writable through its handle, as it is
+/// on a local file system. That grants nothing new: the owner may chmod the file at any
+/// time. Everyone else is checked as for any open.
+pub const OPEN_RECLAIM: u32 = 1 << 31;
+
 /// Every file-system operation a metadata server performs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Op {

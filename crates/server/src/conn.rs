@@ -711,8 +711,15 @@ async fn read_loop(
             shared.runtime.clone().spawn(async move {
                 let mut group = Replies::new(Instant::now(), 1);
                 let op = req.op.index() as u8;
-                let (reply, lsn) = crate::cluster_host::task_op(shared, client, req).await;
-                group.add(rid, op, &reply, lsn);
+                // Writes only: a truncation, fallocate or fsync answers once durable.
+                let early = req.mode == ReplyMode::Early && matches!(req.op, Op::Write { .. });
+                let (reply, lsn) = crate::cluster_host::task_op(shared.clone(), client, req).await;
+                // A write answered early leaves now, as an `Unsafe` frame with its LSN.
+                if early && lsn > shared.journal.durable_lsn() {
+                    group.add_unsafe(rid, op, &reply, lsn);
+                } else {
+                    group.add(rid, op, &reply, lsn);
+                }
                 let _ = send_replies(&tx, &backlog, group).await;
                 drop(permit);
             });

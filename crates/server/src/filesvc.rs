@@ -396,6 +396,16 @@ async fn blocking<T: Send + 'static>(
 
 /// Runs one data operation; returns the reply and the LSN that must be durable first.
 pub async fn data_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, u64) {
+    // After a crash, as for the metadata changes (conn.rs): a new write, truncation or
+    // fallocate waits out the replay window, so that a client's replayed write cannot
+    // land after (and undo) a newer change to the same bytes.
+    let replay = matches!(req.mode, ReplyMode::Replay { .. });
+    if !replay
+        && !matches!(req.op, Op::Read { .. } | Op::Fsync { .. })
+        && let Some(until) = shared.replay_window.until()
+    {
+        tokio::time::sleep_until(until.into()).await;
+    }
     // What others may hold back of the file is sent before it is read, truncated or
     // appended to (a plain write needs nothing: overlapping writes of two clients land in
     // the order they reach the server, and a writer's own flush is made of plain writes).
@@ -459,7 +469,14 @@ async fn run_data_op(
             handle,
             offset,
             data: bytes,
-        } => write(shared, client, &req.cred, handle, (offset, req.seq), bytes).await,
+        } => {
+            let how = WriteReq {
+                cred: &req.cred,
+                seq: req.seq,
+                mode: req.mode,
+            };
+            write(shared, client, how, handle, offset, bytes).await
+        }
         Op::Fsync { handle, .. } => {
             let of = shared
                 .core
@@ -517,15 +534,35 @@ fn end_within_limit(offset: u64, len: u64) -> Result<u64, FsError> {
         })
 }
 
-/// A write at `offset`, or an append (`WRITE_AT_END`, with the request's `seq`).
+/// Who writes, and how the reply is wanted.
+struct WriteReq<'a> {
+    cred: &'a Credentials,
+    /// The request's sequence number (0: none). An append has one, and so does a write
+    /// answered early: a retry or a replay of one already done is answered, not run again.
+    seq: u64,
+    mode: ReplyMode,
+}
+
+/// A write at `offset`, or an append (`WRITE_AT_END`). Returns the reply and the LSN of
+/// its record for a write answered early or replayed (the mount keeps it until durable and
+/// replays it if the server is lost first); 0 for a durable-mode client, whose write is
+/// not durable before fsync anyway.
 async fn write(
     shared: &Arc<Shared>,
     client: u64,
-    cred: &Credentials,
+    how: WriteReq<'_>,
     handle: u64,
-    (offset, seq): (u64, u64),
+    offset: u64,
     bytes: Vec<u8>,
 ) -> Result<(Reply, u64), FsError> {
+    let kept = how.mode != ReplyMode::Durable;
+    let seq = how.seq;
+    if kept
+        && seq != 0
+        && let Some(done) = write_done_before(shared, client, seq)
+    {
+        return Ok(done);
+    }
     let of = shared.handle(client, handle, true)?;
     if bytes.len() > IO_MAX {
         return Err(fs_err!(
@@ -543,7 +580,8 @@ async fn write(
         if let Some((done, attr)) = core.appended.get(&(client, handle))
             && *done == seq
         {
-            return Ok((Reply::Attr(attr.clone()), 0));
+            let lsn = if kept { core.observed(of.id) } else { 0 };
+            return Ok((Reply::Attr(attr.clone()), lsn));
         }
     }
     let offset = if append { file.size } else { offset };
@@ -558,22 +596,45 @@ async fn write(
         })
         .await?;
     }
-    // Size and times: journaled, but a write is not durable before fsync anyway, so the
-    // reply does not wait for them.
-    let attr = {
-        let mut core = shared.core.lock();
-        current_generation(&core, &of)?;
-        let (muts, attr) = core
-            .engine
-            .write_done(cred, of.id, end, now_ns())
-            .map_err(fail)?;
-        shared.journal_now(&mut core, client, &muts);
-        if append && seq != 0 {
-            core.appended.insert((client, handle), (seq, attr.clone()));
+    let mut core = shared.core.lock();
+    current_generation(&core, &of)?;
+    let (muts, attr) = core
+        .engine
+        .write_done(how.cred, of.id, end, now_ns())
+        .map_err(fail)?;
+    let lsn = if kept {
+        // Answered early: journaled with its sequence number (a replay of it, once
+        // durable, is answered by the reply cache), flushed with the other early
+        // replies' records.
+        let lsn = journal_entry(&shared.journal, client, seq, 0, Some(of.id), &muts);
+        core.journaled(client, &muts, lsn);
+        if seq != 0 {
+            core.replies.insert(client, seq, Some(of.id));
         }
-        attr
+        lsn
+    } else {
+        // Size and times: journaled, but a write is not durable before fsync anyway, so
+        // the reply does not wait for them.
+        shared.journal_now(&mut core, client, &muts);
+        0
     };
-    Ok((Reply::Attr(attr), 0))
+    if append && seq != 0 {
+        core.appended.insert((client, handle), (seq, attr.clone()));
+    }
+    Ok((Reply::Attr(attr), lsn))
+}
+
+/// The reply to a write (sequence number `seq` of `client`) that already ran: its file's
+/// attributes now, and the LSN a reply that reports them waits for.
+fn write_done_before(shared: &Shared, client: u64, seq: u64) -> Option<(Reply, u64)> {
+    let core = shared.core.lock();
+    let id = core.replies.get(client, seq)??;
+    let reply = match core.engine.inode(id) {
+        Some(i) => Reply::Attr(i.attr(id)),
+        // The write was done; its file has no name left since (nor data to show).
+        None => Reply::Attr(Attr::new(id, mode::S_IFREG, 0)),
+    };
+    Some((reply, core.observed(id)))
 }
 
 #[allow(clippy::too_many_arguments)]
