@@ -35,7 +35,10 @@ pub fn kochab_bin() -> PathBuf {
 /// A `kochab up` process.
 pub struct ServerProc {
     pub child: Child,
+    /// The first address `kochab up` printed (of a cluster, its first server's).
     pub addr: SocketAddr,
+    /// Every address it printed (each server of a cluster).
+    pub addrs: Vec<SocketAddr>,
     pub key: ClusterKey,
     pub data: PathBuf,
     pub log: PathBuf,
@@ -81,8 +84,8 @@ impl ServerProc {
                 }
             }
         });
-        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(a) => a.parse().expect("address"),
+        let addrs: Vec<SocketAddr> = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(a) => a.split(',').map(|a| a.parse().expect("address")).collect(),
             Err(_) => {
                 let _ = child.kill();
                 panic!(
@@ -97,7 +100,8 @@ impl ServerProc {
         .expect("key");
         ServerProc {
             child,
-            addr,
+            addr: addrs[0],
+            addrs,
             key,
             data: data.to_path_buf(),
             log,
@@ -129,7 +133,7 @@ impl ServerProc {
 
     /// A client with the given number of attempts per request.
     pub async fn client(&self, attempts: u32) -> Client {
-        let mut cfg = ClientConfig::new(self.addr, self.key);
+        let mut cfg = ClientConfig::with_entries(self.addrs.clone(), self.key);
         cfg.attempts = attempts;
         cfg.request_timeout = Duration::from_secs(10);
         Client::connect(cfg).await.expect("connect")
