@@ -740,3 +740,172 @@ fn tls_round_trip_on_loopback() {
         assert_eq!(errno_of(Client::connect(wrong).await), Errno::EACCES);
     });
 }
+
+/// A connection made by hand: the handshake, then frames as they come. It answers no
+/// callback unless told to (a holder of leases that misbehaves).
+struct RawConn {
+    s: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl RawConn {
+    /// Authenticates with the cluster key as client `client_id`, asking for leases.
+    fn open(server: &ServerProc, client_id: u64) -> RawConn {
+        let s = TcpStream::connect(server.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut c = RawConn { s, buf: Vec::new() };
+        let (kind, _, payload) = c.next().expect("challenge");
+        assert_eq!(kind, FrameKind::Challenge);
+        let ch: Challenge = decode_payload(&payload).unwrap();
+        let key = ClientKey::admin(server.key);
+        let (mut auth, _) = Auth::prove(&key, ch.nonce, [client_id as u8; 32], client_id);
+        auth.leases = true;
+        c.send(FrameKind::Auth, 0, &auth);
+        let (kind, _, payload) = c.next().expect("welcome");
+        assert_eq!(kind, FrameKind::Welcome);
+        let w: Welcome = decode_payload(&payload).unwrap();
+        assert!(w.lease_ms > 0, "leases granted");
+        c
+    }
+
+    fn send<T: serde::Serialize>(&self, kind: FrameKind, id: u64, msg: &T) {
+        let mut out = Vec::new();
+        encode_frame(&mut out, kind, id, msg).unwrap();
+        (&self.s).write_all(&out).unwrap();
+    }
+
+    /// The next frame: its kind, request id and payload (`None`: closed).
+    fn next(&mut self) -> Option<(FrameKind, u64, Vec<u8>)> {
+        loop {
+            if let Some(h) = parse_header(&self.buf).ok()? {
+                let payload = self.buf[FRAME_HEADER_BYTES..h.total_len].to_vec();
+                self.buf.drain(..h.total_len);
+                return Some((h.kind, h.request_id, payload));
+            }
+            let mut chunk = [0u8; 4096];
+            let n = self.s.read(&mut chunk).ok()?;
+            if n == 0 {
+                return None;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+}
+
+#[test]
+fn a_lease_holder_that_never_answers_costs_others_one_deadline_once() {
+    // Issue 29, item 5. A client may look names up in a directory (search permission is
+    // all it takes), so it holds a lease on the directory's names, which it renews four
+    // times a second; it never answers a callback. On 77a0d33 each create of another
+    // client in that directory waited for the lease to run out (about 5 s), create after
+    // create; and any connection could answer any callback (ids are a counter).
+    let tmp = tempfile::tempdir().unwrap();
+    let server = ServerProc::start(&tmp.path().join("data"), &["--metrics-port", "0"]);
+    let rt = runtime();
+    let root = Credentials::root();
+    let (victim, dir) = rt.block_on(async {
+        let c = server.client(1).await;
+        let d = c.mkdir(&root, c.root(), b"shared", 0o755).await.unwrap();
+        (c, d.id)
+    });
+    let mut holder = RawConn::open(&server, 1001);
+    let writer = RawConn {
+        s: holder.s.try_clone().unwrap(),
+        buf: Vec::new(),
+    };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let renewer = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            let mut id = 1;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let op = Op::Lookup {
+                    parent: dir,
+                    name: b"absent".to_vec(),
+                };
+                let req = Request::plain(&Credentials::root(), op);
+                writer.send(FrameKind::Request, id, &req);
+                id += 1;
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        }
+    });
+    // Its callbacks' ids, as it sees them; and its first reply (a lease is held).
+    let (seen_tx, seen) = std::sync::mpsc::channel::<Option<u64>>();
+    let reader = std::thread::spawn(move || {
+        while let Some((kind, id, _)) = holder.next() {
+            match kind {
+                FrameKind::Callback => {
+                    let _ = seen_tx.send(Some(id));
+                }
+                FrameKind::Reply | FrameKind::Unsafe => {
+                    let _ = seen_tx.send(None);
+                }
+                _ => {}
+            }
+        }
+    });
+    assert_eq!(seen.recv_timeout(Duration::from_secs(10)), Ok(None));
+    // Another session answers the holder's callback as soon as it is sent.
+    let spoofer = RawConn::open(&server, 2002);
+    let spoof = std::thread::spawn(move || {
+        loop {
+            match seen.recv_timeout(Duration::from_secs(30)) {
+                Ok(Some(id)) => {
+                    spoofer.send(FrameKind::CallbackDone, id, &());
+                    return true;
+                }
+                Ok(None) => {}
+                Err(_) => return false,
+            }
+        }
+    });
+
+    let mut took = Vec::new();
+    rt.block_on(async {
+        for i in 0..5 {
+            let started = std::time::Instant::now();
+            let name = format!("f{i}");
+            victim
+                .create(&root, dir, name.as_bytes(), 0o644)
+                .await
+                .unwrap();
+            took.push(started.elapsed());
+        }
+    });
+    let total: Duration = took.iter().sum();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    renewer.join().unwrap();
+    assert!(spoof.join().unwrap(), "the holder was called back");
+    let metric = |name: &str| metric(&server, name);
+    let missed = metric("kochab_callbacks_missed_total");
+    let defaults = metric("kochab_callback_defaults_total");
+    drop(reader);
+    // The first create waited for the holder's deadline (the other session's answer did
+    // not count); the holder then lost its lease, and the other creates waited for nobody.
+    let lease = Duration::from_secs(5);
+    let waited = took.iter().filter(|t| **t > lease / 2).count();
+    assert_eq!(
+        (missed, defaults, waited),
+        (Some(1.0), Some(1.0), 1),
+        "callbacks missed, holders in default, creates that waited (each took {took:?})"
+    );
+    assert!(
+        total < lease * 3 / 2,
+        "five creates took {total:?} (each {took:?})"
+    );
+}
+
+/// The value of a metric the server exports (its metrics address is in its log).
+fn metric(server: &ServerProc, name: &str) -> Option<f64> {
+    let log = server.log_text();
+    let addr = log.split("metrics at http://").nth(1)?.split('/').next()?;
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}

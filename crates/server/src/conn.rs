@@ -409,8 +409,8 @@ impl Drop for Attached<'_> {
             if conns.is_empty() {
                 // The client drops everything it cached when it loses its last connection.
                 core.lease_conns.remove(&session);
-                core.leases.forget_session(session);
-                core.callbacks.expire(Instant::now(), Some(session));
+                let core = &mut *core;
+                core.callbacks.holder_gone(session, &mut core.leases);
             }
         }
         if !core.sessions.connected(session) {
@@ -666,9 +666,30 @@ async fn read_loop(
         };
         let more = matches!(parsed, Ok(true));
         if !dones.is_empty() {
-            let mut core = shared.core.lock();
-            for id in dones.drain(..) {
-                core.callbacks.done(id);
+            let (slow, ignored) =
+                shared
+                    .core
+                    .lock()
+                    .callbacks_answered(session, &dones, Instant::now());
+            dones.clear();
+            if slow {
+                shared.metrics.callback_defaults.inc();
+                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                    tracing::warn!(
+                        "{peer} (session {session:016x}, key {}) answered a callback later \
+                         than {:?}: it gets no leases for a while",
+                        key.id,
+                        crate::leases::CALLBACK_SLOW
+                    );
+                }
+            }
+            // Answers to callbacks that ended (a lease that ran out first) are common;
+            // answers to other sessions' callbacks are not.
+            if ignored > 0 {
+                tracing::debug!(
+                    "{peer} (key {}) answered {ignored} callbacks not sent to it or ended",
+                    key.id
+                );
             }
         }
         if screened || reqs.iter().any(|(_, r)| r.op.is_key_admin()) {

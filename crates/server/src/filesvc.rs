@@ -10,6 +10,7 @@
 use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
 use crate::data::chunk_batches;
 use crate::filelocks::FileGuard;
+use crate::leases::Urgency;
 use crate::session::{OpenFile, Registered};
 use kochab_meta::files::{open_flags, reads, writes};
 use kochab_meta::{Mutation, Reclaim};
@@ -362,7 +363,7 @@ fn register(
                     .leases
                     .opened_for_writing(client, attr.id, Instant::now());
                 for (holder, list, until) in revoked {
-                    core.call_back(client, holder, &list, until);
+                    core.call_back(client, holder, &list, until, Urgency::Drop);
                 }
             }
             if core.arrived.get(&(client, handle)) == Some(&attr.id) {
