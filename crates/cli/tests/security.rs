@@ -612,6 +612,12 @@ fn openssl(dir: &Path, args: &[&str]) {
 
 /// A certificate authority and a server certificate for 127.0.0.1 signed by it.
 fn make_certs(dir: &Path, name: &str) {
+    make_certs_for(dir, name, "IP:127.0.0.1");
+}
+
+/// A certificate authority `NAME-ca.pem` and a server certificate `server.pem` (key
+/// `server.key`) signed by it, whose only subject-alternative name is `san`.
+fn make_certs_for(dir: &Path, name: &str, san: &str) {
     let ca_key = format!("{name}-ca.key");
     let ca = format!("{name}-ca.pem");
     openssl(
@@ -662,14 +668,14 @@ fn make_certs(dir: &Path, name: &str) {
             "-key",
             "server.key",
             "-subj",
-            "/CN=127.0.0.1",
+            "/CN=kochab test server",
             "-out",
             "server.csr",
         ],
     );
     std::fs::write(
         dir.join("ext.cnf"),
-        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+        format!("subjectAltName={san}\nbasicConstraints=CA:FALSE\n"),
     )
     .unwrap();
     openssl(
@@ -738,6 +744,64 @@ fn tls_round_trip_on_loopback() {
         wrong.tls =
             Some(kochab_client::tls::TlsClient::from_ca_file(&other.join("other-ca.pem")).unwrap());
         assert_eq!(errno_of(Client::connect(wrong).await), Errno::EACCES);
+    });
+}
+
+#[test]
+fn tls_checks_the_certificate_against_the_host_name_given() {
+    // Issue 29, item 6: on 77a0d33 the client resolved `localhost` first and then checked
+    // the certificate against 127.0.0.1, so a certificate for DNS:localhost was refused.
+    let tmp = tempfile::tempdir().unwrap();
+    let certs = tmp.path().join("certs");
+    std::fs::create_dir(&certs).unwrap();
+    make_certs_for(&certs, "good", "DNS:localhost");
+    let (cert, key) = (certs.join("server.pem"), certs.join("server.key"));
+    let server = ServerProc::start(
+        &tmp.path().join("data"),
+        &[
+            "--host",
+            "localhost",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let port = server.addr.port();
+    let admin = server.data.join("cluster.key");
+    let ca = certs.join("good-ca.pem");
+    let status = |cluster: &str| {
+        kochab(
+            &[
+                "status",
+                "--cluster",
+                cluster,
+                "--key-file",
+                admin.to_str().unwrap(),
+                "--tls-ca",
+                ca.to_str().unwrap(),
+            ],
+            &[],
+        )
+    };
+    let (code, out, err) = status(&format!("localhost:{port}"));
+    assert_eq!(
+        code,
+        Some(0),
+        "kochab status over TLS to localhost: {out} {err}"
+    );
+    // The address is not what the certificate names: refused.
+    let numeric = server.addr.to_string();
+    let (code, out, err) = status(&numeric);
+    assert_ne!(code, Some(0), "{out}");
+    assert!(err.contains("TLS handshake failed"), "{err}");
+    // The library keeps the name given too.
+    runtime().block_on(async {
+        let spec = format!("localhost:{port}");
+        let mut cfg = ClientConfig::named(&spec, server.key).unwrap();
+        cfg.tls = Some(kochab_client::tls::TlsClient::from_ca_file(&ca).unwrap());
+        let c = Client::connect(cfg).await.expect("TLS to localhost");
+        c.getattr(&Credentials::root(), c.root()).await.unwrap();
     });
 }
 
