@@ -206,6 +206,67 @@ fn an_all_squashed_key_and_id_ranges() {
 }
 
 #[test]
+fn by_id_a_key_holder_sees_attributes_and_what_file_modes_allow_past_a_0700_directory() {
+    // What docs/SECURITY.md says ids reveal ("Inode ids are not secret"): requests by id
+    // are checked against the inode named, not the directories above it, and a
+    // directory's files take consecutive ids. Nothing here changed since 77a0d33; the
+    // document did (it claimed ids came from a keyed policy).
+    let tmp = tempfile::tempdir().unwrap();
+    let server = ServerProc::start(&tmp.path().join("data"), &[]);
+    let (_, anonymous) = key_add(&server, tmp.path(), "k1", &["--squash", "all"]);
+    runtime().block_on(async {
+        let admin = server.client(1).await;
+        let root = Credentials::root();
+        let alice = Credentials::user(1000, 1000);
+        let home = admin.mkdir(&root, admin.root(), b"alice", 0o700).await;
+        let home = home.unwrap().id;
+        let chown = SetAttrs {
+            uid: Some(1000),
+            gid: Some(1000),
+            ..Default::default()
+        };
+        admin.setattr(&root, home, chown).await.unwrap();
+        let mut files = Vec::new();
+        for (name, mode) in [(&b"secret"[..], 0o600), (b"notes", 0o644)] {
+            let f = admin.create(&alice, home, name, mode).await.unwrap();
+            let (_, h) = admin.open(&alice, f.id, O_RDWR).await.unwrap();
+            admin.write(&alice, h, 0, name.to_vec()).await.unwrap();
+            admin.close(&alice, h).await.unwrap();
+            files.push(f.id);
+        }
+        let [secret, notes] = files[..] else {
+            unreachable!()
+        };
+        assert_eq!(
+            notes,
+            secret + 1,
+            "a directory's files take consecutive ids"
+        );
+
+        // The weakest key: every request as the anonymous user, no groups.
+        let c = client_with(&server, anonymous).await.expect("connects");
+        let nobody = Credentials::user(NOBODY, NOBODY);
+        assert_eq!(
+            errno_of(c.lookup(&nobody, home, b"notes").await),
+            Errno::EACCES,
+            "names need search permission on the directory"
+        );
+        // By id: the attributes of what is inside, with no check at all...
+        let a = c.getattr(&nobody, secret).await.expect("getattr by id");
+        assert_eq!((a.mode & 0o7777, a.uid, a.size), (0o600, 1000, 6));
+        // ...and the contents of a file whose own mode lets others read it.
+        assert_eq!(
+            errno_of(c.open(&nobody, secret, 0).await),
+            Errno::EACCES,
+            "the file's own mode holds"
+        );
+        let (_, h) = c.open(&nobody, secret + 1, 0).await.expect("open by id");
+        assert_eq!(c.read(&nobody, h, 0, 100).await.unwrap(), b"notes");
+        c.close(&nobody, h).await.unwrap();
+    });
+}
+
+#[test]
 fn a_revoked_key_is_refused_and_its_live_connection_closed() {
     let tmp = tempfile::tempdir().unwrap();
     let server = ServerProc::start(&tmp.path().join("data"), &[]);
