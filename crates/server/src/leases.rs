@@ -401,8 +401,8 @@ impl Board {
 /// kochab-client); five times that leaves room for a loaded machine. Without this bound a
 /// holder that answers each callback just before its deadline would hold every change it
 /// is called back for up to a lease. Measured from when the callback was sent or the
-/// holder's previous answer came, whichever is later, so callbacks queued behind one
-/// another at a busy holder are not counted twice.
+/// holder answered one sent before it, whichever is later, so callbacks queued behind one
+/// another at a busy holder are not counted twice (see `Standing::began`).
 pub const CALLBACK_SLOW: Duration = Duration::from_secs(1);
 
 /// How long a holder that went into default gets no leases at least, the first time.
@@ -448,8 +448,8 @@ struct Pending {
 /// in default (NFSv4 revokes the delegations of a client that does not return them).
 #[derive(Default)]
 struct Standing {
-    /// When its last answer came (for [`CALLBACK_SLOW`]).
-    answered: Option<Instant>,
+    /// When its last answer came, and to which callback (for [`CALLBACK_SLOW`]).
+    answered: Option<(Instant, u64)>,
     /// Defaults so far (forgotten after [`DEFAULTS_KEPT`] without one).
     defaults: u32,
     /// When it last went into default.
@@ -465,6 +465,17 @@ struct Standing {
 }
 
 impl Standing {
+    /// When the holder could start on callback `id`, sent at `sent`: when it was sent, or
+    /// when the holder answered the one before it (a holder works through its callbacks
+    /// in order). An answer to a later one does not count: a holder that answers new
+    /// callbacks and leaves an old one is not working through them.
+    fn began(&self, id: u64, sent: Instant) -> Instant {
+        match self.answered {
+            Some((at, last)) if last < id => at.max(sent),
+            _ => sent,
+        }
+    }
+
     /// Goes into default at `now`, having missed `missed` (empty: a slow answer, given).
     fn default_at(&mut self, now: Instant, missed: Vec<u64>) {
         let forgotten = self
@@ -621,8 +632,10 @@ impl Callbacks {
         };
         self.finish(p.changer, p.ticket);
         let st = self.standings.entry(from).or_default();
-        let began = st.answered.map_or(p.sent, |a| a.max(p.sent));
-        st.answered = Some(now);
+        let began = st.began(id, p.sent);
+        if st.answered.is_none_or(|(_, last)| last < id) {
+            st.answered = Some((now, id));
+        }
         if p.urgency == Urgency::Drop && now.saturating_duration_since(began) > CALLBACK_SLOW {
             self.go_into_default(from, now, Vec::new(), leases);
             return Answered::Slow;
@@ -649,8 +662,10 @@ impl Callbacks {
             .iter()
             .filter(|(_, p)| p.deadline <= now)
             .map(|(&id, p)| {
-                let answered = self.standings.get(&p.holder).and_then(|s| s.answered);
-                let began = answered.map_or(p.sent, |a| a.max(p.sent));
+                let began = self
+                    .standings
+                    .get(&p.holder)
+                    .map_or(p.sent, |s| s.began(id, p.sent));
                 let had_time = now.saturating_duration_since(began) >= CALLBACK_SLOW;
                 (p.holder, id, had_time)
             })
@@ -1058,6 +1073,20 @@ mod tests {
             let at = t + ms(200 * (i as u64 + 1));
             assert_eq!(c.done(2, id, at, &mut l), Answered::Done);
         }
+        // A holder that answers new callbacks and leaves an old one: the old one's clock
+        // is not reset by those answers, and it misses its deadline.
+        let old = c
+            .issue(1, 2, t + ms(2000) + LEASE, Urgency::Drop, t + ms(2000))
+            .unwrap();
+        for i in 1..=5 {
+            let at = t + ms(2000 + 900 * i);
+            let new = c.issue(1, 2, at + LEASE, Urgency::Drop, at).unwrap();
+            assert_eq!(c.done(2, new, at + ms(1), &mut l), Answered::Done);
+        }
+        let expired = c.expire(t + ms(2000) + LEASE, &mut l);
+        assert_eq!((expired.missed, expired.defaulted), (1, vec![2]));
+        assert!(!c.is_pending(old));
+        let mut c = Callbacks::default();
         // Flushes and table drops may take as long as they need.
         let t = t + ms(2000);
         let flush = c.issue(1, 2, t + LEASE, Urgency::Work, t).unwrap();
