@@ -353,8 +353,7 @@ async fn server_client(
     key: kochab_proto::auth::ClientKey,
     tls: &Option<kochab_client::tls::TlsClient>,
 ) -> Result<Client, String> {
-    let sock = kochab_client::resolve_addr(addr).map_err(|e| e.to_string())?;
-    let mut cfg = ClientConfig::new(sock, key);
+    let mut cfg = ClientConfig::named(addr, key).map_err(|e| e.to_string())?;
     cfg.connections = 1;
     cfg.tls = tls.clone();
     Client::connect(cfg).await.map_err(|e| e.to_string())

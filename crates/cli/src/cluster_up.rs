@@ -541,8 +541,7 @@ pub async fn status(
     let mut servers = Vec::new();
     for (id, addr) in &map.servers {
         let report = async {
-            let sock = kochab_client::resolve_addr(addr).map_err(|e| e.to_string())?;
-            let mut cfg = ClientConfig::new(sock, key);
+            let mut cfg = ClientConfig::named(addr, key).map_err(|e| e.to_string())?;
             cfg.connections = 1;
             cfg.tls = tls.clone();
             let c = Client::connect(cfg).await.map_err(|e| e.to_string())?;

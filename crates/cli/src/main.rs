@@ -9,7 +9,7 @@ mod mount;
 
 use clap::{Args, Parser, Subcommand};
 use kochab_bench::{BenchConfig, Phase};
-use kochab_client::{Client, ClientConfig, resolve_addr, resolve_addrs};
+use kochab_client::{Client, ClientConfig, resolve_addr};
 use kochab_proto::auth::{ClientKey, client_key_from_text};
 use kochab_server::ServerConfig;
 use std::net::SocketAddr;
@@ -248,8 +248,8 @@ struct UpArgs {
     /// Options of that mount, as `kochab mount -o` takes them (e.g. dev,suid).
     #[arg(long, value_name = "OPTIONS", requires = "mount")]
     mount_options: Option<String>,
-    /// TLS for client connections: this PEM certificate chain (it must name the address
-    /// clients connect to) ...
+    /// TLS for client connections: this PEM certificate chain (it must name the host
+    /// clients are given: a DNS name, or an IP address for a numeric one) ...
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<PathBuf>,
     /// ... and this PEM private key.
@@ -426,8 +426,7 @@ struct BenchArgs {
 
 async fn connect(conn: &ConnArgs) -> Result<Client, String> {
     let key = conn.key.load()?;
-    let addrs = resolve_addrs(&conn.cluster).map_err(|e| e.to_string())?;
-    let mut cfg = ClientConfig::with_entries(addrs, key);
+    let mut cfg = ClientConfig::named(&conn.cluster, key).map_err(|e| e.to_string())?;
     cfg.connections = conn.connections;
     cfg.tls = conn.tls.load()?;
     Client::connect(cfg)

@@ -1,7 +1,7 @@
 //! `kochab mount` and the mount of `kochab up --mount`.
 
 use crate::{MountArgs, wait_for_signal};
-use kochab_client::{Client, ClientConfig, resolve_addrs};
+use kochab_client::{Client, ClientConfig};
 use kochab_fuse::{KochabFs, MountConfig};
 use kochab_proto::AtimeRule;
 use std::path::Path;
@@ -173,8 +173,8 @@ pub async fn wait<T>(
 
 /// `kochab mount --foreground`.
 pub async fn foreground(args: MountArgs) -> Result<(), String> {
-    let addrs = resolve_addrs(&args.cluster).map_err(|e| e.to_string())?;
-    let mut cfg = ClientConfig::with_entries(addrs, args.key.load()?);
+    let mut cfg =
+        ClientConfig::named(&args.cluster, args.key.load()?).map_err(|e| e.to_string())?;
     cfg.tls = args.tls.load()?;
     let opts = options(args.options.as_deref());
     opts.configure(&mut cfg);

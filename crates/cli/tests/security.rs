@@ -206,6 +206,67 @@ fn an_all_squashed_key_and_id_ranges() {
 }
 
 #[test]
+fn by_id_a_key_holder_sees_attributes_and_what_file_modes_allow_past_a_0700_directory() {
+    // What docs/SECURITY.md says ids reveal ("Inode ids are not secret"): requests by id
+    // are checked against the inode named, not the directories above it, and a
+    // directory's files take consecutive ids. Nothing here changed since 77a0d33; the
+    // document did (it claimed ids came from a keyed policy).
+    let tmp = tempfile::tempdir().unwrap();
+    let server = ServerProc::start(&tmp.path().join("data"), &[]);
+    let (_, anonymous) = key_add(&server, tmp.path(), "k1", &["--squash", "all"]);
+    runtime().block_on(async {
+        let admin = server.client(1).await;
+        let root = Credentials::root();
+        let alice = Credentials::user(1000, 1000);
+        let home = admin.mkdir(&root, admin.root(), b"alice", 0o700).await;
+        let home = home.unwrap().id;
+        let chown = SetAttrs {
+            uid: Some(1000),
+            gid: Some(1000),
+            ..Default::default()
+        };
+        admin.setattr(&root, home, chown).await.unwrap();
+        let mut files = Vec::new();
+        for (name, mode) in [(&b"secret"[..], 0o600), (b"notes", 0o644)] {
+            let f = admin.create(&alice, home, name, mode).await.unwrap();
+            let (_, h) = admin.open(&alice, f.id, O_RDWR).await.unwrap();
+            admin.write(&alice, h, 0, name.to_vec()).await.unwrap();
+            admin.close(&alice, h).await.unwrap();
+            files.push(f.id);
+        }
+        let [secret, notes] = files[..] else {
+            unreachable!()
+        };
+        assert_eq!(
+            notes,
+            secret + 1,
+            "a directory's files take consecutive ids"
+        );
+
+        // The weakest key: every request as the anonymous user, no groups.
+        let c = client_with(&server, anonymous).await.expect("connects");
+        let nobody = Credentials::user(NOBODY, NOBODY);
+        assert_eq!(
+            errno_of(c.lookup(&nobody, home, b"notes").await),
+            Errno::EACCES,
+            "names need search permission on the directory"
+        );
+        // By id: the attributes of what is inside, with no check at all...
+        let a = c.getattr(&nobody, secret).await.expect("getattr by id");
+        assert_eq!((a.mode & 0o7777, a.uid, a.size), (0o600, 1000, 6));
+        // ...and the contents of a file whose own mode lets others read it.
+        assert_eq!(
+            errno_of(c.open(&nobody, secret, 0).await),
+            Errno::EACCES,
+            "the file's own mode holds"
+        );
+        let (_, h) = c.open(&nobody, secret + 1, 0).await.expect("open by id");
+        assert_eq!(c.read(&nobody, h, 0, 100).await.unwrap(), b"notes");
+        c.close(&nobody, h).await.unwrap();
+    });
+}
+
+#[test]
 fn a_revoked_key_is_refused_and_its_live_connection_closed() {
     let tmp = tempfile::tempdir().unwrap();
     let server = ServerProc::start(&tmp.path().join("data"), &[]);
@@ -612,6 +673,12 @@ fn openssl(dir: &Path, args: &[&str]) {
 
 /// A certificate authority and a server certificate for 127.0.0.1 signed by it.
 fn make_certs(dir: &Path, name: &str) {
+    make_certs_for(dir, name, "IP:127.0.0.1");
+}
+
+/// A certificate authority `NAME-ca.pem` and a server certificate `server.pem` (key
+/// `server.key`) signed by it, whose only subject-alternative name is `san`.
+fn make_certs_for(dir: &Path, name: &str, san: &str) {
     let ca_key = format!("{name}-ca.key");
     let ca = format!("{name}-ca.pem");
     openssl(
@@ -662,14 +729,14 @@ fn make_certs(dir: &Path, name: &str) {
             "-key",
             "server.key",
             "-subj",
-            "/CN=127.0.0.1",
+            "/CN=kochab test server",
             "-out",
             "server.csr",
         ],
     );
     std::fs::write(
         dir.join("ext.cnf"),
-        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+        format!("subjectAltName={san}\nbasicConstraints=CA:FALSE\n"),
     )
     .unwrap();
     openssl(
@@ -739,4 +806,231 @@ fn tls_round_trip_on_loopback() {
             Some(kochab_client::tls::TlsClient::from_ca_file(&other.join("other-ca.pem")).unwrap());
         assert_eq!(errno_of(Client::connect(wrong).await), Errno::EACCES);
     });
+}
+
+#[test]
+fn tls_checks_the_certificate_against_the_host_name_given() {
+    // Issue 29, item 6: on 77a0d33 the client resolved `localhost` first and then checked
+    // the certificate against 127.0.0.1, so a certificate for DNS:localhost was refused.
+    let tmp = tempfile::tempdir().unwrap();
+    let certs = tmp.path().join("certs");
+    std::fs::create_dir(&certs).unwrap();
+    make_certs_for(&certs, "good", "DNS:localhost");
+    let (cert, key) = (certs.join("server.pem"), certs.join("server.key"));
+    let server = ServerProc::start(
+        &tmp.path().join("data"),
+        &[
+            "--host",
+            "localhost",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let port = server.addr.port();
+    let admin = server.data.join("cluster.key");
+    let ca = certs.join("good-ca.pem");
+    let status = |cluster: &str| {
+        kochab(
+            &[
+                "status",
+                "--cluster",
+                cluster,
+                "--key-file",
+                admin.to_str().unwrap(),
+                "--tls-ca",
+                ca.to_str().unwrap(),
+            ],
+            &[],
+        )
+    };
+    let (code, out, err) = status(&format!("localhost:{port}"));
+    assert_eq!(
+        code,
+        Some(0),
+        "kochab status over TLS to localhost: {out} {err}"
+    );
+    // The address is not what the certificate names: refused.
+    let numeric = server.addr.to_string();
+    let (code, out, err) = status(&numeric);
+    assert_ne!(code, Some(0), "{out}");
+    assert!(err.contains("TLS handshake failed"), "{err}");
+    // The library keeps the name given too.
+    runtime().block_on(async {
+        let spec = format!("localhost:{port}");
+        let mut cfg = ClientConfig::named(&spec, server.key).unwrap();
+        cfg.tls = Some(kochab_client::tls::TlsClient::from_ca_file(&ca).unwrap());
+        let c = Client::connect(cfg).await.expect("TLS to localhost");
+        c.getattr(&Credentials::root(), c.root()).await.unwrap();
+    });
+}
+
+/// A connection made by hand: the handshake, then frames as they come. It answers no
+/// callback unless told to (a holder of leases that misbehaves).
+struct RawConn {
+    s: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl RawConn {
+    /// Authenticates with the cluster key as client `client_id`, asking for leases.
+    fn open(server: &ServerProc, client_id: u64) -> RawConn {
+        let s = TcpStream::connect(server.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut c = RawConn { s, buf: Vec::new() };
+        let (kind, _, payload) = c.next().expect("challenge");
+        assert_eq!(kind, FrameKind::Challenge);
+        let ch: Challenge = decode_payload(&payload).unwrap();
+        let key = ClientKey::admin(server.key);
+        let (mut auth, _) = Auth::prove(&key, ch.nonce, [client_id as u8; 32], client_id);
+        auth.leases = true;
+        c.send(FrameKind::Auth, 0, &auth);
+        let (kind, _, payload) = c.next().expect("welcome");
+        assert_eq!(kind, FrameKind::Welcome);
+        let w: Welcome = decode_payload(&payload).unwrap();
+        assert!(w.lease_ms > 0, "leases granted");
+        c
+    }
+
+    fn send<T: serde::Serialize>(&self, kind: FrameKind, id: u64, msg: &T) {
+        let mut out = Vec::new();
+        encode_frame(&mut out, kind, id, msg).unwrap();
+        (&self.s).write_all(&out).unwrap();
+    }
+
+    /// The next frame: its kind, request id and payload (`None`: closed).
+    fn next(&mut self) -> Option<(FrameKind, u64, Vec<u8>)> {
+        loop {
+            if let Some(h) = parse_header(&self.buf).ok()? {
+                let payload = self.buf[FRAME_HEADER_BYTES..h.total_len].to_vec();
+                self.buf.drain(..h.total_len);
+                return Some((h.kind, h.request_id, payload));
+            }
+            let mut chunk = [0u8; 4096];
+            let n = self.s.read(&mut chunk).ok()?;
+            if n == 0 {
+                return None;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+}
+
+#[test]
+fn a_lease_holder_that_never_answers_costs_others_one_deadline_once() {
+    // Issue 29, item 5. A client may look names up in a directory (search permission is
+    // all it takes), so it holds a lease on the directory's names, which it renews four
+    // times a second; it never answers a callback. On 77a0d33 each create of another
+    // client in that directory waited for the lease to run out (about 5 s), create after
+    // create; and any connection could answer any callback (ids are a counter).
+    let tmp = tempfile::tempdir().unwrap();
+    let server = ServerProc::start(&tmp.path().join("data"), &["--metrics-port", "0"]);
+    let rt = runtime();
+    let root = Credentials::root();
+    let (victim, dir) = rt.block_on(async {
+        let c = server.client(1).await;
+        let d = c.mkdir(&root, c.root(), b"shared", 0o755).await.unwrap();
+        (c, d.id)
+    });
+    let mut holder = RawConn::open(&server, 1001);
+    let writer = RawConn {
+        s: holder.s.try_clone().unwrap(),
+        buf: Vec::new(),
+    };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let renewer = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            let mut id = 1;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let op = Op::Lookup {
+                    parent: dir,
+                    name: b"absent".to_vec(),
+                };
+                let req = Request::plain(&Credentials::root(), op);
+                writer.send(FrameKind::Request, id, &req);
+                id += 1;
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        }
+    });
+    // Its callbacks' ids, as it sees them; and its first reply (a lease is held).
+    let (seen_tx, seen) = std::sync::mpsc::channel::<Option<u64>>();
+    let reader = std::thread::spawn(move || {
+        while let Some((kind, id, _)) = holder.next() {
+            match kind {
+                FrameKind::Callback => {
+                    let _ = seen_tx.send(Some(id));
+                }
+                FrameKind::Reply | FrameKind::Unsafe => {
+                    let _ = seen_tx.send(None);
+                }
+                _ => {}
+            }
+        }
+    });
+    assert_eq!(seen.recv_timeout(Duration::from_secs(10)), Ok(None));
+    // Another session answers the holder's callback as soon as it is sent.
+    let spoofer = RawConn::open(&server, 2002);
+    let spoof = std::thread::spawn(move || {
+        loop {
+            match seen.recv_timeout(Duration::from_secs(30)) {
+                Ok(Some(id)) => {
+                    spoofer.send(FrameKind::CallbackDone, id, &());
+                    return true;
+                }
+                Ok(None) => {}
+                Err(_) => return false,
+            }
+        }
+    });
+
+    let mut took = Vec::new();
+    rt.block_on(async {
+        for i in 0..5 {
+            let started = std::time::Instant::now();
+            let name = format!("f{i}");
+            victim
+                .create(&root, dir, name.as_bytes(), 0o644)
+                .await
+                .unwrap();
+            took.push(started.elapsed());
+        }
+    });
+    let total: Duration = took.iter().sum();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    renewer.join().unwrap();
+    assert!(spoof.join().unwrap(), "the holder was called back");
+    let metric = |name: &str| metric(&server, name);
+    let missed = metric("kochab_callbacks_missed_total");
+    let defaults = metric("kochab_callback_defaults_total");
+    drop(reader);
+    // The first create waited for the holder's deadline (the other session's answer did
+    // not count); the holder then lost its lease, and the other creates waited for nobody.
+    let lease = Duration::from_secs(5);
+    let waited = took.iter().filter(|t| **t > lease / 2).count();
+    assert_eq!(
+        (missed, defaults, waited),
+        (Some(1.0), Some(1.0), 1),
+        "callbacks missed, holders in default, creates that waited (each took {took:?})"
+    );
+    assert!(
+        total < lease * 3 / 2,
+        "five creates took {total:?} (each {took:?})"
+    );
+}
+
+/// The value of a metric the server exports (its metrics address is in its log).
+fn metric(server: &ServerProc, name: &str) -> Option<f64> {
+    let log = server.log_text();
+    let addr = log.split("metrics at http://").nth(1)?.split('/').next()?;
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }

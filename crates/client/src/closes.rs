@@ -16,6 +16,7 @@
 //!
 //! [`Op::CloseMany`]: kochab_proto::Op::CloseMany
 
+use kochab_proto::CLOSE_MANY_HANDLES_MAX;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -28,6 +29,10 @@ pub const GATHER: Duration = Duration::from_millis(1);
 /// A handle waiting to be closed: the server it was opened on, its number, and what the
 /// client knew of it.
 type Waiting<H> = (Arc<str>, u64, H);
+
+/// Closes for one server, as one `CloseMany`: its address, and each handle with what the
+/// client knew of it.
+pub(crate) type Group<H> = (Arc<str>, Vec<(u64, H)>);
 
 /// Handles waiting to be closed, by lane.
 pub(crate) struct Gathered<H> {
@@ -58,14 +63,22 @@ impl<H> Gathered<H> {
         list.len() == 1
     }
 
-    /// Takes `lane`'s closes, grouped by server.
-    pub fn take(&self, lane: Option<usize>) -> FxHashMap<Arc<str>, Vec<(u64, H)>> {
+    /// Takes `lane`'s closes, grouped by server, in groups of at most
+    /// [`CLOSE_MANY_HANDLES_MAX`] (what one `CloseMany` may carry).
+    pub fn take(&self, lane: Option<usize>) -> Vec<Group<H>> {
         let list = self.lanes.lock().remove(&lane).unwrap_or_default();
-        let mut by_server: FxHashMap<Arc<str>, Vec<(u64, H)>> = FxHashMap::default();
+        let mut by_server: FxHashMap<Arc<str>, Vec<Vec<(u64, H)>>> = FxHashMap::default();
         for (addr, handle, known) in list {
-            by_server.entry(addr).or_default().push((handle, known));
+            let groups = by_server.entry(addr).or_default();
+            match groups.last_mut() {
+                Some(g) if g.len() < CLOSE_MANY_HANDLES_MAX => g.push((handle, known)),
+                _ => groups.push(vec![(handle, known)]),
+            }
         }
         by_server
+            .into_iter()
+            .flat_map(|(addr, groups)| groups.into_iter().map(move |g| (addr.clone(), g)))
+            .collect()
     }
 
     /// Records that `n` taken closes are over.
@@ -105,13 +118,28 @@ mod tests {
             "another lane starts its own"
         );
         let lane0 = g.take(Some(0));
-        let handles = |addr: &Arc<str>| -> Vec<u64> { lane0[addr].iter().map(|h| h.0).collect() };
+        let handles = |addr: &Arc<str>| -> Vec<u64> {
+            let groups = lane0.iter().filter(|(a, _)| a == addr);
+            groups.flat_map(|(_, g)| g.iter().map(|h| h.0)).collect()
+        };
         assert_eq!(handles(&a), vec![1, 3]);
         assert_eq!(handles(&b), vec![2]);
         assert!(
             g.push(Some(0), a, 5, ()),
             "after a take, the next close starts a send"
         );
+    }
+
+    #[test]
+    fn a_server_gets_its_closes_in_groups_a_close_many_may_carry() {
+        let g: Gathered<()> = Gathered::default();
+        let a: Arc<str> = "a:1".into();
+        let n = CLOSE_MANY_HANDLES_MAX * 2 + 1;
+        for h in 0..n as u64 {
+            g.push(None, a.clone(), h, ());
+        }
+        let sizes: Vec<usize> = g.take(None).iter().map(|(_, g)| g.len()).collect();
+        assert_eq!(sizes, [CLOSE_MANY_HANDLES_MAX, CLOSE_MANY_HANDLES_MAX, 1]);
     }
 
     #[tokio::test]
@@ -129,7 +157,7 @@ mod tests {
         g.finished(1);
         tokio::task::yield_now().await;
         assert!(!waiter.is_finished(), "one close is still pending");
-        g.finished(taken.values().map(Vec::len).sum::<usize>() - 1);
+        g.finished(taken.iter().map(|(_, g)| g.len()).sum::<usize>() - 1);
         waiter.await.unwrap();
     }
 }

@@ -117,13 +117,14 @@ impl Conn {
         Conn::connect_with(addr, key, client_id, timeout, None, None, false).await
     }
 
-    /// [`Conn::connect`], through TLS if `tls` is given.
+    /// [`Conn::connect`], through TLS if `tls` is given: with the address as it was given
+    /// ("host:port"), whose host the server's certificate must name.
     pub async fn connect_with(
         addr: SocketAddr,
         key: &ClientKey,
         client_id: u64,
         timeout: Duration,
-        tls: Option<&crate::tls::TlsClient>,
+        tls: Option<(&crate::tls::TlsClient, &str)>,
         events: Option<Arc<dyn ConnEvents>>,
         leases: bool,
     ) -> Result<Arc<Conn>, ConnError> {
@@ -291,11 +292,12 @@ fn refused(payload: &[u8]) -> ConnError {
     }
 }
 
-/// A TCP connection to `addr` (through TLS if `tls` is given), split.
+/// A TCP connection to `addr` (through TLS if `tls` is given, checking the certificate
+/// against the host of the address as given, else against `addr`), split.
 async fn dial(
     addr: SocketAddr,
     timeout: Duration,
-    tls: Option<&crate::tls::TlsClient>,
+    tls: Option<(&crate::tls::TlsClient, &str)>,
 ) -> Result<(Rd, Wr), ConnError> {
     let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
         .await
@@ -303,15 +305,21 @@ async fn dial(
         .map_err(|e| ConnError::Lost(format!("{addr}: {e}")))?;
     let _ = sock.set_nodelay(true);
     kochab_proto::net::size_socket_buffers(&sock);
-    let Some(tls) = tls else {
+    let Some((tls, given)) = tls else {
         let (r, w) = sock.into_split();
         return Ok((Box::new(r), Box::new(w)));
     };
-    let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+    let name = crate::tls::server_name(given)
+        .unwrap_or_else(|| rustls::pki_types::ServerName::IpAddress(addr.ip().into()));
     let s = tokio::time::timeout(timeout, tls.0.connect(name, sock))
         .await
         .map_err(|_| ConnError::Lost(format!("{addr}: TLS handshake timed out")))?
-        .map_err(|e| ConnError::Refused(fs_err!(EACCES, "{addr}: TLS handshake failed: {e}")))?;
+        .map_err(|e| {
+            ConnError::Refused(fs_err!(
+                EACCES,
+                "{given} ({addr}): TLS handshake failed: {e}"
+            ))
+        })?;
     let (r, w) = tokio::io::split(s);
     Ok((Box::new(r), Box::new(w)))
 }

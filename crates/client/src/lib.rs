@@ -98,6 +98,10 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     /// TLS to the server (`--tls-ca`); plain TCP if `None`.
     pub tls: Option<tls::TlsClient>,
+    /// The entries as they were given ("host:port", in the order of `entries`; see
+    /// [`ClientConfig::named`]): they are dialed by that name and a TLS server's
+    /// certificate must name its host. Empty: the entries' addresses.
+    pub entry_names: Vec<String>,
     /// Ask for early replies (docs/ARCHITECTURE.md, "Early replies"): a change is
     /// acknowledged once applied at its server, kept by the client until the server
     /// reports it durable, and replayed if that server restarts first. The mount's
@@ -128,9 +132,30 @@ impl ClientConfig {
             map: None,
             connect_timeout: Duration::from_secs(5),
             tls: None,
+            entry_names: Vec::new(),
             early_replies: false,
             leases: false,
         }
+    }
+
+    /// A configuration for the comma-separated "host:port" entries of `spec`, each
+    /// resolved now (an unknown host fails here) and kept as given: a TLS server's
+    /// certificate must then name the host given (`localhost`), not only the address it
+    /// resolves to.
+    pub fn named(spec: &str, key: impl Into<ClientKey>) -> FsResult<ClientConfig> {
+        let named = resolve_named(spec)?;
+        let mut cfg =
+            ClientConfig::with_entries(named.iter().map(|(_, a)| *a).collect(), key.into());
+        cfg.entry_names = named.into_iter().map(|(n, _)| n).collect();
+        Ok(cfg)
+    }
+
+    /// The entries as the pool dials them: as given, or as resolved.
+    fn entry_addrs(&self) -> Vec<String> {
+        if self.entry_names.len() == self.entries.len() {
+            return self.entry_names.clone();
+        }
+        self.entries.iter().map(|a| a.to_string()).collect()
     }
 }
 
@@ -183,11 +208,16 @@ pub fn resolve_addr(s: &str) -> FsResult<SocketAddr> {
 
 /// Resolves a comma-separated list of "host:port" entry addresses.
 pub fn resolve_addrs(s: &str) -> FsResult<Vec<SocketAddr>> {
+    Ok(resolve_named(s)?.into_iter().map(|(_, a)| a).collect())
+}
+
+/// [`resolve_addrs`], each address with its text as given.
+pub fn resolve_named(s: &str) -> FsResult<Vec<(String, SocketAddr)>> {
     let addrs = s
         .split(',')
         .map(str::trim)
         .filter(|a| !a.is_empty())
-        .map(resolve_addr)
+        .map(|a| Ok((a.to_string(), resolve_addr(a)?)))
         .collect::<FsResult<Vec<_>>>()?;
     if addrs.is_empty() {
         return Err(fs_err!(EINVAL, "no address in {s:?}"));
@@ -406,8 +436,8 @@ impl Client {
         let mut pause = Duration::from_millis(50);
         let (addr, conn) = 'found: loop {
             let mut last = fs_err!(ENOTCONN, "no server address given");
-            for e in &config.entries {
-                let addr: Arc<str> = e.to_string().into();
+            for e in config.entry_addrs() {
+                let addr: Arc<str> = e.into();
                 match pool.conn(&addr).await {
                     Ok(c) => break 'found (addr, c),
                     Err(e) if e.errno == Errno::ENOTCONN => last = e,
@@ -430,7 +460,7 @@ impl Client {
             _ => None,
         };
         let budget = config.retry_budget.as_millis() as u64;
-        let entries: Vec<String> = config.entries.iter().map(|a| a.to_string()).collect();
+        let entries = config.entry_addrs();
         let routing = match (config.map.clone(), served) {
             (Some(given), served) => {
                 let mut r = Routing::cluster(entries, given, budget);
@@ -693,7 +723,7 @@ impl Client {
             return false;
         }
         let cfg = &self.inner.config;
-        let entries = cfg.entries.iter().map(|a| a.to_string()).collect();
+        let entries = cfg.entry_addrs();
         let budget = cfg.retry_budget.as_millis() as u64;
         *self.inner.routing.lock() = Routing::cluster(entries, m, budget);
         true

@@ -116,7 +116,7 @@ impl Pool {
             &d.key,
             d.client_id,
             d.timeout,
-            d.tls.as_ref(),
+            d.tls.as_ref().map(|t| (t, &**addr)),
             events,
             d.leases,
         );

@@ -8,6 +8,12 @@ use serde::{Deserialize, Serialize};
 /// Longest note a key may carry: a label ("build farm", a host name), not a document.
 pub const KEY_NOTE_MAX: usize = 256;
 
+/// Most handles one [`Op::CloseMany`] may name: it runs under the server's core lock, where
+/// it counts as this many requests against the per-batch bound (64 requests per hold of the
+/// lock, `conn::BATCH_REQUESTS_MAX` in kochab-server), so one request never holds the lock
+/// longer than a batch of single closes would. A mount gathers far fewer in its 1 ms.
+pub const CLOSE_MANY_HANDLES_MAX: usize = 64;
+
 /// Version of the message set below. A server refuses a client with another version.
 /// 2: mutual authentication with key ids (client and server nonces, a server proof in the
 /// welcome), server-derived session ids, key administration operations.
@@ -420,7 +426,8 @@ pub enum Op {
     /// gathers the closes that have nothing to report (no locks, no writes held back).
     /// All are closed, or none: if a file's table is not served here (WrongServer) or a
     /// handle is unknown here (EBADF: opened elsewhere, or the server restarted), the client
-    /// closes each by itself, routed by its file.
+    /// closes each by itself, routed by its file. At most [`CLOSE_MANY_HANDLES_MAX`]
+    /// handles, each once (EINVAL otherwise, before any is looked at).
     CloseMany {
         handles: Vec<u64>,
     },

@@ -409,8 +409,8 @@ impl Drop for Attached<'_> {
             if conns.is_empty() {
                 // The client drops everything it cached when it loses its last connection.
                 core.lease_conns.remove(&session);
-                core.leases.forget_session(session);
-                core.callbacks.expire(Instant::now(), Some(session));
+                let core = &mut *core;
+                core.callbacks.holder_gone(session, &mut core.leases);
             }
         }
         if !core.sessions.connected(session) {
@@ -600,9 +600,19 @@ fn take_one(f: Frame, reqs: &mut Vec<(u64, Request)>, dones: &mut Vec<u64>) -> R
     Ok(())
 }
 
+/// What a request counts for against [`BATCH_REQUESTS_MAX`]: a `CloseMany` is that many
+/// closes.
+fn batch_items(req: &Request) -> usize {
+    match &req.op {
+        Op::CloseMany { handles } => handles.len().max(1),
+        _ => 1,
+    }
+}
+
 /// Decodes every complete frame already read (no new read). An invalid one ends the
-/// connection. Stops once `reqs` holds [`BATCH_REQUESTS_MAX`] requests; returns true if it
-/// did (more may follow in the buffer without another read).
+/// connection. Stops once `reqs` holds [`BATCH_REQUESTS_MAX`] requests' worth (see
+/// [`batch_items`]); returns true if it did (more may follow in the buffer without another
+/// read).
 fn take_requests(
     frames: &mut Frames,
     reqs: &mut Vec<(u64, Request)>,
@@ -611,14 +621,22 @@ fn take_requests(
     // The codec is a pair of limits: a copy decodes the `FramedRead`'s buffer in place.
     let mut codec = *frames.decoder();
     let buf = frames.read_buffer_mut();
+    let mut items: usize = reqs.iter().map(|(_, r)| batch_items(r)).sum();
     loop {
-        if reqs.len() >= BATCH_REQUESTS_MAX {
+        if items >= BATCH_REQUESTS_MAX {
             return Ok(true);
         }
         match codec.decode(buf) {
             Ok(None) => return Ok(false),
             Err(e) => return Err(e.to_string()),
-            Ok(Some(f)) => take_one(f, reqs, dones)?,
+            Ok(Some(f)) => {
+                let before = reqs.len();
+                take_one(f, reqs, dones)?;
+                items += reqs[before..]
+                    .iter()
+                    .map(|(_, r)| batch_items(r))
+                    .sum::<usize>();
+            }
         }
     }
 }
@@ -666,9 +684,30 @@ async fn read_loop(
         };
         let more = matches!(parsed, Ok(true));
         if !dones.is_empty() {
-            let mut core = shared.core.lock();
-            for id in dones.drain(..) {
-                core.callbacks.done(id);
+            let (slow, ignored) =
+                shared
+                    .core
+                    .lock()
+                    .callbacks_answered(session, &dones, Instant::now());
+            dones.clear();
+            if slow {
+                shared.metrics.callback_defaults.inc();
+                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                    tracing::warn!(
+                        "{peer} (session {session:016x}, key {}) answered a callback later \
+                         than {:?}: it gets no leases for a while",
+                        key.id,
+                        crate::leases::CALLBACK_SLOW
+                    );
+                }
+            }
+            // Answers to callbacks that ended (a lease that ran out first) are common;
+            // answers to other sessions' callbacks are not.
+            if ignored > 0 {
+                tracing::debug!(
+                    "{peer} (key {}) answered {ignored} callbacks not sent to it or ended",
+                    key.id
+                );
             }
         }
         if screened || reqs.iter().any(|(_, r)| r.op.is_key_admin()) {
@@ -1068,6 +1107,35 @@ mod tests {
         );
         assert_eq!(reqs.len(), 6);
         assert_eq!(frames.read_buffer().len(), half.len() / 2);
+    }
+
+    #[test]
+    fn a_close_many_counts_as_its_handles_against_the_batch() {
+        let mut bytes = request_frames(10);
+        let close_many = |n: u64| Request {
+            op: Op::CloseMany {
+                handles: (0..n).collect(),
+            },
+            ..Request::plain(&Credentials::root(), Op::StatFs)
+        };
+        encode_frame(&mut bytes, FrameKind::Request, 10, &close_many(60)).unwrap();
+        bytes.extend_from_slice(&request_frames(1));
+        let mut frames = frames_holding(&bytes);
+        let mut reqs = Vec::new();
+        // 10 requests and 60 closes: the batch is full after the CloseMany.
+        assert_eq!(
+            take_requests(&mut frames, &mut reqs, &mut Vec::new()),
+            Ok(true)
+        );
+        assert_eq!(reqs.len(), 11);
+        // A CloseMany already in the batch (read by the read itself) counts too.
+        reqs.clear();
+        reqs.push((11, close_many(CLOSE_MANY_HANDLES_MAX as u64)));
+        assert_eq!(
+            take_requests(&mut frames, &mut reqs, &mut Vec::new()),
+            Ok(true)
+        );
+        assert_eq!(reqs.len(), 1, "the GetAttr waits for the next batch");
     }
 
     #[test]

@@ -7,7 +7,7 @@
 
 use crate::cluster_host::Refusal;
 use crate::data::DataStore;
-use crate::leases::{Callbacks, Flushes, LeaseKey, Leases};
+use crate::leases::{Answered, Callbacks, Expired, Flushes, LeaseKey, Leases, Leasing, Urgency};
 use crate::locks::LockTable;
 use crate::metrics::Metrics;
 use crate::replycache::{Outcome, ReplyCache};
@@ -226,7 +226,7 @@ impl Core {
             return;
         }
         for (holder, list, until) in self.leases.changed(changer, muts, Instant::now()) {
-            self.call_back(changer, holder, &list, until);
+            self.call_back(changer, holder, &list, until, Urgency::Drop);
         }
     }
 
@@ -246,20 +246,25 @@ impl Core {
         }
         if !ended.is_empty() {
             let until = Instant::now() + crate::leases::LEASE;
-            self.call_back(0, changer, &ended, until);
+            self.call_back(0, changer, &ended, until, Urgency::Work);
         }
     }
 
     /// Sends one callback to `holder` on one of its connections, to be waited for by
-    /// `changer`'s replies until `until` (the holder's lease ends then anyway).
+    /// `changer`'s replies until `until` (the holder's lease ends then anyway). Returns
+    /// its id, which is not pending if it could not be sent (the holder's connections are
+    /// gone, and its leases with them); `None` if the holder is in default (nothing is
+    /// sent to it).
     pub fn call_back(
         &mut self,
         changer: u64,
         holder: u64,
         list: &[Invalidation],
         until: Instant,
-    ) -> u64 {
-        let id = self.callbacks.issue(changer, holder, until);
+        urgency: Urgency,
+    ) -> Option<u64> {
+        let now = Instant::now();
+        let id = self.callbacks.issue(changer, holder, until, urgency, now)?;
         let mut frame = Vec::new();
         let sent = encode_frame(&mut frame, FrameKind::Callback, id, &list).is_ok()
             && self
@@ -267,10 +272,29 @@ impl Core {
                 .get(&holder)
                 .is_some_and(|conns| conns.iter().any(|(_, tx)| tx.send(frame.clone()).is_ok()));
         if !sent {
-            // Nobody to tell: the holder's connections are gone, and its leases with them.
-            self.callbacks.done(id);
+            self.callbacks.cancel(id);
         }
-        id
+        Some(id)
+    }
+
+    /// Session `from` answered the callbacks `ids`. Returns whether it went into default
+    /// for a slow answer (see `leases::CALLBACK_SLOW`), and how many answers were ignored
+    /// (not callbacks sent to `from`, or ones that had ended).
+    pub fn callbacks_answered(&mut self, from: u64, ids: &[u64], now: Instant) -> (bool, usize) {
+        let (mut slow, mut ignored) = (false, 0);
+        for &id in ids {
+            match self.callbacks.done(from, id, now, &mut self.leases) {
+                Answered::Done => {}
+                Answered::Ignored => ignored += 1,
+                Answered::Slow => slow = true,
+            }
+        }
+        (slow, ignored)
+    }
+
+    /// Ends the callbacks whose deadline passed (their holders go into default).
+    pub fn expire_callbacks(&mut self, now: Instant) -> Expired {
+        self.callbacks.expire(now, &mut self.leases)
     }
 
     /// The flush callbacks `reader` must wait for before it may see `ids` (see
@@ -300,11 +324,14 @@ impl Core {
                 })
                 .collect();
             // Waited for by the reader's request alone, not by its other replies (changer
-            // 0 is no session): a writer that never answers holds it up for a lease.
-            let cb = self.call_back(0, w, &list, now + crate::leases::LEASE);
-            self.flushes.called(w, &ids, cb, now);
-            if self.callbacks.is_pending(cb) {
-                wait.push(cb);
+            // 0 is no session): a writer that never answers holds it up for a lease once,
+            // and is then in default (asked for nothing, waited for by nobody).
+            let until = now + crate::leases::LEASE;
+            if let Some(cb) = self.call_back(0, w, &list, until, Urgency::Work) {
+                self.flushes.called(w, &ids, cb, now);
+                if self.callbacks.is_pending(cb) {
+                    wait.push(cb);
+                }
             }
         }
         wait
@@ -314,6 +341,20 @@ impl Core {
     /// session asked for leases). Made under the lock that ran the operation, so a change
     /// after it calls the session back.
     pub fn grant_leases(&mut self, session: u64, op: &Op, reply: &Reply, now: Instant) {
+        match self.callbacks.leasing(session, now) {
+            Leasing::Yes => {}
+            // In default: nothing granted (the holder's cache is its own affair until it
+            // answered and its penalty is over).
+            Leasing::No => return,
+            Leasing::Resume => {
+                // It cached what replies showed it meanwhile, unleased, and missed
+                // callbacks: it drops everything (and writes through, as after a lost
+                // connection) before any reply that grants again. Answering it is owed
+                // as any callback is.
+                let all = [Invalidation::Everything];
+                self.call_back(0, session, &all, now + crate::leases::LEASE, Urgency::Work);
+            }
+        }
         let failed = matches!(reply, Reply::Error(_) | Reply::WrongServer { .. });
         let names = |l: &mut Leases, dir: InodeId| l.grant(session, LeaseKey::Names(dir), now);
         match op {

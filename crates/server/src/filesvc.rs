@@ -10,6 +10,7 @@
 use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
 use crate::data::chunk_batches;
 use crate::filelocks::FileGuard;
+use crate::leases::Urgency;
 use crate::session::{OpenFile, Registered};
 use kochab_meta::files::{open_flags, reads, writes};
 use kochab_meta::{Mutation, Reclaim};
@@ -80,6 +81,9 @@ impl Shared {
                 Reply::Empty
             }
             Op::CloseMany { handles } => {
+                if let Err(e) = check_close_many(handles) {
+                    return Reply::Error(e);
+                }
                 // Admitted as a whole (every file's table is served here). A handle this
                 // server does not know may be known where its file's table went: then
                 // nothing is closed, and the client closes each, routed by its file.
@@ -338,6 +342,30 @@ fn too_many_handles(limit: usize) -> FsError {
     )
 }
 
+/// Refuses a `CloseMany` that would cost more under the core lock than the batch it counts
+/// as (see `CLOSE_MANY_HANDLES_MAX`): too many handles, or one named twice (the client
+/// gathers each close once; copies of a known handle before an unknown one were looked up
+/// for nothing).
+pub fn check_close_many(handles: &[u64]) -> Result<(), FsError> {
+    if handles.len() > CLOSE_MANY_HANDLES_MAX {
+        return Err(fs_err!(
+            EINVAL,
+            "{} handles in one CloseMany; at most {CLOSE_MANY_HANDLES_MAX}",
+            handles.len()
+        ));
+    }
+    let mut sorted = handles.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(fs_err!(
+            EINVAL,
+            "handle {} named twice in one CloseMany",
+            w[0]
+        ));
+    }
+    Ok(())
+}
+
 /// Registers a handle, counting the open once; EMFILE past the client's handle limit.
 fn register(
     core: &mut Core,
@@ -362,7 +390,7 @@ fn register(
                     .leases
                     .opened_for_writing(client, attr.id, Instant::now());
                 for (holder, list, until) in revoked {
-                    core.call_back(client, holder, &list, until);
+                    core.call_back(client, holder, &list, until, Urgency::Drop);
                 }
             }
             if core.arrived.get(&(client, handle)) == Some(&attr.id) {

@@ -5,8 +5,11 @@
 //! names of every directory a lookup, listing or namespace change of it read. Before
 //! another session's change to a leased key is acknowledged, each holder is told to drop
 //! what it caches of it (a callback) and the change's reply waits until the holder answered
-//! or its lease ran out. Everything here is pure state: the server sends the callbacks and
-//! makes the replies wait ([`Callbacks`] keeps the books), so tests drive it step by step.
+//! or its lease ran out. A holder that does not answer in time is in default: it loses its
+//! leases and gets none for a while (see [`Callbacks`]), so that holding a lease (which
+//! takes no more than search permission on a directory) cannot stall other clients.
+//! Everything here is pure state: the server sends the callbacks and makes the replies
+//! wait ([`Callbacks`] keeps the books), so tests drive it step by step.
 
 use kochab_meta::Mutation;
 use kochab_proto::{InodeId, Invalidation};
@@ -86,7 +89,9 @@ impl Leases {
     /// What every holder other than `changer` must drop before `muts` become visible, with
     /// the latest expiry among the leases called back (the longest the change must wait).
     /// An inode's lease ends with its callback (the holder drops all it caches of the
-    /// inode); a directory's names lease stays (the holder still caches its other names).
+    /// inode); a directory's names lease stays (the holder still caches its other names),
+    /// but only as long as the holder answers: one that misses the callback's deadline
+    /// loses it, renewed or not, with all its others ([`Callbacks::expire`]).
     pub fn changed(
         &mut self,
         changer: u64,
@@ -390,14 +395,151 @@ impl Board {
     }
 }
 
+/// How long a holder may take over a callback that only drops what it caches before the
+/// answer counts against it as a missed one. The mount answers such callbacks within
+/// 200 ms even when the kernel holds an invalidation up (`CALLBACK_ANSWER_MAX` in
+/// kochab-client); five times that leaves room for a loaded machine. Without this bound a
+/// holder that answers each callback just before its deadline would hold every change it
+/// is called back for up to a lease. Measured from when the callback was sent or the
+/// holder answered one sent before it, whichever is later, so callbacks queued behind one
+/// another at a busy holder are not counted twice (see `Standing::began`).
+pub const CALLBACK_SLOW: Duration = Duration::from_secs(1);
+
+/// How long a holder that went into default gets no leases at least, the first time.
+/// Each default doubles it: a holder that answers late again and again (or answers the
+/// callback it missed only to miss the next) costs others one deadline per default, and
+/// defaults grow further apart, so its share of others' time falls (a lease in 65 at the
+/// cap below).
+const PENALTY_FIRST: Duration = LEASE;
+
+/// The longest penalty: 64 leases (5 min 20 s).
+const PENALTY_MAX: Duration = Duration::from_secs(LEASE.as_secs() * 64);
+
+/// Defaults are forgotten after this long without another (twice the longest penalty):
+/// a mount that was stopped once a day starts over at the shortest penalty.
+const DEFAULTS_KEPT: Duration = Duration::from_secs(PENALTY_MAX.as_secs() * 2);
+
+/// Missed callbacks remembered per holder in default; answering any of them counts. A
+/// holder answers in order, so the first ones are kept; the bound caps what a holder
+/// that ignores many callbacks at once can make the server keep.
+const MISSED_KEPT: usize = 16;
+
+/// How quickly a holder must answer a callback.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Urgency {
+    /// It drops what it caches of a changed name or inode: within [`CALLBACK_SLOW`],
+    /// else it is in default (as if it had missed the deadline).
+    Drop,
+    /// It sends writes it held back, or drops everything it caches of a table or of all
+    /// tables: that may take as long as what it holds needs, up to the deadline.
+    Work,
+}
+
 struct Pending {
     changer: u64,
     ticket: u64,
     holder: u64,
+    sent: Instant,
     deadline: Instant,
+    urgency: Urgency,
 }
 
-/// Callbacks in flight: who caused each, whom it went to, and until when it is waited for.
+/// What the servers know of a holder's answers: when it last answered, and whether it is
+/// in default (NFSv4 revokes the delegations of a client that does not return them).
+#[derive(Default)]
+struct Standing {
+    /// When its last answer came, and to which callback (for [`CALLBACK_SLOW`]).
+    answered: Option<(Instant, u64)>,
+    /// Defaults so far (forgotten after [`DEFAULTS_KEPT`] without one).
+    defaults: u32,
+    /// When it last went into default.
+    last_default: Option<Instant>,
+    /// In default: no leases, no callbacks, nobody waits for it.
+    in_default: bool,
+    /// In default: the callbacks it missed. It leaves default once it has answered one of
+    /// them (or its connections all ended: it then dropped everything it cached) and its
+    /// penalty is over. Empty: answered.
+    missed: Vec<u64>,
+    /// In default: no lease before this.
+    penalty_until: Option<Instant>,
+}
+
+impl Standing {
+    /// When the holder could start on callback `id`, sent at `sent`: when it was sent, or
+    /// when the holder answered the one before it (a holder works through its callbacks
+    /// in order). An answer to a later one does not count: a holder that answers new
+    /// callbacks and leaves an old one is not working through them.
+    fn began(&self, id: u64, sent: Instant) -> Instant {
+        match self.answered {
+            Some((at, last)) if last < id => at.max(sent),
+            _ => sent,
+        }
+    }
+
+    /// Goes into default at `now`, having missed `missed` (empty: a slow answer, given).
+    fn default_at(&mut self, now: Instant, missed: Vec<u64>) {
+        let forgotten = self
+            .last_default
+            .is_some_and(|t| now.saturating_duration_since(t) > DEFAULTS_KEPT);
+        self.defaults = if forgotten { 1 } else { self.defaults + 1 };
+        self.last_default = Some(now);
+        self.in_default = true;
+        self.missed = missed;
+        self.missed.truncate(MISSED_KEPT);
+        self.penalty_until = Some(now + penalty(self.defaults));
+    }
+
+    /// Nothing worth keeping: no default, none to remember, no answer to time against.
+    fn is_idle(&self, now: Instant) -> bool {
+        !self.in_default
+            && self.answered.is_none()
+            && self
+                .last_default
+                .is_none_or(|t| now.saturating_duration_since(t) > DEFAULTS_KEPT)
+    }
+}
+
+/// The shortest time in default after `defaults` of them (the last one included).
+fn penalty(defaults: u32) -> Duration {
+    let doublings = defaults.saturating_sub(1).min(16);
+    PENALTY_FIRST
+        .saturating_mul(1 << doublings)
+        .min(PENALTY_MAX)
+}
+
+/// Whether a holder may be granted leases now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Leasing {
+    Yes,
+    /// It is in default.
+    No,
+    /// It leaves default now: first tell it to drop everything it cached (it cached
+    /// replies that granted nothing, and missed callbacks), then grant as usual.
+    Resume,
+}
+
+/// How the callbacks whose deadline passed ended.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Expired {
+    /// Callbacks that ran out unanswered.
+    pub missed: usize,
+    /// Holders that went into default for it (their leases are gone).
+    pub defaulted: Vec<u64>,
+}
+
+/// What became of an answer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Answered {
+    /// It ended a callback in flight, or was the answer a holder in default owed.
+    Done,
+    /// Not a callback sent to this session (or one that ended already): ignored.
+    Ignored,
+    /// It came later than [`CALLBACK_SLOW`]: the holder is in default now.
+    Slow,
+}
+
+/// Callbacks in flight: who caused each, whom it went to, and until when it is waited for;
+/// and the standing of the holders (see [`Standing`]).
 #[derive(Default)]
 pub struct Callbacks {
     next_id: u64,
@@ -406,6 +548,9 @@ pub struct Callbacks {
     changers: FxHashMap<u64, (Arc<Board>, BTreeSet<u64>)>,
     /// Bumped whenever a callback ends (for whoever waits for particular ones).
     ended: tokio::sync::watch::Sender<u64>,
+    standings: FxHashMap<u64, Standing>,
+    /// Holders in default (the common test before any lookup in `standings`).
+    in_default: usize,
 }
 
 impl Callbacks {
@@ -418,9 +563,20 @@ impl Callbacks {
             .clone()
     }
 
-    /// Records a callback caused by `changer` to `holder`, waited for until `deadline`;
-    /// returns its id (the request id of its `Callback` frame).
-    pub fn issue(&mut self, changer: u64, holder: u64, deadline: Instant) -> u64 {
+    /// Records a callback caused by `changer` to `holder`, sent at `now` and waited for
+    /// until `deadline`; returns its id (the request id of its `Callback` frame), or
+    /// `None` if `holder` is in default (nothing is sent to it, nobody waits for it).
+    pub fn issue(
+        &mut self,
+        changer: u64,
+        holder: u64,
+        deadline: Instant,
+        urgency: Urgency,
+        now: Instant,
+    ) -> Option<u64> {
+        if self.is_in_default(holder) {
+            return None;
+        }
         self.next_id += 1;
         let id = self.next_id;
         let (board, outstanding) = self
@@ -435,10 +591,12 @@ impl Callbacks {
                 changer,
                 ticket,
                 holder,
+                sent: now,
                 deadline,
+                urgency,
             },
         );
-        id
+        Some(id)
     }
 
     /// True while callback `id` is neither answered nor run out.
@@ -451,27 +609,169 @@ impl Callbacks {
         self.ended.subscribe()
     }
 
-    /// The holder answered callback `id` (an unknown id is ignored: it ran out already).
-    pub fn done(&mut self, id: u64) {
+    /// True if `holder` is in default.
+    pub fn is_in_default(&self, holder: u64) -> bool {
+        self.in_default > 0 && self.standings.get(&holder).is_some_and(|s| s.in_default)
+    }
+
+    /// Session `from` answered callback `id` at `now`. Only the session the callback went
+    /// to may answer it (ids are a counter: any client could name any). A slow answer puts
+    /// the holder in default, and its leases go (from `leases`).
+    pub fn done(&mut self, from: u64, id: u64, now: Instant, leases: &mut Leases) -> Answered {
+        let ours = self.pending.get(&id).is_some_and(|p| p.holder == from);
+        let Some(p) = ours.then(|| self.pending.remove(&id)).flatten() else {
+            // The answer a holder in default owed?
+            if let Some(st) = self.standings.get_mut(&from)
+                && st.in_default
+                && st.missed.contains(&id)
+            {
+                st.missed.clear();
+                return Answered::Done;
+            }
+            return Answered::Ignored;
+        };
+        self.finish(p.changer, p.ticket);
+        let st = self.standings.entry(from).or_default();
+        let began = st.began(id, p.sent);
+        if st.answered.is_none_or(|(_, last)| last < id) {
+            st.answered = Some((now, id));
+        }
+        if p.urgency == Urgency::Drop && now.saturating_duration_since(began) > CALLBACK_SLOW {
+            self.go_into_default(from, now, Vec::new(), leases);
+            return Answered::Slow;
+        }
+        Answered::Done
+    }
+
+    /// Ends callback `id` unanswered and with no effect on its holder (it could not be
+    /// sent: the holder's connections are gone, and its leases with them; or the lease it
+    /// called back ran out before the holder could be expected to answer).
+    pub fn cancel(&mut self, id: u64) {
         if let Some(p) = self.pending.remove(&id) {
             self.finish(p.changer, p.ticket);
         }
     }
 
-    /// Ends the callbacks whose holder is `holder` (its leases are gone with it) or whose
-    /// deadline passed; returns how many ended.
-    pub fn expire(&mut self, now: Instant, holder: Option<u64>) -> usize {
+    /// Ends the callbacks whose deadline passed. A holder that had [`CALLBACK_SLOW`] to
+    /// answer one (counted as for a slow answer) missed it: it goes into default and loses
+    /// its leases (from `leases`). One whose lease simply ran out sooner (the deadline is
+    /// never past the lease) is not at fault: its cache ran out with the lease.
+    pub fn expire(&mut self, now: Instant, leases: &mut Leases) -> Expired {
+        let ran_out: Vec<(u64, u64, bool)> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.deadline <= now)
+            .map(|(&id, p)| {
+                let began = self
+                    .standings
+                    .get(&p.holder)
+                    .map_or(p.sent, |s| s.began(id, p.sent));
+                let had_time = now.saturating_duration_since(began) >= CALLBACK_SLOW;
+                (p.holder, id, had_time)
+            })
+            .collect();
+        let mut missed = Vec::new();
+        for (holder, id, had_time) in ran_out {
+            if had_time {
+                missed.push((holder, id));
+            } else {
+                self.cancel(id);
+            }
+        }
+        let mut out = Expired {
+            missed: missed.len(),
+            defaulted: Vec::new(),
+        };
+        if !missed.is_empty() {
+            missed.sort_unstable();
+            for chunk in missed.chunk_by(|a, b| a.0 == b.0) {
+                let holder = chunk[0].0;
+                let ids = chunk.iter().map(|&(_, id)| id).collect();
+                self.go_into_default(holder, now, ids, leases);
+                out.defaulted.push(holder);
+            }
+        }
+        let mut resumed = 0;
+        self.standings.retain(|_, st| {
+            // In default, answered, penalty over a lease ago, and no request since (that
+            // would have resumed it): whatever it cached without a lease has run out, so
+            // there is nothing to tell it.
+            let over = st.in_default
+                && st.missed.is_empty()
+                && st
+                    .penalty_until
+                    .is_some_and(|t| now.saturating_duration_since(t) > LEASE);
+            if over {
+                st.in_default = false;
+                resumed += 1;
+            }
+            !st.is_idle(now)
+        });
+        self.in_default -= resumed;
+        out
+    }
+
+    /// `holder` goes into default: every callback to it ends (nobody waits for it any
+    /// more), and so do its leases.
+    fn go_into_default(
+        &mut self,
+        holder: u64,
+        now: Instant,
+        missed: Vec<u64>,
+        leases: &mut Leases,
+    ) {
+        self.end_holder(holder);
+        leases.forget_session(holder);
+        let st = self.standings.entry(holder).or_default();
+        if !st.in_default {
+            self.in_default += 1;
+        }
+        st.default_at(now, missed);
+    }
+
+    /// Whether `holder` may be granted leases at `now`.
+    pub fn leasing(&mut self, holder: u64, now: Instant) -> Leasing {
+        if self.in_default == 0 {
+            return Leasing::Yes;
+        }
+        let Some(st) = self.standings.get_mut(&holder) else {
+            return Leasing::Yes;
+        };
+        if !st.in_default {
+            return Leasing::Yes;
+        }
+        if !st.missed.is_empty() || st.penalty_until.is_some_and(|t| now < t) {
+            return Leasing::No;
+        }
+        st.in_default = false;
+        self.in_default -= 1;
+        Leasing::Resume
+    }
+
+    /// The last connection of `holder` ended: the client dropped everything it cached
+    /// (which answers what it missed), and its leases and callbacks end. A default's
+    /// penalty stays: a reconnect does not end it.
+    pub fn holder_gone(&mut self, holder: u64, leases: &mut Leases) {
+        leases.forget_session(holder);
+        self.end_holder(holder);
+        if let Some(st) = self.standings.get_mut(&holder) {
+            st.missed.clear();
+            st.answered = None;
+        }
+    }
+
+    /// Ends every callback to `holder`.
+    fn end_holder(&mut self, holder: u64) {
         let ended: Vec<(u64, u64, u64)> = self
             .pending
             .iter()
-            .filter(|(_, p)| p.deadline <= now || Some(p.holder) == holder)
+            .filter(|(_, p)| p.holder == holder)
             .map(|(&id, p)| (id, p.changer, p.ticket))
             .collect();
-        for &(id, changer, ticket) in &ended {
+        for (id, changer, ticket) in ended {
             self.pending.remove(&id);
             self.finish(changer, ticket);
         }
-        ended.len()
     }
 
     /// The earliest deadline of a callback in flight.
@@ -650,23 +950,202 @@ mod tests {
     #[test]
     fn replies_wait_for_every_callback_issued_before_them() {
         let mut c = Callbacks::default();
+        let mut l = Leases::default();
         let t = Instant::now();
         let board = c.board(1);
         let done = board.subscribe();
-        let a = c.issue(1, 2, t + LEASE);
-        let b = c.issue(1, 3, t + LEASE);
+        let issue = |c: &mut Callbacks, holder, deadline| {
+            c.issue(1, holder, deadline, Urgency::Drop, t).unwrap()
+        };
+        let a = issue(&mut c, 2, t + LEASE);
+        let b = issue(&mut c, 3, t + LEASE);
         assert_eq!(board.ticket(), 2);
-        c.done(b);
+        assert_eq!(c.done(3, b, t, &mut l), Answered::Done);
         assert_eq!(*done.borrow(), 0, "ticket 1 is still out");
-        c.done(a);
+        assert_eq!(c.done(2, a, t, &mut l), Answered::Done);
         assert_eq!(*done.borrow(), 2);
         // A holder that goes away, and a deadline that passes, end callbacks too.
-        let _ = c.issue(1, 2, t + LEASE);
-        let _ = c.issue(1, 3, t + Duration::from_secs(1));
-        assert_eq!(c.expire(t, Some(2)), 1);
+        let _ = issue(&mut c, 2, t + LEASE);
+        let _ = issue(&mut c, 3, t + Duration::from_secs(1));
+        c.holder_gone(2, &mut l);
         assert_eq!(*done.borrow(), 3);
         assert_eq!(c.next_deadline(), Some(t + Duration::from_secs(1)));
-        assert_eq!(c.expire(t + Duration::from_secs(1), None), 1);
+        let expired = c.expire(t + Duration::from_secs(1), &mut l);
+        assert_eq!((expired.missed, expired.defaulted), (1, vec![3]));
         assert_eq!(*done.borrow(), 4);
+        // A lease about to run out when it is called back: the callback ends with it,
+        // before the holder could answer, and that is no fault of the holder.
+        let e = issue(&mut c, 5, t + Duration::from_millis(10));
+        let expired = c.expire(t + Duration::from_millis(10), &mut l);
+        assert_eq!((expired.missed, expired.defaulted), (0, vec![]));
+        assert!(!c.is_pending(e));
+        assert_eq!(c.leasing(5, t), Leasing::Yes);
+        // One that could not be sent ends at once, and costs its holder nothing.
+        let d = issue(&mut c, 4, t + LEASE);
+        c.cancel(d);
+        assert_eq!(*done.borrow(), 6);
+        assert_eq!(c.leasing(4, t), Leasing::Yes);
+    }
+
+    #[test]
+    fn a_callback_is_answered_only_by_the_session_it_went_to() {
+        let mut c = Callbacks::default();
+        let mut l = Leases::default();
+        let t = Instant::now();
+        let done = c.board(1).subscribe();
+        let id = c.issue(1, 2, t + LEASE, Urgency::Drop, t).unwrap();
+        // Callback ids are a counter: another session can name this one, to no effect.
+        assert_eq!(c.done(3, id, t, &mut l), Answered::Ignored);
+        assert!(c.is_pending(id));
+        assert_eq!(*done.borrow(), 0);
+        assert_eq!(c.done(2, id, t, &mut l), Answered::Done);
+        assert_eq!(*done.borrow(), 1);
+        assert_eq!(c.done(2, id, t, &mut l), Answered::Ignored, "answered once");
+    }
+
+    #[test]
+    fn a_holder_that_misses_a_deadline_loses_its_leases_until_it_answers() {
+        let (mut l, mut c) = (Leases::default(), Callbacks::default());
+        let t = Instant::now();
+        let ms = Duration::from_millis;
+        let board = c.board(1);
+        l.grant(2, LeaseKey::Names(10), t);
+        l.grant(2, LeaseKey::Inode(20), t);
+        l.grant(3, LeaseKey::Names(10), t);
+        // Session 1 creates a name in directory 10: both holders are called back.
+        let mut called = Vec::new();
+        for (holder, _, until) in l.changed(1, &[dentry(10, "a")], t) {
+            called.push((holder, c.issue(1, holder, until, Urgency::Drop, t).unwrap()));
+        }
+        called.sort_unstable();
+        let [(2, missed), (3, answered)] = called[..] else {
+            panic!("{called:?}");
+        };
+        assert_eq!(c.done(3, answered, t + ms(5), &mut l), Answered::Done);
+        // Holder 2 keeps renewing its names lease and never answers: the renewals do not
+        // keep the lease past the callback's deadline.
+        for i in 1..10 {
+            assert_eq!(c.leasing(2, t + ms(400 * i)), Leasing::Yes);
+            l.grant(2, LeaseKey::Names(10), t + ms(400 * i));
+        }
+        assert!(c.expire(t + LEASE - ms(1), &mut l).defaulted.is_empty());
+        let expired = c.expire(t + LEASE, &mut l);
+        assert_eq!((expired.missed, expired.defaulted), (1, vec![2]));
+        assert_eq!(board.ticket(), 2);
+        assert_eq!(
+            *board.subscribe().borrow(),
+            2,
+            "nothing is waited for any more"
+        );
+        // Every lease of holder 2 is gone; holder 3's (renewed) stays.
+        let later = t + LEASE + ms(10);
+        l.grant(3, LeaseKey::Names(10), t + LEASE);
+        let out = l.changed(1, &[dentry(10, "b"), Mutation::DropInode { id: 20 }], later);
+        assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), vec![3]);
+        // No new leases, no callbacks; the creates that follow wait for nobody.
+        assert_eq!(c.leasing(2, later), Leasing::No);
+        assert!(c.is_in_default(2));
+        assert_eq!(c.issue(1, 2, later + LEASE, Urgency::Work, later), None);
+        // Answering something else does not count; the missed callback does, from
+        // session 2 only. The penalty (a lease from the default) still runs.
+        assert_eq!(c.done(3, missed, later, &mut l), Answered::Ignored);
+        assert_eq!(c.done(2, missed + 100, later, &mut l), Answered::Ignored);
+        assert_eq!(c.leasing(2, t + LEASE * 3), Leasing::No, "not answered");
+        assert_eq!(c.done(2, missed, later, &mut l), Answered::Done);
+        assert_eq!(c.leasing(2, t + LEASE * 2 - ms(1)), Leasing::No, "penalty");
+        // Then it resumes once: told to drop everything, and granted again.
+        assert_eq!(c.leasing(2, t + LEASE * 2), Leasing::Resume);
+        assert_eq!(c.leasing(2, t + LEASE * 2), Leasing::Yes);
+        assert!(!c.is_in_default(2));
+    }
+
+    #[test]
+    fn a_slow_answer_to_a_drop_is_a_default_but_a_queue_is_not_slow() {
+        let (mut l, mut c) = (Leases::default(), Callbacks::default());
+        let t = Instant::now();
+        let ms = Duration::from_millis;
+        // Ten callbacks sent at once, each answered 200 ms after the one before: the
+        // last comes 2 s after it was sent, but the holder took 200 ms over each.
+        let ids: Vec<u64> = (0..10)
+            .map(|_| c.issue(1, 2, t + LEASE, Urgency::Drop, t).unwrap())
+            .collect();
+        for (i, &id) in ids.iter().enumerate() {
+            let at = t + ms(200 * (i as u64 + 1));
+            assert_eq!(c.done(2, id, at, &mut l), Answered::Done);
+        }
+        // A holder that answers new callbacks and leaves an old one: the old one's clock
+        // is not reset by those answers, and it misses its deadline.
+        let old = c
+            .issue(1, 2, t + ms(2000) + LEASE, Urgency::Drop, t + ms(2000))
+            .unwrap();
+        for i in 1..=5 {
+            let at = t + ms(2000 + 900 * i);
+            let new = c.issue(1, 2, at + LEASE, Urgency::Drop, at).unwrap();
+            assert_eq!(c.done(2, new, at + ms(1), &mut l), Answered::Done);
+        }
+        let expired = c.expire(t + ms(2000) + LEASE, &mut l);
+        assert_eq!((expired.missed, expired.defaulted), (1, vec![2]));
+        assert!(!c.is_pending(old));
+        let mut c = Callbacks::default();
+        // Flushes and table drops may take as long as they need.
+        let t = t + ms(2000);
+        let flush = c.issue(1, 2, t + LEASE, Urgency::Work, t).unwrap();
+        assert_eq!(c.done(2, flush, t + ms(4000), &mut l), Answered::Done);
+        // A drop answered more than CALLBACK_SLOW after it was sent: in default, with
+        // its leases gone, although it answered (its penalty runs).
+        let t = t + ms(4000);
+        l.grant(2, LeaseKey::Inode(7), t);
+        let other = c.issue(1, 2, t + LEASE, Urgency::Drop, t).unwrap();
+        let slow = c.issue(1, 2, t + LEASE, Urgency::Drop, t).unwrap();
+        let at = t + CALLBACK_SLOW + ms(1);
+        assert_eq!(c.done(2, slow, at, &mut l), Answered::Slow);
+        assert!(!c.is_pending(other), "its other callbacks end");
+        assert_eq!(l.keys(), 0);
+        assert_eq!(c.leasing(2, at + LEASE - ms(1)), Leasing::No);
+        assert_eq!(c.leasing(2, at + LEASE), Leasing::Resume);
+    }
+
+    /// Issues a callback from 1 to `holder` at `t` and lets it run out unanswered; the
+    /// holder goes into default at the returned instant.
+    fn miss(c: &mut Callbacks, l: &mut Leases, holder: u64, t: Instant) -> (u64, Instant) {
+        let id = c.issue(1, holder, t + LEASE, Urgency::Drop, t).unwrap();
+        assert_eq!(c.expire(t + LEASE, l).defaulted, vec![holder]);
+        (id, t + LEASE)
+    }
+
+    #[test]
+    fn each_default_doubles_the_penalty_up_to_a_cap_and_defaults_are_forgotten() {
+        let (mut l, mut c) = (Leases::default(), Callbacks::default());
+        let mut t = Instant::now();
+        let mut penalties = Vec::new();
+        for _ in 0..9 {
+            let (id, at) = miss(&mut c, &mut l, 2, t);
+            assert_eq!(c.done(2, id, at, &mut l), Answered::Done);
+            let mut p = LEASE;
+            while c.leasing(2, at + p) == Leasing::No {
+                p += LEASE;
+            }
+            penalties.push(p.as_secs() / LEASE.as_secs());
+            t = at + p;
+        }
+        assert_eq!(penalties, [1, 2, 4, 8, 16, 32, 64, 64, 64]);
+        // Long in good standing: the next default costs the shortest penalty again.
+        t += DEFAULTS_KEPT + LEASE;
+        let (_, at) = miss(&mut c, &mut l, 2, t);
+        // Its connections end: that answers what it missed (it dropped everything), but
+        // the penalty stays for a reconnect.
+        c.holder_gone(2, &mut l);
+        let ms = Duration::from_millis;
+        assert_eq!(c.leasing(2, at + LEASE - ms(1)), Leasing::No);
+        assert_eq!(c.leasing(2, at + LEASE), Leasing::Resume);
+        // A holder idle in default past its penalty is resumed by the sweep, and a
+        // standing with nothing to remember is forgotten.
+        let (id, at) = miss(&mut c, &mut l, 3, t);
+        c.holder_gone(3, &mut l);
+        let _ = c.expire(at + LEASE * 2 + ms(1), &mut l);
+        assert!(!c.is_in_default(3));
+        assert_eq!(c.done(3, id, at, &mut l), Answered::Ignored);
+        let _ = c.expire(at + DEFAULTS_KEPT * 2, &mut l);
+        assert!(c.standings.is_empty());
     }
 }

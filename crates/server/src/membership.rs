@@ -17,6 +17,7 @@
 
 use crate::checkpoint::{Handover, Manifest, manifests_covering};
 use crate::core::Shared;
+use crate::leases::Urgency;
 use kochab_journal::JournalId;
 use std::io::{self, ErrorKind};
 use std::time::{Duration, Instant};
@@ -60,7 +61,8 @@ impl Shared {
             // its holders drop what they cache of it before it leaves.
             let revoked = core.leases.revoke_range(table.lo, table.hi, Instant::now());
             for (holder, list, until) in revoked {
-                core.call_back(SERVER_ITSELF, holder, &list, until);
+                // Names of whole directories: as long as dropping them takes.
+                core.call_back(SERVER_ITSELF, holder, &list, until, Urgency::Work);
             }
             (table, handover, self.journal.last_lsn())
         };

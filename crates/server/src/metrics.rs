@@ -53,6 +53,10 @@ pub struct Metrics {
     pub borrowed_ops: Counter,
     pub borrow_wait_seconds: Histogram,
     pub flush_wait_seconds: Histogram,
+    /// Callbacks whose holder did not answer by their deadline.
+    pub callbacks_missed: Counter,
+    /// Holders that went into default (a missed callback or a slow answer).
+    pub callback_defaults: Counter,
 }
 
 impl Metrics {
@@ -145,6 +149,20 @@ impl Metrics {
              it reads or stats (flush callbacks)",
             flush_wait_seconds.clone(),
         );
+        let callbacks_missed = Counter::default();
+        registry.register(
+            "callbacks_missed",
+            "Callbacks whose holder did not answer by their deadline (each such holder \
+             loses its leases and gets none until it answers)",
+            callbacks_missed.clone(),
+        );
+        let callback_defaults = Counter::default();
+        registry.register(
+            "callback_defaults",
+            "Times a lease holder went into default: it missed a callback's deadline, or \
+             answered one that only drops cached names or attributes later than 1 s",
+            callback_defaults.clone(),
+        );
         let table_inodes = Family::<TableLabel, Gauge>::default();
         registry.register("table_inodes", "Inodes per table", table_inodes.clone());
         let table_dentries = Family::<TableLabel, Gauge>::default();
@@ -204,6 +222,8 @@ impl Metrics {
             borrowed_ops,
             borrow_wait_seconds,
             flush_wait_seconds,
+            callbacks_missed,
+            callback_defaults,
         }
     }
 

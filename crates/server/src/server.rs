@@ -471,7 +471,8 @@ async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
 }
 
 /// Works through the cleanup queue whenever something is added to it; and ends the
-/// callbacks whose holders did not answer before their leases ran out.
+/// callbacks whose holders did not answer before their leases ran out (those holders go
+/// into default, see `leases::Callbacks`).
 async fn cleanup_loop(shared: Arc<Shared>) {
     let cleanup = async {
         loop {
@@ -485,7 +486,27 @@ async fn cleanup_loop(shared: Arc<Shared>) {
             let now = Instant::now();
             let wake = next.map_or(now + CALLBACK_CHECK, |d| d.min(now + CALLBACK_CHECK));
             tokio::time::sleep_until(wake.into()).await;
-            shared.core.lock().callbacks.expire(Instant::now(), None);
+            let expired = shared.core.lock().expire_callbacks(Instant::now());
+            if expired.missed > 0 {
+                shared
+                    .metrics
+                    .callbacks_missed
+                    .inc_by(expired.missed as u64);
+                shared
+                    .metrics
+                    .callback_defaults
+                    .inc_by(expired.defaulted.len() as u64);
+                for holder in expired.defaulted {
+                    // Rate-limited: a key holder may open session after session.
+                    if shared.bad_frame_log.allow(Instant::now()).is_none() {
+                        break;
+                    }
+                    tracing::warn!(
+                        "session {holder:016x} did not answer a callback by its deadline: its \
+                         leases are revoked, and it gets none until it answers"
+                    );
+                }
+            }
         }
     };
     tokio::join!(cleanup, callbacks);

@@ -364,6 +364,54 @@ async fn gathered_closes_close_each_handle_as_a_close_does_before_and_after_a_mo
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_many_with_copies_or_too_many_handles_is_refused_before_any_lookup() {
+    // Issue 29, item 6: on 77a0d33 a CloseMany of N copies of an open handle followed by
+    // an unknown one looked all N up under the core lock and closed nothing (EBADF), as
+    // often as a client sent it, for N up to a frame's worth (a million).
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, root, _, sa) = server_a(tmp.path()).await;
+    let Some(Reply::Entry(f)) = create(&sa, root, "open", 1) else {
+        panic!("create");
+    };
+    assert!(matches!(
+        run(&sa, 7, 0, open_rw(f.id, 100)),
+        Some(Reply::Entry(_))
+    ));
+    let refused = |handles: Vec<u64>| match run(&sa, 7, 0, Op::CloseMany { handles }) {
+        Some(Reply::Error(e)) => {
+            assert_eq!(e.errno, kochab_proto::Errno::EINVAL, "{e}");
+            e.message
+        }
+        other => panic!("refused: {other:?}"),
+    };
+    let mut copies = vec![100; 100_000];
+    copies.push(999);
+    assert!(refused(copies).contains("at most 64"));
+    assert!(refused(vec![100, 100]).contains("twice"));
+    // 64 distinct handles (`CLOSE_MANY_HANDLES_MAX`) and one more.
+    let mut many: Vec<u64> = (1000..1064).collect();
+    many.push(100);
+    assert!(refused(many).contains("at most 64"));
+    // Nothing was closed; the handle closes as it should.
+    let lock = LockSpec {
+        owner: 1,
+        start: 0,
+        end: 0,
+        kind: LockKind::Write,
+        pid: 1,
+        flock: false,
+    };
+    let held = |s: &Shared| run(s, 7, 0, Op::GetLk { handle: 100, lock });
+    assert!(matches!(held(&sa), Some(Reply::Lock(_))), "{:?}", held(&sa));
+    assert_eq!(
+        run(&sa, 7, 0, Op::CloseMany { handles: vec![100] }),
+        Some(Reply::Empty)
+    );
+    assert!(matches!(held(&sa), Some(Reply::Error(_))));
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sealed_journal_stops_acknowledging_and_its_tables_are_recovered_elsewhere() {
     let tmp = tempfile::tempdir().unwrap();
     let (a, root, lo, sa) = server_a(tmp.path()).await;
