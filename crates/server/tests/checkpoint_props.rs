@@ -238,7 +238,7 @@ fn load_into_engine(template: &Engine, idx: usize, bytes: &[u8]) -> Result<(), T
         return Ok(());
     }
     let _ = e.rehash_legacy_dentries();
-    e.recompute_counters();
+    e.fill_region_next();
     let _ = e.check_invariants();
     let ids: Vec<InodeId> = e.tables()[idx]
         .iter_inodes()
@@ -462,7 +462,7 @@ fn mutation(root: InodeId) -> impl Strategy<Value = Mutation> {
 /// The engine must still answer after replaying whatever it was given.
 fn still_answers(e: &mut Engine) -> Result<(), TestCaseError> {
     let _ = e.check_invariants();
-    e.recompute_counters();
+    e.fill_region_next();
     let ids: Vec<InodeId> = e
         .tables()
         .iter()
