@@ -1599,9 +1599,9 @@ impl Client {
         req: &Request,
         target: InodeId,
         reply: &Reply,
-        lsn: Option<u64>,
+        early: Option<replay::EarlyAck>,
     ) {
-        let Some(lsn) = lsn else {
+        let Some(early) = early else {
             return;
         };
         if req.op.is_read_only() || matches!(reply, Reply::Error(_)) {
@@ -1612,8 +1612,9 @@ impl Client {
             target,
             addr: addr.clone(),
             incarnation: conn.incarnation,
-            lsn,
+            lsn: early.lsn,
             created: replay::created_by(reply),
+            tag: early.tag,
         });
     }
 
@@ -1671,8 +1672,7 @@ impl Client {
         );
         let mut rest = taken.into_iter();
         while let Some((order, e)) = rest.next() {
-            let mut req = e.req.clone();
-            req.mode = ReplyMode::Replay { want_id: e.created };
+            let mut req = replay::replay_request(&e);
             match self.send(&mut req, e.target).await {
                 Ok(_) => {}
                 Err(err)

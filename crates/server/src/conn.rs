@@ -9,7 +9,10 @@
 use crate::core::Shared;
 use crate::keys::KeyEntry;
 use crate::leases::Board;
-use kochab_proto::auth::{ADMIN_KEY_ID, Transcript, prove_server, session_id, verify_client};
+use kochab_proto::auth::{
+    ADMIN_KEY_ID, REPLAY_TAG_BYTES, ReplayKey, ReplayTag, ReplayTagInput, Transcript, prove_server,
+    session_id, verify_client,
+};
 use kochab_proto::codec::{CodecError, Frame, FrameCodec};
 use kochab_proto::frame::{MAX_FRAME_BYTES, decode_payload, encode_frame};
 use kochab_proto::*;
@@ -177,15 +180,101 @@ impl Replies {
         }
     }
 
-    /// Adds one reply that leaves now although its record (`lsn`) is not durable yet.
-    fn add_unsafe(&mut self, rid: u64, op: u8, reply: &Reply, lsn: u64) {
+    /// Adds one reply to `req` that leaves now although its record (`lsn`) is not durable
+    /// yet, with the replay tag the client keeps for a replay of `req`. Every `Unsafe`
+    /// frame is made here, so every early reply carries a tag.
+    fn add_unsafe(&mut self, rid: u64, req: &Request, reply: &Reply, lsn: u64, tags: &SessionTags) {
+        let op = req.op.index() as u8;
         self.unsafe_lsn = self.unsafe_lsn.max(lsn);
         self.ops.push((op, !matches!(reply, Reply::Error(_))));
-        if let Err(e) = encode_frame(&mut self.bytes, FrameKind::Unsafe, rid, &(lsn, reply)) {
+        let tag = tags.tag(req, reply);
+        let frame = (lsn, tag, reply);
+        if let Err(e) = encode_frame(&mut self.bytes, FrameKind::Unsafe, rid, &frame) {
             let fallback = Reply::Error(fs_err!(EIO, "reply does not fit in a frame: {e}"));
             let _ = encode_frame(&mut self.bytes, FrameKind::Reply, rid, &fallback);
         }
     }
+}
+
+/// The replay tags of one session (see `auth::ReplayKey`): made for its early replies,
+/// checked on its replays. A replay is genuine when its tag verifies for the session it
+/// arrives in, its sequence number, operation kind, routing inode and the id it asks for:
+/// then a server answered that request of that session early, and gave it that id.
+#[derive(Clone)]
+pub(crate) struct SessionTags {
+    key: ReplayKey,
+    session: u64,
+}
+
+impl SessionTags {
+    pub(crate) fn new(key: &ReplayKey, session: u64) -> SessionTags {
+        SessionTags {
+            key: key.clone(),
+            session,
+        }
+    }
+
+    fn input(&self, seq: u64, created: InodeId, op: &Op) -> ReplayTagInput {
+        ReplayTagInput {
+            session: self.session,
+            seq,
+            created,
+            op: op.index() as u8,
+            route: op.replay_route(),
+        }
+    }
+
+    /// The tag of an early reply: none (zeros) where there is nothing to replay, a read or
+    /// a failure (the client keeps neither).
+    pub(crate) fn tag(&self, req: &Request, reply: &Reply) -> ReplayTag {
+        if req.op.is_read_only() || matches!(reply, Reply::Error(_)) {
+            return [0; REPLAY_TAG_BYTES];
+        }
+        self.key.tag(&self.input(req.seq, reply.created(), &req.op))
+    }
+
+    /// False for a request in replay mode whose tag does not verify (other modes need none).
+    fn genuine(&self, req: &Request) -> bool {
+        match req.mode {
+            ReplyMode::Replay { want_id, tag } => self
+                .key
+                .verify(&self.input(req.seq, want_id, &req.op), &tag),
+            _ => true,
+        }
+    }
+}
+
+/// Answers the replays in `reqs` whose tags do not verify with EPERM, in `refused`; they
+/// run nowhere (not as ordinary requests either: a client that sets the mode without the
+/// tag is broken or forging, and a quiet fallback would hide either).
+fn refuse_forged_replays(
+    shared: &Shared,
+    peer: Peer,
+    tags: &SessionTags,
+    reqs: &mut Vec<(u64, Request)>,
+    refused: &mut Replies,
+) {
+    reqs.retain(|(rid, req)| {
+        if tags.genuine(req) {
+            return true;
+        }
+        let what = format!(
+            "refused a {} in replay mode from {peer}: its replay tag does not verify",
+            req.op.name()
+        );
+        match shared.bad_frame_log.allow(Instant::now()) {
+            Some(0) => tracing::warn!("{what}"),
+            Some(n) => tracing::warn!("{what} ({n} more such warnings suppressed)"),
+            None => {}
+        }
+        let e = fs_err!(
+            EPERM,
+            "not a replay: its replay tag does not verify for this session (only a \
+             request this session was answered early may be replayed)"
+        );
+        refused.add(*rid, req.op.index() as u8, &Reply::Error(e), 0);
+        false
+    });
 }
 
 enum Outgoing {
@@ -635,6 +724,7 @@ async fn read_loop(
 ) {
     let Identity { session, key, .. } = who;
     let client = session;
+    let tags = SessionTags::new(&shared.replay_key, session);
     // The admin key with no rule skips the screening (the single-server fast path).
     let screened = key.id != ADMIN_KEY_ID || key.policy != KeyPolicy::TRUSTED;
     let mut journal_failure = shared.journal.subscribe_failure();
@@ -675,6 +765,17 @@ async fn read_loop(
             let mut early = Replies::new(Instant::now(), 0);
             screen(&key, &mut reqs, &mut admin, &mut early);
             if !early.ops.is_empty() && !send_replies(&tx, &backlog, early).await {
+                return;
+            }
+        }
+        // Before anything runs, and whatever the key: a replay proves it is one.
+        if reqs
+            .iter()
+            .any(|(_, r)| matches!(r.mode, ReplyMode::Replay { .. }))
+        {
+            let mut refused = Replies::new(Instant::now(), 0);
+            refuse_forged_replays(shared, peer, &tags, &mut reqs, &mut refused);
+            if !refused.ops.is_empty() && !send_replies(&tx, &backlog, refused).await {
                 return;
             }
         }
@@ -719,6 +820,7 @@ async fn read_loop(
         }
         // After a crash only replays change anything for a while: a new change waits, so
         // that it cannot take a name or an id that a replayed one needs (reads go on).
+        // Every request still in replay mode here carried a tag that verified.
         if let Some(until) = shared.replay_window.until()
             && reqs.iter().any(|(_, r)| {
                 !matches!(r.mode, ReplyMode::Replay { .. }) && waits_for_replays(&r.op)
@@ -760,7 +862,7 @@ async fn read_loop(
                 if lsn <= durable {
                     now.add(rid, op, &reply, lsn);
                 } else if req.mode == ReplyMode::Early {
-                    now.add_unsafe(rid, op, &reply, lsn);
+                    now.add_unsafe(rid, &req, &reply, lsn, &tags);
                 } else {
                     later.add(rid, op, &reply, lsn);
                 }
