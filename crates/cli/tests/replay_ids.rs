@@ -436,6 +436,21 @@ fn owner_of(v: &serde_json::Value, lo: &str) -> u64 {
         .unwrap_or_else(|| panic!("no table {lo}: {v:#}"))
 }
 
+/// The table (its `lo`, as status prints it) holding `id`.
+fn table_of(v: &serde_json::Value, id: InodeId) -> String {
+    v["tables"]
+        .as_array()
+        .and_then(|a| {
+            a.iter().find(|t| {
+                let range = |k: &str| u64::from_str_radix(t[k].as_str().unwrap_or(""), 16).ok();
+                matches!((range("lo"), range("hi")), (Some(lo), Some(hi)) if lo <= id && id < hi)
+            })
+        })
+        .and_then(|t| t["lo"].as_str())
+        .unwrap_or_else(|| panic!("no table holds {id:#x}: {v:#}"))
+        .to_string()
+}
+
 /// `kochab table move LO --to SERVER`, checked.
 fn move_table(server: &ServerProc, lo: &str, to: u64) {
     let to = to.to_string();
@@ -486,8 +501,9 @@ fn move_evenly(server: &ServerProc, lo: &str, to: u64) {
 /// region's table, and one high id moved an allocator when its table arrived at a server
 /// (borrowed and returned, or moved), with no restart. Forged replays plant nothing at any
 /// server; the overflow tables move to the other server and back, carrying their
-/// allocation points; deep trees then work on both servers and the stopped cluster's
-/// fsck is clean.
+/// allocation points; deep trees then work under directories of both servers, also once
+/// all three overflow tables are on one server (the other borrows the too-deep table);
+/// the stopped cluster's fsck is clean.
 #[test]
 fn in_a_cluster_forged_replays_take_no_ids_and_moved_tables_keep_their_allocators() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -549,7 +565,8 @@ fn in_a_cluster_forged_replays_take_no_ids_and_moved_tables_keep_their_allocator
     });
     // Deep trees before the moves: the overflow tables record allocation points, which
     // their checkpoints carry to the other server and back.
-    let deep_tree = |failures: &mut Vec<String>, first: &str| {
+    // `all_deep`: every id past the primary slots is a too-deep one (not catch-all).
+    let deep_tree = |failures: &mut Vec<String>, first: &str, all_deep: bool| {
         rt.block_on(async {
             let c = server.client(5).await;
             for &top in &tops {
@@ -566,8 +583,15 @@ fn in_a_cluster_forged_replays_take_no_ids_and_moved_tables_keep_their_allocator
                         if let Some(id) = ids.iter().find(|id| planted.contains(id)) {
                             failures.push(format!("mkdir under {top:#x} got planted id {id:#x}"));
                         }
-                        if ids.iter().all(|&id| Region::of(id) == Region::Primary) {
-                            failures.push(format!("no overflow id under {top:#x}: {ids:x?}"));
+                        let overflow: Vec<Region> = ids
+                            .iter()
+                            .map(|&id| Region::of(id))
+                            .filter(|&r| r != Region::Primary)
+                            .collect();
+                        if overflow.is_empty()
+                            || (all_deep && overflow.iter().any(|&r| r != Region::TooDeep))
+                        {
+                            failures.push(format!("{first}: ids under {top:#x}: {ids:x?}"));
                         }
                     }
                     Err(e) => failures.push(format!("mkdir -p under {top:#x}: {e}")),
@@ -575,7 +599,7 @@ fn in_a_cluster_forged_replays_take_no_ids_and_moved_tables_keep_their_allocator
             }
         })
     };
-    deep_tree(&mut failures, "before");
+    deep_tree(&mut failures, "before", false);
     // Each overflow table to the other server and back: every arrival loads it.
     let regions = ["0000000000000000", "8000000000000000", "c000000000000000"];
     for lo in regions {
@@ -592,7 +616,30 @@ fn in_a_cluster_forged_replays_take_no_ids_and_moved_tables_keep_their_allocator
     for lo in regions {
         assert_eq!(owner_of(&after, lo), owner_of(&v, lo), "{after:#}");
     }
-    deep_tree(&mut failures, "after");
+    deep_tree(&mut failures, "after", false);
+    // All three onto one server: a deep tree under the other server's directory borrows
+    // the too-deep table there and returns it (the cluster case).
+    let home = owner_of(&after, regions[0]);
+    for lo in regions {
+        move_evenly(&server, lo, home);
+    }
+    // (The moves that keep the counts even may have brought both directories' tables
+    // there too: one goes to the other server then.)
+    let v = spread_status(&server, 2);
+    let tables: Vec<String> = tops.iter().map(|&t| table_of(&v, t)).collect();
+    if tables.iter().all(|t| owner_of(&v, t) == home) {
+        let other = servers.iter().map(|s| s.0).find(|&s| s != home);
+        move_evenly(&server, &tables[1], other.expect("another server"));
+    }
+    let v = spread_status(&server, 2);
+    assert!(
+        tables.iter().any(|t| owner_of(&v, t) != home),
+        "no directory away from the overflow tables: {v:#}"
+    );
+    for lo in regions {
+        assert_eq!(owner_of(&v, lo), home, "{v:#}");
+    }
+    deep_tree(&mut failures, "borrowing", true);
     assert!(failures.is_empty(), "{failures:#?}");
     assert_eq!(
         server.stop(),

@@ -133,7 +133,7 @@ impl Engine {
             }
         }
         // 5. The catch-all region, sequentially.
-        let (id, mut claim) = self.alloc_catchall()?;
+        let (id, mut claim) = self.alloc_catchall(Region::TooWide)?;
         claim.regions.extend(moved);
         Ok((id, claim))
     }
@@ -273,7 +273,7 @@ impl Engine {
                 moved.push((Region::TooDeep, n));
             }
         }
-        let (id, mut claim) = self.alloc_catchall()?;
+        let (id, mut claim) = self.alloc_catchall(Region::TooDeep)?;
         claim.regions.extend(moved);
         Ok((id, claim))
     }
@@ -303,13 +303,18 @@ impl Engine {
         Some((id, claim))
     }
 
-    fn alloc_catchall(&mut self) -> OpResult<(InodeId, Claim)> {
+    /// The next catch-all id, after the `wanted` overflow region had none. A server that
+    /// holds neither table (a cluster member) needs one of them: the operation fails with
+    /// `NotHosted` of the wanted region's table (or of the catch-all's, if the wanted one is
+    /// here but full), and the member borrows it and runs the operation again.
+    fn alloc_catchall(&mut self, wanted: Region) -> OpResult<(InodeId, Claim)> {
         let Some(mut next) = self.region_next(Region::CatchAll) else {
-            return Err(Fail::Fs(fs_err!(
-                ENOSPC,
-                "no id for a new inode: its directory's ranges are full and this server \
-                 holds no overflow region's table"
-            )));
+            let missing = if self.region_next(wanted).is_none() {
+                wanted
+            } else {
+                Region::CatchAll
+            };
+            return Err(Fail::NotHosted(missing.base()));
         };
         let found = self.scan_free(&mut next, Region::CatchAll.end());
         found
@@ -461,6 +466,35 @@ mod tests {
             }),
             "the move is journaled with the create: {more:?}"
         );
+    }
+
+    #[test]
+    fn a_member_without_the_overflow_tables_asks_for_the_wanted_regions_table() {
+        let (full, _) = cramped();
+        let primary: Vec<(InodeId, InodeId)> = full
+            .tables()
+            .iter()
+            .filter(|t| Region::of(t.lo) == Region::Primary)
+            .map(|t| (t.lo, t.hi))
+            .collect();
+        let mut e = Engine::new(full.config().clone(), &primary).unwrap();
+        e.member = true;
+        let mut log = e.bootstrap(1);
+        for m in &log {
+            e.apply(m).unwrap();
+        }
+        let mut d = e.root();
+        for level in 0..3 {
+            d = mkdir(&mut e, &mut log, d, &format!("l{level}"));
+        }
+        let op = Op::Mkdir {
+            parent: d,
+            name: b"too-deep".to_vec(),
+            mode: 0o755,
+        };
+        let reply = e.execute(&Credentials::root(), &op, 2, &mut log);
+        assert!(matches!(reply, Reply::WrongServer { .. }), "{reply:?}");
+        assert_eq!(e.last_not_hosted, Some(Region::TooDeep.base()), "borrow it");
     }
 
     #[test]
