@@ -1,7 +1,7 @@
 //! One authenticated, multiplexed connection to a server: many requests in flight, replies
 //! matched by request id in any order.
 
-use kochab_proto::auth::{ClientKey, verify_server};
+use kochab_proto::auth::{ClientKey, ReplayTag, verify_server};
 use kochab_proto::codec::{CodecError, Frame, FrameCodec};
 use kochab_proto::frame::{MAX_FRAME_BYTES, decode_payload, encode_frame};
 use kochab_proto::*;
@@ -49,9 +49,9 @@ pub enum ConnError {
     Refused(FsError),
 }
 
-/// A reply, with the LSN of its journal record when the server sent it before that
-/// record was durable (an `Unsafe` frame).
-pub type Answer = (Reply, Option<u64>);
+/// A reply, with the LSN of its journal record and its replay tag when the server sent it
+/// before that record was durable (an `Unsafe` frame).
+pub type Answer = (Reply, Option<crate::replay::EarlyAck>);
 
 type Pending = Mutex<FxHashMap<u64, oneshot::Sender<Result<Answer, ConnError>>>>;
 
@@ -450,8 +450,8 @@ async fn read_loop(
                 }
             }
             FrameKind::Unsafe => {
-                let reply = decode_payload::<(u64, Reply)>(&f.payload)
-                    .map(|(lsn, r)| (r, Some(lsn)))
+                let reply = decode_payload::<(u64, ReplayTag, Reply)>(&f.payload)
+                    .map(|(lsn, tag, r)| (r, Some(crate::replay::EarlyAck { lsn, tag })))
                     .map_err(|e| ConnError::Lost(format!("bad reply: {e}")));
                 if let Some(tx) = pending.lock().remove(&f.request_id) {
                     let _ = tx.send(reply);

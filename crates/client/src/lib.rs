@@ -1754,9 +1754,9 @@ impl Client {
         req: &Request,
         target: InodeId,
         reply: &Reply,
-        lsn: Option<u64>,
+        early: Option<replay::EarlyAck>,
     ) {
-        let Some(lsn) = lsn else {
+        let Some(ack) = early else {
             return;
         };
         if req.op.is_read_only() || matches!(reply, Reply::Error(_)) {
@@ -1769,8 +1769,9 @@ impl Client {
             target,
             addr: addr.clone(),
             incarnation: conn.incarnation,
-            lsn,
+            lsn: ack.lsn,
             created: replay::created_by(reply),
+            tag: ack.tag,
         });
         // The connection may have ended between the reply and now: its end was then
         // reported before this entry was kept (and so found nothing to look at). Is the
@@ -1871,8 +1872,7 @@ impl Client {
     /// the open, see `OPEN_RECLAIM`); a handle the application has closed since is closed
     /// again after.
     async fn replay_one(&self, e: &Unsafe) -> FsResult<()> {
-        let mut req = e.req.clone();
-        req.mode = ReplyMode::Replay { want_id: e.created };
+        let mut req = replay::replay_request(e);
         let mut reopened = None;
         let mut reopens = 0;
         let replayed = loop {

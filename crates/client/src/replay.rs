@@ -7,10 +7,19 @@
 //! A state machine: the client feeds it replies, durability reports and lost connections,
 //! and asks it what to replay; no I/O, no clocks.
 
+use kochab_proto::auth::ReplayTag;
 use kochab_proto::{InodeId, Reply, Request};
 use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+
+/// What an early (`Unsafe`) reply says besides the reply: its journal record, and the tag a
+/// replay of the request must send back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EarlyAck {
+    pub lsn: u64,
+    pub tag: ReplayTag,
+}
 
 /// One request answered early.
 #[derive(Clone, Debug)]
@@ -25,6 +34,8 @@ pub struct Unsafe {
     pub lsn: u64,
     /// The inode the reply created (0: none), asked for again by a replay.
     pub created: InodeId,
+    /// The server's replay tag for it: a replay without it is refused.
+    pub tag: ReplayTag,
 }
 
 /// Requests answered early and not known durable yet, in the order they were answered.
@@ -261,13 +272,21 @@ fn count(processes: &mut FxHashMap<u64, Process>, inc: u64, change: impl FnOnce(
     }
 }
 
-/// The inode a successful reply created or names (what a replay asks for again).
+/// The inode a successful reply created or names (what a replay asks for again, and what
+/// the reply's tag covers).
 pub fn created_by(reply: &Reply) -> InodeId {
-    match reply {
-        Reply::Entry(a) => a.id,
-        Reply::WithDirs { reply, .. } => created_by(reply),
-        _ => 0,
-    }
+    reply.created()
+}
+
+/// The request that replays `e`: the same request (sequence number included), in replay
+/// mode with the inode its first reply created and the tag that proves it was answered.
+pub fn replay_request(e: &Unsafe) -> Request {
+    let mut req = e.req.clone();
+    req.mode = kochab_proto::ReplyMode::Replay {
+        want_id: e.created,
+        tag: e.tag,
+    };
+    req
 }
 
 #[cfg(test)]
@@ -293,6 +312,7 @@ mod tests {
             incarnation: inc,
             lsn,
             created: 0,
+            tag: [seq as u8; 16],
         }
     }
 

@@ -43,6 +43,10 @@ impl EngineConfig {
 /// names, so no cached name can reach a new inode under an old number.
 pub const QUARANTINE_NS: TimeNs = 5_000_000_000;
 
+/// Inodes named one by one per region when fsck finds ids past a region's allocation
+/// point; the rest are counted (one cause usually places many).
+const REGION_PROBLEMS_MAX: u64 = 16;
+
 /// Most ancestors a plan names: past this the walk stops and the engine's own subtree
 /// check reports any table the plan missed.
 const PLAN_WALK_MAX: usize = 4096;
@@ -74,15 +78,9 @@ pub fn not_in_any_table(id: InodeId) -> FsError {
 /// Result of engine internals.
 pub type OpResult<T> = Result<T, Fail>;
 
-/// Next values of the region allocators. Not journaled: derived from the highest id in each
-/// region when tables are loaded (allocation checks that an id is free, so a counter that
-/// restarts lower only costs locality, never correctness).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct RegionCounters {
-    pub deep_next: u64,
-    pub wide_next: u64,
-    pub catchall_next: u64,
-}
+/// The overflow regions, whose allocators are region-wide counters (the primary region's
+/// allocators live in its directories).
+pub const OVERFLOW_REGIONS: [Region; 3] = [Region::CatchAll, Region::TooDeep, Region::TooWide];
 
 /// The metadata of the tables one server hosts.
 #[derive(Debug)]
@@ -91,7 +89,6 @@ pub struct Engine {
     pub(crate) config: EngineConfig,
     /// Sorted by `lo`, never overlapping.
     pub(crate) tables: Vec<Table>,
-    pub(crate) counters: RegionCounters,
     /// Open handles per inode (server session state, not journaled): an inode whose last
     /// name goes while it is open lives on with nlink 0 until its last close.
     pub(crate) open_counts: rustc_hash::FxHashMap<InodeId, u32>,
@@ -115,7 +112,9 @@ pub struct Engine {
     pub last_not_hosted: Option<InodeId>,
     /// The id the next create should get if it is free: a client's replay of a create
     /// that a crash lost asks for the id its first reply gave (see `ReplyMode::Replay`).
-    /// Taken by the next allocation, whether it is used or not.
+    /// Set only for a genuine replay (the server verified its replay tag); bounded still by
+    /// the region's allocation point (see `alloc::REPLAY_LEAD_MAX`). Taken by the next
+    /// allocation, whether it is used or not.
     pub want_id: Option<InodeId>,
 }
 
@@ -172,11 +171,6 @@ impl Engine {
             policy,
             config,
             tables,
-            counters: RegionCounters {
-                deep_next: 1,
-                wide_next: 1,
-                catchall_next: CATCHALL_FIRST,
-            },
             open_counts: Default::default(),
             quarantine: Default::default(),
             quarantined: Default::default(),
@@ -242,8 +236,8 @@ impl Engine {
     }
 
     /// Starts hosting `table` (loaded from its checkpoint and journal): it must not overlap
-    /// a hosted one. Region allocators are recomputed, since the table may hold the highest
-    /// ids of its region.
+    /// a hosted one. Its region allocator comes with it (only one never recorded is
+    /// derived, see [`Engine::fill_region_next`]).
     pub fn insert_table(&mut self, table: Table) -> Result<(), String> {
         let i = self.tables.partition_point(|t| t.lo < table.lo);
         let overlaps_prev = i > 0 && self.tables[i - 1].hi > table.lo;
@@ -257,7 +251,7 @@ impl Engine {
         self.departed
             .retain(|&(lo, hi)| hi <= table.lo || lo >= table.hi);
         self.tables.insert(i, table);
-        self.recompute_counters();
+        self.fill_region_next();
         Ok(())
     }
 
@@ -543,6 +537,12 @@ impl Engine {
             Mutation::DropReclaim { id, generation } => {
                 self.tables[i].drop_reclaim(*id, *generation)
             }
+            Mutation::SetRegionNext { region, next } => {
+                if *region == Region::Primary {
+                    return Err("an allocation point for the primary region, which has none".into());
+                }
+                self.tables[i].raise_region_next(*next)
+            }
         }
         Ok(())
     }
@@ -563,25 +563,59 @@ impl Engine {
         Ok(())
     }
 
-    /// Recomputes the region allocators from the highest ids present (after loading).
-    pub fn recompute_counters(&mut self) {
-        let max_in = |r: Region| -> Option<InodeId> {
-            self.tables
+    /// Gives a hosted region table that never recorded its allocation point but holds ids
+    /// of its region (data written before the point was recorded) one derived from the
+    /// highest of them, once; from then on the point is recorded (journaled with
+    /// every allocation that moves it, written in checkpoints) and never derived again, so
+    /// an id placed high cannot move it. Called after tables are loaded.
+    pub fn fill_region_next(&mut self) {
+        for r in OVERFLOW_REGIONS {
+            let Some(i) = self.table_index(r.base()) else {
+                continue;
+            };
+            if self.tables[i].region_next().is_some() {
+                continue;
+            }
+            let highest = self
+                .tables
                 .iter()
                 .filter(|t| t.lo < r.end() && t.hi > r.base())
                 .filter_map(|t| t.max_id_below(r.end().min(t.hi)))
                 .filter(|&id| Region::of(id) == r)
-                .max()
-        };
-        let deep = max_in(Region::TooDeep).map_or(1, |id| self.policy.deep_number(id) + 1);
-        let wide = max_in(Region::TooWide).map_or(1, |id| self.policy.wide_number(id) + 1);
-        let catchall =
-            max_in(Region::CatchAll).map_or(CATCHALL_FIRST, |id| (id + 1).max(CATCHALL_FIRST));
-        self.counters = RegionCounters {
-            deep_next: deep,
-            wide_next: wide,
-            catchall_next: catchall,
-        };
+                .max();
+            // None present: the first value is implied, nothing to record.
+            if let Some(id) = highest {
+                let next = (self.region_unit(r, id) + 1).max(self.region_first(r));
+                self.tables[i].raise_region_next(next);
+            }
+        }
+    }
+
+    /// The first value of an overflow region's allocator: too-deep root and too-wide range
+    /// numbers start at 1 (0 is the region's empty slot), catch-all ids at
+    /// [`CATCHALL_FIRST`].
+    pub(crate) fn region_first(&self, r: Region) -> u64 {
+        match r {
+            Region::CatchAll => CATCHALL_FIRST,
+            _ => 1,
+        }
+    }
+
+    /// What an overflow region's allocator counts for `id`: its too-deep root number, its
+    /// too-wide range number, or (catch-all) the id itself.
+    pub(crate) fn region_unit(&self, r: Region, id: InodeId) -> u64 {
+        match r {
+            Region::TooDeep => self.policy.deep_number(id),
+            Region::TooWide => self.policy.wide_number(id),
+            _ => id,
+        }
+    }
+
+    /// The allocation point of overflow region `r`: its next unit (see `region_unit`), or
+    /// `None` if the table that holds the region is not hosted here.
+    pub fn region_next(&self, r: Region) -> Option<u64> {
+        let i = self.table_index(r.base())?;
+        Some(self.tables[i].region_next().unwrap_or(self.region_first(r)))
     }
 
     /// Runs one operation: checks it, emits its mutations into `out` (which the caller
@@ -767,6 +801,7 @@ impl Engine {
                 }
             }
         }
+        self.check_region_ids(&mut problems);
         // Parent links lead to the root without a cycle.
         for t in &self.tables {
             for (id, inode) in t.iter_inodes() {
@@ -792,6 +827,55 @@ impl Engine {
             }
         }
         problems
+    }
+}
+
+impl Engine {
+    /// Reports the inodes of the overflow regions that lie at or past their region's
+    /// recorded allocation point (or below its first value): no allocation handed them out.
+    /// (Primary ids have no region-wide point: a directory's allocator restarts when it
+    /// empties, while files renamed away keep their ids, so a directory's range is checked
+    /// by no high-water mark.)
+    fn check_region_ids(&self, problems: &mut Vec<String>) {
+        for r in OVERFLOW_REGIONS {
+            let Some(next) = self.region_next(r) else {
+                continue;
+            };
+            let first = self.region_first(r);
+            let mut found = 0u64;
+            for t in self
+                .tables
+                .iter()
+                .filter(|t| t.lo < r.end() && t.hi > r.base())
+            {
+                for (id, _) in t.iter_inodes() {
+                    let unit = self.region_unit(r, id);
+                    if Region::of(id) != r || (first..next).contains(&unit) {
+                        continue;
+                    }
+                    found += 1;
+                    if found <= REGION_PROBLEMS_MAX {
+                        problems.push(format!(
+                            "inode {id:#x} lies outside the {} region's allocated range \
+                             ({first}..{next} of its {}): no allocation handed it out",
+                            r.label(),
+                            match r {
+                                Region::TooDeep => "root numbers",
+                                Region::TooWide => "range numbers",
+                                _ => "ids",
+                            }
+                        ));
+                    }
+                }
+            }
+            if found > REGION_PROBLEMS_MAX {
+                problems.push(format!(
+                    "... and {} more inodes outside the {} region's allocated range",
+                    found - REGION_PROBLEMS_MAX,
+                    r.label()
+                ));
+            }
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! (while-running) checkpoints need: replaying a record whose effect a checkpoint already
 //! holds changes nothing.
 
+use crate::idpolicy::Region;
 use crate::inode::Inode;
 use crate::name::Name;
 use kochab_proto::{FileKind, InodeId};
@@ -47,6 +48,13 @@ pub enum Mutation {
     },
     /// The data named by a reclaim entry is gone.
     DropReclaim { id: InodeId, generation: u64 },
+    /// The allocation point of an overflow region moved to `next` (a too-deep root number,
+    /// a too-wide range number, a catch-all id): everything below it may have been handed
+    /// out, nothing at or above it has. Kept by the table that holds the region (its base
+    /// id), so it travels with that table and survives restarts as it was, never derived
+    /// from the highest id present (one planted id would move it). Applied as a maximum:
+    /// a high-water mark only rises, and replay stays idempotent.
+    SetRegionNext { region: Region, next: u64 },
 }
 
 impl Mutation {
@@ -60,6 +68,7 @@ impl Mutation {
             | Mutation::PutReclaim { id, .. }
             | Mutation::DropReclaim { id, .. } => *id,
             Mutation::PutDentry { parent, .. } | Mutation::DropDentry { parent, .. } => *parent,
+            Mutation::SetRegionNext { region, .. } => region.base(),
         }
     }
 }

@@ -330,9 +330,7 @@ impl Engine {
             id: parent,
             inode: p,
         });
-        if let Some((cid, c)) = claim {
-            out.push(Mutation::PutInode { id: cid, inode: c });
-        }
+        claim.emit(out);
         out.push(Mutation::PutDentry {
             parent,
             name: Name::new(name),
@@ -417,7 +415,7 @@ impl Engine {
     ) -> OpResult<Reply> {
         self.check_create(cred, parent, name)?;
         let mut p = self.get(parent)?.clone();
-        let id = self.alloc_dir(parent, p.dir_mut())?;
+        let (id, claim) = self.alloc_dir(parent, p.dir_mut())?;
         let mut m = S_IFDIR | (mode_in & (0o777 | S_ISVTX));
         if p.mode & S_ISGID != 0 {
             m |= S_ISGID;
@@ -426,7 +424,7 @@ impl Engine {
         child.nlink = 2;
         child.dir_mut().parent = parent;
         inc_dir_nlink(&mut p);
-        self.finish_create(parent, p, name, id, child, None, now, out)
+        self.finish_create(parent, p, name, id, child, claim, now, out)
     }
 
     fn symlink(

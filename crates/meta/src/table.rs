@@ -117,6 +117,12 @@ pub enum BoxImage {
         boxno: u16,
         entries: Vec<DentryImage>,
     },
+    /// The allocation point of the overflow region this table holds (see
+    /// [`crate::Mutation::SetRegionNext`]). Images without one (written before it existed)
+    /// leave it to be derived once from the ids present.
+    RegionNext {
+        next: u64,
+    },
 }
 
 /// Boxes to write in a checkpoint.
@@ -126,11 +132,16 @@ pub struct BoxSet {
     pub dentry_boxes: Vec<(InodeId, u16)>,
     /// The reclaim list changed (it is written whole).
     pub reclaims: bool,
+    /// The region's allocation point moved.
+    pub region_next: bool,
 }
 
 impl BoxSet {
     pub fn len(&self) -> usize {
-        self.inode_boxes.len() + self.dentry_boxes.len() + usize::from(self.reclaims)
+        self.inode_boxes.len()
+            + self.dentry_boxes.len()
+            + usize::from(self.reclaims)
+            + usize::from(self.region_next)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -150,6 +161,10 @@ pub struct Table {
     dirty_dentries: FxHashSet<(InodeId, u16)>,
     reclaims: BTreeMap<(InodeId, u64), Reclaim>,
     dirty_reclaims: bool,
+    /// The allocation point of the overflow region whose base id this table holds (`None`:
+    /// never recorded, as in data written before it was; see `Engine::fill_region_next`).
+    region_next: Option<u64>,
+    dirty_region_next: bool,
     inodes: u64,
     dentries: u64,
     /// Journal records with a higher LSN are not yet in this table's checkpoint and are
@@ -178,6 +193,8 @@ impl Table {
             dirty_dentries: FxHashSet::default(),
             reclaims: BTreeMap::new(),
             dirty_reclaims: false,
+            region_next: None,
+            dirty_region_next: false,
             inodes: 0,
             dentries: 0,
             replay_from: 0,
@@ -426,6 +443,19 @@ impl Table {
         }
     }
 
+    /// The recorded allocation point of the overflow region this table holds, if any.
+    pub fn region_next(&self) -> Option<u64> {
+        self.region_next
+    }
+
+    /// Raises the recorded allocation point to `next` (a high-water mark never falls).
+    pub fn raise_region_next(&mut self, next: u64) {
+        if self.region_next.is_none_or(|n| n < next) {
+            self.region_next = Some(next);
+            self.dirty_region_next = true;
+        }
+    }
+
     /// Data waiting to be deleted.
     pub fn reclaims(&self) -> impl Iterator<Item = &Reclaim> + '_ {
         self.reclaims.values()
@@ -455,6 +485,7 @@ impl Table {
             inode_boxes: self.dirty_boxes.drain().collect(),
             dentry_boxes: self.dirty_dentries.drain().collect(),
             reclaims: std::mem::take(&mut self.dirty_reclaims),
+            region_next: std::mem::take(&mut self.dirty_region_next),
         };
         set.inode_boxes.sort_unstable();
         set.dentry_boxes.sort_unstable();
@@ -466,6 +497,7 @@ impl Table {
         self.dirty_boxes.extend(set.inode_boxes.iter().copied());
         self.dirty_dentries.extend(set.dentry_boxes.iter().copied());
         self.dirty_reclaims |= set.reclaims;
+        self.dirty_region_next |= set.region_next;
     }
 
     /// Number of boxes changed since the last checkpoint.
@@ -484,6 +516,7 @@ impl Table {
             inode_boxes: self.boxes.keys().copied().collect(),
             dentry_boxes,
             reclaims: true,
+            region_next: self.region_next.is_some(),
         }
     }
 
@@ -547,10 +580,22 @@ impl Table {
         }
     }
 
+    /// The region's allocation point as an image (0: none recorded, which loads as none).
+    pub fn image_region_next(&self) -> BoxImage {
+        BoxImage::RegionNext {
+            next: self.region_next.unwrap_or(0),
+        }
+    }
+
     /// Replaces a box with its image (checkpoint load). Images of later checkpoints
     /// override earlier ones box by box. Rejects images that do not belong here.
     pub fn load_image(&mut self, img: BoxImage) -> Result<(), String> {
         match img {
+            BoxImage::RegionNext { next } => {
+                if next != 0 {
+                    self.raise_region_next(next);
+                }
+            }
             BoxImage::Reclaims { entries } => {
                 self.reclaims.clear();
                 for r in entries {
@@ -712,6 +757,31 @@ mod tests {
         assert_eq!(t.max_id(), Some(64));
         let ids: Vec<u64> = t.iter_inodes().map(|(i, _)| i).collect();
         assert_eq!(ids, vec![3, 5, 63, 64]);
+    }
+
+    #[test]
+    fn a_region_allocation_point_is_checkpointed_and_never_falls() {
+        let mut t = Table::new(0, 1 << 20);
+        assert!(t.take_dirty().is_empty());
+        assert!(
+            !t.all_boxes().region_next,
+            "nothing recorded, nothing to write"
+        );
+        t.raise_region_next(7);
+        t.raise_region_next(5);
+        assert_eq!(t.region_next(), Some(7));
+        let set = t.take_dirty();
+        assert!(set.region_next && set.len() == 1);
+        let mut loaded = Table::new(0, 1 << 20);
+        loaded.load_image(t.image_region_next()).unwrap();
+        assert_eq!(loaded.region_next(), Some(7));
+        // An older image loaded after a newer one (or a replayed older record) leaves it.
+        loaded.load_image(BoxImage::RegionNext { next: 3 }).unwrap();
+        assert_eq!(loaded.region_next(), Some(7));
+        let mut none = Table::new(0, 1 << 20);
+        none.load_image(Table::new(0, 1 << 20).image_region_next())
+            .unwrap();
+        assert_eq!(none.region_next(), None);
     }
 
     #[test]

@@ -535,7 +535,7 @@ impl World {
             e.apply(m)
                 .unwrap_or_else(|err| panic!("replay {m:?}: {err}"));
         }
-        e.recompute_counters();
+        e.fill_region_next();
         e.advance_clock(self.fs.now);
         self.fs.e = e;
         self.handles.clear();

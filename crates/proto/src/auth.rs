@@ -79,6 +79,7 @@ pub struct Transcript {
 const CLIENT_ROLE: &[u8] = b"kochab client proof v2";
 const SERVER_ROLE: &[u8] = b"kochab server proof v2";
 const SESSION_ROLE: &[u8] = b"kochab session id v2";
+const REPLAY_KEY_ROLE: &[u8] = b"kochab replay tag key v1";
 
 fn mac_for(key: &ClusterKey, role: &[u8], t: &Transcript) -> Hmac<Sha256> {
     let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(key)
@@ -125,6 +126,80 @@ pub fn session_id(cluster_key: &ClusterKey, key_id: KeyId, client_id: u64) -> u6
     let mut b = [0u8; 8];
     b.copy_from_slice(&h[..8]);
     u64::from_le_bytes(b)
+}
+
+/// Bytes of a replay tag: HMAC-SHA256 truncated to 128 bits (RFC 2104 allows truncation to
+/// half the hash; a forger has one guess per request, and 2^-128 per guess).
+pub const REPLAY_TAG_BYTES: usize = 16;
+
+/// What an early (`Unsafe`) reply carries and a replay of its request sends back: the
+/// servers' proof that they answered that request of that session early (see
+/// [`ReplayKey`]).
+pub type ReplayTag = [u8; REPLAY_TAG_BYTES];
+
+/// The servers' key for replay tags: derived from the cluster key with its own role, so
+/// every server of a cluster (the one that replays after a failover too) computes and
+/// checks the same tags, and no client key, proof or session id can stand in for one.
+#[derive(Clone)]
+pub struct ReplayKey(Hmac<Sha256>);
+
+impl std::fmt::Debug for ReplayKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReplayKey")
+    }
+}
+
+/// What a replay tag covers: the request as the server saw it and what its reply created.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplayTagInput {
+    /// The session the server keeps for the client's key and client id (`session_id`).
+    pub session: u64,
+    /// The request's reply-cache sequence number (0: none).
+    pub seq: u64,
+    /// The inode the reply created or named (`Reply::created`), which a replay may ask for.
+    pub created: u64,
+    /// The operation's kind (`Op::index`).
+    pub op: u8,
+    /// The inode the request is routed by (`Op::replay_route`).
+    pub route: u64,
+}
+
+impl ReplayKey {
+    /// The replay key of a cluster.
+    pub fn derive(cluster_key: &ClusterKey) -> ReplayKey {
+        let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(cluster_key)
+            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+        m.update(REPLAY_KEY_ROLE);
+        let derived = m.finalize().into_bytes();
+        ReplayKey(
+            <Hmac<Sha256> as KeyInit>::new_from_slice(&derived)
+                .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length")),
+        )
+    }
+
+    fn mac(&self, t: &ReplayTagInput) -> Hmac<Sha256> {
+        // The keyed state is cloned: one key schedule per server, not per reply.
+        let mut m = self.0.clone();
+        m.update(&t.session.to_le_bytes());
+        m.update(&t.seq.to_le_bytes());
+        m.update(&t.created.to_le_bytes());
+        m.update(&[t.op]);
+        m.update(&t.route.to_le_bytes());
+        m
+    }
+
+    /// The tag of an early reply.
+    pub fn tag(&self, t: &ReplayTagInput) -> ReplayTag {
+        let full = self.mac(t).finalize().into_bytes();
+        let mut tag = [0u8; REPLAY_TAG_BYTES];
+        tag.copy_from_slice(&full[..REPLAY_TAG_BYTES]);
+        tag
+    }
+
+    /// Checks a replay's tag in constant time.
+    pub fn verify(&self, t: &ReplayTagInput, tag: &ReplayTag) -> bool {
+        self.mac(t).verify_truncated_left(tag).is_ok()
+    }
 }
 
 /// Hex form of a key, as stored in the cluster key file.
@@ -216,5 +291,31 @@ mod tests {
         assert!(!format!("{client:?}").contains("0707"));
         assert_ne!(session_id(&key, 1, 42), session_id(&key, 2, 42));
         assert_eq!(session_id(&key, 1, 42), session_id(&key, 1, 42));
+    }
+
+    #[test]
+    fn replay_tags_bind_every_input_and_the_cluster_key() {
+        let key = ReplayKey::derive(&[7u8; 32]);
+        let t = ReplayTagInput {
+            session: 1,
+            seq: 2,
+            created: 3,
+            op: 4,
+            route: 5,
+        };
+        let tag = key.tag(&t);
+        assert!(key.verify(&t, &tag));
+        assert!(ReplayKey::derive(&[7u8; 32]).verify(&t, &tag), "any server");
+        assert!(!ReplayKey::derive(&[8u8; 32]).verify(&t, &tag));
+        for other in [
+            ReplayTagInput { session: 9, ..t },
+            ReplayTagInput { seq: 9, ..t },
+            ReplayTagInput { created: 9, ..t },
+            ReplayTagInput { op: 9, ..t },
+            ReplayTagInput { route: 9, ..t },
+        ] {
+            assert!(!key.verify(&other, &tag), "{other:?}");
+        }
+        assert!(!key.verify(&t, &[0u8; REPLAY_TAG_BYTES]));
     }
 }

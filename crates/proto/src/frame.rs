@@ -34,7 +34,9 @@ pub enum FrameKind {
     Reply = 5,
     /// Server to client before it closes a connection on purpose (bad auth, bad frame).
     Goodbye = 6,
-    /// A reply sent before its journal record is durable: payload `(lsn, Reply)`.
+    /// A reply sent before its journal record is durable: payload `(lsn, ReplayTag,
+    /// Reply)` (the tag lets a replay of the request prove it is one, see
+    /// `auth::ReplayKey`).
     Unsafe = 7,
     /// Server to client: its journal is durable up to the LSN in the payload (sent after
     /// `Unsafe` replies, once the journal holds them). Request id 0.

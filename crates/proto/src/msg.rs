@@ -21,7 +21,8 @@ pub const CLOSE_MANY_HANDLES_MAX: usize = 64;
 /// naming the owner.
 /// 4: early replies (`Unsafe` and `Durable` frames, the incarnation in the welcome).
 /// 5: leases and callbacks (`Auth::leases`, `Welcome::lease_ms`, `Callback` frames).
-pub const PROTOCOL_VERSION: u16 = 5;
+/// 6: replay tags (`Unsafe` frames carry one, `ReplyMode::Replay` sends it back).
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// First frame on every connection, server to client: a fresh nonce to prove the key against.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -172,9 +173,16 @@ pub enum ReplyMode {
     Early,
     /// A replay of a request first answered early, sent after the server restarted or the
     /// table failed over; answered once durable. `want_id` (0: none) is the inode the
-    /// first reply created: the server gives the replayed create that id if it is free,
-    /// so the client's (and the kernel's) references stay good.
-    Replay { want_id: InodeId },
+    /// first reply created: the server gives the replayed create that id if it is free
+    /// (and not far past its region's allocation point), so the client's (and the
+    /// kernel's) references stay good. `tag` is the replay tag the early reply carried:
+    /// a replay whose tag does not verify for this session, sequence number, operation,
+    /// routing inode and `want_id` is refused (EPERM) and runs nowhere, so no client can
+    /// pick ids or slip into a server's replay window by setting this mode.
+    Replay {
+        want_id: InodeId,
+        tag: crate::auth::ReplayTag,
+    },
 }
 
 /// Names of the operation kinds, indexed by [`Op::index`].
@@ -546,6 +554,13 @@ impl Op {
         )
     }
 
+    /// The inode a replay tag binds the request to: the first inode it names by id (the
+    /// parent of a creation or removal, the inode of a change), 0 for one naming none
+    /// (operations on handles).
+    pub fn replay_route(&self) -> InodeId {
+        self.inode_ids()[0].unwrap_or(0)
+    }
+
     /// The inodes the operation names by id (directories by name are not resolved here).
     pub fn inode_ids(&self) -> [Option<InodeId>; 2] {
         match *self {
@@ -686,6 +701,16 @@ pub enum Reply {
 }
 
 impl Reply {
+    /// The inode a successful reply created or names (0: none): what a replay of its
+    /// request asks for again, and what its replay tag binds.
+    pub fn created(&self) -> InodeId {
+        match self {
+            Reply::Entry(a) => a.id,
+            Reply::WithDirs { reply, .. } => reply.created(),
+            _ => 0,
+        }
+    }
+
     /// Builds an error reply.
     pub fn err(e: FsError) -> Reply {
         Reply::Error(e)

@@ -330,17 +330,32 @@ fn delegation_map() -> impl Strategy<Value = DelegationMap> {
         })
 }
 
+fn reply_mode() -> impl Strategy<Value = ReplyMode> {
+    prop_oneof![
+        Just(ReplyMode::Durable),
+        Just(ReplyMode::Early),
+        (any::<u64>(), any::<[u8; 16]>())
+            .prop_map(|(want_id, tag)| ReplyMode::Replay { want_id, tag }),
+    ]
+}
+
 fn request() -> impl Strategy<Value = Request> {
-    (cred(), any::<u64>(), any::<u64>(), any::<u64>(), op()).prop_map(
-        |(cred, seq, seq_floor, map_version, op)| Request {
+    (
+        cred(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+        reply_mode(),
+        op(),
+    )
+        .prop_map(|(cred, seq, seq_floor, map_version, mode, op)| Request {
             cred,
             seq,
             seq_floor,
             map_version,
-            mode: Default::default(),
+            mode,
             op,
-        },
-    )
+        })
 }
 
 fn attr() -> impl Strategy<Value = Attr> {
@@ -547,7 +562,9 @@ fn decode_any(kind: FrameKind, payload: &[u8]) -> bool {
         FrameKind::Request => decode_payload::<Request>(payload).is_ok(),
         FrameKind::Reply => decode_payload::<Reply>(payload).is_ok(),
         FrameKind::Goodbye => decode_payload::<FsError>(payload).is_ok(),
-        FrameKind::Unsafe => decode_payload::<(u64, Reply)>(payload).is_ok(),
+        FrameKind::Unsafe => {
+            decode_payload::<(u64, kochab_proto::auth::ReplayTag, Reply)>(payload).is_ok()
+        }
         FrameKind::Durable => decode_payload::<u64>(payload).is_ok(),
         FrameKind::Callback => decode_payload::<Vec<Invalidation>>(payload).is_ok(),
         FrameKind::CallbackDone => decode_payload::<()>(payload).is_ok(),

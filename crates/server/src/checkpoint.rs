@@ -616,6 +616,7 @@ impl Checkpointer {
         let mut inode_boxes = set.inode_boxes.iter();
         let mut dentry_boxes = set.dentry_boxes.iter();
         let mut reclaims_left = set.reclaims;
+        let mut region_next_left = set.region_next;
         loop {
             // The core lock (if any) is held only while boxes are copied, never over I/O.
             let copied = {
@@ -643,6 +644,9 @@ impl Checkpointer {
                     } else if reclaims_left {
                         reclaims_left = false;
                         t.image_reclaims()
+                    } else if region_next_left {
+                        region_next_left = false;
+                        t.image_region_next()
                     } else {
                         break;
                     };

@@ -9,7 +9,10 @@
 use crate::core::Shared;
 use crate::keys::KeyEntry;
 use crate::leases::Board;
-use kochab_proto::auth::{ADMIN_KEY_ID, Transcript, prove_server, session_id, verify_client};
+use kochab_proto::auth::{
+    ADMIN_KEY_ID, REPLAY_TAG_BYTES, ReplayKey, ReplayTag, ReplayTagInput, Transcript, prove_server,
+    session_id, verify_client,
+};
 use kochab_proto::codec::{CodecError, Frame, FrameCodec};
 use kochab_proto::frame::{MAX_FRAME_BYTES, decode_payload, encode_frame};
 use kochab_proto::*;
@@ -177,15 +180,112 @@ impl Replies {
         }
     }
 
-    /// Adds one reply that leaves now although its record (`lsn`) is not durable yet.
-    fn add_unsafe(&mut self, rid: u64, op: u8, reply: &Reply, lsn: u64) {
+    /// Adds one reply to `req` that leaves now although its record (`lsn`) is not durable
+    /// yet, with the replay tag the client keeps for a replay of `req`. Every `Unsafe`
+    /// frame is made here, so every early reply carries a tag.
+    fn add_unsafe(&mut self, rid: u64, req: &Request, reply: &Reply, lsn: u64, tags: &SessionTags) {
+        let tag = tags.tag(req, reply);
+        self.add_tagged(rid, req.op.index() as u8, reply, lsn, tag);
+    }
+
+    /// [`Replies::add_unsafe`] with the tag made before the request was consumed (a
+    /// write's data is not kept for it).
+    fn add_tagged(&mut self, rid: u64, op: u8, reply: &Reply, lsn: u64, tag: ReplayTag) {
         self.unsafe_lsn = self.unsafe_lsn.max(lsn);
         self.ops.push((op, !matches!(reply, Reply::Error(_))));
-        if let Err(e) = encode_frame(&mut self.bytes, FrameKind::Unsafe, rid, &(lsn, reply)) {
+        let frame = (lsn, tag, reply);
+        if let Err(e) = encode_frame(&mut self.bytes, FrameKind::Unsafe, rid, &frame) {
             let fallback = Reply::Error(fs_err!(EIO, "reply does not fit in a frame: {e}"));
             let _ = encode_frame(&mut self.bytes, FrameKind::Reply, rid, &fallback);
         }
     }
+}
+
+/// The replay tags of one session (see `auth::ReplayKey`): made for its early replies,
+/// checked on its replays. A replay is genuine when its tag verifies for the session it
+/// arrives in, its sequence number, operation kind, routing inode and the id it asks for:
+/// then a server answered that request of that session early, and gave it that id.
+#[derive(Clone)]
+pub(crate) struct SessionTags {
+    key: ReplayKey,
+    session: u64,
+}
+
+impl SessionTags {
+    pub(crate) fn new(key: &ReplayKey, session: u64) -> SessionTags {
+        SessionTags {
+            key: key.clone(),
+            session,
+        }
+    }
+
+    fn input(&self, seq: u64, created: InodeId, op: &Op) -> ReplayTagInput {
+        ReplayTagInput {
+            session: self.session,
+            seq,
+            created,
+            op: op.index() as u8,
+            route: op.replay_route(),
+        }
+    }
+
+    /// The tag of an early reply to a write (which creates nothing), made from the
+    /// request alone.
+    fn write_tag(&self, req: &Request) -> ReplayTag {
+        self.key.tag(&self.input(req.seq, 0, &req.op))
+    }
+
+    /// The tag of an early reply: none (zeros) where there is nothing to replay, a read or
+    /// a failure (the client keeps neither).
+    pub(crate) fn tag(&self, req: &Request, reply: &Reply) -> ReplayTag {
+        if req.op.is_read_only() || matches!(reply, Reply::Error(_)) {
+            return [0; REPLAY_TAG_BYTES];
+        }
+        self.key.tag(&self.input(req.seq, reply.created(), &req.op))
+    }
+
+    /// False for a request in replay mode whose tag does not verify (other modes need none).
+    fn genuine(&self, req: &Request) -> bool {
+        match req.mode {
+            ReplyMode::Replay { want_id, tag } => self
+                .key
+                .verify(&self.input(req.seq, want_id, &req.op), &tag),
+            _ => true,
+        }
+    }
+}
+
+/// Answers the replays in `reqs` whose tags do not verify with EPERM, in `refused`; they
+/// run nowhere (not as ordinary requests either: a client that sets the mode without the
+/// tag is broken or forging, and a quiet fallback would hide either).
+fn refuse_forged_replays(
+    shared: &Shared,
+    peer: Peer,
+    tags: &SessionTags,
+    reqs: &mut Vec<(u64, Request)>,
+    refused: &mut Replies,
+) {
+    reqs.retain(|(rid, req)| {
+        if tags.genuine(req) {
+            return true;
+        }
+        let what = format!(
+            "refused a {} in replay mode from {peer}: its replay tag does not verify",
+            req.op.name()
+        );
+        match shared.bad_frame_log.allow(Instant::now()) {
+            Some(0) => tracing::warn!("{what}"),
+            Some(n) => tracing::warn!("{what} ({n} more such warnings suppressed)"),
+            None => {}
+        }
+        let e = fs_err!(
+            EPERM,
+            "not a replay: its replay tag does not verify for this session (only a \
+             request this session was answered early may be replayed)"
+        );
+        refused.add(*rid, req.op.index() as u8, &Reply::Error(e), 0);
+        false
+    });
 }
 
 enum Outgoing {
@@ -653,6 +753,7 @@ async fn read_loop(
 ) {
     let Identity { session, key, .. } = who;
     let client = session;
+    let tags = SessionTags::new(&shared.replay_key, session);
     // The admin key with no rule skips the screening (the single-server fast path).
     let screened = key.id != ADMIN_KEY_ID || key.policy != KeyPolicy::TRUSTED;
     let mut journal_failure = shared.journal.subscribe_failure();
@@ -717,6 +818,17 @@ async fn read_loop(
                 return;
             }
         }
+        // Before anything runs, and whatever the key: a replay proves it is one.
+        if reqs
+            .iter()
+            .any(|(_, r)| matches!(r.mode, ReplyMode::Replay { .. }))
+        {
+            let mut refused = Replies::new(Instant::now(), 0);
+            refuse_forged_replays(shared, peer, &tags, &mut reqs, &mut refused);
+            if !refused.ops.is_empty() && !send_replies(&tx, &backlog, refused).await {
+                return;
+            }
+        }
         for (rid, req) in admin.drain(..) {
             let keys = shared.keys.clone();
             let op = req.op.index() as u8;
@@ -745,17 +857,21 @@ async fn read_loop(
                 return;
             };
             let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
+            // Writes only: a truncation, fallocate or fsync answers once durable.
+            let early = (req.mode == ReplyMode::Early && matches!(req.op, Op::Write { .. }))
+                .then(|| tags.write_tag(&req));
             // On the server's runtime: a data write or a cluster operation must not end
             // halfway with a client's runtime.
             shared.runtime.clone().spawn(async move {
                 let mut group = Replies::new(Instant::now(), 1);
                 let op = req.op.index() as u8;
-                // Writes only: a truncation, fallocate or fsync answers once durable.
-                let early = req.mode == ReplyMode::Early && matches!(req.op, Op::Write { .. });
                 let (reply, lsn) = crate::cluster_host::task_op(shared.clone(), client, req).await;
                 // A write answered early leaves now, as an `Unsafe` frame with its LSN.
-                if early && lsn > shared.journal.durable_lsn() {
-                    group.add_unsafe(rid, op, &reply, lsn);
+                if let Some(tag) = early
+                    && lsn > shared.journal.durable_lsn()
+                    && !matches!(reply, Reply::Error(_))
+                {
+                    group.add_tagged(rid, op, &reply, lsn, tag);
                 } else {
                     group.add(rid, op, &reply, lsn);
                 }
@@ -765,6 +881,7 @@ async fn read_loop(
         }
         // After a crash only replays change anything for a while: a new change waits, so
         // that it cannot take a name or an id that a replayed one needs (reads go on).
+        // Every request still in replay mode here carried a tag that verified.
         if let Some(until) = shared.replay_window.until()
             && reqs.iter().any(|(_, r)| {
                 !matches!(r.mode, ReplyMode::Replay { .. }) && waits_for_replays(&r.op)
@@ -806,7 +923,7 @@ async fn read_loop(
                 if lsn <= durable {
                     now.add(rid, op, &reply, lsn);
                 } else if req.mode == ReplyMode::Early {
-                    now.add_unsafe(rid, op, &reply, lsn);
+                    now.add_unsafe(rid, &req, &reply, lsn, &tags);
                 } else {
                     later.add(rid, op, &reply, lsn);
                 }

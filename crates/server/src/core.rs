@@ -476,6 +476,8 @@ pub struct Shared {
     pub incarnation: u64,
     /// Until when only replays are served (after a crash, see [`ReplayWindow`]).
     pub replay_window: ReplayWindow,
+    /// Tags early replies and checks replays (the same at every server of the cluster).
+    pub replay_key: kochab_proto::auth::ReplayKey,
 }
 
 /// How long a server recovered from a crash runs no change but replays: clients that hold
@@ -486,7 +488,8 @@ pub struct Shared {
 pub const REPLAY_WINDOW: std::time::Duration = crate::leases::LEASE;
 
 /// The window after a crash in which only replayed changes run; other changes wait for its
-/// end (reads do not).
+/// end (reads do not). A replay is admitted only with a replay tag that verifies for its
+/// session (see `conn::SessionTags`): setting the mode is not enough.
 #[derive(Default)]
 pub struct ReplayWindow(Mutex<Option<Instant>>);
 
@@ -714,8 +717,10 @@ impl Shared {
             };
             let before = self.journal.last_lsn();
             let global = matches!(req.op, Op::Status | Op::StatFs | Op::Fsck);
+            // Only a replay whose tag verified gets here in this mode (the connection
+            // refuses the others, see `conn::SessionTags`).
             core.engine.want_id = match req.mode {
-                ReplyMode::Replay { want_id } if want_id != 0 => Some(want_id),
+                ReplyMode::Replay { want_id, .. } if want_id != 0 => Some(want_id),
                 _ => None,
             };
             let reply = match req.op {

@@ -118,7 +118,9 @@ impl Leases {
                 | Mutation::DropXattr { id, .. } => {
                     (LeaseKey::Inode(*id), Invalidation::Inode { id: *id })
                 }
-                Mutation::PutReclaim { .. } | Mutation::DropReclaim { .. } => continue,
+                Mutation::PutReclaim { .. }
+                | Mutation::DropReclaim { .. }
+                | Mutation::SetRegionNext { .. } => continue,
             };
             self.call_back_key(changer, key, what, now, &mut out);
         }

@@ -153,7 +153,7 @@ pub fn recover_tables(
         }
         ends.insert(j, report.last_lsn);
     }
-    engine.recompute_counters();
+    engine.fill_region_next();
     let replay_time = started.elapsed();
 
     // This server's LSNs only grow across its incarnations (status and logs stay readable).
@@ -637,6 +637,6 @@ fn load_all(dir: &DataDir) -> io::Result<(Engine, u64)> {
             .map_err(|e| explain(e, None))?
             .replayed;
     }
-    engine.recompute_counters();
+    engine.fill_region_next();
     Ok((engine, replayed))
 }

@@ -315,6 +315,7 @@ async fn serve(
         cluster: dir.cluster.clone(),
         incarnation: kochab_proto::auth::random_u64(),
         replay_window: Default::default(),
+        replay_key: kochab_proto::auth::ReplayKey::derive(&dir.key),
     });
     if dir.replay_window {
         tracing::info!(

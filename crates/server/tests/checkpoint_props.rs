@@ -12,7 +12,7 @@ use kochab_journal::record::encode_record_with;
 use kochab_meta::inode::{DirMeta, InodeExtra};
 use kochab_meta::name::Name;
 use kochab_meta::table::{DentryImage, InodeImage};
-use kochab_meta::{BoxImage, Engine, EngineConfig, Inode, Mutation, Reclaim, Table};
+use kochab_meta::{BoxImage, Engine, EngineConfig, Inode, Mutation, Reclaim, Region, Table};
 use kochab_proto::{Credentials, FileKind, InodeId, Op, Reply, mode};
 use kochab_server::checkpoint::{
     BOX_IMAGE_BYTES_MAX, ImageRef, Manifest, load_table, read_manifest, swap_manifest,
@@ -238,7 +238,7 @@ fn load_into_engine(template: &Engine, idx: usize, bytes: &[u8]) -> Result<(), T
         return Ok(());
     }
     let _ = e.rehash_legacy_dentries();
-    e.recompute_counters();
+    e.fill_region_next();
     let _ = e.check_invariants();
     let ids: Vec<InodeId> = e.tables()[idx]
         .iter_inodes()
@@ -396,6 +396,7 @@ fn box_image(root: InodeId) -> impl Strategy<Value = BoxImage> {
                 entries
             }
         ),
+        any::<u64>().prop_map(|next| BoxImage::RegionNext { next }),
         vec((some_id(root), any::<u64>(), any::<u64>()), 0..4).prop_map(|v| BoxImage::Reclaims {
             entries: v
                 .into_iter()
@@ -456,13 +457,23 @@ fn mutation(root: InodeId) -> impl Strategy<Value = Mutation> {
         }),
         (some_id(root), any::<u64>())
             .prop_map(|(id, generation)| Mutation::DropReclaim { id, generation }),
+        (
+            prop_oneof![
+                Just(Region::CatchAll),
+                Just(Region::Primary),
+                Just(Region::TooDeep),
+                Just(Region::TooWide)
+            ],
+            any::<u64>()
+        )
+            .prop_map(|(region, next)| Mutation::SetRegionNext { region, next }),
     ]
 }
 
 /// The engine must still answer after replaying whatever it was given.
 fn still_answers(e: &mut Engine) -> Result<(), TestCaseError> {
     let _ = e.check_invariants();
-    e.recompute_counters();
+    e.fill_region_next();
     let ids: Vec<InodeId> = e
         .tables()
         .iter()

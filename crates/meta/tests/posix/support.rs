@@ -50,6 +50,8 @@ pub struct Snapshot {
     pub inodes: Vec<(InodeId, Inode)>,
     pub entries: Vec<EntryRow>,
     pub xattrs: Vec<XattrRow>,
+    /// Each table's recorded overflow-region allocation point.
+    pub regions: Vec<(InodeId, Option<u64>)>,
 }
 
 pub fn snapshot(e: &Engine) -> Snapshot {
@@ -57,8 +59,10 @@ pub fn snapshot(e: &Engine) -> Snapshot {
         inodes: Vec::new(),
         entries: Vec::new(),
         xattrs: Vec::new(),
+        regions: Vec::new(),
     };
     for t in e.tables() {
+        s.regions.push((t.lo, t.region_next()));
         for (id, inode) in t.iter_inodes() {
             s.inodes.push((id, inode.clone()));
             if let Some(x) = t.xattrs(id) {
