@@ -5,7 +5,8 @@
 //! opened before is closed); after the whole cluster restarts the key is still revoked and
 //! the others still work. The coordinator's files, which now hold the keys (sealed), are
 //! for their owner alone. A single server's keys go with its data directory when it
-//! becomes a cluster's.
+//! becomes a cluster's. A revoked key's client that reads nothing cannot keep its
+//! connection, nor get its server fenced.
 
 mod common;
 
@@ -299,4 +300,92 @@ fn a_single_servers_keys_go_with_its_directory_into_a_cluster() {
         assert!(next.id > gone.id, "id {} reused", next.id);
         works_at(addrs[0], &next).await;
     });
+}
+
+/// Every server's epoch by its id, as the cluster's status shows it.
+fn epochs(up: &ServerProc) -> std::collections::BTreeMap<u64, u64> {
+    let v = status(up).expect("status");
+    v["servers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| Some((s["id"].as_u64()?, s["epoch"].as_u64()?)))
+        .collect()
+}
+
+/// A raw connection to `addr` authenticated with `key` (the welcome read, nothing else).
+fn raw_connection(addr: SocketAddr, key: &ClientKey) -> std::net::TcpStream {
+    use kochab_proto::frame::{FRAME_HEADER_BYTES, decode_payload, encode_frame, parse_header};
+    use kochab_proto::{Auth, Challenge, FrameKind};
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(CONN_TIMEOUT)).expect("timeout");
+    let read_frame = |s: &mut std::net::TcpStream| {
+        let mut buf = Vec::new();
+        loop {
+            if let Some(h) = parse_header(&buf).expect("frame header") {
+                return (h.kind, buf[FRAME_HEADER_BYTES..h.total_len].to_vec());
+            }
+            let mut chunk = [0u8; 4096];
+            let n = s.read(&mut chunk).expect("read");
+            assert!(n > 0, "closed during the handshake");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    };
+    let (_, payload) = read_frame(&mut s);
+    let ch: Challenge = decode_payload(&payload).expect("challenge");
+    let (auth, _) = Auth::prove(key, ch.nonce, [1; 32], 77);
+    let mut out = Vec::new();
+    encode_frame(&mut out, FrameKind::Auth, 0, &auth).expect("auth frame");
+    s.write_all(&out).expect("auth");
+    assert_eq!(read_frame(&mut s).0, FrameKind::Welcome);
+    s
+}
+
+#[test]
+fn a_revoked_key_that_reads_nothing_is_cut_off_without_fencing_its_server() {
+    use kochab_proto::FrameKind;
+    use kochab_proto::frame::encode_frame;
+    use std::io::Write;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = tmp.path().join("data");
+    let up = ServerProc::start(&data, &["--servers", "2", "--lease", "2"]);
+    let addrs = server_addrs(&up, 2);
+    let admin_file = data.join("cluster.key");
+    let k = add_cli(addrs[0], &admin_file, &tmp.path().join("k.key"));
+    let before = epochs(&up);
+    // Requests pipelined without reading a reply: the server's writer blocks on the full
+    // socket, its reply backlog fills, and its reader stops reading (the rest of the
+    // requests wait in the sockets: the thread writing them blocks).
+    let s = raw_connection(addrs[1], &k);
+    let mut out = Vec::new();
+    for i in 0..1_000_000u64 {
+        encode_frame(&mut out, FrameKind::Request, i + 1, &request(Op::GetMap)).expect("frame");
+    }
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let mut w = s.try_clone().expect("clone");
+    std::thread::spawn(move || {
+        let _ = done_tx.send(w.write_all(&out));
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        done.try_recv().is_err(),
+        "the server read every request: the test needs more to block it"
+    );
+    let started = Instant::now();
+    let (code, out, err) = key_cli(addrs[0], &admin_file, &["revoke", &k.id.to_string()]);
+    assert_eq!(code, Some(0), "revoke: {out} {err}");
+    eprintln!(
+        "key revoke with a connection that reads nothing took {:?}",
+        started.elapsed()
+    );
+    // The server cut the connection: the blocked write fails.
+    match done.recv_timeout(CONN_TIMEOUT) {
+        Ok(r) => assert!(r.is_err(), "every request was written: {r:?}"),
+        Err(_) => panic!("the revoked key's connection at {} is still open", addrs[1]),
+    }
+    // By closing it, not by being fenced.
+    assert_eq!(epochs(&up), before, "a server was fenced");
+    runtime().block_on(refused_at(addrs[1], &k));
+    drop(s);
 }

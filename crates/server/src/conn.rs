@@ -392,6 +392,12 @@ async fn serve_stream(
         backlog.clone(),
     ));
     let key = who.key.clone();
+    if key.id == ADMIN_KEY_ID {
+        // The cluster key is never revoked: nothing to watch beside the reader.
+        read_loop(&shared, who, frames, tx, peer, shutdown, backlog).await;
+        let _ = writer.await;
+        return;
+    }
     let bye = tx.clone();
     tokio::select! {
         () = read_loop(&shared, who, frames, tx, peer, shutdown, backlog) => {}
