@@ -115,12 +115,23 @@ fn recorded_replicas(data: &Path, coords: usize) -> Result<Option<Vec<String>>, 
 /// Records the replicas' addresses (one per line), atomically.
 fn record_replicas(data: &Path, addrs: &[String]) -> Result<(), String> {
     let dir = data.join(COORD_DIR);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    private_dir(&dir)?;
     let tmp = dir.join(format!("{REPLICAS_FILE}.tmp"));
     let mut text = addrs.join("\n");
     text.push('\n');
     std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, dir.join(REPLICAS_FILE)).map_err(|e| format!("{}: {e}", dir.display()))
+}
+
+/// Creates `dir` (and parents) for its owner alone, as a replica's files are (the
+/// coordinator's state holds the cluster's client keys, sealed).
+fn private_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))
 }
 
 /// One child process and how to start it again.
@@ -298,7 +309,7 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     for (i, addr) in coord_addrs.iter().enumerate() {
         let id = i + 1;
         let dir = replica_dir(&args.data, id);
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        private_dir(&dir)?;
         procs.push(Proc {
             name: if args.coords == 1 {
                 "coordinator".into()

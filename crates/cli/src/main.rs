@@ -133,9 +133,15 @@ fn id_range(s: &str) -> Result<kochab_proto::IdRange, String> {
     Ok(r)
 }
 
+/// How long `kochab key` waits for its answer. A cluster's server answers an add or a
+/// revocation once every live server applied it, which takes up to a lease or two when a
+/// server has to be fenced first (`kochab_cluster::keys::settle_bound_ms`); a retry after
+/// a timeout could make a second key.
+const KEY_COMMAND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(90);
+
 async fn key_command(conn: ConnArgs, cmd: KeyCommand) -> Result<(), String> {
     use kochab_proto::{KeyPolicy, Squash};
-    let client = connect(&conn).await?;
+    let client = connect_with(&conn, Some(KEY_COMMAND_TIMEOUT)).await?;
     match cmd {
         KeyCommand::Add {
             out,
@@ -425,8 +431,19 @@ struct BenchArgs {
 }
 
 async fn connect(conn: &ConnArgs) -> Result<Client, String> {
+    connect_with(conn, None).await
+}
+
+/// [`connect`], with requests that may take up to `request_timeout` if given.
+async fn connect_with(
+    conn: &ConnArgs,
+    request_timeout: Option<std::time::Duration>,
+) -> Result<Client, String> {
     let key = conn.key.load()?;
     let mut cfg = ClientConfig::named(&conn.cluster, key).map_err(|e| e.to_string())?;
+    if let Some(t) = request_timeout {
+        cfg.request_timeout = t;
+    }
     cfg.connections = conn.connections;
     cfg.tls = conn.tls.load()?;
     Client::connect(cfg)

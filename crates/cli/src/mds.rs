@@ -101,6 +101,8 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
             ..ParticipantConfig::default()
         },
         clock: monotonic_clock(),
+        // A single server's keys go with its data directory when it becomes a cluster's.
+        import_keys_from: Some(args.data.clone()),
     })
     .await
     .map_err(|e| format!("server {}: {e}", args.id))?;

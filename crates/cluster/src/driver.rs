@@ -58,6 +58,8 @@ enum Key {
     Add(Incarnation, Vec<TableId>),
     Grant(BorrowId),
     Split(TableId, Incarnation),
+    /// Keyed by the version, so a newer change is sent at once.
+    Keys(Incarnation, u64),
 }
 
 /// The leader-side protocol driver (not replicated; rebuilt from nothing on a new leader).
@@ -173,6 +175,14 @@ impl Driver {
                 self.acked.insert(*id, ());
                 Vec::new()
             }
+            ControlReply::KeysApplied { by, version } => {
+                self.sent
+                    .retain(|k, _| !matches!(k, Key::Keys(i, v) if i == by && v <= version));
+                vec![DriverAction::Propose(CoordCommand::KeysApplied {
+                    by: *by,
+                    version: *version,
+                })]
+            }
         }
     }
 
@@ -263,6 +273,18 @@ impl Driver {
                         table: *t,
                         at: sp.at,
                         map_version: sp.started,
+                    },
+                }));
+            }
+        }
+        for inc in state.keys_behind() {
+            let key = Key::Keys(inc, state.keys.version);
+            live_keys.push(key.clone());
+            if self.due(key, now_ms) {
+                out.push(DriverAction::Send(Control {
+                    to: inc,
+                    body: ControlBody::Keys {
+                        version: state.keys.version,
                     },
                 }));
             }

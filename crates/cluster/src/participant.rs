@@ -539,6 +539,8 @@ impl Participant {
                     })],
                 }
             }
+            // The host answers it: the keys are its server's, not the protocol's.
+            ControlBody::Keys { .. } => Vec::new(),
         }
     }
 

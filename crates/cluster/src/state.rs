@@ -1,5 +1,5 @@
 //! The coordinator's replicated state machine: delegation map, membership and leases,
-//! migrations in progress, the borrow lock table and per-table load.
+//! migrations in progress, the borrow lock table, per-table load and the client keys.
 //!
 //! [`CoordState::apply`] is pure and deterministic: the same commands in the same order give
 //! the same state on every replica. Time enters only as a command's `now_ms`. Every command
@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::keys::ClientKeys;
 use kochab_proto::InodeId;
 use kochab_proto::cluster::{
     BorrowId, BorrowPhase, CoordCommand, CoordReply, DelegationMap, Epoch, Incarnation, MapVersion,
@@ -139,6 +140,10 @@ pub struct CoordState {
     /// asks again only once they have doubled.
     #[serde(default)]
     pub unsplittable: BTreeMap<TableId, u64>,
+    /// The cluster's client keys (secrets sealed under the cluster key) and how far each
+    /// member has applied them.
+    #[serde(default)]
+    pub keys: ClientKeys,
 }
 
 /// A map serialized as a list of pairs.
@@ -176,6 +181,7 @@ impl CoordState {
             CoordCommand::Tick { now_ms } => {
                 self.advance(*now_ms);
                 self.fence_expired();
+                self.fence_keys_late();
                 CoordReply::Ok
             }
             CoordCommand::Move { table, to } => self.start_move(*table, *to),
@@ -204,9 +210,70 @@ impl CoordState {
                 map_version,
                 ..
             } => self.split_refused(*table, *by, *map_version),
+            CoordCommand::KeyAdd { key } => self.keys.add(key, self.now_ms),
+            CoordCommand::KeyRevoke { id } => self.keys.revoke(*id, self.now_ms),
+            CoordCommand::KeysImport { next_id, keys } => {
+                self.keys.import(*next_id, keys, self.now_ms)
+            }
+            CoordCommand::KeysApplied { by, version } => {
+                if self.live(by.server) == Some(*by) {
+                    self.keys.applied(*by, *version, self.now_ms)
+                } else {
+                    CoordReply::Stale("keys applied by a dead incarnation".into())
+                }
+            }
         };
         self.progress();
         reply
+    }
+
+    /// Live members that have not applied the latest client keys (the driver tells them).
+    pub fn keys_behind(&self) -> Vec<Incarnation> {
+        self.servers
+            .keys()
+            .filter_map(|s| self.live(*s))
+            .filter(|i| self.keys.held_by(*i) < self.keys.version)
+            .collect()
+    }
+
+    /// `Ok` once key version `version` is settled: every live member applied it (its
+    /// revoked keys are refused and their connections closed there) and no fenced
+    /// incarnation's lease still runs. Otherwise what it waits for.
+    pub fn keys_settled(&self, version: u64) -> Result<(), String> {
+        let behind: Vec<u32> = self
+            .servers
+            .keys()
+            .filter_map(|s| self.live(*s))
+            .filter(|i| self.keys.held_by(*i) < version)
+            .map(|i| i.server.0)
+            .collect();
+        if !behind.is_empty() {
+            return Err(format!("servers {behind:?} have not applied it"));
+        }
+        if self.now_ms < self.keys.fenced_until_ms {
+            return Err(format!(
+                "a fenced server's lease runs for {} ms more",
+                self.keys.fenced_until_ms - self.now_ms
+            ));
+        }
+        Ok(())
+    }
+
+    /// Fences every live member that has been behind on the client keys, without progress,
+    /// for the grace (see [`crate::keys`]): a server that cannot be told about a revoked
+    /// key must not go on serving it.
+    fn fence_keys_late(&mut self) {
+        let grace = crate::keys::apply_grace_ms(self.lease_ms);
+        let late: Vec<ServerId> = self
+            .servers
+            .keys()
+            .filter_map(|s| self.live(*s))
+            .filter(|i| self.keys.late(*i, grace, self.now_ms))
+            .map(|i| i.server)
+            .collect();
+        for s in late {
+            self.fence(s);
+        }
     }
 
     /// The current epoch of every server (what an ADD may seal below).
@@ -361,6 +428,7 @@ impl CoordState {
             },
         );
         self.map.servers.insert(server, addr.to_string());
+        self.keys.joined(Incarnation { server, epoch }, self.now_ms);
         self.bump();
         CoordReply::Registered {
             epoch,
@@ -394,6 +462,8 @@ impl CoordState {
         // Fenced early (a new process registered) the old one may still believe in its
         // lease: nobody else serves its tables before that lease is over.
         let not_before_ms = m.lease_until_ms;
+        // Nor does a change of the client keys settle before then: it may not know of it.
+        self.keys.fenced(not_before_ms);
         self.bump();
         let dead: Vec<BorrowId> = self
             .borrows
@@ -1234,6 +1304,56 @@ mod tests {
         add_all(&mut s);
         assert!(s.unplaced.is_empty());
         assert!(s.map.tables.values().all(|p| p.owner == ServerId(3)));
+    }
+
+    #[test]
+    fn a_key_change_settles_when_every_live_server_holds_it_or_is_fenced_for_good() {
+        let mut s = three_servers();
+        let key = kochab_proto::cluster::SealedKey {
+            nonce: [1; 16],
+            sealed: [2; 32],
+            policy: kochab_proto::KeyPolicy::TRUSTED,
+            revoked: false,
+            note: String::new(),
+        };
+        let CoordReply::Key { id, .. } = s.apply(&CoordCommand::KeyAdd { key }) else {
+            panic!("not added");
+        };
+        let CoordReply::Key { version, .. } = s.apply(&CoordCommand::KeyRevoke { id }) else {
+            panic!("not revoked");
+        };
+        assert_eq!(s.keys_behind().len(), 3);
+        for id in [2, 3] {
+            let by = s.live(ServerId(id)).unwrap();
+            let r = s.apply(&CoordCommand::KeysApplied { by, version });
+            assert_eq!(r, CoordReply::Ok);
+        }
+        let four = s.live(ServerId(4)).unwrap();
+        assert_eq!(s.keys_behind(), vec![four]);
+        assert!(s.keys_settled(version).is_err());
+        // Server 4 renews its lease but never applies the keys: fenced past the grace.
+        let grace = crate::keys::apply_grace_ms(s.lease_ms);
+        let mut now = 1;
+        while s.live(ServerId(4)).is_some() {
+            now += 500;
+            assert!(now <= grace + 1_000, "server 4 was not fenced");
+            for id in 2..=4 {
+                if s.live(ServerId(id)).is_some() {
+                    renew(&mut s, id, now);
+                }
+            }
+            s.apply(&CoordCommand::Tick { now_ms: now });
+        }
+        assert!(now > grace);
+        // Its lease may still run: the change settles only after it.
+        let until = s.servers[&ServerId(4)].lease_until_ms;
+        assert!(until > now && s.keys_settled(version).is_err());
+        s.apply(&CoordCommand::Tick { now_ms: until });
+        assert_eq!(s.keys_settled(version), Ok(()));
+        // A late report of the fenced incarnation changes nothing.
+        let r = s.apply(&CoordCommand::KeysApplied { by: four, version });
+        assert!(matches!(r, CoordReply::Stale(_)), "{r:?}");
+        s.check().expect("state invariants");
     }
 
     #[test]

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::ops::{Bound, RangeBounds};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -33,6 +34,12 @@ const VOTE_FILE: &str = "vote";
 const PURGED_FILE: &str = "purged";
 const SEGMENT_PREFIX: &str = "log-";
 const SEGMENT_SUFFIX: &str = ".seg";
+/// Mode of every file a replica writes: its state holds the cluster's client keys (sealed,
+/// see `kochab_proto::auth::seal_client_key`), the membership and the leases, for the
+/// replica's owner alone, as the data directory's key files.
+pub(crate) const FILE_MODE: u32 = 0o600;
+/// Mode of the directories it makes.
+const DIR_MODE: u32 = 0o700;
 
 type C<S> = TypeConfig<S>;
 type SErr = StorageError<ReplicaId>;
@@ -55,7 +62,10 @@ pub(crate) fn create_dir_durable(dir: &Path) -> io::Result<()> {
     if dir.is_dir() {
         return Ok(());
     }
-    fs::create_dir_all(dir)?;
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(DIR_MODE)
+        .create(dir)?;
     match dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => sync_dir(p),
         _ => Ok(()),
@@ -67,7 +77,12 @@ pub(crate) fn create_dir_durable(dir: &Path) -> io::Result<()> {
 pub(crate) fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
     let tmp = dir.join(format!("{name}.tmp"));
     {
-        let mut f = File::create(&tmp)?;
+        let _ = fs::remove_file(&tmp);
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(FILE_MODE)
+            .open(&tmp)?;
         f.write_all(&crc32c::crc32c(bytes).to_le_bytes())?;
         f.write_all(bytes)?;
         f.sync_all()?;
@@ -356,6 +371,7 @@ impl<S: ReplicatedState> Inner<S> {
                     .create(true)
                     .truncate(true)
                     .write(true)
+                    .mode(FILE_MODE)
                     .open(&path)?;
                 if let Some(old) = self.active.take() {
                     old.sync_data()?;
@@ -636,6 +652,29 @@ mod tests {
         assert_eq!(st.last_log_id.map(|l| l.index), Some(35));
         // Out-of-order appends are refused, not written.
         assert!(log.append_entries(vec![entry(2, 40)]).is_err());
+    }
+
+    #[test]
+    fn every_file_of_the_log_is_for_its_owner_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("raft-log");
+        let (log, _) = open(&dir);
+        log.append_entries((1..=20).map(|i| entry(1, i)).collect())
+            .unwrap();
+        log.lock()
+            .purge_upto(LogId::new(CommittedLeaderId::new(1, 1), 5))
+            .unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), DIR_MODE);
+        let files: Vec<PathBuf> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|d| d.unwrap().path())
+            .collect();
+        assert!(files.len() > 2, "segments and the purge mark: {files:?}");
+        for f in files {
+            assert_eq!(mode(&f), FILE_MODE, "{}", f.display());
+        }
     }
 
     #[test]

@@ -26,6 +26,8 @@ const WAIT: Duration = Duration::from_secs(20);
 #[derive(Default)]
 struct Servers {
     hold_drops: Mutex<bool>,
+    /// Servers that never answer a `Keys` control (cut off from the driver).
+    deaf_to_keys: Mutex<Vec<ServerId>>,
     seen: Mutex<Vec<Control>>,
 }
 
@@ -54,6 +56,19 @@ impl ServerLink for Servers {
             }),
             ControlBody::Grant { id } => Some(ControlReply::GrantAck { id }),
             ControlBody::Split { .. } => None,
+            ControlBody::Keys { .. }
+                if self
+                    .deaf_to_keys
+                    .lock()
+                    .unwrap()
+                    .contains(&control.to.server) =>
+            {
+                None
+            }
+            ControlBody::Keys { version } => Some(ControlReply::KeysApplied {
+                by: control.to,
+                version,
+            }),
         };
         Box::pin(async move { reply })
     }
@@ -254,4 +269,106 @@ fn a_new_leader_finishes_the_migration_its_predecessor_started() {
     for n in &mut nodes {
         n.kill();
     }
+}
+
+#[test]
+fn a_key_change_settles_once_every_live_server_applied_it_or_was_fenced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let addr = free_addr();
+    let mut node = Node {
+        id: 1,
+        addr,
+        dir: tmp.path().join("r1"),
+        peers: BTreeMap::from([(1, addr)]),
+        live: None,
+    };
+    let servers = Arc::new(Servers::default());
+    node.start(true, &servers);
+    let client_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut cfg = ClientConfig::new(vec![addr], KEY);
+    cfg.budget = WAIT;
+    let client = CoordClient::<CoordState>::new(cfg);
+    let propose = |cmd: CoordCommand| client_rt.block_on(client.propose(cmd)).unwrap();
+    let lease_ms = 3_000;
+    assert_eq!(
+        propose(CoordCommand::Bootstrap {
+            tables: vec![(TableId(0), 100), (TableId(100), 200)],
+            lease_ms,
+        }),
+        CoordReply::Ok
+    );
+    for s in [1, 2] {
+        let reply = propose(CoordCommand::Request {
+            req: ServerRequest::Register {
+                server: ServerId(s),
+                addr: format!("127.0.0.1:{}", 7000 + s),
+                nonce: s as u64,
+            },
+            now_ms: 0,
+        });
+        assert!(matches!(reply, CoordReply::Registered { .. }), "{reply:?}");
+    }
+    // Both servers keep their leases; server 2 hears nothing of the keys.
+    servers.deaf_to_keys.lock().unwrap().push(ServerId(2));
+    let renewing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let renewer = {
+        let renewing = renewing.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let client = CoordClient::<CoordState>::new(ClientConfig::new(vec![addr], KEY));
+            while renewing.load(std::sync::atomic::Ordering::SeqCst) {
+                for s in [1, 2] {
+                    let epoch = kochab_proto::cluster::Epoch(1);
+                    let req = ServerRequest::RenewLease {
+                        server: ServerId(s),
+                        epoch,
+                    };
+                    let _ = rt.block_on(client.propose(CoordCommand::Request { req, now_ms: 0 }));
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    let key = kochab_proto::cluster::SealedKey {
+        nonce: [1; 16],
+        sealed: [2; 32],
+        policy: kochab_proto::KeyPolicy::TRUSTED,
+        revoked: false,
+        note: "k".into(),
+    };
+    let CoordReply::Key { id, .. } = propose(CoordCommand::KeyAdd { key }) else {
+        panic!("key not added");
+    };
+    let CoordReply::Key { version, .. } = propose(CoordCommand::KeyRevoke { id }) else {
+        panic!("key not revoked");
+    };
+    // Server 1 applies the revocation (the driver asks, it answers); server 2 holds it up.
+    let s = node.wait_state("server 1 applied the revocation", |s| {
+        s.live(ServerId(1))
+            .is_some_and(|i| s.keys.held_by(i) >= version)
+    });
+    if s.live(ServerId(2)).is_some() {
+        assert!(s.keys_settled(version).is_err(), "settled without server 2");
+    }
+    // Past the grace, server 2 is fenced, and the change settles once its lease is over.
+    let settled = node.wait_state("the revocation settled", |s| {
+        s.keys_settled(version).is_ok()
+    });
+    assert!(
+        settled.live(ServerId(2)).is_none(),
+        "server 2 was not fenced"
+    );
+    let one = settled.live(ServerId(1)).expect("server 1 stays live");
+    assert_eq!(settled.keys.held_by(one), version);
+    assert!(settled.now_ms >= settled.servers[&ServerId(2)].lease_until_ms);
+    assert!(settled.keys.keys[&id].revoked);
+    renewing.store(false, std::sync::atomic::Ordering::SeqCst);
+    renewer.join().unwrap();
+    node.kill();
 }

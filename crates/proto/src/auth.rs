@@ -202,6 +202,30 @@ impl ReplayKey {
     }
 }
 
+/// Bytes of the random nonce a sealed client key carries.
+pub const SEAL_NONCE_BYTES: usize = 16;
+
+const SEAL_ROLE: &[u8] = b"kochab client key seal v1";
+
+/// Seals a client key's secret under the cluster key, or opens a sealed one (the same
+/// operation): XOR with HMAC-SHA256(cluster key, label, `nonce`), a one-time pad as long
+/// as `nonce` is used once (each key draws its own at random). A cluster keeps its client
+/// keys in the coordinator's replicated state this way: the Raft log, its snapshots and
+/// the coordinator's traffic hold no usable secret for anyone without the cluster key,
+/// which can do everything the client keys can anyway.
+pub fn seal_client_key(
+    cluster_key: &ClusterKey,
+    nonce: &[u8; SEAL_NONCE_BYTES],
+    secret: &ClusterKey,
+) -> ClusterKey {
+    let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(cluster_key)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    m.update(SEAL_ROLE);
+    m.update(nonce);
+    let pad: [u8; KEY_BYTES] = m.finalize().into_bytes().into();
+    std::array::from_fn(|i| secret[i] ^ pad[i])
+}
+
 /// Hex form of a key, as stored in the cluster key file.
 pub fn key_to_hex(key: &ClusterKey) -> String {
     key.iter().map(|b| format!("{b:02x}")).collect()
@@ -317,5 +341,16 @@ mod tests {
             assert!(!key.verify(&other, &tag), "{other:?}");
         }
         assert!(!key.verify(&t, &[0u8; REPLAY_TAG_BYTES]));
+    }
+
+    #[test]
+    fn a_sealed_client_key_opens_only_under_its_cluster_key_and_nonce() {
+        let (cluster, secret) = ([7u8; 32], [42u8; 32]);
+        let sealed = seal_client_key(&cluster, &[1; 16], &secret);
+        assert_ne!(sealed, secret);
+        assert_eq!(seal_client_key(&cluster, &[1; 16], &sealed), secret);
+        assert_ne!(seal_client_key(&[8u8; 32], &[1; 16], &sealed), secret);
+        assert_ne!(seal_client_key(&cluster, &[2; 16], &sealed), secret);
+        assert_ne!(seal_client_key(&cluster, &[2; 16], &secret), sealed);
     }
 }

@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::types::InodeId;
+use crate::auth::{KEY_BYTES, KeyId, SEAL_NONCE_BYTES};
+use crate::errno::FsError;
+use crate::types::{InodeId, KeyPolicy};
 
 /// A metadata server, stable across its restarts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -89,6 +91,21 @@ pub struct TableLoad {
     pub table: TableId,
     pub ops: u64,
     pub inodes: u64,
+}
+
+/// A client key as a cluster's coordinator keeps it: its secret sealed under the cluster
+/// key (see [`crate::auth::seal_client_key`]), so the replicated state holds no usable
+/// secret.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SealedKey {
+    /// Drawn at random for this key: the seal's input, and what makes a retried proposal
+    /// of the same key recognisable (the coordinator's client may apply a command twice).
+    pub nonce: [u8; SEAL_NONCE_BYTES],
+    pub sealed: [u8; KEY_BYTES],
+    pub policy: KeyPolicy,
+    pub revoked: bool,
+    /// What the admin said the key is for.
+    pub note: String,
 }
 
 /// What a metadata server asks of the coordinator (the coordinator stamps the time and
@@ -180,6 +197,21 @@ pub enum CoordCommand {
         map_version: MapVersion,
         reason: String,
     },
+    /// A new client key (a metadata server forwards `kochab key add`): the state gives it
+    /// the next id. `key.revoked` is false.
+    KeyAdd { key: SealedKey },
+    /// Revokes client key `id` for good.
+    KeyRevoke { id: KeyId },
+    /// The client keys a single server's data directory held (`keys.json`), with their
+    /// ids, taken once, when the directory became a cluster's: the first member to
+    /// register proposes them, before any key is added.
+    KeysImport {
+        next_id: KeyId,
+        keys: Vec<(KeyId, SealedKey)>,
+    },
+    /// Incarnation `by` applied the client keys up to `version` and closed the
+    /// connections of every key revoked by then (reported by the driver).
+    KeysApplied { by: Incarnation, version: u64 },
 }
 
 /// How a borrow stands.
@@ -220,6 +252,14 @@ pub enum CoordReply {
     Stale(String),
     /// A command that cannot be applied, with the reason.
     Refused(String),
+    /// A key was added or revoked: its id and the version of the client keys that holds
+    /// the change (done once every live server has applied that version).
+    Key {
+        id: KeyId,
+        version: u64,
+    },
+    /// A key command refused, with the errno the admin gets (no such key, too many keys).
+    KeyRefused(FsError),
 }
 
 /// What the coordinator tells a server to do.
@@ -250,6 +290,9 @@ pub enum ControlBody {
         at: Option<InodeId>,
         map_version: MapVersion,
     },
+    /// The client keys changed up to `version`: read them from the coordinator, refuse
+    /// revoked keys and close their connections, reply `KeysApplied`.
+    Keys { version: u64 },
 }
 
 /// A control message addressed to one incarnation; any other incarnation ignores it.
@@ -296,6 +339,11 @@ pub enum ControlReply {
         by: Incarnation,
         map_version: MapVersion,
         reason: String,
+    },
+    /// The client keys up to `version` are applied here (see `ControlBody::Keys`).
+    KeysApplied {
+        by: Incarnation,
+        version: u64,
     },
 }
 

@@ -14,6 +14,34 @@ pub const KEY_NOTE_MAX: usize = 256;
 /// longer than a batch of single closes would. A mount gathers far fewer in its 1 ms.
 pub const CLOSE_MANY_HANDLES_MAX: usize = 64;
 
+/// Most client keys a cluster holds, revoked ones included (one per machine or service is
+/// the expected use; every server keeps them all in memory, and a single server rewrites
+/// its whole key file on every change). Past it `kochab key add` fails with ENOSPC.
+pub const KEYS_MAX: usize = 4096;
+
+/// Checks what `kochab key add` asks for: a note of at most [`KEY_NOTE_MAX`] bytes and id
+/// ranges that are not empty (EINVAL otherwise). One rule for a single server's key file
+/// and for a cluster's coordinator.
+pub fn check_new_key(policy: &KeyPolicy, note: &str) -> Result<(), FsError> {
+    if note.len() > KEY_NOTE_MAX {
+        return Err(crate::fs_err!(
+            EINVAL,
+            "a key's note has at most {KEY_NOTE_MAX} bytes"
+        ));
+    }
+    for r in [policy.uids, policy.gids].into_iter().flatten() {
+        if r.lo > r.hi {
+            return Err(crate::fs_err!(
+                EINVAL,
+                "id range {}-{} is empty",
+                r.lo,
+                r.hi
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Version of the message set below. A server refuses a client with another version.
 /// 2: mutual authentication with key ids (client and server nonces, a server proof in the
 /// welcome), server-derived session ids, key administration operations.

@@ -10,6 +10,11 @@
 //!   [`Shared::add_table`] / [`Shared::recover_tables`], checkpoints [`Shared::drop_table`],
 //!   and a fence ends the process (its supervisor starts a new incarnation).
 //! - `GetMap` and `Control` requests are answered here, never by the engine.
+//! - The client keys are the coordinator's (`kochab_cluster::keys`): every read of its
+//!   state updates this server's copy ([`ClusterHost::keys`]), the driver's `Keys` control
+//!   is answered once the keys are applied and revoked keys' connections closed, and
+//!   `kochab key` requests are proposed to the coordinator and answered once every live
+//!   server has applied the change ([`ClusterHost::key_op`]).
 //!
 //! - An operation whose tables are not all here (its first one is) is parked and run by
 //!   [`borrowed_op`] once the coordinator has moved them all here (BORROW); the last
@@ -17,18 +22,22 @@
 
 use crate::checkpoint::read_manifest_by_id;
 use crate::core::{Core, Parked, Shared};
+use crate::keys::KeyStore;
 use kochab_cluster::participant::{Action, Admit, Participant, ParticipantConfig, SplitOutcome};
 use kochab_cluster::state::CoordState;
 use kochab_coord::{ClientConfig, CoordClient};
 use kochab_journal::JournalId;
+use kochab_proto::auth::{ADMIN_KEY_ID, ClusterKey, KeyId, seal_client_key};
 use kochab_proto::cluster::{
-    BorrowId, Control, ControlBody, ControlReply, CoordCommand, DelegationMap, Incarnation,
-    MapVersion, ServerId, TableId, TableLoad,
+    BorrowId, Control, ControlBody, ControlReply, CoordCommand, CoordReply, DelegationMap,
+    Incarnation, MapVersion, SealedKey, ServerId, TableId, TableLoad,
 };
 use kochab_proto::*;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
@@ -48,6 +57,10 @@ const MAP_READ_TIMEOUT: Duration = Duration::from_secs(1);
 pub const CONTROL_WAIT: Duration = Duration::from_secs(2);
 /// How long registration may take before the start fails.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a key command may try to reach the coordinator (an election included).
+const KEY_PROPOSE_BUDGET: Duration = Duration::from_secs(5);
+/// How often a key change is checked for being settled while `kochab key` waits.
+const KEYS_SETTLE_POLL: Duration = Duration::from_millis(50);
 
 /// How long an operation waits for its borrow before the client is told to ask again (the
 /// borrow stays queued; granted after everyone left, it is returned at once).
@@ -78,6 +91,9 @@ pub struct HostConfig {
     pub ranges: Vec<(u64, u64)>,
     pub participant: ParticipantConfig,
     pub clock: Clock,
+    /// The data directory whose key file (`keys.json` of a single server) the cluster
+    /// takes, if it has no keys yet (the first member to register proposes it).
+    pub import_keys_from: Option<PathBuf>,
 }
 
 /// One borrow of this incarnation and the operations waiting for it or running under it.
@@ -134,6 +150,15 @@ pub struct ClusterHost {
     fenced: watch::Sender<Option<String>>,
     /// This incarnation's borrows that operations wait for or run under.
     borrows: Mutex<BTreeMap<BorrowId, BorrowSlot>>,
+    /// The cluster key and this server's copy of the coordinator's client keys.
+    keys: Arc<KeyStore>,
+    /// Key commands and the reads that wait for them to settle, apart from the clients
+    /// above: a `kochab key` waiting seconds delays no renewal and no map read.
+    keys_client: CoordClient<CoordState>,
+    /// The group's lease (what a key change takes to settle at worst follows from it).
+    lease_ms: u64,
+    /// A read of the state showed the keys imported (or added): nothing to import.
+    keys_imported: AtomicBool,
     /// Operations admitted per table (by the table they were routed by) since the last
     /// load report.
     admitted: Mutex<BTreeMap<TableId, u64>>,
@@ -255,6 +280,10 @@ impl ClusterHost {
             fenced: watch::channel(None).0,
             borrows: Mutex::new(BTreeMap::new()),
             admitted: Mutex::new(BTreeMap::new()),
+            keys: Arc::new(KeyStore::for_cluster(cfg.key)),
+            keys_client: client(KEY_PROPOSE_BUDGET),
+            lease_ms,
+            keys_imported: AtomicBool::new(false),
         });
         tokio::spawn(run(host.clone(), rx));
         let mut fenced = host.fenced.subscribe();
@@ -283,7 +312,64 @@ impl ClusterHost {
             let _ = tokio::time::timeout(Duration::from_millis(20), fenced.changed()).await;
         }
         let _ = host.refresh_map().await;
+        loop {
+            match host.join_keys(cfg.import_keys_from.as_deref()).await {
+                Ok(()) => break,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::info!("client keys not taken yet: {e}; retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("cannot take the cluster's client keys: {e}"),
+                    ));
+                }
+            }
+        }
         Ok(host)
+    }
+
+    /// The cluster key and the client keys as this server holds them (what its
+    /// connections authenticate with).
+    pub fn keys(&self) -> Arc<KeyStore> {
+        self.keys.clone()
+    }
+
+    /// After registering: takes the cluster's keys (the map read just made took them,
+    /// unless it failed), after giving a cluster without keys those of `import`'s key file,
+    /// and tells the coordinator this incarnation holds them (it serves nobody yet, so no
+    /// connection of a revoked key can be open here).
+    async fn join_keys(self: &Arc<Self>, import: Option<&Path>) -> Result<(), String> {
+        if !self.keys_imported.load(Ordering::Acquire) {
+            let read = self.keys_client.read_state().await;
+            let (state, _) = read.map_err(|e| e.to_string())?;
+            self.learn(&state);
+            if !state.keys.imported {
+                let cmd = import_command(&self.keys.admin().key, import)?;
+                match self.keys_client.propose(cmd).await {
+                    Ok(CoordReply::Ok | CoordReply::Stale(_)) => {}
+                    Ok(other) => return Err(format!("the key import was refused: {other:?}")),
+                    Err(e) => return Err(e.to_string()),
+                }
+                let read = self.keys_client.read_state().await;
+                self.learn(&read.map_err(|e| e.to_string())?.0);
+            }
+        }
+        let version = self.keys.version();
+        if version > 0
+            && let Some(by) = self.incarnation()
+        {
+            // Best effort, in the background: the driver's `Keys` control asks otherwise.
+            let host = self.clone();
+            tokio::spawn(async move {
+                let cmd = CoordCommand::KeysApplied { by, version };
+                if let Err(e) = host.keys_client.propose(cmd).await {
+                    tracing::debug!("keys applied at registration, not told: {e}");
+                }
+            });
+        }
+        Ok(())
     }
 
     /// The journal this incarnation writes: (server id, epoch the coordinator gave it).
@@ -503,14 +589,26 @@ impl ClusterHost {
             return Ok(());
         }
         let (state, _) = self.reader.read_state().await.map_err(|e| e.to_string())?;
-        let mut cache = self.map.lock();
-        if state.map.version >= cache.map.version {
-            let tables = state.map.tables.iter().map(|(t, p)| (t.0, p.hi));
-            cut_ranges(&mut self.ranges.write(), tables);
-            cache.map = state.map;
-        }
-        cache.fetched = Some(Instant::now());
+        self.learn(&state);
+        self.map.lock().fetched = Some(Instant::now());
         Ok(())
+    }
+
+    /// Takes what a read of the coordinator's state shows: a newer map (and the splits in
+    /// it), newer client keys.
+    fn learn(&self, state: &CoordState) {
+        {
+            let mut cache = self.map.lock();
+            if state.map.version >= cache.map.version {
+                let tables = state.map.tables.iter().map(|(t, p)| (t.0, p.hi));
+                cut_ranges(&mut self.ranges.write(), tables);
+                cache.map = state.map.clone();
+            }
+        }
+        self.keys.apply_cluster(&state.keys);
+        if state.keys.imported {
+            self.keys_imported.store(true, Ordering::Release);
+        }
     }
 
     /// The `hi` of each of `tables` in the freshest map this server can read.
@@ -526,6 +624,9 @@ impl ClusterHost {
     }
 
     async fn control(&self, c: Control) -> Option<ControlReply> {
+        if let ControlBody::Keys { version } = c.body {
+            return self.keys_control(c.to, version).await;
+        }
         let mut rx = self.control_replies.subscribe();
         let acts = self.p.lock().on_control(&c, self.now());
         let mut found = None;
@@ -555,6 +656,149 @@ impl ClusterHost {
         .await
         .ok()
         .flatten()
+    }
+
+    /// The driver's `Keys` control: applies the coordinator's client keys (up to
+    /// `version` at least) and answers once no connection of a revoked key is open here.
+    /// No answer if that takes longer than [`CONTROL_WAIT`]: the driver asks again, and a
+    /// server that stays behind is fenced (see `kochab_cluster::keys`).
+    async fn keys_control(&self, to: Incarnation, version: u64) -> Option<ControlReply> {
+        if self.incarnation() != Some(to) || !self.can_ack() {
+            return None;
+        }
+        let deadline = Instant::now() + CONTROL_WAIT;
+        if self.keys.version() < version {
+            let read = tokio::time::timeout(CONTROL_WAIT, self.keys_client.read_state()).await;
+            if let Ok(Ok((state, _))) = read {
+                self.learn(&state);
+            }
+        }
+        let held = self.keys.version();
+        if held < version {
+            return None;
+        }
+        // Their connections were told to close when the keys were applied.
+        while self.keys.revoked_connections() > 0 {
+            if Instant::now() >= deadline {
+                tracing::warn!("connections of revoked keys are not closed yet");
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Some(ControlReply::KeysApplied {
+            by: to,
+            version: held,
+        })
+    }
+
+    /// Answers a key administration request of the admin key (`kochab key`): proposed to
+    /// the coordinator, answered once every live server applied it.
+    pub async fn key_op(&self, op: Op) -> Reply {
+        let result = match op {
+            Op::KeyAdd { policy, note } => self
+                .key_add(policy, note)
+                .await
+                .map(|(id, key)| Reply::KeyAdded { id, key }),
+            Op::KeyList => self.key_list().await.map(Reply::Keys),
+            Op::KeyRevoke { id } => self.key_revoke(id).await.map(|()| Reply::Empty),
+            other => Err(fs_err!(EINVAL, "{} is no key operation", other.name())),
+        };
+        result.unwrap_or_else(Reply::Error)
+    }
+
+    async fn key_add(&self, policy: KeyPolicy, note: String) -> FsResult<(KeyId, ClusterKey)> {
+        check_new_key(&policy, &note)?;
+        let mut nonce = [0u8; kochab_proto::auth::SEAL_NONCE_BYTES];
+        let mut secret = [0u8; 32];
+        getrandom::fill(&mut nonce).map_err(|e| fs_err!(EIO, "no randomness: {e}"))?;
+        getrandom::fill(&mut secret).map_err(|e| fs_err!(EIO, "no randomness: {e}"))?;
+        let key = SealedKey {
+            nonce,
+            sealed: seal_client_key(&self.keys.admin().key, &nonce, &secret),
+            policy,
+            revoked: false,
+            note,
+        };
+        let (id, version) = self.key_command(CoordCommand::KeyAdd { key }).await?;
+        if let Err(why) = self.keys_settle(version).await {
+            // The key exists for good; a server that has not applied it refuses it for a
+            // moment more. Losing its secret would be worse.
+            tracing::warn!("key {id} is made, but not every server took it yet: {why}");
+        }
+        Ok((id, secret))
+    }
+
+    async fn key_revoke(&self, id: KeyId) -> FsResult<()> {
+        if id == ADMIN_KEY_ID {
+            return Err(fs_err!(
+                EINVAL,
+                "the cluster key cannot be revoked (make a new cluster to replace it)"
+            ));
+        }
+        let (_, version) = self.key_command(CoordCommand::KeyRevoke { id }).await?;
+        self.keys_settle(version).await.map_err(|why| {
+            fs_err!(
+                ETIMEDOUT,
+                "key {id} is revoked for good, but not every server has confirmed it yet ({why})"
+            )
+        })
+    }
+
+    async fn key_list(&self) -> FsResult<Vec<KeyInfo>> {
+        let (state, _) = self
+            .keys_client
+            .read_state()
+            .await
+            .map_err(|e| fs_err!(ETIMEDOUT, "the coordinator did not answer: {e}"))?;
+        self.learn(&state);
+        Ok(state
+            .keys
+            .keys
+            .iter()
+            .map(|(id, k)| KeyInfo {
+                id: *id,
+                policy: k.policy,
+                revoked: k.revoked,
+                note: k.note.clone(),
+            })
+            .collect())
+    }
+
+    /// Proposes a key change: its key id and the version of the keys that holds it.
+    async fn key_command(&self, cmd: CoordCommand) -> FsResult<(KeyId, u64)> {
+        match self.keys_client.propose(cmd).await {
+            Ok(CoordReply::Key { id, version }) => Ok((id, version)),
+            Ok(CoordReply::KeyRefused(e)) => Err(e),
+            Ok(other) => Err(fs_err!(EIO, "the coordinator answered {other:?}")),
+            Err(e) => Err(fs_err!(
+                ETIMEDOUT,
+                "the coordinator did not take the key change (it may still apply it): {e}"
+            )),
+        }
+    }
+
+    /// Waits until key version `version` is settled (every live server applied it, and no
+    /// fenced one can still serve), at most as long as that can take with a server that
+    /// has to be fenced first. `Err`: what it still waited for.
+    async fn keys_settle(&self, version: u64) -> Result<(), String> {
+        let bound = kochab_cluster::keys::settle_bound_ms(self.lease_ms);
+        let deadline = Instant::now() + Duration::from_millis(bound);
+        loop {
+            let why = match self.keys_client.read_state().await {
+                Ok((state, _)) => {
+                    self.learn(&state);
+                    match state.keys_settled(version) {
+                        Ok(()) => return Ok(()),
+                        Err(why) => why,
+                    }
+                }
+                Err(e) => format!("the coordinator did not answer: {e}"),
+            };
+            if Instant::now() >= deadline {
+                return Err(why);
+            }
+            tokio::time::sleep(KEYS_SETTLE_POLL).await;
+        }
     }
 
     /// Carries out one action of the participant.
@@ -1030,6 +1274,29 @@ fn load(
         .collect())
 }
 
+/// The import of data directory `dir`'s key file (none: no keys), each secret sealed
+/// under `cluster_key` with a nonce of its own.
+fn import_command(cluster_key: &ClusterKey, dir: Option<&Path>) -> Result<CoordCommand, String> {
+    let (next_id, file) = match dir {
+        Some(d) => crate::keys::read_keys_file(d).map_err(|e| e.to_string())?,
+        None => (1, Vec::new()),
+    };
+    let mut keys = Vec::with_capacity(file.len());
+    for k in file {
+        let mut nonce = [0u8; kochab_proto::auth::SEAL_NONCE_BYTES];
+        getrandom::fill(&mut nonce).map_err(|e| format!("no randomness: {e}"))?;
+        let sealed = SealedKey {
+            nonce,
+            sealed: seal_client_key(cluster_key, &nonce, &k.key),
+            policy: k.policy,
+            revoked: k.revoked,
+            note: k.note,
+        };
+        keys.push((k.id, sealed));
+    }
+    Ok(CoordCommand::KeysImport { next_id, keys })
+}
+
 /// Cuts `ranges` (sorted, disjoint) so that each of `tables` (`(lo, hi)`, from a map or
 /// a split) starts and ends a range, where it lies inside one: ranges only get finer.
 fn cut_ranges(ranges: &mut Vec<(u64, u64)>, tables: impl IntoIterator<Item = (u64, u64)>) {
@@ -1053,6 +1320,9 @@ pub async fn task_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, 
     };
     if req.op.is_cluster() {
         return (host.cluster_op(req.op).await, 0);
+    }
+    if req.op.is_key_admin() {
+        return (host.key_op(req.op).await, 0);
     }
     let tables = {
         let core = shared.core.lock();

@@ -7,7 +7,7 @@
 //! else sees them, and the key's revocation closes the connection at once.
 
 use crate::core::Shared;
-use crate::keys::KeyEntry;
+use crate::keys::{KeyConnection, KeyEntry};
 use crate::leases::Board;
 use kochab_proto::auth::{
     ADMIN_KEY_ID, REPLAY_TAG_BYTES, ReplayKey, ReplayTag, ReplayTagInput, Transcript, prove_server,
@@ -41,6 +41,9 @@ const WRITER_QUEUE: usize = 64;
 const WRITE_BATCH_BYTES: usize = 1 << 20;
 /// Longest a durability report waits for replies to ride with (fsync waits for it).
 const DURABLE_REPORT_DELAY: Duration = Duration::from_millis(2);
+/// How long a revoked key's connection waits for its goodbye to be written before it is
+/// cut: a client that reads has it in a round trip.
+const REVOKED_GOODBYE_WAIT: Duration = Duration::from_millis(500);
 /// Data operations (reads, writes) one connection may have running at once.
 const DATA_OPS_IN_FLIGHT: usize = 64;
 /// Requests run under one hold of the core lock. A readdirplus of a large directory costs
@@ -434,7 +437,8 @@ async fn serve_stream(
     // Never more than the small pre-authentication frame is read before the key is proven.
     let mut frames =
         FramedRead::with_capacity(rd, FrameCodec::preauth(), FrameCodec::PREAUTH_BUFFER);
-    let who =
+    // `_held` counts the connection under its key until it is closed (after the writer).
+    let (who, _held) =
         match tokio::time::timeout_at(deadline, handshake(&shared, &mut frames, &mut wr)).await {
             Ok(Ok(who)) => who,
             Ok(Err(reason)) => {
@@ -479,7 +483,7 @@ async fn serve_stream(
     });
     let (tx, rx) = mpsc::channel(WRITER_QUEUE);
     let callbacks = who.leases.then_some(cb_rx);
-    let writer = tokio::spawn(write_loop(
+    let mut writer = tokio::spawn(write_loop(
         shared.clone(),
         wr,
         rx,
@@ -487,8 +491,49 @@ async fn serve_stream(
         peer,
         backlog.clone(),
     ));
-    read_loop(&shared, who, frames, tx, peer, shutdown, backlog).await;
-    let _ = writer.await;
+    let key = who.key.clone();
+    if key.id == ADMIN_KEY_ID {
+        // The cluster key is never revoked: nothing to watch beside the reader.
+        read_loop(&shared, who, frames, tx, peer, shutdown, backlog).await;
+        let _ = writer.await;
+        return;
+    }
+    let bye = tx.clone();
+    tokio::select! {
+        () = read_loop(&shared, who, frames, tx, peer, shutdown, backlog) => {}
+        // Wherever the reader waits (a client that reads no replies can hold it in the
+        // backlog), a revoked key's connection ends now.
+        () = revoked(shared.keys.subscribe(), &key) => {
+            let bye_frame = goodbye(Errno::EACCES, &format!("key {} was revoked", key.id));
+            let _ = bye.try_send(Outgoing::Goodbye(bye_frame));
+        }
+    }
+    drop(bye);
+    if key.is_revoked() {
+        // Its goodbye gets a moment to leave, no more: the writer of a client that does
+        // not read could wait for ever, and the revocation waits for this close.
+        if tokio::time::timeout(REVOKED_GOODBYE_WAIT, &mut writer)
+            .await
+            .is_err()
+        {
+            writer.abort();
+            let _ = writer.await;
+        }
+    } else {
+        let _ = writer.await;
+    }
+}
+
+/// Resolves once `key` is revoked (`changes` is told of every revocation).
+async fn revoked(mut changes: watch::Receiver<u64>, key: &KeyEntry) {
+    loop {
+        if key.is_revoked() {
+            return;
+        }
+        if changes.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 /// A connection's part in its session, ended when the connection ends, or when its task is
@@ -531,8 +576,13 @@ fn goodbye(errno: Errno, message: &str) -> Vec<u8> {
     out
 }
 
-/// Challenge, mutual proof, welcome. Returns the session and key of the client.
-async fn handshake(shared: &Shared, frames: &mut Frames, wr: &mut Wr) -> Result<Identity, String> {
+/// Challenge, mutual proof, welcome. Returns the session and key of the client, and its
+/// connection counted under that key.
+async fn handshake(
+    shared: &Shared,
+    frames: &mut Frames,
+    wr: &mut Wr,
+) -> Result<(Identity, KeyConnection), String> {
     let mut nonce = [0u8; 32];
     getrandom::fill(&mut nonce).map_err(|e| format!("no randomness: {e}"))?;
     let mut out = Vec::new();
@@ -594,6 +644,9 @@ async fn handshake(shared: &Shared, frames: &mut Frames, wr: &mut Wr) -> Result<
             return Err(format!("wrong key (key id {})", auth.key_id));
         }
     };
+    // Counted before the check: a revocation that waits for its key's connections to
+    // close (a cluster's, see `cluster_host`) either counts this one or is seen here.
+    let held = key.connection();
     if key.is_revoked() {
         let _ = wr
             .write_all(&refuse(&format!("key {} is revoked", key.id)))
@@ -619,11 +672,14 @@ async fn handshake(shared: &Shared, frames: &mut Frames, wr: &mut Wr) -> Result<
     out.clear();
     encode_frame(&mut out, FrameKind::Welcome, 0, &welcome).map_err(|e| e.to_string())?;
     wr.write_all(&out).await.map_err(|e| e.to_string())?;
-    Ok(Identity {
-        session,
-        key,
-        leases: auth.leases,
-    })
+    Ok((
+        Identity {
+            session,
+            key,
+            leases: auth.leases,
+        },
+        held,
+    ))
 }
 
 /// Sorts a batch by what the key may do: key administration goes to `admin` (refused
@@ -659,7 +715,8 @@ fn screen(
     }
 }
 
-/// Runs one key administration request (blocking: the key file is written and fsynced).
+/// Runs one key administration request of a single server (blocking: the key file is
+/// written and fsynced).
 fn key_admin(keys: &crate::keys::KeyStore, op: &Op) -> Reply {
     let result = match op {
         Op::KeyAdd { policy, note } => keys
@@ -830,8 +887,21 @@ async fn read_loop(
             }
         }
         for (rid, req) in admin.drain(..) {
-            let keys = shared.keys.clone();
             let op = req.op.index() as u8;
+            if shared.cluster.is_some() {
+                // A cluster's keys change through the coordinator, and a change is done
+                // once every server applied it (seconds if one must be fenced): its own
+                // task, as a cluster operation's.
+                let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
+                shared.runtime.clone().spawn(async move {
+                    let (reply, lsn) = crate::cluster_host::task_op(shared, client, req).await;
+                    let mut group = Replies::new(Instant::now(), 1);
+                    group.add(rid, op, &reply, lsn);
+                    let _ = send_replies(&tx, &backlog, group).await;
+                });
+                continue;
+            }
+            let keys = shared.keys.clone();
             let reply = tokio::task::spawn_blocking(move || key_admin(&keys, &req.op))
                 .await
                 .unwrap_or_else(|e| Reply::Error(fs_err!(EIO, "key operation failed: {e}")));

@@ -280,7 +280,12 @@ async fn serve(
         tracing::info!("created a new cluster in {}", dir.data_path.display());
     }
     let root = engine.root();
-    let keys = Arc::new(crate::keys::KeyStore::load(&dir.data_path, dir.key)?);
+    // A member's keys are the coordinator's, which its host keeps; a single server's are
+    // in its data directory.
+    let keys = match &dir.cluster {
+        Some(host) => host.keys(),
+        None => Arc::new(crate::keys::KeyStore::load(&dir.data_path, dir.key)?),
+    };
     let data = Arc::new(DataStore::new(dir.store.clone()));
     // Data deletions and trims left over from before the restart run in the background
     // (`reclaim_loop`): serving never waits for bulk deletion, and a data operation on a
