@@ -29,7 +29,7 @@ pub struct Options {
 
 /// A mount's default `retry=`: ten minutes rides out a server restart with a large
 /// journal, a failover and a machine reboot; a mount whose cluster is gone for good still
-/// answers (ENOTCONN or ETIMEDOUT) eventually.
+/// answers (EIO) eventually.
 pub const RETRY_SECS_DEFAULT: u64 = 600;
 
 impl Options {

@@ -174,8 +174,15 @@ pub struct KochabFs {
     inner: Arc<Inner>,
 }
 
+/// The errno the kernel is given. A cluster still unreachable when the mount's retry limit
+/// (`-o retry=`) runs out is EIO, as an NFS soft mount answers: ENOTCONN from a FUSE mount
+/// reads "Transport endpoint is not connected", which users and tools take for a dead mount
+/// process, and this one is alive and will serve again once its servers do.
 fn errno(e: &FsError) -> Errno {
-    Errno::from_i32(e.errno.0)
+    match e.errno {
+        kochab_proto::Errno::ENOTCONN | kochab_proto::Errno::ETIMEDOUT => Errno::EIO,
+        other => Errno::from_i32(other.0),
+    }
 }
 
 /// The errno of an operation on an inode the kernel named by its number: ENOENT there means
