@@ -239,9 +239,11 @@ fn put_latency_printout() {
 #[test]
 fn the_self_test_passes_rgw_and_refuses_it_without_if_none_match() {
     let Some(rgw) = Rgw::get() else { return };
-    let report = rgw.store("selftest").self_test().unwrap();
+    let s = rgw.store("selftest");
+    let report = s.self_test().unwrap();
     eprintln!("self-test against RGW: {report}");
     assert!(report.to_string().contains("exactly one won"), "{report}");
+    assert!(s.list("kochab-selftest").unwrap().is_empty(), "probes left");
 
     let proxy = Proxy::start(rgw.endpoint, Mode::StripIfNoneMatch, &rgw.vars);
     let e = rgw
