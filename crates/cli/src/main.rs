@@ -6,6 +6,7 @@ mod coord;
 mod fsshell;
 mod mds;
 mod mount;
+mod store;
 
 use clap::{Args, Parser, Subcommand};
 use kochab_bench::{BenchConfig, Phase};
@@ -217,6 +218,8 @@ struct UpArgs {
     /// Data directory (created on first start; reused, and recovered, afterwards).
     #[arg(long, default_value = "./kochab-data")]
     data: PathBuf,
+    #[command(flatten)]
+    store: store::StoreArgs,
     /// Address to listen on (loopback by default).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -301,6 +304,10 @@ struct FsckArgs {
     /// lists exactly which).
     #[arg(long, requires = "repair")]
     accept_loss: bool,
+    /// Check a stopped cluster's store on S3 instead (see `kochab up --store`): today the
+    /// store is opened and its engine self-tested, and the check stops there.
+    #[command(flatten)]
+    store: store::StoreArgs,
 }
 
 #[derive(Args)]
@@ -474,6 +481,7 @@ fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, String> {
 }
 
 async fn up(args: UpArgs) -> Result<(), String> {
+    store::refuse_after_self_test_async(&args.store, "kochab up").await?;
     if let Some(servers) = args.servers {
         if args.tls_cert.is_some() {
             return Err(
@@ -897,6 +905,13 @@ fn main() -> ExitCode {
         Command::Fsck(args) => {
             init_logging("warn");
             match &args.data {
+                _ if args.store.store.is_some() => {
+                    if args.data.is_some() {
+                        Err("--store and --data name two stores: give one".to_string())
+                    } else {
+                        store::refuse_after_self_test(&args.store, "kochab fsck")
+                    }
+                }
                 Some(dir) => fsck_offline(dir, args.repair, args.accept_loss),
                 None => runtime(Some(1)).and_then(|rt| rt.block_on(fsck(args.conn))),
             }

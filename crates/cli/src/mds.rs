@@ -32,8 +32,10 @@ pub struct MdsArgs {
     coord: Vec<SocketAddr>,
     /// The cluster's data directory shared by the servers of this machine: its object
     /// store is DIR/store; this server's own files go under DIR/mds/<id>/.
-    #[arg(long)]
-    data: PathBuf,
+    #[arg(long, required_unless_present = "store")]
+    data: Option<PathBuf>,
+    #[command(flatten)]
+    store: crate::store::StoreArgs,
     /// The cluster key (the one in DIR/cluster.key).
     #[arg(long)]
     key_file: PathBuf,
@@ -68,20 +70,24 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
             "--listen needs a concrete port (it is registered with the coordinator)".into(),
         );
     }
+    crate::store::refuse_after_self_test_async(&args.store, "kochab mds").await?;
+    let Some(data_dir) = args.data.clone() else {
+        return Err("--data DIR is needed: the local directory is the only store that runs".into());
+    };
     let key = crate::coord::key_file(&args.key_file)?;
-    let own = args.data.join("mds").join(args.id.to_string());
+    let own = data_dir.join("mds").join(args.id.to_string());
     // Two processes with one id would write one journal.
     let _lock = DataDirLock::acquire(&own).map_err(|e| format!("{}: {e}", own.display()))?;
-    let data = args.data.clone();
+    let data = data_dir.clone();
     let dir = tokio::task::spawn_blocking(move || DataDir::open_existing(&data))
         .await
         .map_err(|e| e.to_string())?
-        .map_err(|e| format!("{}: {e}", args.data.display()))?;
+        .map_err(|e| format!("{}: {e}", data_dir.display()))?;
     if dir.key != key {
         return Err(format!(
             "{} is not the key of the cluster in {}",
             args.key_file.display(),
-            args.data.display()
+            data_dir.display()
         ));
     }
     let addr = args
@@ -102,11 +108,11 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
         },
         clock: monotonic_clock(),
         // A single server's keys go with its data directory when it becomes a cluster's.
-        import_keys_from: Some(args.data.clone()),
+        import_keys_from: Some(data_dir.clone()),
     })
     .await
     .map_err(|e| format!("server {}: {e}", args.id))?;
-    let mut config = ServerConfig::new(&args.data, args.listen);
+    let mut config = ServerConfig::new(&data_dir, args.listen);
     config.metrics_listen = args.metrics;
     config.fsync = !args.no_fsync;
     if let Some(n) = args.checkpoint_records {
