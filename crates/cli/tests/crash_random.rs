@@ -392,8 +392,15 @@ fn run(name: &str, victim: &mut dyn Victim, addr: SocketAddr, mount: &MountProc,
         // Each kill hits writers at work: after the last restart's replay window, once
         // they made progress again, at a random moment.
         let before = done.load(Ordering::Relaxed);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while done.load(Ordering::Relaxed) < before + PROGRESS && Instant::now() < deadline {
+        let deadline = Instant::now() + STALL;
+        while done.load(Ordering::Relaxed) < before + PROGRESS {
+            assert!(
+                Instant::now() < deadline,
+                "{name} (seed {seed}): the writers made no progress for {STALL:?} before kill \
+                 {round}\nserver log:\n{}\nmount log:\n{}",
+                victim.log(),
+                fs::read_to_string(dir.join("mount.log")).unwrap_or_default()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         let wait = Duration::from_millis(500 + rng.below(2_500));
@@ -403,6 +410,20 @@ fn run(name: &str, victim: &mut dyn Victim, addr: SocketAddr, mount: &MountProc,
     }
     std::thread::sleep(Duration::from_millis(1_000));
     stop.store(true, Ordering::Relaxed);
+    // Each writer ends its call in flight: within the mount's retry limit if the call
+    // fails; a writer still stuck after that is a hang of the mount (the test fails with
+    // the logs instead of stalling; the mount is killed as the test unwinds).
+    let deadline = Instant::now() + WRITERS_END;
+    while writers.iter().any(|w| !w.is_finished()) {
+        assert!(
+            Instant::now() < deadline,
+            "{name} (seed {seed}): writers stuck {WRITERS_END:?} after the last kill\n\
+             server log:\n{}\nmount log:\n{}",
+            victim.log(),
+            fs::read_to_string(dir.join("mount.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let outcomes: Vec<Outcome> = writers
         .into_iter()
         .map(|w| w.join().expect("writer"))
@@ -458,12 +479,25 @@ fn run(name: &str, victim: &mut dyn Victim, addr: SocketAddr, mount: &MountProc,
     );
 }
 
+/// How long the writers may go without progress after a restart or failover (which takes
+/// seconds) before the mount is taken to hang.
+const STALL: Duration = Duration::from_secs(90);
+
+/// How long the writers may take to end their calls once told to stop: twice the mount's
+/// retry limit.
+const WRITERS_END: Duration = Duration::from_secs(120);
+
+/// How long the test's mount waits for a server (`-o retry=`): far beyond a restart or a
+/// failover (seconds), far below the default (600 s), so a call that can never succeed
+/// fails the test with its name instead of stalling the writers for ten minutes.
+const MOUNT_RETRY: &str = "retry=60";
+
 /// A mount of the cluster whose data directory is `dir/data`, at `dir/m`, its log in
 /// `dir/mount.log` (shown when the test fails).
 fn mount_logged(addr: SocketAddr, dir: &Path) -> MountProc {
     let log = dir.join("mount.log");
     let key = dir.join("data/cluster.key");
-    MountProc::start_logged(addr, &key, &dir.join("m"), &[], Some(&log))
+    MountProc::start_logged(addr, &key, &dir.join("m"), &["-o", MOUNT_RETRY], Some(&log))
 }
 
 #[test]

@@ -860,7 +860,15 @@ impl Client {
                             r.on_wrong_server(table, routed_by, 0, None, None);
                             continue;
                         }
-                        Outcome::Error(e) | Outcome::Refused(e) => return Err(e),
+                        Outcome::Error(e) | Outcome::Refused(e) => {
+                            if e.errno == Errno::ESTALE {
+                                tracing::debug!(
+                                    "{} of inode {target:#x} at {addr}: {e}",
+                                    req.op.name()
+                                );
+                            }
+                            return Err(e);
+                        }
                         Outcome::WrongServer {
                             map_version,
                             owner,
@@ -942,7 +950,12 @@ impl Client {
             Err(e) if e.errno == Errno::ENOTCONN => return Outcome::Unreachable(e),
             Err(e) => return Outcome::Refused(e),
         };
-        self.replays_first(addr, &conn).await;
+        // A map is read under the `fetching` lock, and a replay routes by the map: were a
+        // GetMap to wait for the replays, it would wait for itself (the replayer, holding
+        // `replaying`, waits for `fetching`). Nothing a replay restores is in the map.
+        if !matches!(req.op, Op::GetMap) {
+            self.replays_first(addr, &conn).await;
+        }
         match tokio::time::timeout(cfg.request_timeout, conn.call_answer(req)).await {
             Ok(Ok((Reply::Error(e), _))) => Outcome::Error(e),
             Ok(Ok((
@@ -1705,8 +1718,18 @@ impl Client {
         if self.inner.config.early_replies {
             req.mode = ReplyMode::Early;
         }
-        if self.inner.early.log.lock().has_suspects() {
+        // Replayed before, never overtaken: a create sent while the mkdir of its directory
+        // still waits for its replay (the table not taken over yet) would find no
+        // directory. A lost server's changes wait for its tables' new owner as long as any
+        // request waits for a server (the retry budget).
+        let cfg = &self.inner.config;
+        let deadline = Instant::now() + cfg.request_timeout.max(cfg.retry_budget);
+        while self.inner.early.log.lock().has_suspects() {
             self.replay_lost().await;
+            if Instant::now() >= deadline || !self.inner.early.log.lock().has_suspects() {
+                break;
+            }
+            tokio::time::sleep(REPLAY_RETRY).await;
         }
         if req.mode == ReplyMode::Early {
             let deadline = Instant::now() + self.inner.config.request_timeout;
