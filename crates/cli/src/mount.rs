@@ -4,7 +4,7 @@ use crate::{MountArgs, wait_for_signal};
 use kochab_client::{Client, ClientConfig};
 use kochab_fuse::{KochabFs, MountConfig};
 use kochab_proto::AtimeRule;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// What `-o OPTIONS` asks of a mount: the access-time rule, read-only, write-behind or
@@ -79,6 +79,14 @@ pub fn options(text: Option<&str>) -> Options {
     o
 }
 
+/// A mount made by [`mount`]: its FUSE session and where it is mounted.
+pub struct Mounted {
+    session: fuser::BackgroundSession,
+    dir: PathBuf,
+    /// The mount's device number (major, minor), to tell it from another mount at `dir`.
+    dev: Option<(u32, u32)>,
+}
+
 /// Mounts `client`'s cluster (`source`, its address) at `dir`, served from the current
 /// tokio runtime.
 pub fn mount(
@@ -86,7 +94,7 @@ pub fn mount(
     source: &str,
     dir: &Path,
     options: Options,
-) -> std::io::Result<fuser::BackgroundSession> {
+) -> std::io::Result<Mounted> {
     std::fs::create_dir_all(dir)?;
     let config = MountConfig {
         // Mount options are comma-separated: a list of entry addresses is named with '+'.
@@ -103,8 +111,12 @@ pub fn mount(
     let handle = fs.clone();
     let session = fuser::spawn_mount(fs, dir, &config)?;
     handle.set_notifier(session.notifier());
-    set_read_ahead(dir);
-    Ok(session)
+    let dev = set_read_ahead(dir);
+    Ok(Mounted {
+        session,
+        dir: dir.to_path_buf(),
+        dev,
+    })
 }
 
 /// Connects a mount's client (two connections per server) with `cfg` and mounts the
@@ -115,7 +127,7 @@ pub async fn connect_and_mount(
     source: &str,
     dir: &Path,
     options_text: Option<&str>,
-) -> Result<fuser::BackgroundSession, String> {
+) -> Result<Mounted, String> {
     let opts = options(options_text);
     opts.configure(&mut cfg);
     let client = Client::connect(cfg)
@@ -133,26 +145,81 @@ pub async fn connect_and_mount(
 /// which read cold data with O_DIRECT, read them in parallel.
 const READ_AHEAD_KB: u32 = 4096;
 
-/// Raises the mount's read-ahead (best effort: needs root and sysfs).
-fn set_read_ahead(dir: &Path) {
+/// Raises the mount's read-ahead (best effort: needs root and sysfs). Returns the mount's
+/// device number.
+fn set_read_ahead(dir: &Path) -> Option<(u32, u32)> {
     use std::os::unix::fs::MetadataExt;
-    let Ok(meta) = std::fs::metadata(dir) else {
-        return;
-    };
+    let meta = std::fs::metadata(dir).ok()?;
     let dev = meta.dev();
     let (major, minor) = (libc::major(dev), libc::minor(dev));
     let path = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
     if let Err(e) = std::fs::write(&path, READ_AHEAD_KB.to_string()) {
         tracing::info!("cannot raise read-ahead ({path}): {e}");
     }
+    Some((major, minor))
 }
 
-/// Waits until `stop` resolves (then unmounts) or until someone unmounts the file system.
-/// Returns what `stop` gave, if it ended the wait.
+/// The device numbers of the mounts at `dir`, bottom to top (/proc/self/mountinfo lists
+/// mounts in the order they were made); `None` if that cannot be told. Found without a
+/// request to the mount itself (which may be the one that is busy).
+fn mounts_at(dir: &Path) -> Option<Vec<(u32, u32)>> {
+    let at = match (dir.parent(), dir.file_name()) {
+        (Some(parent), Some(name)) => {
+            let parent = if parent.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                parent
+            };
+            std::fs::canonicalize(parent).ok()?.join(name)
+        }
+        _ => std::fs::canonicalize(dir).ok()?,
+    };
+    let at = at.to_str()?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines()
+        .filter_map(|line| {
+            let mut f = line.split(' ');
+            let dev = f.nth(2)?;
+            let target = f.nth(1)?;
+            (unescape_mount_path(target) == at).then_some(dev)
+        })
+        .map(|dev| {
+            let (major, minor) = dev.split_once(':')?;
+            Some((major.parse().ok()?, minor.parse().ok()?))
+        })
+        .collect()
+}
+
+/// A path as /proc/self/mountinfo writes it: space, tab, newline and backslash in octal.
+fn unescape_mount_path(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(at) = rest.find('\\') {
+        out.push_str(&rest[..at]);
+        let code = rest.get(at + 1..at + 4);
+        match code.and_then(|c| u8::from_str_radix(c, 8).ok()) {
+            Some(b) => {
+                out.push(char::from(b));
+                rest = &rest[at + 4..];
+            }
+            None => {
+                out.push('\\');
+                rest = &rest[at + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Waits until `stop` resolves (then unmounts) or until someone unmounts the file system,
+/// and then until the session has ended (its `destroy` done: writes held back sent, the
+/// session ended at the servers). Returns what `stop` gave, if it ended the wait.
 pub async fn wait<T>(
-    session: fuser::BackgroundSession,
+    mounted: Mounted,
     stop: impl std::future::Future<Output = T> + Unpin,
 ) -> Option<T> {
+    let Mounted { session, dir, dev } = mounted;
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     let mut stop = stop;
     let stopped = loop {
@@ -161,14 +228,104 @@ pub async fn wait<T>(
             _ = tick.tick() => {
                 if session.guard.is_finished() {
                     // Unmounted from outside (fusermount3 -u): the session has ended.
-                    let _ = tokio::task::spawn_blocking(move || session.join()).await;
+                    let ended = tokio::task::spawn_blocking(move || session.join()).await;
+                    report_end(&dir, ended);
                     return None;
                 }
             }
         }
     };
-    let _ = tokio::task::spawn_blocking(move || session.umount_and_join()).await;
+    let at = dir.clone();
+    let ended = tokio::task::spawn_blocking(move || unmount_and_join(session, &dir, dev)).await;
+    report_end(&at, ended);
     stopped
+}
+
+/// Logs how a session ended, if not in order (its `destroy` may not have run).
+fn report_end(dir: &Path, ended: Result<std::io::Result<()>, tokio::task::JoinError>) {
+    match ended {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!("the session of {} did not end in order: {e}", dir.display()),
+        Err(e) => tracing::warn!("the session of {} did not end in order: {e}", dir.display()),
+    }
+}
+
+/// Unmounts `dir` and waits for the session to end. A busy mount (files open on it) is
+/// detached instead, as `umount -l` does: it leaves the namespace at once, and the process
+/// serves the files still open until the last is closed, then ends as after any unmount.
+/// Leaving at once instead would take the request loops away from the programs still
+/// using the mount (their requests would wait for good, and so would a page invalidation of
+/// this process's, which keeps the process from exiting: both seen when a busy mount was
+/// sent SIGTERM).
+///
+/// Only this session's mount is unmounted: if it is no longer at `dir`, or another mount is
+/// on top of it there, nothing is.
+fn unmount_and_join(
+    session: fuser::BackgroundSession,
+    dir: &Path,
+    dev: Option<(u32, u32)>,
+) -> std::io::Result<()> {
+    if !session.guard.is_finished() {
+        if let (Some(there), Some(ours)) = (mounts_at(dir), dev) {
+            if !there.contains(&ours) {
+                // Not there: unmounted or detached from outside; the session ends with the
+                // last file closed on it.
+                return session.join();
+            }
+            if there.last() != Some(&ours) {
+                // Under another mount, which unmounting the path would remove (and so would
+                // dropping the session): both are left as they are.
+                std::mem::forget(session);
+                return Err(std::io::Error::other(format!(
+                    "another mount is on top of this one at {}: not unmounted",
+                    dir.display()
+                )));
+            }
+        }
+        match unmount(dir, false) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                eprintln!(
+                    "kochab: {} is busy: detached; serving the files still open on it until \
+                     they are closed",
+                    dir.display()
+                );
+                unmount(dir, true)?;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    session.join()
+}
+
+/// Unmounts `dir` (`lazy`: detaches it), through fusermount3 where the caller may not
+/// unmount (not root), as fuser does.
+fn unmount(dir: &Path, lazy: bool) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let flags = if lazy { libc::MNT_DETACH } else { 0 };
+    // SAFETY: umount2 of a NUL-terminated path.
+    if unsafe { libc::umount2(path.as_ptr(), flags) } == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EPERM) {
+        return Err(e);
+    }
+    let mut helper = std::process::Command::new("fusermount3");
+    helper.arg(if lazy { "-uz" } else { "-u" }).arg(dir);
+    let out = helper.output()?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let text = String::from_utf8_lossy(&out.stderr);
+    // fusermount3 says why only in words.
+    Err(if text.contains("busy") {
+        std::io::Error::from_raw_os_error(libc::EBUSY)
+    } else {
+        std::io::Error::other(format!("fusermount3: {}", text.trim()))
+    })
 }
 
 /// `kochab mount --foreground`.
@@ -272,6 +429,17 @@ pub fn background(args: &MountArgs) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(unescape_mount_path("/mnt/plain"), "/mnt/plain");
+        assert_eq!(unescape_mount_path("/mnt/a\\040b\\011c"), "/mnt/a b\tc");
+        assert_eq!(
+            unescape_mount_path("/mnt/back\\134slash"),
+            "/mnt/back\\slash"
+        );
+        assert_eq!(unescape_mount_path("/mnt/odd\\9"), "/mnt/odd\\9");
+    }
 
     #[test]
     fn mount_options() {

@@ -573,6 +573,15 @@ impl Inner {
         }
     }
 
+    /// The generation a reply gives with `a`'s attributes. The root's is 0 whatever the
+    /// servers keep (the birth time of its inode): the kernel made its root inode with
+    /// generation 0, encodes that in the root's file handles, and resets any other it is
+    /// told for the root (a LOOKUP of "..", the "." of a file-handle decode) with the
+    /// warning "fuse: root generation should be zero".
+    fn generation(&self, a: &Attr) -> Generation {
+        Generation(if a.id == self.root { 0 } else { a.generation })
+    }
+
     /// The kernel's inode number of a Kochab id (see [`ino_of_id`]).
     fn ino(&self, id: InodeId) -> INodeNo {
         INodeNo(if id == self.root {
@@ -694,7 +703,7 @@ impl Inner {
             Ok(a) => {
                 self.looked_up(a.id);
                 self.handed(parent, name, ttl);
-                reply.entry(&ttl, &self.file_attr(&a), Generation(a.generation));
+                reply.entry(&ttl, &self.file_attr(&a), self.generation(&a));
             }
             Err(e)
                 if e.errno == kochab_proto::Errno::ENOENT
@@ -773,7 +782,7 @@ impl Inner {
                 OsStr::from_bytes(&e.name),
                 &ttl,
                 &self.file_attr(attr),
-                Generation(attr.generation),
+                self.generation(attr),
             );
             if !full && e.name != b"." && e.name != b".." {
                 // readdirplus entries count as lookups the kernel will forget.
@@ -966,12 +975,7 @@ impl Filesystem for KochabFs {
                 fs.looked_up(a.id);
                 fs.handed(parent, name.as_bytes(), entry_ttl);
                 let attr = fs.file_attr(&a);
-                return reply.entry_with_ttls(
-                    &attr_ttl,
-                    &entry_ttl,
-                    &attr,
-                    Generation(a.generation),
-                );
+                return reply.entry_with_ttls(&attr_ttl, &entry_ttl, &attr, fs.generation(&a));
             }
         }
         let name = name_bytes(name);
@@ -1788,7 +1792,7 @@ impl Filesystem for KochabFs {
                     reply.created(
                         &ttl,
                         &fs.file_attr(&a),
-                        Generation(a.generation),
+                        fs.generation(&a),
                         FileHandle(handle),
                         open,
                     );

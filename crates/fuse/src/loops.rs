@@ -34,6 +34,12 @@ const REQUESTS_PER_TURN: usize = 32;
 /// (a waiting lock request's signal) is answered at most this much later.
 const GATHER_WITH_RING: std::time::Duration = std::time::Duration::from_millis(2);
 
+/// How long the end of a request loop waits for the ring's queue threads to end. A queue
+/// thread ends within a turn once stopped (its requests are never waited for: their tasks
+/// are dropped with its runtime), so this bounds only a thread stuck in a system call; an
+/// unmount then ends without waiting for it.
+const RING_STOP_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Whether request loops run on the runtime (the default).
 pub fn on_runtime() -> bool {
     std::env::var(THREADS_ENV).map_or(true, |v| v != "1")
@@ -55,9 +61,20 @@ pub fn runner(rt: tokio::runtime::Handle, ring_payload: usize) -> LoopRunner {
             if let Err(e) = &r {
                 tracing::error!("FUSE request loop ended: {e}");
             }
-            // The session is over (unmounted): so are the queues.
+            // The session is over (unmounted): so are the queues. The loop's end is
+            // reported only once they have ended, so that the session, not a queue thread,
+            // runs the file system's `destroy` (see `uring::Ring::stopped`).
             if let Some(Some(ring)) = ring.get() {
                 ring.stop();
+                if tokio::time::timeout(RING_STOP_MAX, ring.stopped())
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(
+                        "FUSE ring threads still running {RING_STOP_MAX:?} after the unmount; \
+                         the last of them ends the session"
+                    );
+                }
             }
             let _ = done.send(r);
         });

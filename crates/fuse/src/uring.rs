@@ -38,7 +38,7 @@ use parking_lot::Mutex;
 use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
@@ -81,6 +81,32 @@ pub fn wanted() -> bool {
 /// The queues of one mount; dropping it does not stop them (see `stop`).
 pub struct Ring {
     queues: Vec<Arc<Queue>>,
+    running: Arc<Running>,
+}
+
+/// The queue threads of a ring still running. A thread counts until it has shut its
+/// runtime down and dropped its dispatcher: the dispatcher holds the session's file system,
+/// whose last holder runs its `destroy` (flush, wait for durability, end the session at the
+/// servers). The session runs it itself, in order, only if no queue thread still holds it
+/// when its request loops end; otherwise the last queue thread to end would run it, on its
+/// own, while the process goes on to shut its runtime down under it (a panic: "A Tokio 1.x
+/// context was found, but it is being shutdown").
+#[derive(Default)]
+struct Running {
+    left: AtomicUsize,
+    ended: tokio::sync::Notify,
+}
+
+/// Counts one queue thread out when dropped: after `serve` returned, or while a panic
+/// unwinds it.
+struct ThreadEnd(Arc<Running>);
+
+impl Drop for ThreadEnd {
+    fn drop(&mut self) {
+        if self.0.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.ended.notify_waiters();
+        }
+    }
 }
 
 impl Ring {
@@ -102,13 +128,21 @@ impl Ring {
             all.retain(|q| q.strong_count() > 0);
             all.extend(queues.iter().map(Arc::downgrade));
         }
+        let running = Arc::new(Running::default());
         for queue in &queues {
             let (q, dev, dispatcher) = (queue.clone(), dev.clone(), dispatcher.clone());
-            std::thread::Builder::new()
+            running.left.fetch_add(1, Ordering::AcqRel);
+            let end = ThreadEnd(running.clone());
+            let spawned = std::thread::Builder::new()
                 .name(format!("fuse-ring-{}", queue.qid))
-                .spawn(move || serve(q, dev, dispatcher))?;
+                .spawn(move || {
+                    serve(q, dev, dispatcher);
+                    drop(end);
+                });
+            // A thread not started counts itself out as its closure (and `end`) is dropped.
+            spawned?;
         }
-        Ok(Ring { queues })
+        Ok(Ring { queues, running })
     }
 
     /// Ends the queue threads once the session is over (each exits when it wakes).
@@ -116,6 +150,19 @@ impl Ring {
         for q in &self.queues {
             q.stop.store(true, Ordering::Release);
             q.notify.notify_one();
+        }
+    }
+
+    /// Waits until every queue thread has ended (see [`Running`]), after [`Ring::stop`].
+    pub async fn stopped(&self) {
+        loop {
+            let ended = self.running.ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            if self.running.left.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            ended.await;
         }
     }
 }
