@@ -4,6 +4,8 @@
 
 use kochab_client::{Client, ClientConfig};
 use kochab_proto::auth::ClusterKey;
+pub use kochab_store::crashsim::{Loss, LossReport};
+use kochab_store::crashsim::{Whose, lose_unsynced};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -114,6 +116,23 @@ impl ServerProc {
         let _ = self.child.wait();
     }
 
+    /// A power cut: every process of this `kochab up` (its servers and coordinators too)
+    /// is stopped, what their object store had not synced is taken away (`loss`: see
+    /// `kochab_store::crashsim`; the processes must have been started with [`CRASH_SIM`]),
+    /// and they are killed. Returns what was undone.
+    pub fn power_loss(&mut self, loss: Loss) -> LossReport {
+        let tree = process_tree(self.child.id() as i32);
+        stop_all(&tree);
+        let report = lose_unsynced(&self.data.join("store"), Whose::All, loss)
+            .unwrap_or_else(|e| panic!("power loss of {}: {e}", self.data.display()));
+        for &p in &tree {
+            // SAFETY: kill(2) of processes of this test's cluster.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
+        let _ = self.child.wait();
+        report
+    }
+
     /// SIGTERM and wait for a clean exit; returns the exit status code.
     pub fn stop(&mut self) -> Option<i32> {
         // SAFETY: kill(2) with a pid we spawned and still own.
@@ -145,6 +164,99 @@ impl Drop for ServerProc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The environment that turns on the object store's crash simulation in the processes a
+/// test starts (`kochab_store::crashsim`): they record what a power cut could take away,
+/// and [`ServerProc::power_loss`] or [`power_loss_of`] takes it.
+pub const CRASH_SIM: [(&str, &str); 1] = [(kochab_store::crashsim::ENV, "1")];
+
+/// The power loss of the `k`-th crash of a run: unsynced changes dropped whole, or every
+/// other time torn block by block (seeded from the run's seed).
+pub fn loss_for(seed: u64, k: u64) -> Loss {
+    if k.is_multiple_of(2) {
+        Loss::Drop
+    } else {
+        Loss::Tear {
+            seed: seed ^ k.wrapping_mul(0x9e37_79b9),
+        }
+    }
+}
+
+/// `pid` and every process descended from it.
+pub fn process_tree(pid: i32) -> Vec<i32> {
+    let mut parent_of: Vec<(i32, i32)> = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        if let Some(pp) = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<i32>().ok())
+        {
+            parent_of.push((p, pp));
+        }
+    }
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while i < tree.len() {
+        let p = tree[i];
+        tree.extend(
+            parent_of
+                .iter()
+                .filter(|&&(_, pp)| pp == p)
+                .map(|&(c, _)| c),
+        );
+        i += 1;
+    }
+    tree
+}
+
+/// SIGSTOPs every process of `pids` and waits until each of their threads has stopped
+/// (a thread inside a system call stops when it returns), so that none writes any more.
+pub fn stop_all(pids: &[i32]) {
+    for &p in pids {
+        // SAFETY: kill(2) of processes of this test's cluster.
+        unsafe { libc::kill(p, libc::SIGSTOP) };
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let stopped = |p: i32| {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            return true;
+        };
+        tasks.flatten().all(|t| {
+            std::fs::read_to_string(t.path().join("stat")).map_or(true, |st| {
+                matches!(
+                    st.rsplit_once(')')
+                        .and_then(|(_, rest)| rest.split_whitespace().next()),
+                    Some("T" | "t" | "Z" | "X") | None
+                )
+            })
+        })
+    };
+    while !pids.iter().all(|&p| stopped(p)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "processes {pids:?} did not stop within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The power loss of one process of a cluster (a server whose machine loses power): it is
+/// stopped, what it had not synced in the store at `store` is taken away, and it is
+/// killed (its parent reaps it). It must have been started with [`CRASH_SIM`].
+pub fn power_loss_of(store: &Path, pid: i32, loss: Loss) -> LossReport {
+    stop_all(&[pid]);
+    let report = lose_unsynced(store, Whose::Process(pid as u32), loss)
+        .unwrap_or_else(|e| panic!("power loss of process {pid}: {e}"));
+    // SAFETY: kill(2) of a process of this test's cluster.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    report
 }
 
 /// xorshift64*: small, seeded, reproducible.
