@@ -7,7 +7,7 @@ use kochab_journal::record::encode_record_with;
 use kochab_meta::{Engine, EngineConfig};
 use kochab_proto::{Credentials, Op};
 use kochab_server::checkpoint::{
-    BOX_IMAGE_BYTES_MAX, ImageRef, Manifest, load_table, put_manifest,
+    BOX_IMAGE_BYTES_MAX, ImageRef, Manifest, load_table, swap_manifest,
 };
 use kochab_store::{MemStore, ObjectStore};
 use libfuzzer_sys::fuzz_target;
@@ -21,24 +21,26 @@ fn load(image: &[u8]) {
     };
     let (lo, hi) = (e.tables()[idx].lo, e.tables()[idx].hi);
     let store = MemStore::new();
-    let m = Manifest {
+    let mut m = Manifest {
         lo,
         hi,
-        replay_from: 1,
         images: vec![ImageRef {
             seq: 1,
             bytes: image.len() as u64,
             full: true,
+            server: 1,
+            epoch: 1,
         }],
         next_seq: 2,
+        ..Manifest::default()
     };
-    let _ = store.put(&format!("tables/{lo:016x}/{:010}.img", 1), image);
-    let _ = put_manifest(&store, &m);
+    let _ = store.put(&format!("tables/{lo:016x}/{:010}.1.1.img", 1), image);
+    let _ = swap_manifest(&store, &mut m);
     if load_table(&store, &mut e.tables_mut()[idx], &m).is_err() {
         return;
     }
     let _ = e.rehash_legacy_dentries();
-    e.recompute_counters();
+    e.fill_region_next();
     let _ = e.check_invariants();
     let ids: Vec<u64> = e.tables()[idx]
         .iter_inodes()
@@ -71,7 +73,7 @@ fuzz_target!(|data: &[u8]| {
     load(data);
     let mut framed = Vec::new();
     for (k, part) in data.split(|&b| b == 0xfe).enumerate() {
-        let _ = encode_record_with(&mut framed, k as u64 + 1, BOX_IMAGE_BYTES_MAX, |o| {
+        let _ = encode_record_with(&mut framed, k as u64 + 1, 1, BOX_IMAGE_BYTES_MAX, |o| {
             o.extend_from_slice(part)
         });
     }

@@ -2,8 +2,9 @@
 //! payload decoded as the message its kind carries. Must never panic.
 #![no_main]
 
+use kochab_proto::auth::ReplayTag;
 use kochab_proto::frame::{FRAME_HEADER_BYTES, decode_payload, parse_header};
-use kochab_proto::{Auth, Challenge, FrameKind, FsError, Reply, Request, Welcome};
+use kochab_proto::{Auth, Challenge, FrameKind, FsError, Invalidation, Reply, Request, Welcome};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -20,6 +21,10 @@ fuzz_target!(|data: &[u8]| {
                     FrameKind::Request => decode_payload::<Request>(p).is_ok(),
                     FrameKind::Reply => decode_payload::<Reply>(p).is_ok(),
                     FrameKind::Goodbye => decode_payload::<FsError>(p).is_ok(),
+                    FrameKind::Unsafe => decode_payload::<(u64, ReplayTag, Reply)>(p).is_ok(),
+                    FrameKind::Durable => decode_payload::<u64>(p).is_ok(),
+                    FrameKind::Callback => decode_payload::<Vec<Invalidation>>(p).is_ok(),
+                    FrameKind::CallbackDone => p.is_empty(),
                 };
                 buf = &buf[h.total_len..];
             }

@@ -6,11 +6,17 @@
 
 use kochab_journal::record::{Scan, scan};
 use kochab_journal::segment::{
-    BLOCK, SEGMENT_DATA_START, decode_header, encode_header, segment_name,
+    BLOCK, JournalId, SEGMENT_DATA_START, decode_header, encode_header, segment_name,
 };
 use kochab_journal::{inspect, recover, repair_accept_loss};
 use kochab_store::{MemStore, ObjectStore};
 use libfuzzer_sys::fuzz_target;
+
+/// The one journal the input becomes (server 1 at epoch 1).
+const JID: JournalId = JournalId {
+    server: 1,
+    epoch: 1,
+};
 
 fuzz_target!(|data: &[u8]| {
     let mut off = 0;
@@ -39,19 +45,19 @@ fuzz_target!(|data: &[u8]| {
             Vec::new()
         };
         seg.extend_from_slice(part);
-        let _ = store.put(&segment_name(first), &seg);
+        let _ = store.put(&segment_name(JID, first), &seg);
         first += 1 + part.len() as u64 / 16;
     }
     let copy = store.deep_clone();
     let mut next = 1;
-    let _ = recover(&store, 0, |l, _| {
+    let _ = recover(&store, JID, 0, |l, _| {
         assert_eq!(l, next, "records are handed out in order without a gap");
         next += 1;
         Ok(())
     });
-    let _ = inspect(&copy);
-    if repair_accept_loss(&copy).is_ok() {
-        let after = inspect(&copy).expect("inspect after repair");
+    let _ = inspect(&copy, JID);
+    if repair_accept_loss(&copy, JID).is_ok() {
+        let after = inspect(&copy, JID).expect("inspect after repair");
         assert!(
             after.damage.is_none(),
             "damage left after repair: {:?}",

@@ -26,18 +26,24 @@ impl Raw {
         Raw { s, buf: Vec::new() }
     }
 
-    /// Reads one frame; None when the server closed the connection.
+    /// Reads one frame; None when the server closed the connection (or it failed).
     fn frame(&mut self) -> Option<(FrameKind, u64, Vec<u8>)> {
+        self.next().ok().flatten()
+    }
+
+    /// Reads one frame: `Ok(None)` when the server closed the connection, `Err` when the
+    /// read failed (a timeout: the server neither answered nor closed).
+    fn next(&mut self) -> std::io::Result<Option<(FrameKind, u64, Vec<u8>)>> {
         loop {
             if let Some(h) = parse_header(&self.buf).expect("server frames are valid") {
                 let payload = self.buf[FRAME_HEADER_BYTES..h.total_len].to_vec();
                 self.buf.drain(..h.total_len);
-                return Some((h.kind, h.request_id, payload));
+                return Ok(Some((h.kind, h.request_id, payload)));
             }
             let mut chunk = [0u8; 65536];
-            match self.s.read(&mut chunk) {
-                Ok(0) | Err(_) => return None,
-                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+            match self.s.read(&mut chunk)? {
+                0 => return Ok(None),
+                n => self.buf.extend_from_slice(&chunk[..n]),
             }
         }
     }
@@ -236,30 +242,43 @@ fn malformed_frames_close_only_their_connection() {
         junk.push(rng.next() as u8);
         cases.push(junk);
     }
-    let mut closed = 0;
+    // How each connection ended: refused by the server (a Goodbye saying EPROTO, then
+    // closed), or closed by the server only after the client's own half-close (input that
+    // was a frame cut short, or whole frames answered).
+    let mut refused = 0;
+    let mut after_client_close = 0;
     let mut answered = 0;
     for (i, case) in cases.iter().enumerate() {
         let mut r = Raw::authed(server.addr, &server.key);
         r.send(case);
         // Then a truncated frame and a clean half-close.
         let _ = r.s.shutdown(std::net::Shutdown::Write);
+        let mut goodbye = false;
         loop {
-            match r.frame() {
-                None => {
-                    closed += 1;
+            match r.next() {
+                Ok(None) if goodbye => {
+                    refused += 1;
                     break;
                 }
-                Some((FrameKind::Goodbye, _, p)) => assert_eq!(
-                    decode_payload::<FsError>(&p).unwrap().errno,
-                    Errno::EPROTO,
-                    "case {i}"
-                ),
-                Some((FrameKind::Reply, _, p)) => {
+                Ok(None) => {
+                    after_client_close += 1;
+                    break;
+                }
+                Err(e) => panic!("case {i}: the server neither answered nor closed: {e}"),
+                Ok(Some((FrameKind::Goodbye, _, p))) => {
+                    assert_eq!(
+                        decode_payload::<FsError>(&p).unwrap().errno,
+                        Errno::EPROTO,
+                        "case {i}"
+                    );
+                    goodbye = true;
+                }
+                Ok(Some((FrameKind::Reply, _, p))) => {
                     // Random bytes that happen to decode as a request get a real answer.
                     let _: Reply = decode_payload(&p).expect("decodable reply");
                     answered += 1;
                 }
-                Some(other) => panic!("case {i}: unexpected {other:?}"),
+                Ok(Some(other)) => panic!("case {i}: unexpected {other:?}"),
             }
         }
         if i % 50 == 0 {
@@ -274,7 +293,15 @@ fn malformed_frames_close_only_their_connection() {
         }
     }
     eprintln!(
-        "{} malformed inputs: {closed} connections closed, {answered} accidental requests answered",
+        "{} malformed inputs: {refused} refused by the server, {after_client_close} closed \
+         after the client's half-close, {answered} accidental requests answered",
+        cases.len()
+    );
+    // Most inputs are malformed frames (random payloads behind valid headers, random
+    // bytes): the server itself must have refused them, not merely seen the client go.
+    assert!(
+        refused >= cases.len() / 2,
+        "only {refused} of {} malformed inputs refused by the server",
         cases.len()
     );
     assert_serving(&mut server);

@@ -81,6 +81,18 @@ fn owner_of(server: &ServerProc, id: InodeId) -> Option<(u64, i32)> {
     Some((owner, pid))
 }
 
+/// The address server `id` serves on, by the cluster's status.
+fn addr_of(server: &ServerProc, id: u64) -> Option<std::net::SocketAddr> {
+    let v = status(server)?;
+    v["servers"]
+        .as_array()?
+        .iter()
+        .find(|s| s["id"].as_u64() == Some(id))?["addr"]
+        .as_str()?
+        .parse()
+        .ok()
+}
+
 async fn names_of(c: &Client, dir: InodeId) -> BTreeSet<String> {
     c.readdir_all(&Credentials::root(), dir, false)
         .await
@@ -95,11 +107,25 @@ fn start(dir: &Path, servers: &str) -> ServerProc {
     ServerProc::start(&dir.join("data"), &["--servers", servers, "--lease", "2"])
 }
 
+/// Like `start`, with the store's crash simulation on (a power loss takes what a server
+/// had not synced: see `common::power_loss_of`).
+fn start_crash_sim(dir: &Path, servers: &str) -> ServerProc {
+    ServerProc::start_env(
+        &dir.join("data"),
+        "0",
+        &["--servers", servers, "--lease", "2"],
+        &common::CRASH_SIM,
+    )
+}
+
 /// A new cluster of `n` servers, its tables spread, whose root holds the directories
 /// `dirs` (dealt across the tables, so across the servers: a mkdir whose slot is on
 /// another server borrows its table).
 fn start_with_dirs(dir: &Path, n: usize, dirs: &[&str]) -> ServerProc {
-    let server = start(dir, &n.to_string());
+    with_dirs(start(dir, &n.to_string()), n, dirs)
+}
+
+fn with_dirs(server: ServerProc, n: usize, dirs: &[&str]) -> ServerProc {
     wait_spread(&server, n, 19 / n);
     runtime().block_on(async {
         let c = server.client(3).await;
@@ -179,7 +205,8 @@ fn three_server_processes_serve_one_namespace_and_spread_its_tables() {
 #[test]
 fn a_killed_server_is_replaced_and_its_clients_ride_it_out() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = start_with_dirs(dir.path(), 2, &["work"]);
+    let server = with_dirs(start_crash_sim(dir.path(), "2"), 2, &["work"]);
+    let store = server.data.join("store");
     let rt = runtime();
     rt.block_on(async {
         let c = server.client(3).await;
@@ -210,9 +237,15 @@ fn a_killed_server_is_replaced_and_its_clients_ride_it_out() {
             })
         };
         tokio::time::sleep(Duration::from_millis(800)).await;
-        signal(pid, libc::SIGKILL);
+        // A power loss of the owner's machine: what it had not synced is gone, torn.
+        let lost = tokio::task::block_in_place(|| {
+            common::power_loss_of(&store, pid, common::Loss::Tear { seed: 1 })
+        });
         let (acked, longest) = writer.await.expect("writer");
-        eprintln!("server {victim} killed; longest pause between acknowledged creates {longest:?}");
+        eprintln!(
+            "server {victim} lost power ({lost:?}); longest pause between acknowledged \
+             creates {longest:?}"
+        );
         assert!(
             longest < Duration::from_secs(20),
             "clients did not ride out the failover: {longest:?}"
@@ -237,10 +270,29 @@ fn a_server_paused_past_its_lease_never_serves_again() {
         let c = server.client(3).await;
         let cred = Credentials::root();
         let d = dir_ids(&c, &["work"]).await[0];
-        let (_, pid) = owner_of(&server, d).expect("owner");
+        let (owner, pid) = owner_of(&server, d).expect("owner");
         c.create(&cred, d, b"before", 0o644).await.expect("create");
+        // A raw connection to the owner, made while it serves: a request is written to it
+        // while it is stopped and must find no answer when it resumes.
+        let addr = addr_of(&server, owner).expect("the owner's address");
+        let mut held = common::RawConn::connect(addr, &server.key, 0xfe).expect("raw connection");
         signal(pid, libc::SIGSTOP);
         let stopped = Instant::now();
+        let fenced = |n: u64| {
+            kochab_proto::Request::plain(
+                &Credentials::root(),
+                kochab_proto::Op::Mknod {
+                    parent: d,
+                    name: format!("fenced{n}").into_bytes(),
+                    mode: 0o100644,
+                    rdev: 0,
+                    exclusive: true,
+                },
+            )
+        };
+        // Written first, so that it is the first request the server reads on resuming.
+        held.send(1, &fenced(0))
+            .expect("request to the stopped server");
         // Past the 2 s lease: the coordinator fences it and another server recovers its
         // tables; the client follows.
         c.create(&cred, d, b"during", 0o644)
@@ -250,14 +302,20 @@ fn a_server_paused_past_its_lease_never_serves_again() {
         // borrow had the table elsewhere when the status was read).
         let paused = Duration::from_secs(4);
         tokio::time::sleep(paused.saturating_sub(stopped.elapsed())).await;
-        signal(pid, libc::SIGCONT);
-        // Resumed, it finds its lease over: it must not serve or acknowledge; it stops and
-        // is restarted as a new incarnation.
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while alive(pid) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        assert!(!alive(pid), "a fenced server kept running");
+        // Resumed, it finds its lease over: it must not serve or acknowledge, whoever asks;
+        // it stops and is restarted as a new incarnation.
+        let refused = tokio::task::block_in_place(|| {
+            common::resume_and_probe_fenced(
+                pid,
+                addr,
+                &server.key,
+                held,
+                fenced,
+                || !alive(pid),
+                Duration::from_secs(15),
+            )
+        });
+        eprintln!("the fenced server refused {refused} requests before it exited");
         c.create(&cred, d, b"after", 0o644).await.expect("create");
         let got = names_of(&c, d).await;
         assert_eq!(
@@ -265,7 +323,8 @@ fn a_server_paused_past_its_lease_never_serves_again() {
             ["after", "before", "during"]
                 .iter()
                 .map(|s| s.to_string())
-                .collect()
+                .collect(),
+            "a request to the fenced server made a name"
         );
     });
     let log = server.log_text();
@@ -617,9 +676,10 @@ fn the_mount_of_two_servers_lists_moves_and_links_across_them() {
     assert_eq!(std::fs::read_dir(m).expect("readdir").count(), 0);
 }
 
-/// Early replies over a failover: the mount's creates in a directory whose server is
-/// SIGKILLed before its (slowed) journal held them are replayed to the server that
-/// recovers its tables; none is lost.
+/// Early replies over a failover: the mount's creates in a directory whose server loses
+/// power before its (slowed) journal held them are replayed to the server that recovers
+/// its tables; none is lost. The window is proven open at the crash: the durable
+/// namespace then held fewer inodes than the mount had acknowledged.
 #[test]
 fn a_failover_replays_what_the_mount_had_acknowledged_early() {
     use std::os::unix::fs::MetadataExt;
@@ -629,7 +689,8 @@ fn a_failover_replays_what_the_mount_had_acknowledged_early() {
         &data,
         "0",
         &["--servers", "2", "--lease", "2"],
-        &[("KOCHAB_JOURNAL_DELAY_MS", "1000")],
+        // Each flush held for 1 s: at least the last creates are not durable at the crash.
+        &[("KOCHAB_JOURNAL_DELAY_MS", "1000"), common::CRASH_SIM[0]],
     );
     wait_spread(&server, 2, 19 / 2);
     let mount = common::MountProc::start(
@@ -644,11 +705,27 @@ fn a_failover_replays_what_the_mount_had_acknowledged_early() {
         .expect("fsync of the directory");
     let id = kochab_fuse::id_of_ino(std::fs::metadata(&work).expect("stat").ino());
     let (victim, pid) = owner_of(&server, id).expect("owner of the directory");
+    let before = common::durable_inodes(&data);
     let names: BTreeSet<String> = (0..40).map(|i| format!("f{i:02}")).collect();
     for n in &names {
         std::fs::File::create(work.join(n)).expect("create");
     }
-    signal(pid, libc::SIGKILL);
+    // Power loss of the victim alone; its store is copied while it is off, before anyone
+    // recovers its tables, and the copies' durable namespace counted afterwards. (Copying
+    // takes milliseconds: the victim is off for less than its lease, and is restarted as
+    // after a crash rather than fenced.)
+    let (_, copies) =
+        common::power_loss_of_then(&data.join("store"), pid, common::Loss::Drop, || {
+            (0..5)
+                .filter_map(|_| common::copy_store(&data))
+                .collect::<Vec<_>>()
+        });
+    let durable = common::durable_inodes_in(&copies, &data);
+    eprintln!("{durable} inodes durable at the crash, {before} before the 40 creates");
+    assert!(
+        durable < before + names.len() as u64,
+        "all 40 acknowledged creates were durable at the crash: nothing to replay"
+    );
     let deadline = Instant::now() + Duration::from_secs(90);
     let mut got = BTreeSet::new();
     while Instant::now() < deadline {

@@ -1,14 +1,18 @@
 //! Faults under load: `kochab up --servers 3 --coords 3` with a few clients creating,
 //! making directories, renaming and unlinking, while a random metadata server and the
-//! coordinator leader are killed with SIGKILL at random moments (seeded; the seed is
-//! printed). The supervisor restarts them, the clients ride it out, and afterwards every
-//! acknowledged operation is there exactly once. Then the whole cluster is SIGKILLed, the
-//! offline whole-cluster fsck (replaying every journal) is clean, a restart serves exactly
-//! what was there, and after a clean stop fsck is clean again.
+//! coordinator leader are killed at random moments (seeded; the seed is printed): the
+//! server by a power loss (the store's crash simulation takes what it had not synced), the
+//! coordinator by SIGKILL. The supervisor restarts them, the clients ride it out, and
+//! afterwards every acknowledged operation is there exactly once. Then the whole cluster
+//! loses power, the offline whole-cluster fsck (replaying every journal) is clean, a
+//! restart serves exactly what was there, and after a clean stop fsck is clean again.
 
 mod common;
 
-use common::{Rng, ServerProc, kochab_bin, offline_fsck_clean, runtime, seed};
+use common::{
+    CRASH_SIM, Rng, ServerProc, kochab_bin, loss_for, offline_fsck_clean, power_loss_of, runtime,
+    seed,
+};
 use kochab_client::Client;
 use kochab_proto::{Credentials, InodeId};
 use std::collections::{BTreeMap, BTreeSet};
@@ -297,7 +301,8 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
     let args = ["--servers", "3", "--coords", "3", "--lease", "2"];
-    let mut up = ServerProc::start(&data, &args);
+    // The store's crash simulation: a killed server loses what it had not synced.
+    let mut up = ServerProc::start_env(&data, "0", &args, &CRASH_SIM);
     let entries = wait_ready(&up, 3);
     let rt = runtime();
     let names: Vec<String> = (0..WORKERS).map(|i| format!("w{i}")).collect();
@@ -351,8 +356,13 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
                 }
                 match v.as_ref().and_then(|v| owner_of(v, watched)) {
                     Some((victim, pid)) => {
-                        sigkill(pid);
-                        kills.push(format!("server {victim} (pid {pid}) at {when:?}"));
+                        // A power loss of its machine: unsynced writes torn.
+                        let lost = tokio::task::block_in_place(|| {
+                            power_loss_of(&data.join("store"), pid, loss_for(seed, 1))
+                        });
+                        kills.push(format!(
+                            "server {victim} (pid {pid}) at {when:?}, power lost ({lost:?})"
+                        ));
                     }
                     None => panic!("no owner of {watched:#x} to kill at {when:?}: {v:#?}"),
                 }
@@ -420,21 +430,23 @@ fn a_loaded_cluster_rides_out_killed_servers_and_coordinator_leaders_and_fscks_c
         log.contains("exited"),
         "the supervisor saw the kills:\n{log}"
     );
-    // The whole cluster killed at once (no checkpoint, journals as they are): the offline
-    // fsck loads every table from its manifest and the journals it names, the killed
-    // server's sealed one included, and must leave the directory as a start needs it.
+    // The whole cluster loses power at once (no checkpoint, journals as synced, what was
+    // not synced dropped): the offline fsck loads every table from its manifest and the
+    // journals it names, the killed server's sealed one included, and must leave the
+    // directory as a start needs it.
     let kids = children(up.child.id());
-    up.kill9();
+    let lost = up.power_loss(loss_for(seed, 0));
+    eprintln!("power loss of the cluster: {lost:?}");
     let deadline = Instant::now() + Duration::from_secs(10);
     while kids.iter().any(|&(p, _)| alive(p)) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
     eprintln!(
-        "after SIGKILL of the cluster: {}",
+        "after the power loss of the cluster: {}",
         offline_fsck_clean(&data, &format!("seed {seed}"))
     );
     drop(up);
-    let mut up = ServerProc::start(&data, &args);
+    let mut up = ServerProc::start_env(&data, "0", &args, &CRASH_SIM);
     wait_ready(&up, 3);
     rt.block_on(async {
         let c = up.client(3).await;

@@ -2756,27 +2756,39 @@ fn sparse_files_report_only_written_blocks() {
 /// Inode ids are reused (a directory's file allocator restarts when it becomes empty), but
 /// only after a quarantine longer than a mount caches names, so a name removed on another
 /// mount never reaches a newer file that got the same id. Here mount B must not read the
-/// data of `y` through the name `x` that mount A removed.
+/// data of a newer file through the name `x` that mount A removed: neither of `y`, made
+/// within the quarantine (so with another id), nor of `z`, made after it with `x`'s id.
 #[test]
 fn a_removed_name_never_reaches_a_newer_file_with_its_id() {
     let b = Bench::new();
     let other = b.c.mount_again(&b.tmp.path().join("mnt2"));
     let (a, o) = (b.mnt().join("d"), other.mnt.join("d"));
+    let x_on_b_is_gone = |after: &str| match fs::read(o.join("x")) {
+        Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ENOENT), "x after {after}"),
+        Ok(data) => panic!(
+            "read x, removed on the other mount, got {:?} after {after}",
+            String::from_utf8_lossy(&data)
+        ),
+    };
     fs::create_dir(&a).unwrap();
     fs::write(a.join("x"), b"the file x").unwrap();
     assert_eq!(fs::read(o.join("x")).unwrap(), b"the file x");
     let old = fs::metadata(a.join("x")).unwrap().ino();
     fs::remove_file(a.join("x")).unwrap();
     fs::write(a.join("y"), b"the file y").unwrap();
-    eprintln!(
-        "x had id {old:#x}, y has {:#x}",
-        fs::metadata(a.join("y")).unwrap().ino()
+    let y = fs::metadata(a.join("y")).unwrap().ino();
+    assert_ne!(y, old, "x's id was handed out again within its quarantine");
+    x_on_b_is_gone("y was made");
+    // Past the quarantine, with the directory empty again, its allocator restarts: the
+    // next file gets x's id.
+    fs::remove_file(a.join("y")).unwrap();
+    let quarantine = Duration::from_nanos(kochab_meta::engine::QUARANTINE_NS.unsigned_abs());
+    std::thread::sleep(quarantine + Duration::from_secs(1));
+    fs::write(a.join("z"), b"the file z").unwrap();
+    assert_eq!(
+        fs::metadata(a.join("z")).unwrap().ino(),
+        old,
+        "x's id is reused once its quarantine is over"
     );
-    match fs::read(o.join("x")) {
-        Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ENOENT)),
-        Ok(data) => panic!(
-            "read x, removed on the other mount, got {:?}",
-            String::from_utf8_lossy(&data)
-        ),
-    }
+    x_on_b_is_gone("z got its id");
 }

@@ -4,7 +4,8 @@
 //! /dev/fuse when it does not or is told so. This test checks which one a mount used and
 //! runs the same mixed workload over both. (Every other FUSE test runs over the rings
 //! where the kernel offers them, and over /dev/fuse with `KOCHAB_FUSE_URING=0` in the
-//! test's environment.)
+//! test's environment: scripts/test.sh runs the conformance and differential suites a
+//! second time so.)
 
 mod common;
 

@@ -427,6 +427,9 @@ fn a_server_paused_past_its_lease_is_fenced_and_its_tables_recovered() {
     drop(at_b);
 
     let pid = c.procs.0[c.index[&b]].id() as i32;
+    // A raw connection to b, made while it serves: a request written to it while b is
+    // stopped must find no answer when b resumes.
+    let mut held = common::RawConn::connect(c.addrs[&b], &c.key, 0xfe).unwrap();
     // SAFETY: signals to our own child.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
     wait_until("b's tables recovered on a", 60, || {
@@ -443,18 +446,43 @@ fn a_server_paused_past_its_lease_is_fenced_and_its_tables_recovered() {
         seen.id, made.id,
         "the file b acknowledged is on a after recovery"
     );
-    // SAFETY: as above.
-    unsafe { libc::kill(pid, libc::SIGCONT) };
-    let child = &mut c.procs.0[c.index[&b]];
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the fenced server did not exit");
-        std::thread::sleep(Duration::from_millis(50));
+    let fenced = |n: u64| {
+        kochab_proto::Request::plain(
+            &cred,
+            Op::Mknod {
+                parent: root,
+                name: format!("fenced{n}").into_bytes(),
+                mode: 0o100644,
+                rdev: 0,
+                exclusive: true,
+            },
+        )
     };
+    held.send(1, &fenced(0)).unwrap();
+    // Resumed (SIGCONT), b must answer no one, on the old connection or new ones, until
+    // it exits.
+    let (addr, key) = (c.addrs[&b], c.key);
+    let child = &mut c.procs.0[c.index[&b]];
+    let refused = common::resume_and_probe_fenced(
+        pid,
+        addr,
+        &key,
+        held,
+        fenced,
+        || child.try_wait().unwrap().is_some(),
+        Duration::from_secs(20),
+    );
+    eprintln!("the fenced server refused {refused} requests before it exited");
+    let status = child.try_wait().unwrap().expect("exited");
     assert_eq!(status.code(), Some(3), "{status:?}");
+    for n in 0..refused + 1 {
+        let name = format!("fenced{n}");
+        assert!(
+            rt.block_on(at_a.lookup(&cred, root, name.as_bytes()))
+                .is_err(),
+            "{name} was made by the fenced server"
+        );
+    }
     let log = std::fs::read_to_string(c.tmp.path().join(format!("mds{}.log", b.0))).unwrap();
     assert!(log.contains("is fenced"), "{log}");
 }

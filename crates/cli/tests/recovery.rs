@@ -270,14 +270,21 @@ fn metrics_are_served_in_prometheus_text_format() {
     while out.read(&mut b).unwrap() == 1 && b[0] != b'\n' {
         line.push(b[0]);
     }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let maddr = loop {
         let text = std::fs::read_to_string(&log).unwrap();
         if let Some(rest) = text.split("metrics at http://").nth(1) {
             break rest.split('/').next().unwrap().to_string();
         }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("no metrics address logged within 60 s:\n{text}");
+        }
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
     let mut s = std::net::TcpStream::connect(&maddr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
     s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
         .unwrap();
     let mut body = String::new();

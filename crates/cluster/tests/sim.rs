@@ -56,12 +56,34 @@ fn seeds_pass() {
     );
 }
 
+/// What the simulation's safety checks report (`World::check` and the store's
+/// violations), as opposed to liveness failures ("not done after faults stopped", "gave up
+/// on op"), which a broken protocol may also cause without the checks seeing the breakage.
+const SAFETY_VIOLATIONS: [&str; 4] = [
+    "served by servers",
+    "may still write it",
+    "times in table",
+    "lost from table",
+];
+
+/// `e` reports a safety violation: a test that breaks a safety property must be caught by
+/// the check for it, not by a run that merely stalls.
+fn assert_safety_violation(e: &str, broken: &str) {
+    assert!(
+        SAFETY_VIOLATIONS.iter().any(|v| e.contains(v))
+            && !e.contains("not done after faults stopped")
+            && !e.contains("gave up on op"),
+        "{broken}: caught, but not as a safety violation: {e}"
+    );
+    eprintln!("caught: {e}");
+}
+
 /// The simulation must catch a server that keeps serving after its lease ended.
 #[test]
 fn broken_fencing_is_caught() {
     let e = run_seeds(0, 200, |c| c.broken = Some(Break::Fencing))
         .expect_err("broken fencing went unnoticed");
-    eprintln!("caught: {e}");
+    assert_safety_violation(&e, "broken fencing");
 }
 
 /// Clocks that drift more than the lease margin allows must be caught: this is what the
@@ -70,7 +92,7 @@ fn broken_fencing_is_caught() {
 fn drift_beyond_the_margin_is_caught() {
     let e = run_seeds(0, 500, |c| c.drift_ppm_max = 400_000)
         .expect_err("40% clock drift went unnoticed");
-    eprintln!("caught: {e}");
+    assert_safety_violation(&e, "40% clock drift");
 }
 
 /// The simulation must catch a DROP that does not wait for in-flight operations.
@@ -78,5 +100,5 @@ fn drift_beyond_the_margin_is_caught() {
 fn broken_drain_is_caught() {
     let e = run_seeds(0, 200, |c| c.broken = Some(Break::Drain))
         .expect_err("broken drain went unnoticed");
-    eprintln!("caught: {e}");
+    assert_safety_violation(&e, "broken drain");
 }

@@ -6,10 +6,11 @@
 //! storage servers implement the same trait later.
 
 mod aligned;
+pub mod crashsim;
 mod mem;
 
 pub use aligned::AlignedBuf;
-pub use mem::MemStore;
+pub use mem::{MemLoss, MemStore};
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, ErrorKind};
@@ -192,10 +193,13 @@ pub fn validate_object_name(name: &str) -> io::Result<()> {
 #[derive(Debug, Clone)]
 pub struct LocalStore {
     root: PathBuf,
+    /// The crash simulation's recorder, in its test mode only (see [`crashsim`]).
+    sim: Option<Arc<crashsim::Recorder>>,
 }
 
 struct LocalObject {
     file: File,
+    sim: Option<(Arc<crashsim::Recorder>, crashsim::SimFile)>,
 }
 
 impl Object for LocalObject {
@@ -213,11 +217,26 @@ impl Object for LocalObject {
     }
 
     fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
-        self.file.write_all_at(data, offset)
+        match &self.sim {
+            None => self.file.write_all_at(data, offset),
+            Some((rec, f)) if f.dsync => {
+                self.file.write_all_at(data, offset)?;
+                rec.pinned(f, offset, data)
+            }
+            Some((rec, f)) => {
+                let end = offset.saturating_add(data.len() as u64);
+                rec.change(f, offset, end, None, || {
+                    self.file.write_all_at(data, offset)
+                })
+            }
+        }
     }
 
     fn sync_data(&self) -> io::Result<()> {
-        self.file.sync_data()
+        match &self.sim {
+            None => self.file.sync_data(),
+            Some((rec, f)) => rec.sync(f.ino, || self.file.sync_data()),
+        }
     }
 
     fn len(&self) -> io::Result<u64> {
@@ -225,7 +244,10 @@ impl Object for LocalObject {
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        self.file.set_len(len)
+        match &self.sim {
+            None => self.file.set_len(len),
+            Some((rec, f)) => rec.change(f, len, u64::MAX, Some(len), || self.file.set_len(len)),
+        }
     }
 
     fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
@@ -234,7 +256,13 @@ impl Object for LocalObject {
 
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
         let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-        match fallocate(&self.file, mode, offset, len) {
+        let punched = match &self.sim {
+            None => fallocate(&self.file, mode, offset, len),
+            Some((rec, f)) => rec.change(f, offset, offset.saturating_add(len), None, || {
+                fallocate(&self.file, mode, offset, len)
+            }),
+        };
+        match punched {
             // A file system without hole punching: write the zeros instead.
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
                 zero_by_writing(self, offset, len)
@@ -266,12 +294,80 @@ fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Result<()> {
 }
 
 impl LocalStore {
-    /// A store rooted at `root`, created if missing.
+    /// A store rooted at `root`, created if missing. In the crash simulation's test mode
+    /// ([`crashsim`]) it records what a power cut could still take away.
     pub fn open(root: impl AsRef<Path>) -> io::Result<LocalStore> {
         fs::create_dir_all(root.as_ref())?;
-        Ok(LocalStore {
-            root: root.as_ref().to_path_buf(),
-        })
+        let root = root.as_ref().to_path_buf();
+        let sim = match crashsim::enabled() {
+            true => Some(Arc::new(crashsim::Recorder::new(&root)?)),
+            false => None,
+        };
+        Ok(LocalStore { root, sim })
+    }
+
+    fn object(&self, file: File) -> io::Result<LocalObject> {
+        let sim = match &self.sim {
+            Some(rec) => Some((rec.clone(), crashsim::SimFile::of(&file)?)),
+            None => None,
+        };
+        Ok(LocalObject { file, sim })
+    }
+
+    /// Runs `create`, which makes `path` if it does not exist, and records a new name.
+    fn creating<T>(&self, path: &Path, create: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+        let Some(rec) = &self.sim else {
+            return create();
+        };
+        let existed = fs::symlink_metadata(path).is_ok();
+        let at = crashsim_now();
+        let out = create()?;
+        if !existed {
+            rec.created(path, at)?;
+        }
+        Ok(out)
+    }
+
+    /// Writes `data` at `offset` of a file this store just made.
+    fn write_file(&self, f: &File, data: &[u8], offset: u64) -> io::Result<()> {
+        match &self.sim {
+            None => f.write_all_at(data, offset),
+            Some(_) => self.object(f.try_clone()?)?.write_at(data, offset),
+        }
+    }
+
+    /// fsync(2) of a file this store just made: its contents are durable.
+    fn sync_file(&self, f: &File) -> io::Result<()> {
+        match &self.sim {
+            None => f.sync_all(),
+            Some(rec) => rec.sync(std::os::unix::fs::MetadataExt::ino(&f.metadata()?), || {
+                f.sync_all()
+            }),
+        }
+    }
+
+    fn remove_path(&self, path: &Path) -> io::Result<()> {
+        match &self.sim {
+            None => fs::remove_file(path),
+            Some(rec) => rec.remove(path),
+        }
+    }
+
+    fn rename_path(&self, from: &Path, to: &Path) -> io::Result<()> {
+        match &self.sim {
+            None => fs::rename(from, to),
+            Some(rec) => rec.rename(from, to),
+        }
+    }
+
+    /// fsync(2) of a folder: names created or removed in it are durable.
+    fn sync_folder(&self, dir: &Path) -> io::Result<()> {
+        let began = crashsim_now();
+        File::open(dir)?.sync_all()?;
+        match &self.sim {
+            None => Ok(()),
+            Some(rec) => rec.dir_synced(dir, began),
+        }
     }
 
     /// The directory holding the objects.
@@ -295,8 +391,8 @@ impl LocalStore {
 /// Makes temporary names of concurrent conditional writers in one process distinct.
 static TMP_COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-fn fsync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir)?.sync_all()
+fn crashsim_now() -> u64 {
+    crashsim::now()
 }
 
 impl ObjectStore for LocalStore {
@@ -305,12 +401,12 @@ impl ObjectStore for LocalStore {
         Self::ensure_parent(&path)?;
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         {
-            let f = File::create(&tmp)?;
-            f.write_all_at(data, 0)?;
-            f.sync_all()?;
+            let f = self.creating(&tmp, || File::create(&tmp))?;
+            self.write_file(&f, data, 0)?;
+            self.sync_file(&f)?;
         }
-        fs::rename(&tmp, &path)?;
-        fsync_dir(path.parent().unwrap_or(&self.root))
+        self.rename_path(&tmp, &path)?;
+        self.sync_folder(path.parent().unwrap_or(&self.root))
     }
 
     fn get(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
@@ -322,7 +418,7 @@ impl ObjectStore for LocalStore {
     }
 
     fn delete(&self, name: &str) -> io::Result<()> {
-        match fs::remove_file(self.path(name)?) {
+        match self.remove_path(&self.path(name)?) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e),
@@ -361,7 +457,7 @@ impl ObjectStore for LocalStore {
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
         let to = self.path(to)?;
         Self::ensure_parent(&to)?;
-        fs::rename(self.path(from)?, to)
+        self.rename_path(&self.path(from)?, &to)
     }
 
     fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn Object>> {
@@ -369,13 +465,15 @@ impl ObjectStore for LocalStore {
         if create {
             Self::ensure_parent(&path)?;
         }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(create)
-            .truncate(false)
-            .open(&path)?;
-        Ok(Arc::new(LocalObject { file }))
+        let file = self.creating(&path, || {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(create)
+                .truncate(false)
+                .open(&path)
+        })?;
+        Ok(Arc::new(self.object(file)?))
     }
 
     fn open_sync_direct(&self, name: &str) -> io::Result<Option<Arc<dyn Object>>> {
@@ -387,7 +485,7 @@ impl ObjectStore for LocalStore {
             .custom_flags(libc::O_DIRECT | libc::O_DSYNC)
             .open(&path)
         {
-            Ok(file) => Ok(Some(Arc::new(LocalObject { file }))),
+            Ok(file) => Ok(Some(Arc::new(self.object(file)?))),
             // tmpfs and some others refuse O_DIRECT.
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
             Err(e) => Err(e),
@@ -400,15 +498,17 @@ impl ObjectStore for LocalStore {
         if create {
             Self::ensure_parent(&path)?;
         }
-        match OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(create)
-            .truncate(false)
-            .custom_flags(libc::O_DIRECT)
-            .open(&path)
-        {
-            Ok(file) => Ok(Some(Arc::new(LocalObject { file }))),
+        let opened = self.creating(&path, || {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(create)
+                .truncate(false)
+                .custom_flags(libc::O_DIRECT)
+                .open(&path)
+        });
+        match opened {
+            Ok(file) => Ok(Some(Arc::new(self.object(file)?))),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
             Err(e) => Err(e),
         }
@@ -417,7 +517,7 @@ impl ObjectStore for LocalStore {
     fn sync_dir(&self, prefix: &str) -> io::Result<()> {
         let dir = self.path(prefix)?;
         fs::create_dir_all(&dir)?;
-        fsync_dir(&dir)
+        self.sync_folder(&dir)
     }
 
     fn create_if_absent(&self, name: &str, data: &[u8]) -> io::Result<()> {
@@ -431,14 +531,16 @@ impl ObjectStore for LocalStore {
             TMP_COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         let result = (|| {
-            let f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-            f.write_all_at(data, 0)?;
-            f.sync_all()?;
-            fs::hard_link(&tmp, &path)
+            let f = self.creating(&tmp, || {
+                OpenOptions::new().write(true).create_new(true).open(&tmp)
+            })?;
+            self.write_file(&f, data, 0)?;
+            self.sync_file(&f)?;
+            self.creating(&path, || fs::hard_link(&tmp, &path))
         })();
-        let _ = fs::remove_file(&tmp);
+        let _ = self.remove_path(&tmp);
         result?;
-        fsync_dir(path.parent().unwrap_or(&self.root))
+        self.sync_folder(path.parent().unwrap_or(&self.root))
     }
 
     fn exists(&self, name: &str) -> io::Result<bool> {

@@ -1,17 +1,158 @@
 //! An object store in memory, for tests and fuzz targets: recovery and checkpoint loading
-//! run over damaged objects thousands of times without touching a disk. Not durable.
+//! run over damaged objects thousands of times without touching a disk.
+//!
+//! It keeps what is durable apart from what was only written, as a disk behind a page
+//! cache does: an object's bytes reach its durable copy at `sync_data` (each block written
+//! since the last one), a name created, removed or renamed reaches the durable namespace at
+//! `sync_dir` of its folder, and `put` and `create_if_absent` are durable when they return.
+//! [`MemStore::power_loss`] (or [`MemStore::crash_image`], which leaves the store running)
+//! then leaves only what a power cut would: every unsynced change dropped, or each unsynced
+//! block kept or dropped at random ([`MemLoss::Tear`]).
 
 use crate::{Capacity, Object, ObjectStore};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-type Objects = Arc<Mutex<BTreeMap<String, Vec<u8>>>>;
+/// Unit of durability tracking and of tearing: what a disk writes atomically.
+const BLOCK: u64 = 4096;
+
+/// One object's bytes: as written, and as durable.
+#[derive(Clone, Debug, Default)]
+struct Node {
+    data: Vec<u8>,
+    durable: Vec<u8>,
+    /// Blocks written since the last sync (their durable copy may differ).
+    dirty: BTreeSet<u64>,
+    /// The length changed since the last sync.
+    resized: bool,
+}
+
+type NodeRef = Arc<Mutex<Node>>;
+
+#[derive(Debug, Default)]
+struct State {
+    /// The namespace as it reads now.
+    names: BTreeMap<String, NodeRef>,
+    /// The namespace a power cut would leave.
+    durable: BTreeMap<String, NodeRef>,
+}
+
+/// How a power loss treats what was not synced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemLoss {
+    /// Every object back to its last synced bytes and length; every unsynced name change
+    /// undone.
+    Drop,
+    /// Names as with `Drop`; each unsynced 4 KiB block kept or dropped at random, and an
+    /// unsynced length kept or dropped at random (seeded: the same seed, the same state).
+    Tear { seed: u64 },
+}
 
 /// Objects in a map; clones share the same objects.
 #[derive(Clone, Default, Debug)]
 pub struct MemStore {
-    objects: Objects,
+    state: Arc<Mutex<State>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Node {
+    fn new_durable(data: &[u8]) -> NodeRef {
+        Arc::new(Mutex::new(Node {
+            data: data.to_vec(),
+            durable: data.to_vec(),
+            dirty: BTreeSet::new(),
+            resized: false,
+        }))
+    }
+
+    fn mark(&mut self, from: u64, to: u64) {
+        if to > from {
+            self.dirty.extend(from / BLOCK..to.div_ceil(BLOCK));
+        }
+    }
+
+    fn sync(&mut self) {
+        self.durable.resize(self.data.len(), 0);
+        for b in std::mem::take(&mut self.dirty) {
+            let s = (b * BLOCK) as usize;
+            if s >= self.data.len() {
+                continue;
+            }
+            let e = (s + BLOCK as usize).min(self.data.len());
+            self.durable[s..e].copy_from_slice(&self.data[s..e]);
+        }
+        self.resized = false;
+    }
+
+    /// What a power cut leaves of this object (all of it durable afterwards).
+    fn after_loss(&self, loss: MemLoss, rng: &mut u64) -> Node {
+        let bytes = match loss {
+            MemLoss::Drop => self.durable.clone(),
+            MemLoss::Tear { .. } => {
+                let keep_len = self.resized && coin(rng);
+                let len = if keep_len {
+                    self.data.len()
+                } else {
+                    self.durable.len()
+                };
+                let mut out = self.durable.clone();
+                out.resize(len, 0);
+                for &b in &self.dirty {
+                    let s = (b * BLOCK) as usize;
+                    if s >= len || !coin(rng) {
+                        continue;
+                    }
+                    let e = (s + BLOCK as usize).min(len);
+                    for (i, o) in out[s..e].iter_mut().enumerate() {
+                        *o = self.data.get(s + i).copied().unwrap_or(0);
+                    }
+                }
+                out
+            }
+        };
+        Node {
+            data: bytes.clone(),
+            durable: bytes,
+            dirty: BTreeSet::new(),
+            resized: false,
+        }
+    }
+}
+
+/// A fair coin from xorshift64*.
+fn coin(state: &mut u64) -> bool {
+    let mut x = *state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 63) == 1
+}
+
+/// Copies of `names` and `durable` with the nodes they share copied once (a node named
+/// twice stays one node), each through `copy`.
+fn copy_maps(st: &State, mut copy: impl FnMut(&Node) -> Node, durable_only: bool) -> State {
+    let mut done: HashMap<*const Mutex<Node>, NodeRef> = HashMap::new();
+    let mut one = |n: &NodeRef| {
+        done.entry(Arc::as_ptr(n))
+            .or_insert_with(|| Arc::new(Mutex::new(copy(&lock(n)))))
+            .clone()
+    };
+    let durable: BTreeMap<String, NodeRef> = st
+        .durable
+        .iter()
+        .map(|(k, n)| (k.clone(), one(n)))
+        .collect();
+    let names = if durable_only {
+        durable.clone()
+    } else {
+        st.names.iter().map(|(k, n)| (k.clone(), one(n))).collect()
+    };
+    State { names, durable }
 }
 
 impl MemStore {
@@ -19,26 +160,60 @@ impl MemStore {
         MemStore::default()
     }
 
-    /// An independent copy of every object.
+    /// An independent copy of every object (what is durable and what is not).
     pub fn deep_clone(&self) -> MemStore {
+        let st = lock(&self.state);
         MemStore {
-            objects: Arc::new(Mutex::new(lock(&self.objects).clone())),
+            state: Arc::new(Mutex::new(copy_maps(&st, |n| n.clone(), false))),
         }
     }
 
-    /// Every object, by name.
+    /// Every object as it reads now, by name.
     pub fn objects(&self) -> BTreeMap<String, Vec<u8>> {
-        lock(&self.objects).clone()
+        lock(&self.state)
+            .names
+            .iter()
+            .map(|(k, n)| (k.clone(), lock(n).data.clone()))
+            .collect()
+    }
+
+    /// What a power cut at this moment would leave, as an independent store (this one is
+    /// left as it is, its writers running on).
+    pub fn crash_image(&self, loss: MemLoss) -> MemStore {
+        let mut rng = match loss {
+            MemLoss::Drop => 1,
+            MemLoss::Tear { seed } => seed | 1,
+        };
+        let st = lock(&self.state);
+        MemStore {
+            state: Arc::new(Mutex::new(copy_maps(
+                &st,
+                |n| n.after_loss(loss, &mut rng),
+                true,
+            ))),
+        }
+    }
+
+    /// A power cut: this store keeps only what [`MemStore::crash_image`] would. Objects
+    /// already open read the state after the cut.
+    pub fn power_loss(&self, loss: MemLoss) {
+        let image = self.crash_image(loss);
+        let mut st = lock(&self.state);
+        let img = lock(&image.state);
+        // Open handles point at nodes of this store: give them the nodes' new contents.
+        for (name, node) in &st.durable {
+            if let Some(n) = img.durable.get(name) {
+                *lock(node) = lock(n).clone();
+            }
+        }
+        let names = st.durable.clone();
+        st.names = names;
     }
 }
 
 struct MemObject {
-    objects: Objects,
-    name: String,
-}
-
-fn lock(o: &Objects) -> MutexGuard<'_, BTreeMap<String, Vec<u8>>> {
-    o.lock().unwrap_or_else(|p| p.into_inner())
+    state: Arc<Mutex<State>>,
+    node: NodeRef,
 }
 
 fn missing(name: &str) -> io::Error {
@@ -55,14 +230,23 @@ fn too_large(what: u64) -> io::Error {
 /// Objects in memory are bounded by this (a test never needs more).
 const MAX_OBJECT_BYTES: u64 = 1 << 32;
 
+impl MemObject {
+    /// The node, with the store's lock held so that a crash image sees whole operations.
+    fn with<T>(&self, f: impl FnOnce(&mut Node) -> T) -> T {
+        let _st = lock(&self.state);
+        f(&mut lock(&self.node))
+    }
+}
+
 impl Object for MemObject {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        let objs = lock(&self.objects);
-        let data = objs.get(&self.name).ok_or_else(|| missing(&self.name))?;
-        let start = usize::try_from(offset).map_or(data.len(), |o| o.min(data.len()));
-        let n = buf.len().min(data.len() - start);
-        buf[..n].copy_from_slice(&data[start..start + n]);
-        Ok(n)
+        self.with(|node| {
+            let data = &node.data;
+            let start = usize::try_from(offset).map_or(data.len(), |o| o.min(data.len()));
+            let n = buf.len().min(data.len() - start);
+            buf[..n].copy_from_slice(&data[start..start + n]);
+            Ok(n)
+        })
     }
 
     fn write_at(&self, d: &[u8], offset: u64) -> io::Result<()> {
@@ -70,61 +254,66 @@ impl Object for MemObject {
         if end > MAX_OBJECT_BYTES {
             return Err(too_large(end));
         }
-        let (offset, end) = (offset as usize, end as usize);
-        let mut objs = lock(&self.objects);
-        let data = objs
-            .get_mut(&self.name)
-            .ok_or_else(|| missing(&self.name))?;
-        if data.len() < end {
-            data.resize(end, 0);
-        }
-        data[offset..end].copy_from_slice(d);
-        Ok(())
+        self.with(|node| {
+            let (o, e) = (offset as usize, end as usize);
+            if node.data.len() < e {
+                node.data.resize(e, 0);
+                node.resized = true;
+            }
+            node.data[o..e].copy_from_slice(d);
+            node.mark(offset, end);
+            Ok(())
+        })
     }
 
     fn sync_data(&self) -> io::Result<()> {
+        self.with(|node| node.sync());
         Ok(())
     }
 
     fn len(&self) -> io::Result<u64> {
-        let objs = lock(&self.objects);
-        Ok(objs
-            .get(&self.name)
-            .ok_or_else(|| missing(&self.name))?
-            .len() as u64)
+        Ok(self.with(|node| node.data.len() as u64))
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
         if len > MAX_OBJECT_BYTES {
             return Err(too_large(len));
         }
-        let mut objs = lock(&self.objects);
-        let data = objs
-            .get_mut(&self.name)
-            .ok_or_else(|| missing(&self.name))?;
-        data.resize(len as usize, 0);
-        Ok(())
+        self.with(|node| {
+            let old = node.data.len() as u64;
+            node.data.resize(len as usize, 0);
+            node.mark(len.min(old), len.max(old));
+            node.resized = true;
+            Ok(())
+        })
     }
 }
 
 impl ObjectStore for MemStore {
     fn put(&self, name: &str, data: &[u8]) -> io::Result<()> {
-        lock(&self.objects).insert(name.to_string(), data.to_vec());
+        let node = Node::new_durable(data);
+        let mut st = lock(&self.state);
+        st.names.insert(name.to_string(), node.clone());
+        st.durable.insert(name.to_string(), node);
         Ok(())
     }
 
     fn get(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
-        Ok(lock(&self.objects).get(name).cloned())
+        Ok(lock(&self.state)
+            .names
+            .get(name)
+            .map(|n| lock(n).data.clone()))
     }
 
     fn delete(&self, name: &str) -> io::Result<()> {
-        lock(&self.objects).remove(name);
+        lock(&self.state).names.remove(name);
         Ok(())
     }
 
     fn list(&self, prefix: &str) -> io::Result<Vec<String>> {
         let dir = format!("{prefix}/");
-        Ok(lock(&self.objects)
+        Ok(lock(&self.state)
+            .names
             .keys()
             .filter(|k| k.strip_prefix(&dir).is_some_and(|rest| !rest.contains('/')))
             .cloned()
@@ -132,23 +321,26 @@ impl ObjectStore for MemStore {
     }
 
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
-        let mut objs = lock(&self.objects);
-        let data = objs.remove(from).ok_or_else(|| missing(from))?;
-        objs.insert(to.to_string(), data);
+        let mut st = lock(&self.state);
+        let node = st.names.remove(from).ok_or_else(|| missing(from))?;
+        st.names.insert(to.to_string(), node);
         Ok(())
     }
 
     fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn Object>> {
-        let mut objs = lock(&self.objects);
-        if !objs.contains_key(name) {
-            if !create {
-                return Err(missing(name));
+        let mut st = lock(&self.state);
+        let node = match st.names.get(name) {
+            Some(n) => n.clone(),
+            None if create => {
+                let n = NodeRef::default();
+                st.names.insert(name.to_string(), n.clone());
+                n
             }
-            objs.insert(name.to_string(), Vec::new());
-        }
+            None => return Err(missing(name)),
+        };
         Ok(Arc::new(MemObject {
-            objects: self.objects.clone(),
-            name: name.to_string(),
+            state: self.state.clone(),
+            node,
         }))
     }
 
@@ -160,22 +352,35 @@ impl ObjectStore for MemStore {
         Ok(None)
     }
 
-    fn sync_dir(&self, _prefix: &str) -> io::Result<()> {
+    /// Names directly under `prefix` become durable as they are now.
+    fn sync_dir(&self, prefix: &str) -> io::Result<()> {
+        let dir = format!("{prefix}/");
+        let in_dir = |k: &String| k.strip_prefix(&dir).is_some_and(|r| !r.contains('/'));
+        let mut st = lock(&self.state);
+        st.durable.retain(|k, _| !in_dir(k));
+        let now: Vec<(String, NodeRef)> = st
+            .names
+            .iter()
+            .filter(|(k, _)| in_dir(k))
+            .map(|(k, n)| (k.clone(), n.clone()))
+            .collect();
+        st.durable.extend(now);
         Ok(())
     }
 
-    /// Atomic under the map's lock, as the trait requires.
+    /// Atomic under the map's lock, as the trait requires; durable when it returns.
     fn create_if_absent(&self, name: &str, data: &[u8]) -> io::Result<()> {
-        match lock(&self.objects).entry(name.to_string()) {
-            std::collections::btree_map::Entry::Occupied(_) => Err(io::Error::new(
+        let mut st = lock(&self.state);
+        if st.names.contains_key(name) {
+            return Err(io::Error::new(
                 io::ErrorKind::AlreadyExists,
                 format!("object {name} exists"),
-            )),
-            std::collections::btree_map::Entry::Vacant(v) => {
-                v.insert(data.to_vec());
-                Ok(())
-            }
+            ));
         }
+        let node = Node::new_durable(data);
+        st.names.insert(name.to_string(), node.clone());
+        st.durable.insert(name.to_string(), node);
+        Ok(())
     }
 
     fn capacity(&self) -> io::Result<Capacity> {
@@ -223,5 +428,59 @@ mod tests {
         s.delete("journal/a").unwrap();
         assert!(s.open("journal/a", false).is_err());
         assert!(copy.get("journal/a").unwrap().is_some());
+    }
+
+    #[test]
+    fn a_power_loss_keeps_only_what_was_synced() {
+        let s = MemStore::new();
+        s.put("d/put", b"durable").unwrap();
+        let o = s.open("d/obj", true).unwrap();
+        o.write_at(b"synced", 0).unwrap();
+        o.sync_data().unwrap();
+        // The name is not durable until its folder is synced.
+        assert_eq!(s.crash_image(MemLoss::Drop).get("d/obj").unwrap(), None);
+        s.sync_dir("d").unwrap();
+        o.write_at(b"lost", 0).unwrap();
+        o.write_at(b"tail", 8192).unwrap();
+        s.rename("d/put", "d/moved").unwrap();
+        s.open("d/new", true).unwrap();
+        assert_eq!(s.get("d/obj").unwrap().unwrap()[..4], *b"lost");
+        let img = s.crash_image(MemLoss::Drop);
+        assert_eq!(img.get("d/obj").unwrap().unwrap(), b"synced");
+        assert_eq!(img.get("d/put").unwrap().unwrap(), b"durable");
+        assert_eq!(img.get("d/moved").unwrap(), None);
+        assert_eq!(img.get("d/new").unwrap(), None);
+        // The running store is untouched by the image; the cut itself changes it.
+        assert_eq!(s.get("d/obj").unwrap().unwrap()[..4], *b"lost");
+        s.power_loss(MemLoss::Drop);
+        assert_eq!(o.len().unwrap(), 6, "an open handle sees the cut");
+        assert_eq!(s.get("d/obj").unwrap().unwrap(), b"synced");
+        assert_eq!(s.list("d").unwrap(), vec!["d/obj", "d/put"]);
+    }
+
+    #[test]
+    fn a_torn_loss_keeps_each_unsynced_block_or_not() {
+        let s = MemStore::new();
+        let o = s.open("t/x", true).unwrap();
+        o.write_at(&vec![1u8; 8 * BLOCK as usize], 0).unwrap();
+        o.sync_data().unwrap();
+        s.sync_dir("t").unwrap();
+        o.write_at(&vec![2u8; 8 * BLOCK as usize], 0).unwrap();
+        let mut kinds = BTreeSet::new();
+        for seed in 0..16 {
+            let img = s.crash_image(MemLoss::Tear { seed });
+            let data = img.get("t/x").unwrap().unwrap();
+            assert_eq!(data.len(), 8 * BLOCK as usize);
+            for block in data.chunks(BLOCK as usize) {
+                assert!(block.iter().all(|&b| b == block[0]), "torn inside a block");
+                kinds.insert(block[0]);
+            }
+            assert_eq!(
+                img.get("t/x").unwrap(),
+                s.crash_image(MemLoss::Tear { seed }).get("t/x").unwrap(),
+                "a seed repeats"
+            );
+        }
+        assert_eq!(kinds, BTreeSet::from([1, 2]), "blocks of both ages survive");
     }
 }

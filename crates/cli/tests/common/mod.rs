@@ -4,6 +4,8 @@
 
 use kochab_client::{Client, ClientConfig};
 use kochab_proto::auth::ClusterKey;
+pub use kochab_store::crashsim::{Loss, LossReport};
+use kochab_store::crashsim::{Whose, lose_unsynced};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -114,6 +116,23 @@ impl ServerProc {
         let _ = self.child.wait();
     }
 
+    /// A power cut: every process of this `kochab up` (its servers and coordinators too)
+    /// is stopped, what their object store had not synced is taken away (`loss`: see
+    /// `kochab_store::crashsim`; the processes must have been started with [`CRASH_SIM`]),
+    /// and they are killed. Returns what was undone.
+    pub fn power_loss(&mut self, loss: Loss) -> LossReport {
+        let tree = process_tree(self.child.id() as i32);
+        stop_all(&tree);
+        let report = lose_unsynced(&self.data.join("store"), Whose::All, loss)
+            .unwrap_or_else(|e| panic!("power loss of {}: {e}", self.data.display()));
+        for &p in &tree {
+            // SAFETY: kill(2) of processes of this test's cluster.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
+        let _ = self.child.wait();
+        report
+    }
+
     /// SIGTERM and wait for a clean exit; returns the exit status code.
     pub fn stop(&mut self) -> Option<i32> {
         // SAFETY: kill(2) with a pid we spawned and still own.
@@ -145,6 +164,111 @@ impl Drop for ServerProc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The environment that turns on the object store's crash simulation in the processes a
+/// test starts (`kochab_store::crashsim`): they record what a power cut could take away,
+/// and [`ServerProc::power_loss`] or [`power_loss_of`] takes it.
+pub const CRASH_SIM: [(&str, &str); 1] = [(kochab_store::crashsim::ENV, "1")];
+
+/// The power loss of the `k`-th crash of a run: unsynced changes dropped whole, or every
+/// other time torn block by block (seeded from the run's seed).
+pub fn loss_for(seed: u64, k: u64) -> Loss {
+    if k.is_multiple_of(2) {
+        Loss::Drop
+    } else {
+        Loss::Tear {
+            seed: seed ^ k.wrapping_mul(0x9e37_79b9),
+        }
+    }
+}
+
+/// `pid` and every process descended from it.
+pub fn process_tree(pid: i32) -> Vec<i32> {
+    let mut parent_of: Vec<(i32, i32)> = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        if let Some(pp) = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<i32>().ok())
+        {
+            parent_of.push((p, pp));
+        }
+    }
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while i < tree.len() {
+        let p = tree[i];
+        tree.extend(
+            parent_of
+                .iter()
+                .filter(|&&(_, pp)| pp == p)
+                .map(|&(c, _)| c),
+        );
+        i += 1;
+    }
+    tree
+}
+
+/// SIGSTOPs every process of `pids` and waits until each of their threads has stopped
+/// (a thread inside a system call stops when it returns), so that none writes any more.
+pub fn stop_all(pids: &[i32]) {
+    for &p in pids {
+        // SAFETY: kill(2) of processes of this test's cluster.
+        unsafe { libc::kill(p, libc::SIGSTOP) };
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let stopped = |p: i32| {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            return true;
+        };
+        tasks.flatten().all(|t| {
+            std::fs::read_to_string(t.path().join("stat")).map_or(true, |st| {
+                matches!(
+                    st.rsplit_once(')')
+                        .and_then(|(_, rest)| rest.split_whitespace().next()),
+                    Some("T" | "t" | "Z" | "X") | None
+                )
+            })
+        })
+    };
+    while !pids.iter().all(|&p| stopped(p)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "processes {pids:?} did not stop within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The power loss of one process of a cluster (a server whose machine loses power): it is
+/// stopped, what it had not synced in the store at `store` is taken away, and it is
+/// killed (its parent reaps it). It must have been started with [`CRASH_SIM`].
+pub fn power_loss_of(store: &Path, pid: i32, loss: Loss) -> LossReport {
+    power_loss_of_then(store, pid, loss, || ()).0
+}
+
+/// Like [`power_loss_of`], running `while_off` after the loss and before the kill (while
+/// the process can neither write nor be replaced).
+pub fn power_loss_of_then<T>(
+    store: &Path,
+    pid: i32,
+    loss: Loss,
+    while_off: impl FnOnce() -> T,
+) -> (LossReport, T) {
+    stop_all(&[pid]);
+    let report = lose_unsynced(store, Whose::Process(pid as u32), loss)
+        .unwrap_or_else(|e| panic!("power loss of process {pid}: {e}"));
+    let out = while_off();
+    // SAFETY: kill(2) of a process of this test's cluster.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    (report, out)
 }
 
 /// xorshift64*: small, seeded, reproducible.
@@ -377,6 +501,60 @@ pub fn offline_fsck_clean(data: &Path, what: &str) -> String {
         .join("\n")
 }
 
+/// Inodes a start would find in `data` now: its durable namespace (what stopped or
+/// power-cut servers left, and what running ones made durable), counted by an offline fsck
+/// of a copy of its store, which touches nothing of `data` and works while a cluster runs.
+/// Tried five times: a copy taken while a server writes may miss a file renamed meanwhile
+/// or catch a checkpoint half made.
+pub fn durable_inodes(data: &Path) -> u64 {
+    let copies: Vec<tempfile::TempDir> = (0..5).filter_map(|_| copy_store(data)).collect();
+    durable_inodes_in(&copies, data)
+}
+
+/// A copy of `data`'s store and cluster key, taken in a few milliseconds (so that it can be
+/// taken while a server is stopped for less than its lease); None if a file went away
+/// while it was copied (a server renamed or removed it).
+pub fn copy_store(data: &Path) -> Option<tempfile::TempDir> {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let copy = tmp.path().join("data");
+    std::fs::create_dir_all(&copy).expect("mkdir");
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg(data.join("store"))
+        .arg(&copy)
+        .output()
+        .expect("cp");
+    std::fs::copy(data.join("cluster.key"), copy.join("cluster.key")).expect("key");
+    out.status.success().then_some(tmp)
+}
+
+/// The inodes an offline fsck finds in the first of `copies` (of `data`, by
+/// [`copy_store`]) that it loads: a copy taken while another server wrote may hold a
+/// checkpoint half made.
+pub fn durable_inodes_in(copies: &[tempfile::TempDir], data: &Path) -> u64 {
+    let mut last = String::from("no complete copy");
+    for tmp in copies {
+        let out = Command::new(kochab_bin())
+            .args(["fsck", "--data"])
+            .arg(tmp.path().join("data"))
+            .output()
+            .expect("fsck");
+        last = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let inodes = last.lines().find_map(|l| {
+            let (before, _) = l.split_once(" inodes (")?;
+            before.rsplit(' ').next()?.parse::<u64>().ok()
+        });
+        if let (true, Some(n)) = (out.status.success(), inodes) {
+            return n;
+        }
+    }
+    panic!("offline fsck of copies of {}: {last}", data.display());
+}
+
 /// fcntl(fd, cmd, {typ, start, len}) of a record lock (F_SETLK, F_SETLKW, F_OFD_SETLK...):
 /// 0, or -1 with errno set.
 pub fn fcntl_lock(fd: std::os::fd::RawFd, cmd: i32, typ: i32, start: i64, len: i64) -> i32 {
@@ -430,4 +608,179 @@ pub fn two_mounts(dir: &Path, logged: bool) -> (ServerProc, MountProc, MountProc
     };
     let (a, b) = (mount("a"), mount("b"));
     (server, a, b)
+}
+
+/// A raw protocol connection (no client library: nothing retried, nothing hidden), for
+/// tests that must see exactly what a server sends. Every step returns an error instead
+/// of panicking, so a test can tell a refusal from an answer.
+pub struct RawConn {
+    s: std::net::TcpStream,
+    buf: Vec<u8>,
+    /// The incarnation the server's welcome named (random per server process).
+    pub incarnation: u64,
+}
+
+impl RawConn {
+    /// Connects to `addr` and authenticates as client `client_id` with the admin key.
+    pub fn connect(addr: SocketAddr, key: &ClusterKey, client_id: u64) -> std::io::Result<RawConn> {
+        use kochab_proto::frame::{decode_payload, encode_frame};
+        use kochab_proto::{Auth, Challenge, FrameKind};
+        use std::io::Write;
+        let s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        let mut c = RawConn {
+            s,
+            buf: Vec::new(),
+            incarnation: 0,
+        };
+        let (kind, payload) = c.frame()?.ok_or_else(|| std::io::Error::other("closed"))?;
+        if kind != FrameKind::Challenge {
+            return Err(std::io::Error::other(format!(
+                "{kind:?} before the challenge"
+            )));
+        }
+        let ch: Challenge = decode_payload(&payload).map_err(std::io::Error::other)?;
+        let auth = Auth::prove(
+            &kochab_proto::auth::ClientKey::admin(*key),
+            ch.nonce,
+            [7; 32],
+            client_id,
+        )
+        .0;
+        let mut out = Vec::new();
+        encode_frame(&mut out, FrameKind::Auth, 0, &auth).map_err(std::io::Error::other)?;
+        c.s.write_all(&out)?;
+        match c.frame()? {
+            Some((FrameKind::Welcome, p)) => {
+                let w: kochab_proto::Welcome = decode_payload(&p).map_err(std::io::Error::other)?;
+                c.incarnation = w.incarnation;
+                Ok(c)
+            }
+            other => Err(std::io::Error::other(format!("no welcome: {other:?}"))),
+        }
+    }
+
+    /// Sends `req` with request id `id`.
+    pub fn send(&mut self, id: u64, req: &kochab_proto::Request) -> std::io::Result<()> {
+        use std::io::Write;
+        let mut out = Vec::new();
+        kochab_proto::frame::encode_frame(&mut out, kochab_proto::FrameKind::Request, id, req)
+            .map_err(std::io::Error::other)?;
+        self.s.write_all(&out)
+    }
+
+    /// The next frame (kind, payload); None when the server closed the connection.
+    pub fn frame(&mut self) -> std::io::Result<Option<(kochab_proto::FrameKind, Vec<u8>)>> {
+        use kochab_proto::frame::{FRAME_HEADER_BYTES, parse_header};
+        use std::io::Read;
+        loop {
+            if let Some(h) = parse_header(&self.buf).map_err(std::io::Error::other)? {
+                let payload = self.buf[FRAME_HEADER_BYTES..h.total_len].to_vec();
+                self.buf.drain(..h.total_len);
+                return Ok(Some((h.kind, payload)));
+            }
+            let mut chunk = [0u8; 4096];
+            let n = self.s.read(&mut chunk)?;
+            if n == 0 {
+                return Ok(None);
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// Sends `req` and returns the reply (a durable or an early one).
+    pub fn call(&mut self, req: &kochab_proto::Request) -> std::io::Result<kochab_proto::Reply> {
+        use kochab_proto::FrameKind;
+        use kochab_proto::frame::decode_payload;
+        self.send(1, req)?;
+        loop {
+            match self.frame()? {
+                None => return Err(std::io::Error::other("closed")),
+                Some((FrameKind::Reply, p)) => {
+                    return decode_payload(&p).map_err(std::io::Error::other);
+                }
+                Some((FrameKind::Unsafe, p)) => {
+                    let (_, _, r): (u64, kochab_proto::auth::ReplayTag, kochab_proto::Reply) =
+                        decode_payload(&p).map_err(std::io::Error::other)?;
+                    return Ok(r);
+                }
+                Some(_) => {}
+            }
+        }
+    }
+}
+
+/// Frames by which a server answers or acknowledges (a refusal is a closed connection, or
+/// a Goodbye).
+fn is_answer(kind: kochab_proto::FrameKind) -> bool {
+    use kochab_proto::FrameKind;
+    matches!(
+        kind,
+        FrameKind::Reply | FrameKind::Unsafe | FrameKind::Durable | FrameKind::Callback
+    )
+}
+
+/// A server paused past its lease (SIGSTOP) and since fenced must answer nothing once it
+/// resumes. `held` is a connection made to it before the pause, with requests written
+/// while it was stopped; this resumes `pid` (SIGCONT), then until the process has exited
+/// (at most `within`) reads `held` and keeps opening new connections to `addr` and sending
+/// `request(n)` on them: any answer (a reply, early or not, or a durable report) panics.
+/// A connection refused, closed or left unanswered is a refusal; one welcomed by another
+/// process (a new incarnation on the same address) ends the probe, as the fenced one has
+/// let its address go. Returns the number of requests refused.
+pub fn resume_and_probe_fenced(
+    pid: i32,
+    addr: SocketAddr,
+    key: &ClusterKey,
+    mut held: RawConn,
+    request: impl Fn(u64) -> kochab_proto::Request,
+    mut exited: impl FnMut() -> bool,
+    within: Duration,
+) -> u64 {
+    // SAFETY: kill(2) of a server process of this test's cluster.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let deadline = std::time::Instant::now() + within;
+    let mut refused = 1;
+    // What was written while it was stopped is read as soon as it runs again.
+    let _ = held.s.set_read_timeout(Some(Duration::from_millis(300)));
+    loop {
+        match held.frame() {
+            Ok(Some((kind, _))) if is_answer(kind) => {
+                panic!(
+                    "the fenced server {pid} answered a request sent before it resumed ({kind:?})"
+                )
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    let mut n = 0u64;
+    while !exited() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the fenced server {pid} did not exit within {within:?}"
+        );
+        n += 1;
+        // A new client id each time: no session or reply cache of an earlier one helps.
+        if let Ok(mut c) = RawConn::connect(addr, key, 0xfe_0000 + n) {
+            if c.incarnation != held.incarnation {
+                break;
+            }
+            let _ = c.s.set_read_timeout(Some(Duration::from_millis(300)));
+            if c.send(n, &request(n)).is_ok() {
+                loop {
+                    match c.frame() {
+                        Ok(Some((kind, _))) if is_answer(kind) => {
+                            panic!("the fenced server {pid} answered request {n} ({kind:?})")
+                        }
+                        Ok(Some(_)) => {}
+                        Ok(None) | Err(_) => break,
+                    }
+                }
+            }
+        }
+        refused += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    refused
 }
