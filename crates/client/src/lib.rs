@@ -1044,17 +1044,21 @@ impl Client {
         rdev: u32,
         exclusive: bool,
     ) -> FsResult<Attr> {
-        self.entry(
-            cred,
-            Op::Mknod {
-                parent,
-                name: name.to_vec(),
-                mode,
-                rdev,
-                exclusive,
-            },
-        )
-        .await
+        let op = Op::Mknod {
+            parent,
+            name: name.to_vec(),
+            mode,
+            rdev,
+            exclusive,
+        };
+        match self.entry(cred, op).await {
+            // As in `created_before`: the first attempt made it, the retry's server holds
+            // no table of the new inode yet.
+            Err(e) if e.errno == Errno::ESTALE => {
+                self.lookup(cred, parent, name).await.map_err(|_| e)
+            }
+            other => other,
+        }
     }
 
     /// Creates a regular file exclusively.
@@ -1381,8 +1385,14 @@ impl Client {
             flags,
             handle,
         };
-        let (reply, addr) = self.call_at(cred, op, parent).await?;
-        let attr = as_attr(reply)?;
+        let (attr, addr) = match self.call_at(cred, op, parent).await {
+            Ok((reply, addr)) => (as_attr(reply)?, addr),
+            Err(e) if e.errno == Errno::ESTALE => {
+                self.created_before(cred, parent, name, flags, handle, e)
+                    .await?
+            }
+            Err(e) => return Err(e),
+        };
         self.inner.handles.lock().insert(
             handle,
             Handle {
@@ -1393,6 +1403,35 @@ impl Client {
             },
         );
         Ok((attr, handle))
+    }
+
+    /// A create whose first attempt ran (its reply lost to a restart or a failover) and
+    /// whose retry found the new inode on no table its server holds (the inode's table not
+    /// taken over yet): the server answers ESTALE, yet the file is there under its name.
+    /// It is opened as the create would have opened it (a reclaim: the creator is not held
+    /// to the mode it gave); `err` stands if the name is gone.
+    async fn created_before(
+        &self,
+        cred: &Credentials,
+        parent: InodeId,
+        name: &[u8],
+        flags: u32,
+        handle: u64,
+        err: FsError,
+    ) -> FsResult<(Attr, Arc<str>)> {
+        let Ok(found) = self.lookup(cred, parent, name).await else {
+            return Err(err);
+        };
+        tracing::debug!(
+            "create of {:?} in {parent:#x}: {err}; the first attempt made {:#x}",
+            String::from_utf8_lossy(name),
+            found.id
+        );
+        let addr = self
+            .reclaim(cred, found.id, flags & !REOPEN_STRIP, handle)
+            .await?;
+        let attr = self.getattr(cred, found.id).await.unwrap_or(found);
+        Ok((attr, addr))
     }
 
     /// Closes a handle, on every server it was opened on (after its table moved, the old
