@@ -12,6 +12,8 @@ type Objects = Arc<Mutex<BTreeMap<String, Vec<u8>>>>;
 #[derive(Clone, Default, Debug)]
 pub struct MemStore {
     objects: Objects,
+    /// Refuse positioned I/O, as a store on S3 does (see [`MemStore::objects_only`]).
+    objects_only: bool,
 }
 
 impl MemStore {
@@ -19,11 +21,32 @@ impl MemStore {
         MemStore::default()
     }
 
+    /// A store of whole objects only: positioned I/O and rename are refused and
+    /// [`ObjectStore::positioned_io`] is false, as on S3, so the code paths for such a store
+    /// (the journal as objects, images in parts) run in memory.
+    pub fn objects_only() -> MemStore {
+        MemStore {
+            objects_only: true,
+            ..MemStore::default()
+        }
+    }
+
     /// An independent copy of every object.
     pub fn deep_clone(&self) -> MemStore {
         MemStore {
             objects: Arc::new(Mutex::new(lock(&self.objects).clone())),
+            objects_only: self.objects_only,
         }
+    }
+
+    fn positioned(&self, name: &str) -> io::Result<()> {
+        if self.objects_only {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("{name}: this store holds whole objects only"),
+            ));
+        }
+        Ok(())
     }
 
     /// Every object, by name.
@@ -132,6 +155,7 @@ impl ObjectStore for MemStore {
     }
 
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        self.positioned(from)?;
         let mut objs = lock(&self.objects);
         let data = objs.remove(from).ok_or_else(|| missing(from))?;
         objs.insert(to.to_string(), data);
@@ -139,6 +163,7 @@ impl ObjectStore for MemStore {
     }
 
     fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn Object>> {
+        self.positioned(name)?;
         let mut objs = lock(&self.objects);
         if !objs.contains_key(name) {
             if !create {
@@ -152,12 +177,18 @@ impl ObjectStore for MemStore {
         }))
     }
 
-    fn open_sync_direct(&self, _name: &str) -> io::Result<Option<Arc<dyn Object>>> {
+    fn open_sync_direct(&self, name: &str) -> io::Result<Option<Arc<dyn Object>>> {
+        self.positioned(name)?;
         Ok(None)
     }
 
-    fn open_direct(&self, _name: &str, _create: bool) -> io::Result<Option<Arc<dyn Object>>> {
+    fn open_direct(&self, name: &str, _create: bool) -> io::Result<Option<Arc<dyn Object>>> {
+        self.positioned(name)?;
         Ok(None)
+    }
+
+    fn positioned_io(&self) -> bool {
+        !self.objects_only
     }
 
     fn sync_dir(&self, _prefix: &str) -> io::Result<()> {
@@ -223,5 +254,27 @@ mod tests {
         s.delete("journal/a").unwrap();
         assert!(s.open("journal/a", false).is_err());
         assert!(copy.get("journal/a").unwrap().is_some());
+    }
+
+    #[test]
+    fn an_objects_only_store_refuses_positioned_io() {
+        let s = MemStore::objects_only();
+        assert!(!s.positioned_io());
+        s.put("a/x", b"1").unwrap();
+        for e in [
+            s.open("a/x", false).err(),
+            s.open_direct("a/x", false).err(),
+            s.open_sync_direct("a/x").err(),
+            s.rename("a/x", "a/y").err(),
+        ] {
+            assert_eq!(e.unwrap().kind(), io::ErrorKind::Unsupported);
+        }
+        assert!(!s.deep_clone().positioned_io());
+        assert_eq!(
+            s.get_many(&["a/x".into(), "a/none".into()]).unwrap(),
+            vec![Some(b"1".to_vec()), None]
+        );
+        s.delete_many(&["a/x".into(), "a/none".into()]).unwrap();
+        assert!(s.list("a").unwrap().is_empty());
     }
 }
