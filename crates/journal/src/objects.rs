@@ -42,10 +42,14 @@ const KIND_FENCE: u32 = 2;
 /// slow link moves within the store's request timeout. A record is at most 4 MiB, so it
 /// always fits.
 pub const OBJECT_BODY_BYTES_MAX: usize = 8 << 20;
-/// Attempts of a fencer whose create loses to the writer (whose PUT of that name won):
-/// each retry lists again and tries the gap further on. The writer has a few PUTs in
-/// flight at most, so a handful of tries settle it; this many mean something is wrong.
-const FENCE_TRIES_MAX: usize = 64;
+/// Names a fencer tries at once, from the chain's first gap on. A running writer always
+/// has PUTs in flight for the next few names (at most `uploads::PUTS_IN_FLIGHT_MAX`), sent
+/// before the fencer's and so mostly winning; trying them one after another the fencer
+/// would never catch up with it (measured on RGW: 64 tries in a row lost). Of this many at
+/// once, those past the writer's window win.
+const FENCE_BURST: u64 = 16;
+/// Bursts a fencer tries, listing again before each; more mean something is wrong.
+const FENCE_TRIES_MAX: usize = 8;
 /// Objects recovery fetches at once (concurrently, on a store over a network).
 pub const READ_AHEAD: usize = 32;
 
@@ -271,16 +275,47 @@ impl Listing {
 /// seq.
 pub fn fence(store: &dyn ObjectStore, id: JournalId) -> io::Result<u64> {
     for _ in 0..FENCE_TRIES_MAX {
-        let seq = Listing::read(store, id)?.first_gap();
-        match store.create_if_absent(&object_name(id, seq), &fence_bytes(seq, id.epoch)) {
-            Ok(()) => return Ok(seq),
-            // The writer's PUT of that name won: its chain is longer now; look again.
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(e),
+        let gap = Listing::read(store, id)?.first_gap();
+        let results: Vec<io::Result<()>> = std::thread::scope(|s| {
+            let tries: Vec<_> = (gap..gap + FENCE_BURST)
+                .map(|q| {
+                    s.spawn(move || {
+                        store.create_if_absent(&object_name(id, q), &fence_bytes(q, id.epoch))
+                    })
+                })
+                .collect();
+            tries
+                .into_iter()
+                .map(|t| {
+                    t.join()
+                        .unwrap_or_else(|_| Err(io::Error::other("a fencing thread panicked")))
+                })
+                .collect()
+        });
+        // The chain now ends at the lowest fence that won, if every name before it exists
+        // (the writer's objects, or another fencer's fence). A name whose create failed
+        // otherwise may still be empty, so the writer could fill it and go on: no fence
+        // counts past it.
+        let mut fenced = None;
+        let mut extra = Vec::new();
+        for (q, r) in (gap..).zip(results) {
+            match (fenced, r) {
+                (None, Ok(())) => fenced = Some(q),
+                (None, Err(e)) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                (None, Err(e)) => return Err(e),
+                // Past the end for good: no need to keep them.
+                (Some(_), Ok(())) => extra.push(object_name(id, q)),
+                (Some(_), Err(_)) => {}
+            }
+        }
+        if let Some(q) = fenced {
+            store.delete_many(&extra)?;
+            return Ok(q);
         }
     }
     Err(io::Error::other(format!(
-        "cannot fence {id}: its writer kept writing past {FENCE_TRIES_MAX} attempts"
+        "cannot fence {id}: its writer kept ahead of {FENCE_TRIES_MAX} bursts of \
+         {FENCE_BURST} fences"
     )))
 }
 

@@ -379,13 +379,15 @@ fn a_fenced_writer_acknowledges_nothing_its_sealer_did_not_read() {
         })
         .unwrap();
         let acked = wa.join().unwrap();
+        // Its next commit (if its stream had not met the fence yet) is refused.
+        let next = a.append(b"after the fence");
+        assert!(!a.wait_durable(next), "round {round}");
         assert!(a.failed(), "round {round}: the fenced writer stopped");
         let why = a.failure().unwrap();
         assert!(why.contains("sealed"), "{why}");
         for l in &acked {
             assert!(seen.contains(l), "round {round}: acknowledged {l} not read");
         }
-        assert!(!a.wait_durable(a.last_lsn() + 1));
         assert_eq!(wb.join().unwrap().len(), 1_000, "the other is untouched");
         assert!(!b.failed());
         // What the sealer read is what any later reader reads.
