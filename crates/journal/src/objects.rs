@@ -308,10 +308,16 @@ pub fn fence(store: &dyn ObjectStore, id: JournalId) -> io::Result<u64> {
                 (Some(_), Err(_)) => {}
             }
         }
-        if let Some(q) = fenced {
-            store.delete_many(&extra)?;
-            return Ok(q);
+        let Some(q) = fenced else { continue };
+        // A name is also free if the writer filled it and trimmed it since the listing (its
+        // PUT completed, then a checkpoint let it go): then a start marker past it was
+        // written before, and the fence lies below the chain, where it stops nothing. Look
+        // again (the fences of this burst stay: past the new start they do count).
+        if Listing::read(store, id)?.start() > q {
+            continue;
         }
+        store.delete_many(&extra)?;
+        return Ok(q);
     }
     Err(io::Error::other(format!(
         "cannot fence {id}: its writer kept ahead of {FENCE_TRIES_MAX} bursts of \
@@ -366,6 +372,105 @@ mod tests {
         }
         assert_eq!(decode(4, 9, &fence_bytes(4, 9)), Ok(Content::Fence));
         assert!(decode(4, 9, &fence_bytes(5, 9)).is_err());
+    }
+
+    /// A store that, at the first conditional create, first does what a running writer
+    /// might between a fencer's listing and its creates: completes objects 4, 5 and 6,
+    /// then trims below 6 (a start marker, then the deletions).
+    struct TrimsMeanwhile {
+        inner: MemStore,
+        done: std::sync::Once,
+    }
+
+    impl ObjectStore for TrimsMeanwhile {
+        fn put(&self, name: &str, data: &[u8]) -> io::Result<()> {
+            self.inner.put(name, data)
+        }
+        fn get(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
+            self.inner.get(name)
+        }
+        fn delete(&self, name: &str) -> io::Result<()> {
+            self.inner.delete(name)
+        }
+        fn list(&self, prefix: &str) -> io::Result<Vec<String>> {
+            self.inner.list(prefix)
+        }
+        fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+            self.inner.rename(from, to)
+        }
+        fn open(
+            &self,
+            name: &str,
+            c: bool,
+        ) -> io::Result<std::sync::Arc<dyn kochab_store::Object>> {
+            self.inner.open(name, c)
+        }
+        fn open_sync_direct(
+            &self,
+            name: &str,
+        ) -> io::Result<Option<std::sync::Arc<dyn kochab_store::Object>>> {
+            self.inner.open_sync_direct(name)
+        }
+        fn open_direct(
+            &self,
+            name: &str,
+            c: bool,
+        ) -> io::Result<Option<std::sync::Arc<dyn kochab_store::Object>>> {
+            self.inner.open_direct(name, c)
+        }
+        fn sync_dir(&self, prefix: &str) -> io::Result<()> {
+            self.inner.sync_dir(prefix)
+        }
+        fn capacity(&self) -> io::Result<kochab_store::Capacity> {
+            self.inner.capacity()
+        }
+        fn positioned_io(&self) -> bool {
+            false
+        }
+        fn create_if_absent(&self, name: &str, data: &[u8]) -> io::Result<()> {
+            self.done.call_once(|| {
+                for seq in 4..=6 {
+                    self.inner.put(&object_name(ID, seq), b"x").unwrap();
+                }
+                self.inner.put(&start_name(ID, 6), b"").unwrap();
+                for seq in 1..6 {
+                    self.inner.delete(&object_name(ID, seq)).unwrap();
+                }
+            });
+            self.inner.create_if_absent(name, data)
+        }
+    }
+
+    #[test]
+    fn a_fence_in_a_name_the_writer_trimmed_meanwhile_does_not_count() {
+        let s = TrimsMeanwhile {
+            inner: MemStore::objects_only(),
+            done: std::sync::Once::new(),
+        };
+        for seq in 1..=3 {
+            s.put(&object_name(ID, seq), b"x").unwrap();
+        }
+        // The listing says 4; by the creates, 4 and 5 were written and trimmed, 6 is the
+        // chain's start: the fence must end the chain at or after 7.
+        let q = fence(&s, ID).unwrap();
+        let l = Listing::read(&s, ID).unwrap();
+        assert_eq!(l.start(), 6);
+        let first_fence = (6..64)
+            .find(|&q| {
+                s.get(&object_name(ID, q))
+                    .unwrap()
+                    .is_some_and(|d| decode(q, ID.epoch, &d) == Ok(Content::Fence))
+            })
+            .unwrap();
+        assert_eq!(
+            first_fence, 7,
+            "the chain ends right after the writer's last object"
+        );
+        assert!(q >= 7, "{q}");
+        let e = s
+            .create_if_absent(&object_name(ID, 7), b"late")
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
     }
 
     #[test]
