@@ -19,13 +19,16 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 /// PUTs of journal objects in flight at once. With k in flight a group leaves about every
-/// k-th of a PUT's latency, so an operation waits about (1 + 1/k) PUT latencies; but an
-/// engine's latency grows with the PUTs it is given at once. Measured on Ceph RGW here
-/// (one OSD, two cores, `kochab bench --clients 256` creates, mean PUT latency): 1 in
-/// flight 3.2-4.2 ms, 31k creates/s; 2: 3.7-4.3 ms, 30-34k/s; 3: 4.3 ms, 30k/s; 4: 5.1 ms,
-/// 26k/s; 8: 7.1 ms, 22k/s; 16: 10.8 ms, 16k/s. Three keep several in flight (an engine
-/// with more parallel capacity, as AWS S3 has, gains from it) at about the best rate here.
-pub const PUTS_IN_FLIGHT_MAX: usize = 3;
+/// k-th of a PUT's latency, so an operation waits about (1 + 1/2k) PUT latencies; but an
+/// engine's latency grows with the PUTs it is given at once, the more so when it is short
+/// of CPU. Measured on Ceph RGW here (one OSD, on the same two cores as server and clients;
+/// `kochab bench --clients 256`, creates/s, mean PUT latency): under other builds' load
+/// (load average 11) 1 in flight 31k (3.2-4.2 ms), 2: 30-34k (3.7-4.3 ms), 3: 30k, 4: 26k
+/// (5.1 ms), 8: 22k (7.1 ms), 16: 16k (10.8 ms); quiet, 1: 38-39k, 2: 29-34k, 3: 31k, 4:
+/// 27k; with a slow disk (4 KiB dsync 3 ms), 3: 12-15k (12 ms), 8: 11k, 16: 9k. Two keep
+/// more than one PUT in flight (an engine with parallel capacity to spare, as AWS S3 has,
+/// gains from it) at close to the best rate of this one.
+pub const PUTS_IN_FLIGHT_MAX: usize = 2;
 /// Object buffers kept for reuse between PUTs (each up to a group commit's size).
 const SPARE_BUFFERS_MAX: usize = PUTS_IN_FLIGHT_MAX;
 
