@@ -297,15 +297,16 @@ struct FsckArgs {
     /// journal tail is zeroed, as the next start would).
     #[arg(long)]
     data: Option<PathBuf>,
-    /// With --data: make a directory whose journal is damaged start again.
-    #[arg(long, requires = "data")]
+    /// With --data (or --store): make a directory (a store) whose journal is damaged start
+    /// again.
+    #[arg(long)]
     repair: bool,
     /// With --repair: agree to lose every journal record from the damage on (the command
     /// lists exactly which).
     #[arg(long, requires = "repair")]
     accept_loss: bool,
-    /// Check a stopped cluster's store on S3 instead (see `kochab up --store`): today the
-    /// store is opened and its engine self-tested, and the check stops there.
+    /// Check a stopped server's store on S3 instead (see `kochab up --store`), as --data
+    /// checks a directory's: journals, whether a start would refuse, the namespace.
     #[command(flatten)]
     store: store::StoreArgs,
 }
@@ -481,8 +482,14 @@ fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, String> {
 }
 
 async fn up(args: UpArgs) -> Result<(), String> {
-    store::refuse_after_self_test_async(&args.store, "kochab up").await?;
     if let Some(servers) = args.servers {
+        store::refuse_after_self_test_async(
+            &args.store,
+            "kochab up --servers",
+            "servers of a cluster sharing a store on S3 are not built yet (issue 30, step 3); \
+             `kochab up --store` without --servers runs one server on it",
+        )
+        .await?;
         if args.tls_cert.is_some() {
             return Err(
                 "--servers does not take TLS yet (a cluster's servers are on one machine)".into(),
@@ -548,14 +555,25 @@ async fn up(args: UpArgs) -> Result<(), String> {
     if config.tls_cert_key.is_some() && args.mount.is_some() && mount_tls.is_none() {
         return Err("--mount with TLS needs --tls-ca for the mount".into());
     }
-    let server = kochab_server::start(config)
+    let store = store::open_async(&args.store).await?;
+    let on_s3 = store.is_some();
+    let server = kochab_server::start_on(config, store)
         .await
         .map_err(|e| format!("cannot start: {e}"))?;
-    eprintln!(
-        "kochab: data in {}, key in {}",
-        server.data_dir.display(),
-        server.data_dir.join(kochab_server::KEY_FILE).display()
-    );
+    if on_s3 {
+        eprintln!(
+            "kochab: metadata (journal, checkpoints) in {}; file data in {}, key in {}",
+            args.store.store.as_deref().unwrap_or_default(),
+            server.data_dir.join("store").display(),
+            server.data_dir.join(kochab_server::KEY_FILE).display()
+        );
+    } else {
+        eprintln!(
+            "kochab: data in {}, key in {}",
+            server.data_dir.display(),
+            server.data_dir.join(kochab_server::KEY_FILE).display()
+        );
+    }
     if let Some(m) = server.metrics_addr {
         eprintln!("kochab: metrics at http://{m}/metrics");
     }
@@ -770,27 +788,27 @@ async fn status(conn: ConnArgs, json: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// Refuses `--repair` without `--accept-loss`.
+fn check_repair_flags(repair: bool, accept_loss: bool) -> Result<(), String> {
+    if repair && !accept_loss {
+        return Err("--repair drops journal records after damage; \
+             say so with --accept-loss (run without --repair first to see what is damaged)"
+            .to_string());
+    }
+    Ok(())
+}
+
 /// `kochab fsck --data DIR [--repair --accept-loss]`: offline, on a stopped server's directory.
 fn fsck_offline(dir: &std::path::Path, repair: bool, accept_loss: bool) -> Result<(), String> {
+    check_repair_flags(repair, accept_loss)?;
     let report = if repair {
-        if !accept_loss {
-            return Err("--repair drops journal records after damage; \
-                 say so with --accept-loss (run without --repair first to see what is damaged)"
-                .to_string());
-        }
         kochab_server::recovery::repair_accept_loss(dir)
     } else {
         kochab_server::recovery::check_offline(dir)
     }
     .map_err(|e| format!("{}: {e}", dir.display()))?;
-    for line in &report.lines {
-        println!("{line}");
-    }
-    if report.refuses_to_start {
-        return Err(format!("{} does not start as it is", dir.display()));
-    }
-    println!("kochab fsck: {} starts", dir.display());
-    if repair {
+    let name = dir.display().to_string();
+    if !print_offline(&report, &name)? || repair {
         return Ok(());
     }
     // The namespace across every table: in a cluster's directory each table is loaded from
@@ -802,6 +820,59 @@ fn fsck_offline(dir: &std::path::Path, repair: bool, accept_loss: bool) -> Resul
     } else {
         "server"
     };
+    print_namespace(&ns, what)
+}
+
+/// `kochab fsck --store s3://BUCKET/PREFIX [--repair --accept-loss]`: offline, on the store of
+/// a stopped server (nothing locks a store on S3: every server using it must be stopped).
+fn fsck_store(args: &store::StoreArgs, repair: bool, accept_loss: bool) -> Result<(), String> {
+    check_repair_flags(repair, accept_loss)?;
+    let Some(store) = store::open(args)? else {
+        return Err("--store is needed".into());
+    };
+    let url = args.store.clone().unwrap_or_default();
+    let meta = kochab_server::datadir::read_meta(store.as_ref(), &url)
+        .map_err(|e| format!("{url}: {e}"))?
+        .ok_or_else(|| format!("{url} holds no Kochab cluster (no cluster.json)"))?;
+    let o = kochab_server::recovery::Offline {
+        store: store.as_ref(),
+        meta: &meta,
+        repair_command: format!("kochab fsck --store {url} --repair --accept-loss"),
+    };
+    let report = if repair {
+        kochab_server::recovery::repair_store_accept_loss(&o)
+    } else {
+        kochab_server::recovery::check_store_offline(&o)
+    }
+    .map_err(|e| format!("{url}: {e}"))?;
+    if !print_offline(&report, &url)? || repair {
+        return Ok(());
+    }
+    let ns =
+        kochab_server::recovery::check_store_namespace(&o).map_err(|e| format!("{url}: {e}"))?;
+    print_namespace(&ns, "server")
+}
+
+/// Prints what the journal check found; `Ok(true)` if the store starts.
+fn print_offline(
+    report: &kochab_server::recovery::OfflineReport,
+    name: &str,
+) -> Result<bool, String> {
+    for line in &report.lines {
+        println!("{line}");
+    }
+    if report.refuses_to_start {
+        return Err(format!("{name} does not start as it is"));
+    }
+    println!("kochab fsck: {name} starts");
+    Ok(true)
+}
+
+/// Prints the namespace check; an error if it found problems.
+fn print_namespace(
+    ns: &kochab_server::recovery::NamespaceReport,
+    what: &str,
+) -> Result<(), String> {
     for p in &ns.problems {
         println!("{p}");
     }
@@ -909,10 +980,13 @@ fn main() -> ExitCode {
                     if args.data.is_some() {
                         Err("--store and --data name two stores: give one".to_string())
                     } else {
-                        store::refuse_after_self_test(&args.store, "kochab fsck")
+                        fsck_store(&args.store, args.repair, args.accept_loss)
                     }
                 }
                 Some(dir) => fsck_offline(dir, args.repair, args.accept_loss),
+                None if args.repair => {
+                    Err("--repair needs --data DIR or --store s3://BUCKET/PREFIX".to_string())
+                }
                 None => runtime(Some(1)).and_then(|rt| rt.block_on(fsck(args.conn))),
             }
         }

@@ -70,7 +70,13 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
             "--listen needs a concrete port (it is registered with the coordinator)".into(),
         );
     }
-    crate::store::refuse_after_self_test_async(&args.store, "kochab mds").await?;
+    crate::store::refuse_after_self_test_async(
+        &args.store,
+        "kochab mds",
+        "servers of a cluster sharing a store on S3 are not built yet (issue 30, step 3); \
+         `kochab up --store` runs one server on it",
+    )
+    .await?;
     let Some(data_dir) = args.data.clone() else {
         return Err("--data DIR is needed: the local directory is the only store that runs".into());
     };

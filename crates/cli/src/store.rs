@@ -1,10 +1,11 @@
 //! `--store s3://BUCKET/PREFIX`: the cluster's state in an S3 bucket instead of the local
-//! directory. Today the store is opened and its engine self-tested, and then the command
-//! stops, saying what is not built yet: the servers' journal on S3.
+//! directory. The store is opened and its engine self-tested before anything else.
 
 use clap::Args;
 use kochab_s3store::{S3Location, S3Settings, S3Store};
+use kochab_store::ObjectStore;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(Args, Clone, Default)]
 pub struct StoreArgs {
@@ -12,8 +13,8 @@ pub struct StoreArgs {
     /// directory. Endpoint, region and keys come from AWS_ENDPOINT_URL, AWS_REGION,
     /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN and AWS_ALLOW_HTTP, or
     /// from --store-env, never from the command line. A self-test at start refuses an
-    /// engine that does not honour conditional create. Not built yet: the metadata
-    /// servers' journal on S3, so the command stops after the self-test.
+    /// engine that does not honour conditional create. File data stays in the local data
+    /// directory (DIR/store/data) until file data as objects is built.
     #[arg(long, value_name = "s3://BUCKET/PREFIX")]
     pub store: Option<String>,
     /// With --store: a file of NAME=VALUE lines (the AWS_* variables above; `export `
@@ -40,29 +41,41 @@ fn open_and_test(url: &str, env_file: Option<&std::path::Path>) -> Result<S3Stor
     Ok(store)
 }
 
-/// For a command given `--store`: opens the store and self-tests the engine, then refuses
-/// to go on, since `what` cannot run on S3 yet. `Ok(())` without `--store`.
-pub fn refuse_after_self_test(args: &StoreArgs, what: &str) -> Result<(), String> {
+/// The store `--store` names, opened and self-tested (`None` without `--store`).
+pub fn open(args: &StoreArgs) -> Result<Option<Arc<dyn ObjectStore>>, String> {
     let Some(url) = &args.store else {
-        return Ok(());
+        return Ok(None);
     };
     let store = open_and_test(url, args.store_env.as_deref())?;
-    Err(format!(
-        "{}: the engine passed the self-test, but {what} cannot run on a store on S3 yet: \
-         the metadata servers' journal as immutable objects on S3 is not built (issue 30, \
-         step 2); without --store the local directory is the store",
-        store.name()
-    ))
+    Ok(Some(Arc::new(store)))
 }
 
-/// [`refuse_after_self_test`] off the calling runtime's worker threads (the store's
-/// requests are waited for synchronously).
-pub async fn refuse_after_self_test_async(args: &StoreArgs, what: &str) -> Result<(), String> {
+/// [`open`] off the calling runtime's worker threads (the store's requests are waited for
+/// synchronously).
+pub async fn open_async(args: &StoreArgs) -> Result<Option<Arc<dyn ObjectStore>>, String> {
+    if args.store.is_none() {
+        return Ok(None);
+    }
+    let args = args.clone();
+    tokio::task::spawn_blocking(move || open(&args))
+        .await
+        .map_err(|e| format!("the store's self-test failed: {e}"))?
+}
+
+/// For a command given `--store` that cannot run on S3 yet: opens the store and self-tests
+/// the engine, then refuses to go on, saying what is missing. `Ok(())` without `--store`.
+pub async fn refuse_after_self_test_async(
+    args: &StoreArgs,
+    what: &str,
+    missing: &str,
+) -> Result<(), String> {
     if args.store.is_none() {
         return Ok(());
     }
-    let (args, what) = (args.clone(), what.to_string());
-    tokio::task::spawn_blocking(move || refuse_after_self_test(&args, &what))
-        .await
-        .map_err(|e| format!("the store's self-test failed: {e}"))?
+    let url = args.store.clone().unwrap_or_default();
+    open_async(args).await?;
+    Err(format!(
+        "{url}: the engine passed the self-test, but {what} cannot run on a store on S3 yet: \
+         {missing}"
+    ))
 }

@@ -1,15 +1,20 @@
 //! The journal of a metadata server incarnation (server id and epoch), in object-store
-//! segments; sealed by whoever takes over from that incarnation.
+//! segments (a store with positioned I/O: the local directory) or as immutable objects (a
+//! store of whole objects: S3); sealed by whoever takes over from that incarnation.
 //!
 //! - [`record`]: CRC32C-framed records (pure).
-//! - [`segment`]: segment naming, headers, zero-filled preparation.
+//! - [`segment`]: segment naming, headers, zero-filled preparation; sealing.
+//! - [`objects`]: journal objects, their chain, and fencing by creating the next one.
 //! - [`writer`]: group commit with double buffering; durability published by LSN.
+//! - `uploads`: journal objects in flight, several PUTs at once, acknowledged in order.
 //! - [`recover`]: replay in order; a torn tail is reported and cut, other damage refused;
 //!   a read-only inspection and an explicit repair that drops what follows damage.
 
+pub mod objects;
 pub mod record;
 pub mod recover;
 pub mod segment;
+mod uploads;
 pub mod writer;
 
 pub use recover::{

@@ -1,5 +1,7 @@
 //! Recovery: read the segments in LSN order, hand every record after the checkpoints to the
-//! caller, and cut a torn tail (report it, zero it out, never replay it).
+//! caller, and cut a torn tail (report it, zero it out, never replay it). A journal as
+//! objects (a store without positioned I/O) is read along its chain (see `objects`); its
+//! objects are written whole, so it has no torn tail: any damage in the chain is refused.
 //!
 //! A torn tail is the one kind of damage a crash makes: the last write of the last segment
 //! in use, cut short, which nothing was acknowledged from. Everything else that breaks the
@@ -8,6 +10,7 @@
 //! [`inspect`] says where such damage is and what follows it, without changing anything;
 //! [`repair_accept_loss`] drops it, for an operator who accepts the loss.
 
+use crate::objects::{self, Content, Listing, READ_AHEAD};
 use crate::record::{Scan, scan};
 use crate::segment::{self, BLOCK, Header, JournalId, SEGMENT_DATA_START, decode_header};
 use kochab_store::ObjectStore;
@@ -138,6 +141,145 @@ struct Walked {
 /// What recovery hands each record to: `(lsn, payload)`, or why the record is refused.
 type Apply<'a> = dyn FnMut(u64, &[u8]) -> Result<(), String> + 'a;
 
+impl Walked {
+    fn new(segments: u64) -> Walked {
+        Walked {
+            report: RecoveryReport {
+                segments,
+                ..Default::default()
+            },
+            first_lsn: None,
+            next_lsn: None,
+            damage: None,
+        }
+    }
+
+    /// Counts valid record `l` of the chain and hands it to `apply` if it is past
+    /// `replay_after`. The chain is gap-free, so only its first handed-out record can miss
+    /// the checkpoints' end; one that does (what came before it is gone) is never handed
+    /// out, nor anything after it.
+    fn take(
+        &mut self,
+        l: u64,
+        payload: &[u8],
+        replay_after: u64,
+        apply: &mut Apply<'_>,
+    ) -> Result<(), RecoveryError> {
+        if l > replay_after {
+            if self.report.replayed == 0 && l != replay_after + 1 {
+                return Err(gap_error(l, replay_after));
+            }
+            apply(l, payload).map_err(|error| RecoveryError::Apply { lsn: l, error })?;
+            self.report.replayed += 1;
+        } else {
+            self.report.skipped += 1;
+        }
+        self.report.last_lsn = l;
+        Ok(())
+    }
+}
+
+/// [`walk`] for a journal as objects: along its chain, from its start to the first missing
+/// object or fence.
+fn walk_objects(
+    store: &dyn ObjectStore,
+    id: JournalId,
+    replay_after: u64,
+    until: Option<u64>,
+    apply: &mut Apply<'_>,
+) -> Result<Walked, RecoveryError> {
+    let listing = Listing::read(store, id)?;
+    let chain = listing.chain();
+    let mut w = Walked::new(chain.len() as u64);
+    let past_until = |lsn: u64| until.is_some_and(|u| lsn > u);
+    'chain: for window in chain.chunks(READ_AHEAD) {
+        if w.next_lsn.is_some_and(past_until) {
+            break;
+        }
+        let names: Vec<String> = window.iter().map(|(_, n)| n.clone()).collect();
+        for ((seq, name), data) in window.iter().zip(store.get_many(&names)?) {
+            let damage = |reason: String| Damage {
+                segment: name.clone(),
+                offset: 0,
+                reason,
+                torn_tail: false,
+            };
+            let Some(data) = data else {
+                w.damage = Some(damage(
+                    "listed in the chain, then gone when read (trimmed by a writer that                      still runs?)"
+                        .into(),
+                ));
+                break 'chain;
+            };
+            let (first, count, body) = match objects::decode(*seq, id.epoch, &data) {
+                Ok(Content::Records {
+                    first_lsn,
+                    records,
+                    body,
+                }) => (first_lsn, records, body),
+                // The chain ends before a fence.
+                Ok(Content::Fence) => break 'chain,
+                Err(why) => {
+                    w.damage = Some(damage(why));
+                    break 'chain;
+                }
+            };
+            if let Some(e) = w.next_lsn
+                && e != first
+            {
+                w.damage = Some(damage(format!("it starts at LSN {first}, expected {e}")));
+                break 'chain;
+            }
+            w.first_lsn.get_or_insert(first);
+            let (mut lsn, mut off) = (first, 0usize);
+            for _ in 0..count {
+                if past_until(lsn) {
+                    w.next_lsn = Some(lsn);
+                    break 'chain;
+                }
+                match scan(&body[off..], lsn) {
+                    Scan::Record {
+                        lsn: l,
+                        epoch,
+                        payload,
+                        len,
+                    } if epoch == id.epoch => {
+                        w.take(l, payload, replay_after, apply)?;
+                        lsn += 1;
+                        off += len;
+                    }
+                    Scan::Record { epoch, .. } => {
+                        w.damage = Some(Damage {
+                            offset: (objects::OBJECT_HEADER_BYTES + 4 + off) as u64,
+                            ..damage(format!(
+                                "record {lsn} carries epoch {epoch}, not the journal's {}",
+                                id.epoch
+                            ))
+                        });
+                        break 'chain;
+                    }
+                    other => {
+                        w.damage = Some(Damage {
+                            offset: (objects::OBJECT_HEADER_BYTES + 4 + off) as u64,
+                            ..damage(format!("record {lsn}: {other:?}"))
+                        });
+                        break 'chain;
+                    }
+                }
+            }
+            w.next_lsn = Some(lsn);
+            if off != body.len() {
+                w.damage = Some(damage(format!(
+                    "{} bytes after its {count} records",
+                    body.len() - off
+                )));
+                break 'chain;
+            }
+        }
+    }
+    Ok(w)
+}
+
 /// Reads the segments in order and calls `apply` for every valid record above
 /// `replay_after` (and up to `until`, where the walk stops), stopping at the first damage
 /// (reported, never acted on here).
@@ -148,17 +290,12 @@ fn walk(
     until: Option<u64>,
     apply: &mut Apply<'_>,
 ) -> Result<Walked, RecoveryError> {
+    if !store.positioned_io() {
+        return walk_objects(store, id, replay_after, until, apply);
+    }
     let facts = gather(store, id)?;
     let last_used = facts.iter().rposition(|f| !f.unused);
-    let mut w = Walked {
-        report: RecoveryReport {
-            segments: facts.len() as u64,
-            ..Default::default()
-        },
-        first_lsn: None,
-        next_lsn: None,
-        damage: None,
-    };
+    let mut w = Walked::new(facts.len() as u64);
     for (idx, f) in facts.iter().enumerate() {
         if until.is_some_and(|u| w.next_lsn.is_some_and(|n| n > u)) {
             break;
@@ -235,20 +372,7 @@ fn walk(
                     len,
                     ..
                 } => {
-                    if l > replay_after {
-                        // The chain is gap-free, so only its first handed-out record can
-                        // miss the checkpoints' end; one that does (the segments before it
-                        // are gone) is never handed out, nor anything after it.
-                        if w.report.replayed == 0 && l != replay_after + 1 {
-                            return Err(gap_error(l, replay_after));
-                        }
-                        apply(l, payload)
-                            .map_err(|error| RecoveryError::Apply { lsn: l, error })?;
-                        w.report.replayed += 1;
-                    } else {
-                        w.report.skipped += 1;
-                    }
-                    w.report.last_lsn = l;
+                    w.take(l, payload, replay_after, apply)?;
                     lsn += 1;
                     off += len;
                 }
@@ -404,6 +528,45 @@ fn summarize(store: &dyn ObjectStore, name: &str) -> std::io::Result<SegmentSumm
     Ok(s)
 }
 
+/// Every object of a journal as objects (a fence holds no records), each read on its own.
+fn summarize_objects(
+    store: &dyn ObjectStore,
+    id: JournalId,
+) -> std::io::Result<Vec<SegmentSummary>> {
+    let listing = Listing::read(store, id)?;
+    let mut out = Vec::new();
+    for window in listing.objects.chunks(READ_AHEAD) {
+        let names: Vec<String> = window.iter().map(|(_, n)| n.clone()).collect();
+        for ((seq, name), data) in window.iter().zip(store.get_many(&names)?) {
+            let data = data.unwrap_or_default();
+            let mut s = SegmentSummary {
+                name: name.clone(),
+                bytes: data.len() as u64,
+                records: 0,
+                lsns: None,
+            };
+            if let Ok(Content::Records {
+                first_lsn,
+                records,
+                body,
+            }) = objects::decode(*seq, id.epoch, &data)
+            {
+                let (mut off, mut lsn) = (0, first_lsn);
+                while s.records < records as u64
+                    && let Scan::Record { len, .. } = scan(&body[off..], lsn)
+                {
+                    s.records += 1;
+                    s.lsns = Some((first_lsn, lsn));
+                    off += len;
+                    lsn += 1;
+                }
+            }
+            out.push(s);
+        }
+    }
+    Ok(out)
+}
+
 /// What a read-only pass over the journal found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Inspection {
@@ -420,15 +583,18 @@ pub struct Inspection {
 pub fn inspect(store: &dyn ObjectStore, id: JournalId) -> Result<Inspection, RecoveryError> {
     let w = walk(store, id, u64::MAX, None, &mut |_, _| Ok(()))?;
     let mut segments = Vec::new();
-    for (_, name) in segment::list_segments(store, id)? {
-        segments.push(summarize(store, &name)?);
+    if store.positioned_io() {
+        for (_, name) in segment::list_segments(store, id)? {
+            segments.push(summarize(store, &name)?);
+        }
+    } else {
+        segments = summarize_objects(store, id)?;
     }
     let chain_end = match (&w.next_lsn, &w.damage) {
         (Some(next), _) => next - 1,
         // Broken before any segment in use: the chain ends before the damaged one.
-        (None, Some(d)) => {
-            segment::parse_segment_name(id, &d.segment).map_or(0, |l| l.saturating_sub(1))
-        }
+        (None, Some(d)) => segment::parse_segment_name(id, &d.segment)
+            .map_or(w.report.last_lsn, |l| l.saturating_sub(1)),
         (None, None) => 0,
     };
     Ok(Inspection {
@@ -466,6 +632,9 @@ pub fn repair_accept_loss(store: &dyn ObjectStore, id: JournalId) -> Result<Repa
             deleted: Vec::new(),
         });
     };
+    if !store.positioned_io() {
+        return repair_objects(store, id, ins, d);
+    }
     let mut repair = Repair {
         damage: Some(d.clone()),
         kept_through: ins.chain_end,
@@ -507,4 +676,30 @@ pub fn repair_accept_loss(store: &dyn ObjectStore, id: JournalId) -> Result<Repa
     }
     store.sync_dir(&id.dir())?;
     Ok(repair)
+}
+
+/// [`repair_accept_loss`] of a journal as objects: the damaged object and every later one
+/// are deleted, and a fence takes the damaged one's place, so the chain ends before it for
+/// good (a writer of that incarnation, if one still ran, could not extend it).
+fn repair_objects(
+    store: &dyn ObjectStore,
+    id: JournalId,
+    ins: Inspection,
+    d: Damage,
+) -> Result<Repair, RecoveryError> {
+    let damaged = objects::parse_object_name(id, &d.segment).unwrap_or(0);
+    let deleted: Vec<SegmentSummary> = ins
+        .segments
+        .into_iter()
+        .filter(|s| objects::parse_object_name(id, &s.name).is_some_and(|q| q >= damaged))
+        .collect();
+    let names: Vec<String> = deleted.iter().map(|s| s.name.clone()).collect();
+    store.delete_many(&names)?;
+    objects::fence(store, id)?;
+    Ok(Repair {
+        damage: Some(d),
+        kept_through: ins.chain_end,
+        cut: None,
+        deleted,
+    })
 }

@@ -18,11 +18,19 @@
 //! no extra fsync). A sealer creates the seal and only then reads the journal, so a record
 //! made durable before the seal existed is seen by that reader, and one made durable after
 //! is never acknowledged: the journal fails (fail-stop) instead.
+//!
+//! That is the journal in segments, on a store with positioned I/O (the local directory).
+//! On a store of whole objects only (S3) each group commit becomes an immutable object
+//! instead, several PUTs in flight and acknowledged in order (`uploads`), and fencing costs
+//! nothing per commit: a sealer creates the object the writer would write next (`objects`).
+//! The flusher, the buffers and the durability published are the same for both.
 
+use crate::objects::{self, Content, Listing};
 use crate::record::{MAX_RECORD_BYTES, encode_record_with, record_len};
 use crate::segment::{
     self, BLOCK, JournalId, SEGMENT_DATA_START, SEGMENT_HEADER_BYTES, encode_header, segment_name,
 };
+use crate::uploads::{Acks, Kept, Uploads};
 use kochab_store::{AlignedBuf, Object, ObjectStore};
 use parking_lot::{Condvar, Mutex};
 use std::io;
@@ -61,8 +69,9 @@ impl Default for JournalOptions {
 
 /// Observations of the flusher, for metrics.
 pub trait JournalObserver: Send + Sync {
-    /// One group commit: records and bytes written, how long the durable write took, and
-    /// how long its first record had waited for it.
+    /// One group commit (in segments: one durable write; as objects: one object, reported
+    /// when it is acknowledged): records and bytes written, how long the durable write or
+    /// the PUT took, and how long its first record had waited for it.
     fn on_commit(&self, records: u64, bytes: u64, sync_seconds: f64, waited_seconds: f64);
 }
 
@@ -126,12 +135,56 @@ impl Shared {
             .saturating_sub(SEGMENT_DATA_START);
         (room as usize).min(MAX_RECORD_BYTES)
     }
+
+    /// Every record up to `lsn` is durable: tell threads and tasks.
+    fn publish(&self, lsn: u64) {
+        self.durable.store(lsn, Ordering::Release);
+        self.durable_tx.send_replace(lsn);
+        let _g = self.durable_lock.lock();
+        self.durable_cv.notify_all();
+    }
+}
+
+impl Acks for Shared {
+    fn durable(&self, lsn: u64) {
+        self.publish(lsn);
+    }
+
+    fn fail(&self, why: String) {
+        Shared::fail(self, why);
+    }
+
+    fn room(&self) {
+        // Under the flusher's lock, so that it cannot miss the wake-up between its check
+        // of the room and its wait.
+        drop(self.state.lock());
+        self.wake_flusher.notify_one();
+    }
 }
 
 /// The journal of one server.
 pub struct Journal {
     shared: Arc<Shared>,
     flusher: Mutex<Option<JoinHandle<()>>>,
+    /// The objects in flight and kept, for a journal as objects.
+    uploads: Option<Arc<Uploads>>,
+}
+
+/// Where the flusher's group commits go.
+enum Sink {
+    /// Segments written in place (a store with positioned I/O).
+    Segments(Box<SegmentSink>),
+    /// Immutable objects, several PUTs in flight (a store of whole objects).
+    Objects(Arc<Uploads>),
+}
+
+/// The segment being filled and what writing it needs.
+struct SegmentSink {
+    seg: Segment,
+    aligned: AlignedBuf,
+    staging: Vec<u8>,
+    /// The preparation of the zero-filled spare segment.
+    spare: Option<JoinHandle<()>>,
 }
 
 /// The segment being filled, as the flusher sees it.
@@ -167,20 +220,38 @@ impl Journal {
                 "journal segments are whole blocks, at least 64 KiB",
             ));
         }
-        if segment::is_sealed(store.as_ref(), id)? {
-            return Err(io::Error::new(
+        let sealed = || {
+            io::Error::new(
                 io::ErrorKind::PermissionDenied,
                 format!("{id} is sealed: this incarnation was taken over and may not write"),
-            ));
+            )
+        };
+        if segment::is_sealed(store.as_ref(), id)? {
+            return Err(sealed());
         }
-        store.sync_dir(&id.dir())?;
-        let existing = segment::list_segments(store.as_ref(), id)?
-            .into_iter()
-            .filter(|(l, _)| *l != next_lsn)
-            .count() as u64;
-        let mut aligned = AlignedBuf::new();
-        // The header block is written now, so an empty journal is a valid one.
-        let segment = open_segment(store.as_ref(), id, next_lsn, &options, &mut aligned)?;
+        let (existing, existing_bytes, segment, objects) = if store.positioned_io() {
+            store.sync_dir(&id.dir())?;
+            let existing = segment::list_segments(store.as_ref(), id)?
+                .into_iter()
+                .filter(|(l, _)| *l != next_lsn)
+                .count() as u64;
+            let mut aligned = AlignedBuf::new();
+            // The header block is written now, so an empty journal is a valid one.
+            let seg = open_segment(store.as_ref(), id, next_lsn, &options, &mut aligned)?;
+            let bytes = existing * options.segment_bytes + SEGMENT_DATA_START;
+            (existing + 1, bytes, Some((seg, aligned)), None)
+        } else {
+            let (next_seq, kept, marker) = existing_objects(store.as_ref(), id).map_err(|e| {
+                if e.kind() == io::ErrorKind::PermissionDenied {
+                    sealed()
+                } else {
+                    e
+                }
+            })?;
+            let n = kept.len() as u64;
+            let bytes = kept.iter().map(|k| k.bytes).sum();
+            (n, bytes, None, Some((next_seq, kept, marker)))
+        };
         let (durable_tx, _) = watch::channel(next_lsn - 1);
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -199,20 +270,50 @@ impl Journal {
             durable_tx,
             failed: AtomicBool::new(false),
             failure_tx: watch::channel(None).0,
-            bytes: AtomicU64::new(existing * options.segment_bytes + SEGMENT_DATA_START),
-            segments: AtomicU64::new(existing + 1),
+            bytes: AtomicU64::new(existing_bytes),
+            segments: AtomicU64::new(existing),
             store,
             options,
             id,
             seal_name: id.seal_name(),
         });
+        let (sink, uploads) = match (segment, objects) {
+            (Some((seg, aligned)), _) => {
+                let spare = prepare_spare(
+                    shared.store.clone(),
+                    shared.id,
+                    shared.options.segment_bytes,
+                );
+                let sink = SegmentSink {
+                    seg,
+                    aligned,
+                    staging: Vec::with_capacity(1 << 20),
+                    spare: Some(spare),
+                };
+                (Sink::Segments(Box::new(sink)), None)
+            }
+            (None, Some((next_seq, kept, marker))) => {
+                let u = Uploads::start(
+                    shared.store.clone(),
+                    id,
+                    next_seq,
+                    kept,
+                    marker,
+                    shared.clone(),
+                    observer.clone(),
+                )?;
+                (Sink::Objects(u.clone()), Some(u))
+            }
+            (None, None) => unreachable!("one sink or the other"),
+        };
         let s = shared.clone();
         let flusher = std::thread::Builder::new()
             .name("journal-flush".into())
-            .spawn(move || flusher_loop(s, segment, aligned, observer))?;
+            .spawn(move || flusher_loop(s, sink, observer))?;
         Ok(Journal {
             shared,
             flusher: Mutex::new(Some(flusher)),
+            uploads,
         })
     }
 
@@ -344,17 +445,32 @@ impl Journal {
 
     /// Approximate bytes of journal kept in the store.
     pub fn bytes(&self) -> u64 {
-        self.shared.bytes.load(Ordering::Relaxed)
+        match &self.uploads {
+            Some(u) => u.kept().1,
+            None => self.shared.bytes.load(Ordering::Relaxed),
+        }
     }
 
-    /// Segments kept in the store.
+    /// Segments (or journal objects) kept in the store.
     pub fn segments(&self) -> u64 {
-        self.shared.segments.load(Ordering::Relaxed)
+        match &self.uploads {
+            Some(u) => u.kept().0,
+            None => self.shared.segments.load(Ordering::Relaxed),
+        }
     }
 
-    /// Deletes every segment whose records all have LSNs below `keep_from` (they are in
-    /// every table's checkpoint). The segment being written is never deleted.
+    /// True if this journal is a sequence of objects (a store without positioned I/O).
+    pub fn as_objects(&self) -> bool {
+        self.uploads.is_some()
+    }
+
+    /// Deletes every segment (or journal object) whose records all have LSNs below
+    /// `keep_from` (they are in every table's checkpoint). The segment being written (the
+    /// newest object acknowledged) is never deleted.
     pub fn trim(&self, keep_from: u64) -> io::Result<u64> {
+        if let Some(u) = &self.uploads {
+            return u.trim(keep_from);
+        }
         let store = &self.shared.store;
         let segs = segment::list_segments(store.as_ref(), self.shared.id)?;
         let mut removed = 0;
@@ -500,20 +616,177 @@ fn write_records(
     Ok(blocks.len() as u64)
 }
 
-fn flusher_loop(
-    shared: Arc<Shared>,
-    mut seg: Segment,
-    mut aligned: AlignedBuf,
-    observer: Option<Arc<dyn JournalObserver>>,
-) {
+/// The next seq, the acknowledged objects and the newest start marker of journal `id` on a
+/// store of whole objects: none for a new incarnation. A journal restarted (tests do) goes
+/// on after its chain, which must be whole: one that holds a fence, or objects past a gap,
+/// was taken over (`PermissionDenied`).
+fn existing_objects(store: &dyn ObjectStore, id: JournalId) -> io::Result<(u64, Vec<Kept>, u64)> {
+    let listing = Listing::read(store, id)?;
+    let marker = listing.starts.last().map_or(0, |(s, _)| *s);
+    let taken = || {
+        io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("{id} holds a fence or objects past a gap"),
+        )
+    };
+    if !listing.beyond().is_empty() {
+        return Err(taken());
+    }
+    let chain = listing.chain();
+    let names: Vec<String> = chain.iter().map(|(_, n)| n.clone()).collect();
+    let mut kept = Vec::with_capacity(names.len());
+    for ((seq, name), data) in chain.iter().zip(store.get_many(&names)?) {
+        let data = data.ok_or_else(|| io::Error::other(format!("{name} vanished")))?;
+        let bytes = data.len() as u64;
+        match objects::decode(*seq, id.epoch, &data) {
+            Ok(Content::Records {
+                first_lsn, records, ..
+            }) => kept.push(Kept {
+                seq: *seq,
+                last_lsn: first_lsn + records as u64 - 1,
+                bytes,
+            }),
+            Ok(Content::Fence) => return Err(taken()),
+            Err(why) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{name}: {why}"),
+                ));
+            }
+        }
+    }
+    Ok((listing.first_gap(), kept, marker))
+}
+
+impl Sink {
+    /// True if the next group may be cut now (as objects: a PUT slot is free).
+    fn has_room(&self) -> bool {
+        match self {
+            Sink::Segments(_) => true,
+            Sink::Objects(u) => u.has_room(),
+        }
+    }
+
+    /// Stops after the last group: waits for the spare's preparation, or for the PUTs in
+    /// flight.
+    fn finish(self) {
+        match self {
+            Sink::Segments(mut s) => {
+                if let Some(h) = s.spare.take() {
+                    let _ = h.join();
+                }
+            }
+            Sink::Objects(u) => u.finish(),
+        }
+    }
+}
+
+impl SegmentSink {
+    /// Writes `records` durably into the segments (rolling over as they fill), checks the
+    /// seal and publishes `last` as durable. False if the journal failed.
+    fn commit(
+        &mut self,
+        shared: &Shared,
+        records: &[u8],
+        last: u64,
+        count: u64,
+        waited: f64,
+        observer: Option<&Arc<dyn JournalObserver>>,
+    ) -> bool {
+        let seg_bytes = shared.options.segment_bytes;
+        let started = Instant::now();
+        let mut written = 0u64;
+        let mut result: io::Result<()> = Ok(());
+        let mut off = 0;
+        while off < records.len() {
+            // Whole records that fit in this segment.
+            let mut end = off;
+            while end < records.len() {
+                let next = end + record_len(&records[end..]);
+                if self.seg.pos + (next - off) as u64 > seg_bytes {
+                    break;
+                }
+                end = next;
+            }
+            if end > off {
+                match write_records(
+                    &mut self.seg,
+                    &records[off..end],
+                    &mut self.staging,
+                    &mut self.aligned,
+                    shared.options.fsync,
+                ) {
+                    Ok(n) => written += n,
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+                off = end;
+                continue;
+            }
+            // The next record starts a new segment.
+            if let Some(h) = self.spare.take() {
+                let _ = h.join();
+            }
+            let first = objects::record_lsn(&records[off..]);
+            match open_segment(
+                shared.store.as_ref(),
+                shared.id,
+                first,
+                &shared.options,
+                &mut self.aligned,
+            ) {
+                Ok(s) => self.seg = s,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+            shared.segments.fetch_add(1, Ordering::Relaxed);
+            self.spare = Some(prepare_spare(shared.store.clone(), shared.id, seg_bytes));
+            if self.seg.pos + record_len(&records[off..]) as u64 > seg_bytes {
+                result = Err(io::Error::other(
+                    "a journal record does not fit in an empty segment",
+                ));
+                break;
+            }
+        }
+        if let Err(e) = result {
+            // A journal that cannot write must not acknowledge anything more (fail-stop:
+            // the server tells its clients and exits).
+            shared.fail(format!("write failed: {e}"));
+            return false;
+        }
+        // Durable, but not yet acknowledged: only if nobody has sealed the journal since
+        // (see the module comment for why this order makes fencing exact).
+        match shared.store.exists(&shared.seal_name) {
+            Ok(false) => {}
+            Ok(true) => {
+                shared.fail(format!(
+                    "{} was sealed: another server took over this incarnation's tables",
+                    shared.id
+                ));
+                return false;
+            }
+            Err(e) => {
+                shared.fail(format!("cannot check the seal of {}: {e}", shared.id));
+                return false;
+            }
+        }
+        if let Some(o) = observer {
+            o.on_commit(count, written, started.elapsed().as_secs_f64(), waited);
+        }
+        shared
+            .bytes
+            .fetch_add(records.len() as u64, Ordering::Relaxed);
+        shared.publish(last);
+        true
+    }
+}
+
+fn flusher_loop(shared: Arc<Shared>, mut sink: Sink, observer: Option<Arc<dyn JournalObserver>>) {
     let mut flushing: Vec<u8> = Vec::with_capacity(1 << 20);
-    let mut staging: Vec<u8> = Vec::with_capacity(1 << 20);
-    let mut spare = Some(prepare_spare(
-        shared.store.clone(),
-        shared.id,
-        shared.options.segment_bytes,
-    ));
-    let seg_bytes = shared.options.segment_bytes;
     // Test hook: `KOCHAB_JOURNAL_DELAY_MS` holds every flush that long (a slow disk), so
     // crash tests find acknowledged early replies that are not durable yet.
     let delay = std::env::var("KOCHAB_JOURNAL_DELAY_MS")
@@ -530,6 +803,8 @@ fn flusher_loop(
                 let age = st.pending_since.map(|t| t.elapsed());
                 match age {
                     _ if st.active.is_empty() => shared.wake_flusher.wait(&mut st),
+                    // Every PUT slot is taken: the group grows until one returns.
+                    _ if !sink.has_room() => shared.wake_flusher.wait(&mut st),
                     Some(a) if !st.urgent && a < LAZY_FLUSH => {
                         shared.wake_flusher.wait_for(&mut st, LAZY_FLUSH - a);
                     }
@@ -556,103 +831,22 @@ fn flusher_loop(
                 waited,
             )
         };
-        let started = Instant::now();
-        let mut written = 0u64;
-        let mut result: io::Result<()> = Ok(());
-        let mut off = 0;
-        while off < flushing.len() {
-            // Whole records that fit in this segment.
-            let mut end = off;
-            while end < flushing.len() {
-                let next = end + record_len(&flushing[end..]);
-                if seg.pos + (next - off) as u64 > seg_bytes {
-                    break;
-                }
-                end = next;
+        let ok = match &mut sink {
+            Sink::Segments(s) => {
+                s.commit(&shared, &flushing, last, records, waited, observer.as_ref())
             }
-            if end > off {
-                match write_records(
-                    &mut seg,
-                    &flushing[off..end],
-                    &mut staging,
-                    &mut aligned,
-                    shared.options.fsync,
-                ) {
-                    Ok(n) => written += n,
-                    Err(e) => {
-                        result = Err(e);
-                        break;
-                    }
-                }
-                off = end;
-                continue;
+            Sink::Objects(u) => {
+                u.submit(&flushing, waited);
+                true
             }
-            // The next record starts a new segment.
-            if let Some(h) = spare.take() {
-                let _ = h.join();
-            }
-            let first =
-                u64::from_le_bytes(flushing[off + 8..off + 16].try_into().unwrap_or([0; 8]));
-            match open_segment(
-                shared.store.as_ref(),
-                shared.id,
-                first,
-                &shared.options,
-                &mut aligned,
-            ) {
-                Ok(s) => seg = s,
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            }
-            shared.segments.fetch_add(1, Ordering::Relaxed);
-            spare = Some(prepare_spare(shared.store.clone(), shared.id, seg_bytes));
-            if seg.pos + record_len(&flushing[off..]) as u64 > seg_bytes {
-                result = Err(io::Error::other(
-                    "a journal record does not fit in an empty segment",
-                ));
-                break;
-            }
-        }
-        if let Err(e) = result {
-            // A journal that cannot write must not acknowledge anything more (fail-stop:
-            // the server tells its clients and exits).
-            shared.fail(format!("write failed: {e}"));
+        };
+        if !ok {
             break;
         }
-        // Durable, but not yet acknowledged: only if nobody has sealed the journal since
-        // (see the module comment for why this order makes fencing exact).
-        match shared.store.exists(&shared.seal_name) {
-            Ok(false) => {}
-            Ok(true) => {
-                shared.fail(format!(
-                    "{} was sealed: another server took over this incarnation's tables",
-                    shared.id
-                ));
-                break;
-            }
-            Err(e) => {
-                shared.fail(format!("cannot check the seal of {}: {e}", shared.id));
-                break;
-            }
-        }
-        if let Some(o) = &observer {
-            o.on_commit(records, written, started.elapsed().as_secs_f64(), waited);
-        }
-        shared
-            .bytes
-            .fetch_add(flushing.len() as u64, Ordering::Relaxed);
         flushing.clear();
         if flushing.capacity() > 64 << 20 {
             flushing.shrink_to(1 << 20);
         }
-        shared.durable.store(last, Ordering::Release);
-        shared.durable_tx.send_replace(last);
-        let _g = shared.durable_lock.lock();
-        shared.durable_cv.notify_all();
     }
-    if let Some(h) = spare.take() {
-        let _ = h.join();
-    }
+    sink.finish();
 }

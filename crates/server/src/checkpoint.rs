@@ -49,6 +49,15 @@ pub struct ImageRef {
     pub full: bool,
     pub server: u64,
     pub epoch: u64,
+    /// Objects the image is cut into, on a store of whole objects (S3), where it cannot be
+    /// streamed into one: the first under the image's name, the others after it (see
+    /// `image_objects`). 0: one object streamed in place (the local store).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub parts: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A journal a table must be replayed from: the records with LSNs in `(after, until]`
@@ -194,6 +203,17 @@ fn image_name(lo: u64, img: &ImageRef) -> String {
     )
 }
 
+/// The objects holding image `img` of table `lo`, in order.
+fn image_objects(lo: u64, img: &ImageRef) -> Vec<String> {
+    let first = image_name(lo, img);
+    (0..img.parts.max(1))
+        .map(|k| match k {
+            0 => first.clone(),
+            k => format!("{first}.{k:05}"),
+        })
+        .collect()
+}
+
 /// Writes `m` as the next version after `m.version`, only if nobody wrote that version
 /// first: `AlreadyExists` means the table was taken over (or claimed) by another server
 /// incarnation, whose write stands. On success `m.version` is the new version and the
@@ -330,45 +350,114 @@ pub fn load_table(
 ) -> io::Result<u64> {
     let mut boxes = 0;
     for img in &manifest.images {
-        let name = image_name(manifest.lo, img);
-        let bytes = store.get(&name)?.ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::NotFound,
-                format!("checkpoint image {name} is missing"),
-            )
-        })?;
-        let mut off = 0;
+        let names = image_objects(manifest.lo, img);
+        let name = &names[0];
+        // Box records are numbered across the parts of an image.
         let mut n = 1;
-        loop {
-            match scan_limited(&bytes[off..], n, BOX_IMAGE_BYTES_MAX) {
-                Scan::Record { payload, len, .. } => {
-                    let image: BoxImage = postcard::from_bytes(payload).map_err(|e| {
-                        io::Error::new(io::ErrorKind::InvalidData, format!("{name}: box {n}: {e}"))
-                    })?;
-                    table.load_image(image).map_err(|e| {
-                        io::Error::new(io::ErrorKind::InvalidData, format!("{name}: {e}"))
-                    })?;
-                    off += len;
-                    n += 1;
-                    boxes += 1;
-                }
-                Scan::End => break,
-                Scan::Stale { lsn } => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("checkpoint image {name}: box {lsn} out of order"),
-                    ));
-                }
-                Scan::Corrupt { reason } => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("checkpoint image {name} is damaged: {reason}"),
-                    ));
-                }
-            }
+        for (part, bytes) in names.iter().zip(store.get_many(&names)?) {
+            let bytes = bytes.ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("checkpoint image {part} is missing"),
+                )
+            })?;
+            boxes += load_image_part(table, name, &bytes, &mut n)?;
         }
     }
     Ok(boxes)
+}
+
+/// Loads the box records of one object of image `name` into `table`; `n` is the number the
+/// next record must have.
+fn load_image_part(table: &mut Table, name: &str, bytes: &[u8], n: &mut u64) -> io::Result<u64> {
+    let mut boxes = 0;
+    let mut off = 0;
+    loop {
+        match scan_limited(&bytes[off..], *n, BOX_IMAGE_BYTES_MAX) {
+            Scan::Record { payload, len, .. } => {
+                let image: BoxImage = postcard::from_bytes(payload).map_err(|e| {
+                    io::Error::new(io::ErrorKind::InvalidData, format!("{name}: box {n}: {e}"))
+                })?;
+                table.load_image(image).map_err(|e| {
+                    io::Error::new(io::ErrorKind::InvalidData, format!("{name}: {e}"))
+                })?;
+                off += len;
+                *n += 1;
+                boxes += 1;
+            }
+            Scan::End => return Ok(boxes),
+            Scan::Stale { lsn } => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("checkpoint image {name}: box {lsn} out of order"),
+                ));
+            }
+            Scan::Corrupt { reason } => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("checkpoint image {name} is damaged: {reason}"),
+                ));
+            }
+        }
+    }
+}
+
+/// Where the bytes of an image go: streamed into one object in place (a store with
+/// positioned I/O), or, on a store of whole objects, cut into parts of about
+/// `IMAGE_FLUSH_BYTES` (whole box records each), each one PUT (see `ImageRef::parts`).
+enum ImageOut {
+    InPlace(std::sync::Arc<dyn kochab_store::Object>),
+    Parts {
+        store: std::sync::Arc<dyn ObjectStore>,
+        first: String,
+        parts: u32,
+    },
+}
+
+impl ImageOut {
+    fn open(store: std::sync::Arc<dyn ObjectStore>, name: String) -> io::Result<ImageOut> {
+        if !store.positioned_io() {
+            return Ok(ImageOut::Parts {
+                store,
+                first: name,
+                parts: 0,
+            });
+        }
+        let obj = store.open(&name, true)?;
+        obj.set_len(0)?;
+        Ok(ImageOut::InPlace(obj))
+    }
+
+    /// Writes `buf` (whole box records) at `offset`, the bytes written so far.
+    fn write(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        match self {
+            ImageOut::InPlace(obj) => obj.write_at(buf, offset),
+            // An empty last piece needs no object, unless it is the only one.
+            ImageOut::Parts { parts, .. } if buf.is_empty() && *parts > 0 => Ok(()),
+            ImageOut::Parts {
+                store,
+                first,
+                parts,
+            } => {
+                let name = match *parts {
+                    0 => first.clone(),
+                    k => format!("{first}.{k:05}"),
+                };
+                store.put(&name, buf)?;
+                *parts += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// Makes the image durable; returns its `ImageRef::parts`.
+    fn finish(self) -> io::Result<u32> {
+        match self {
+            ImageOut::InPlace(obj) => obj.sync_data().map(|()| 0),
+            // Each PUT was durable when it returned.
+            ImageOut::Parts { parts, .. } => Ok(parts),
+        }
+    }
 }
 
 /// Checkpoint state of every table this server hosts, keyed by table id (its `lo`).
@@ -603,12 +692,12 @@ impl Checkpointer {
             full,
             server: self.me.server,
             epoch: self.me.epoch,
+            parts: 0,
         };
         let name = image_name(lo, &img);
         // Streamed in pieces so a full checkpoint of a huge table needs no huge buffer. The
         // image counts only once the manifest names it, so it need not appear atomically.
-        let obj = shared.store.open(&name, true)?;
-        obj.set_len(0)?;
+        let mut out = ImageOut::open(shared.store.clone(), name)?;
         let mut written = 0u64;
         let mut buf = Vec::with_capacity(IMAGE_FLUSH_BYTES + (64 << 10));
         let mut n = 0u64;
@@ -664,7 +753,7 @@ impl Checkpointer {
                 copied
             };
             if buf.len() >= IMAGE_FLUSH_BYTES || copied < BOXES_PER_LOCK {
-                obj.write_at(&buf, written)?;
+                out.write(&buf, written)?;
                 written += buf.len() as u64;
                 buf.clear();
             }
@@ -672,7 +761,7 @@ impl Checkpointer {
                 break;
             }
         }
-        obj.sync_data()?;
+        img.parts = out.finish()?;
         shared.store.sync_dir(&table_dir(lo))?;
         img.bytes = written;
         Ok(img)
@@ -699,9 +788,11 @@ impl Checkpointer {
             }
             return Err(e);
         }
-        for img in obsolete {
-            shared.store.delete(&image_name(m.lo, &img))?;
-        }
+        let names: Vec<String> = obsolete
+            .iter()
+            .flat_map(|img| image_objects(m.lo, img))
+            .collect();
+        shared.store.delete_many(&names)?;
         if let Some(p) = m.position_in(self.me) {
             let mut core = shared.core.lock();
             if let Some(i) = hosted_index(&core.engine, m.lo) {

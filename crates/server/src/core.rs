@@ -846,7 +846,8 @@ impl Shared {
             engine, scratch, ..
         } = core;
         let reply = engine.execute(&req.cred, &req.op, now, scratch);
-        match (reply, self.store.capacity()) {
+        // File data's store: the cluster's store, or the local one beside a store on S3.
+        match (reply, self.data.capacity()) {
             (Reply::StatFs(mut s), Ok(c)) => {
                 let bs = s.bsize as u64;
                 s.blocks = c.total_bytes / bs;

@@ -375,6 +375,11 @@ impl DataStore {
         Ok(())
     }
 
+    /// Space in the store that holds file data (what statfs reports).
+    pub fn capacity(&self) -> io::Result<kochab_store::Capacity> {
+        self.store.capacity()
+    }
+
     /// Fails with the store's ENOSPC if reserving `[offset, offset + len)` surely cannot
     /// succeed: the part not inside existing chunks is more than the store has free. (Near
     /// the limit `allocate` finds out from the store itself.)

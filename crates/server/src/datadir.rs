@@ -1,9 +1,12 @@
 //! The data directory: the cluster key (mode 0600), the cluster description and the object
-//! store. Created on first start, read on every later one.
+//! store. Created on first start, read on every later one. The object store is the
+//! directory's own (`DIR/store`) or one given (a bucket on S3, `kochab --store`); the
+//! cluster description and the servers' epochs live in the store, written by conditional
+//! create wherever two hosts could race.
 
 use kochab_meta::{EngineConfig, initial_table_ranges};
 use kochab_proto::auth::{ClusterKey, key_from_hex, key_to_hex};
-use kochab_store::{LocalStore, ObjectStore};
+use kochab_store::{LocalStore, ObjectStore, newest_version, versioned_name};
 use serde::{Deserialize, Serialize};
 use std::fs;
 use std::io::{self, ErrorKind, Write};
@@ -18,8 +21,19 @@ pub const KEY_FILE: &str = "cluster.key";
 pub const LOCK_FILE: &str = "kochab.lock";
 /// Object holding the cluster description.
 const CLUSTER_OBJECT: &str = "cluster.json";
-/// Object holding this server's id and its current epoch (bumped on every start).
+/// Object holding this server's id and its current epoch (bumped on every start), kept for
+/// older versions; the epoch that counts is the newest of [`epoch_base`]'s versions.
 const SERVER_OBJECT: &str = "server.json";
+
+/// The versioned object whose newest version is server `id`'s epoch (version = epoch): a
+/// start creates the next version if absent, so two starts of one server, on two hosts
+/// over one store, never get the same epoch.
+fn epoch_base(id: u64) -> String {
+    format!("servers/{id}/epoch")
+}
+/// Attempts at the next epoch when other starts of the same server take each one first
+/// (two hosts starting one server at once take one more each; this many is a loop).
+const EPOCH_TRIES_MAX: usize = 16;
 /// The server id of `kochab up`'s one server, which hosts every table. Ids of servers that
 /// join a cluster come from the coordinator (intent, issue 9).
 pub const SINGLE_SERVER_ID: u64 = 1;
@@ -100,10 +114,25 @@ pub struct ClusterMeta {
 pub struct DataDir {
     pub path: PathBuf,
     pub store: Arc<dyn ObjectStore>,
+    /// Where file data goes: the store itself, or, for a store without positioned I/O (S3,
+    /// whose file data as objects is not built: issue 31), the directory's own local store.
+    pub data_store: Arc<dyn ObjectStore>,
     pub key: ClusterKey,
     pub meta: ClusterMeta,
     /// True if this start created the cluster.
     pub created: bool,
+}
+
+/// The store file data goes to (see [`DataDir::data_store`]): `store` if it has positioned
+/// I/O, else the local store under `dir` (`DIR/store`).
+pub fn data_store_for(
+    store: &Arc<dyn ObjectStore>,
+    dir: &Path,
+) -> io::Result<Arc<dyn ObjectStore>> {
+    if store.positioned_io() {
+        return Ok(store.clone());
+    }
+    Ok(Arc::new(LocalStore::open(dir.join("store"))?))
 }
 
 fn random_u64() -> io::Result<u64> {
@@ -137,6 +166,59 @@ fn create_key_file(path: &Path) -> io::Result<ClusterKey> {
     Ok(key)
 }
 
+/// Reads the cluster description in `store` (`None`: no cluster there), refusing another
+/// data format.
+pub fn read_meta(store: &dyn ObjectStore, name: &str) -> io::Result<Option<ClusterMeta>> {
+    let Some(bytes) = store.get(CLUSTER_OBJECT)? else {
+        return Ok(None);
+    };
+    let meta: ClusterMeta = serde_json::from_slice(&bytes)
+        .map_err(|e| io::Error::new(ErrorKind::InvalidData, format!("{CLUSTER_OBJECT}: {e}")))?;
+    if meta.format != DATA_FORMAT {
+        return Err(io::Error::new(
+            ErrorKind::InvalidData,
+            format!(
+                "{name} holds data format {}, and this version of kochab reads only format \
+                 {DATA_FORMAT} (format 1 named chunks data/<shard>/<id>.<generation>.<chunk>; \
+                 format 2 had one unnamed journal with 16-byte record headers and \
+                 unversioned manifests; neither is converted); use the kochab version \
+                 that wrote it, or start with a new data directory",
+                meta.format
+            ),
+        ));
+    }
+    Ok(Some(meta))
+}
+
+/// The cluster description in `store`, made (by conditional create) if there is none: of
+/// two first starts over one store, one description wins and both use it.
+fn read_or_create_meta(store: &dyn ObjectStore, name: &str) -> io::Result<(ClusterMeta, bool)> {
+    if let Some(meta) = read_meta(store, name)? {
+        return Ok((meta, false));
+    }
+    let engine = EngineConfig::with_key([random_u64()?, random_u64()?]);
+    let policy = kochab_meta::IdPolicy::new(engine.id_policy.clone()).map_err(io::Error::other)?;
+    let tables = initial_table_ranges(&policy, engine.primary_tables).map_err(io::Error::other)?;
+    let meta = ClusterMeta {
+        format: DATA_FORMAT,
+        cluster_id: random_u64()?,
+        server_id: random_u64()?,
+        engine,
+        tables,
+    };
+    let json = serde_json::to_vec_pretty(&meta).map_err(io::Error::other)?;
+    match store.create_if_absent(CLUSTER_OBJECT, &json) {
+        Ok(()) => Ok((meta, true)),
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+            let meta = read_meta(store, name)?.ok_or_else(|| {
+                io::Error::other(format!("{name}: {CLUSTER_OBJECT} exists and then does not"))
+            })?;
+            Ok((meta, false))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 impl DataDir {
     /// Opens the cluster in `path`, which must hold one (for offline tools: nothing is
     /// created). The caller holds the directory's [`DataDirLock`].
@@ -158,6 +240,15 @@ impl DataDir {
 
     /// Opens `path`, creating a new cluster there if it holds none.
     pub fn open_or_create(path: &Path) -> io::Result<DataDir> {
+        DataDir::open_or_create_on(path, None)
+    }
+
+    /// Opens `path` with its object store in `store` instead of `path/store` (if given),
+    /// creating a new cluster there if the store holds none. The key stays in `path`.
+    pub fn open_or_create_on(
+        path: &Path,
+        store: Option<Arc<dyn ObjectStore>>,
+    ) -> io::Result<DataDir> {
         // A new directory is made 0700; an existing one keeps the mode its owner gave it
         // (the key files in it are 0600 whatever the directory's mode).
         if !path.exists() {
@@ -180,49 +271,16 @@ impl DataDir {
                 format!("{} has mode {mode:o}; it must be 0600", key_path.display()),
             ));
         }
-        let store: Arc<dyn ObjectStore> = Arc::new(LocalStore::open(path.join("store"))?);
-        let (meta, created) = match store.get(CLUSTER_OBJECT)? {
-            Some(bytes) => {
-                let meta: ClusterMeta = serde_json::from_slice(&bytes).map_err(|e| {
-                    io::Error::new(ErrorKind::InvalidData, format!("{CLUSTER_OBJECT}: {e}"))
-                })?;
-                (meta, false)
-            }
-            None => {
-                let engine = EngineConfig::with_key([random_u64()?, random_u64()?]);
-                let policy = kochab_meta::IdPolicy::new(engine.id_policy.clone())
-                    .map_err(io::Error::other)?;
-                let tables = initial_table_ranges(&policy, engine.primary_tables)
-                    .map_err(io::Error::other)?;
-                let meta = ClusterMeta {
-                    format: DATA_FORMAT,
-                    cluster_id: random_u64()?,
-                    server_id: random_u64()?,
-                    engine,
-                    tables,
-                };
-                let json = serde_json::to_vec_pretty(&meta).map_err(io::Error::other)?;
-                store.put(CLUSTER_OBJECT, &json)?;
-                (meta, true)
-            }
+        let store: Arc<dyn ObjectStore> = match store {
+            Some(s) => s,
+            None => Arc::new(LocalStore::open(path.join("store"))?),
         };
-        if meta.format != DATA_FORMAT {
-            return Err(io::Error::new(
-                ErrorKind::InvalidData,
-                format!(
-                    "{} holds data format {}, and this version of kochab reads only format \
-                     {DATA_FORMAT} (format 1 named chunks data/<shard>/<id>.<generation>.<chunk>; \
-                     format 2 had one unnamed journal with 16-byte record headers and \
-                     unversioned manifests; neither is converted); use the kochab version \
-                     that wrote it, or start with a new data directory",
-                    path.display(),
-                    meta.format
-                ),
-            ));
-        }
+        let (meta, created) = read_or_create_meta(store.as_ref(), &path.display().to_string())?;
+        let data_store = data_store_for(&store, path)?;
         Ok(DataDir {
             path: path.to_path_buf(),
             store,
+            data_store,
             key,
             meta,
             created,
@@ -243,7 +301,8 @@ impl DataDir {
     /// durable before anything is written under it, so no two starts share an epoch (and so
     /// a journal). The caller holds the directory's lock.
     pub fn next_incarnation(&self) -> io::Result<ServerState> {
-        let mut state = match self.store.get(SERVER_OBJECT)? {
+        let store = self.store.as_ref();
+        let legacy = match store.get(SERVER_OBJECT)? {
             Some(bytes) => serde_json::from_slice::<ServerState>(&bytes).map_err(|e| {
                 io::Error::new(ErrorKind::InvalidData, format!("{SERVER_OBJECT}: {e}"))
             })?,
@@ -252,10 +311,34 @@ impl DataDir {
                 epoch: 0,
             },
         };
-        state.epoch += 1;
-        let json = serde_json::to_vec_pretty(&state).map_err(io::Error::other)?;
-        self.store.put(SERVER_OBJECT, &json)?;
-        Ok(state)
+        let base = epoch_base(legacy.server_id);
+        for _ in 0..EPOCH_TRIES_MAX {
+            let newest = newest_version(store, &base)?.map_or(0, |(v, _)| v);
+            let current = newest.max(legacy.epoch);
+            let state = ServerState {
+                epoch: current + 1,
+                ..legacy
+            };
+            let json = serde_json::to_vec_pretty(&state).map_err(io::Error::other)?;
+            match store.swap_version(&base, current, &json) {
+                Ok(_) => {
+                    // For older versions, which read only this; and the version before the
+                    // last is not needed any more.
+                    store.put(SERVER_OBJECT, &json)?;
+                    if current >= 2 {
+                        store.delete(&versioned_name(&base, current - 1))?;
+                    }
+                    return Ok(state);
+                }
+                // Another start of this server took that epoch first: take the next.
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(io::Error::other(format!(
+            "server {}: {EPOCH_TRIES_MAX} starts raced for its next epoch",
+            legacy.server_id
+        )))
     }
 }
 
@@ -282,6 +365,37 @@ mod tests {
             .unwrap();
         let err = DataDir::open_or_create(d.path()).err().expect("refused");
         assert!(err.to_string().contains("data format 2"), "{err}");
+    }
+
+    #[test]
+    fn starts_racing_over_one_store_share_one_cluster_and_never_an_epoch() {
+        // Four hosts (directories of their own) start one server over one store of whole
+        // objects at once, five times each.
+        let store: Arc<dyn ObjectStore> = Arc::new(kochab_store::MemStore::objects_only());
+        let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+        let barrier = Arc::new(std::sync::Barrier::new(dirs.len()));
+        let runs: Vec<_> = dirs
+            .iter()
+            .map(|d| {
+                let (path, store, barrier) =
+                    (d.path().to_path_buf(), store.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    let dir = DataDir::open_or_create_on(&path, Some(store)).unwrap();
+                    assert!(dir.data_store.positioned_io(), "file data stays local");
+                    let epochs: Vec<u64> = (0..5)
+                        .map(|_| dir.next_incarnation().unwrap().epoch)
+                        .collect();
+                    (dir.meta.cluster_id, dir.created, epochs)
+                })
+            })
+            .collect();
+        let results: Vec<_> = runs.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(results.iter().all(|r| r.0 == results[0].0), "one cluster");
+        assert_eq!(results.iter().filter(|r| r.1).count(), 1, "created once");
+        let mut epochs: Vec<u64> = results.iter().flat_map(|r| r.2.clone()).collect();
+        epochs.sort_unstable();
+        assert_eq!(epochs, (1..=20).collect::<Vec<_>>(), "every epoch once");
     }
 
     #[test]

@@ -35,4 +35,4 @@ pub mod session;
 pub mod tls;
 
 pub use datadir::{DataDir, KEY_FILE, read_key_file};
-pub use server::{RunningServer, ServerConfig, start, start_member};
+pub use server::{RunningServer, ServerConfig, start, start_member, start_on};

@@ -10,7 +10,7 @@ use crate::checkpoint::{
     JournalPos, Manifest, Owner, load_table, manifests_covering, swap_manifest,
 };
 use crate::core::JournalEntry;
-use crate::datadir::{DataDir, DataDirLock};
+use crate::datadir::{ClusterMeta, DataDir, DataDirLock};
 use crate::replycache::ReplyCache;
 use kochab_journal::{JournalId, RecoveryError, RecoveryReport};
 use kochab_meta::{Engine, EngineConfig};
@@ -135,7 +135,7 @@ pub fn recover_tables(
         // Nothing the old incarnation acknowledges after this can be missing from our read.
         kochab_journal::seal(store, j)?;
         let report = replay_journal(store, &mut engine, &manifests, j, &mut replies)
-            .map_err(|e| explain(e, data_path))?;
+            .map_err(|e| explain(e, data_path.map(|p| repair_command(store, p)).as_deref()))?;
         total.replayed += report.replayed;
         total.skipped += report.skipped;
         total.segments += report.segments;
@@ -340,17 +340,29 @@ fn replay_journal(
     })
 }
 
-fn explain(e: RecoveryError, data_path: Option<&Path>) -> io::Error {
-    let hint = match (&e, data_path) {
-        (RecoveryError::Damaged(_), Some(path)) => format!(
+fn explain(e: RecoveryError, repair: Option<&str>) -> io::Error {
+    let hint = match (&e, repair) {
+        (RecoveryError::Damaged(_), Some(command)) => format!(
             "; nothing was changed. To start anyway, dropping the damaged part and \
-             everything after it (the command lists exactly what goes): \
-             kochab fsck --data {} --repair --accept-loss",
-            path.display()
+             everything after it (the command lists exactly what goes): {command}"
         ),
         _ => String::new(),
     };
     io::Error::new(io::ErrorKind::InvalidData, format!("{e}{hint}"))
+}
+
+/// The command that repairs the store of the data directory `path` (its own, or one on S3).
+fn repair_command(store: &dyn kochab_store::ObjectStore, path: &Path) -> String {
+    if store.positioned_io() {
+        format!(
+            "kochab fsck --data {} --repair --accept-loss",
+            path.display()
+        )
+    } else {
+        "kochab fsck --store s3://BUCKET/PREFIX --repair --accept-loss (with every server \
+         of the store stopped)"
+            .to_string()
+    }
 }
 
 /// Writes the next version of `m` naming `me` as owner and its journal (from `after`) as the
@@ -409,12 +421,31 @@ pub struct OfflineReport {
     pub refuses_to_start: bool,
 }
 
-/// The manifests of every table in `dir`: of each range the directory was made with, and
+/// A stopped cluster's store as the offline tools see it: the store, its cluster
+/// description, and the command that repairs it (for messages).
+pub struct Offline<'a> {
+    pub store: &'a dyn kochab_store::ObjectStore,
+    pub meta: &'a ClusterMeta,
+    pub repair_command: String,
+}
+
+impl<'a> Offline<'a> {
+    /// The store of data directory `dir`.
+    pub fn of(dir: &'a DataDir) -> Offline<'a> {
+        Offline {
+            store: dir.store.as_ref(),
+            meta: &dir.meta,
+            repair_command: repair_command(dir.store.as_ref(), &dir.path),
+        }
+    }
+}
+
+/// The manifests of every table in the store: of each range the cluster was made with, and
 /// of the tables split off them since.
-fn manifests(dir: &DataDir) -> io::Result<Vec<Manifest>> {
+fn manifests(o: &Offline<'_>) -> io::Result<Vec<Manifest>> {
     let mut out = Vec::new();
-    for &(lo, hi) in &dir.meta.tables {
-        out.extend(manifests_covering(dir.store.as_ref(), lo, Some(hi))?);
+    for &(lo, hi) in &o.meta.tables {
+        out.extend(manifests_covering(o.store, lo, Some(hi))?);
     }
     Ok(out)
 }
@@ -424,14 +455,29 @@ fn manifests(dir: &DataDir) -> io::Result<Vec<Manifest>> {
 pub fn check_offline(path: &Path) -> io::Result<OfflineReport> {
     let _lock = DataDirLock::acquire(path)?;
     let dir = DataDir::open_existing(path)?;
-    let store = dir.store.as_ref();
-    let manifests = manifests(&dir)?;
+    check_store_offline(&Offline::of(&dir))
+}
+
+/// [`check_offline`] of a store (every server using it stopped).
+pub fn check_store_offline(o: &Offline<'_>) -> io::Result<OfflineReport> {
+    let store = o.store;
+    let manifests = manifests(o)?;
     let mut lines = Vec::new();
     let mut refuses = false;
     for j in kochab_journal::segment::list_journals(store)? {
         let ins = kochab_journal::inspect(store, j).map_err(io::Error::other)?;
-        for seg in &ins.segments {
-            lines.push(describe_segment("segment", seg));
+        if !ins.segments.is_empty() && ins.segments.iter().all(|s| s.name.ends_with(".jo")) {
+            // Objects are many and small (one per group commit): one line for them all.
+            let records: u64 = ins.segments.iter().map(|s| s.records).sum();
+            let bytes: u64 = ins.segments.iter().map(|s| s.bytes).sum();
+            lines.push(format!(
+                "{j}: {} objects, {bytes} bytes, {records} records",
+                ins.segments.len()
+            ));
+        } else {
+            for seg in &ins.segments {
+                lines.push(describe_segment("segment", seg));
+            }
         }
         match &ins.damage {
             None => lines.push(format!("{j}: one valid chain up to LSN {}", ins.chain_end)),
@@ -443,9 +489,8 @@ pub fn check_offline(path: &Path) -> io::Result<OfflineReport> {
                 refuses = true;
                 lines.push(format!(
                     "{j} DAMAGED: {d}; valid up to LSN {}. A start refuses; \
-                     `kochab fsck --data {} --repair --accept-loss` drops the rest",
-                    ins.chain_end,
-                    path.display()
+                     `{}` drops the rest",
+                    ins.chain_end, o.repair_command
                 ));
             }
         }
@@ -478,6 +523,12 @@ pub fn check_offline(path: &Path) -> io::Result<OfflineReport> {
 }
 
 fn describe_segment(what: &str, s: &kochab_journal::SegmentSummary) -> String {
+    // A journal on a store of whole objects is objects, not segments.
+    let what = if s.name.ends_with(".jo") {
+        what.replace("segment", "object")
+    } else {
+        what.to_string()
+    };
     match s.lsns {
         Some((a, b)) => format!(
             "{what} {} ({} bytes): {} records, LSN {a}..={b}",
@@ -495,11 +546,16 @@ fn describe_segment(what: &str, s: &kochab_journal::SegmentSummary) -> String {
 /// is listed. The namespace may have lost operations that spanned tables; the started
 /// server's `kochab fsck` says.
 pub fn repair_accept_loss(path: &Path) -> io::Result<OfflineReport> {
-    let lock = DataDirLock::acquire(path)?;
+    let _lock = DataDirLock::acquire(path)?;
     let dir = DataDir::open_existing(path)?;
-    let store = dir.store.as_ref();
+    repair_store_accept_loss(&Offline::of(&dir))
+}
+
+/// [`repair_accept_loss`] of a store (every server using it stopped).
+pub fn repair_store_accept_loss(o: &Offline<'_>) -> io::Result<OfflineReport> {
+    let store = o.store;
     let mut lines = Vec::new();
-    let mut all = manifests(&dir)?;
+    let mut all = manifests(o)?;
     for j in kochab_journal::segment::list_journals(store)? {
         let repair = kochab_journal::repair_accept_loss(store, j).map_err(io::Error::other)?;
         match &repair.damage {
@@ -568,9 +624,7 @@ pub fn repair_accept_loss(path: &Path) -> io::Result<OfflineReport> {
     }
     // Proof that it starts: the loading a start would run, on a copy of nothing (read-only
     // check of the replay, without claiming).
-    drop(dir);
-    let dir = DataDir::open_existing(path)?;
-    let refuses = match dry_run(&dir) {
+    let refuses = match dry_run(o) {
         Ok((inodes, replayed)) => {
             lines.push(format!(
                 "the directory now recovers: {inodes} inodes, {replayed} journal records \
@@ -583,7 +637,6 @@ pub fn repair_accept_loss(path: &Path) -> io::Result<OfflineReport> {
             true
         }
     };
-    drop(lock);
     Ok(OfflineReport {
         lines,
         refuses_to_start: refuses,
@@ -606,7 +659,12 @@ pub struct NamespaceReport {
 pub fn check_namespace_offline(path: &Path) -> io::Result<NamespaceReport> {
     let _lock = DataDirLock::acquire(path)?;
     let dir = DataDir::open_existing(path)?;
-    let (engine, replayed) = load_all(&dir)?;
+    check_store_namespace(&Offline::of(&dir))
+}
+
+/// [`check_namespace_offline`] of a store (every server using it stopped).
+pub fn check_store_namespace(o: &Offline<'_>) -> io::Result<NamespaceReport> {
+    let (engine, replayed) = load_all(o)?;
     Ok(NamespaceReport {
         tables: engine.tables().len(),
         inodes: engine.counts().0,
@@ -616,19 +674,18 @@ pub fn check_namespace_offline(path: &Path) -> io::Result<NamespaceReport> {
 }
 
 /// Loads every table and replays its journals as a start would, without claiming anything.
-fn dry_run(dir: &DataDir) -> io::Result<(u64, u64)> {
-    let (engine, replayed) = load_all(dir)?;
+fn dry_run(o: &Offline<'_>) -> io::Result<(u64, u64)> {
+    let (engine, replayed) = load_all(o)?;
     Ok((engine.counts().0, replayed))
 }
 
-/// Every table of `dir` loaded from its checkpoint and journals, unclaimed; and the number
-/// of journal records replayed.
-fn load_all(dir: &DataDir) -> io::Result<(Engine, u64)> {
-    let store = dir.store.as_ref();
-    let manifests: BTreeMap<u64, Manifest> =
-        manifests(dir)?.into_iter().map(|m| (m.lo, m)).collect();
+/// Every table of the store loaded from its checkpoint and journals, unclaimed; and the
+/// number of journal records replayed.
+fn load_all(o: &Offline<'_>) -> io::Result<(Engine, u64)> {
+    let store = o.store;
+    let manifests: BTreeMap<u64, Manifest> = manifests(o)?.into_iter().map(|m| (m.lo, m)).collect();
     let ranges: Vec<(u64, u64)> = manifests.values().map(|m| (m.lo, m.hi)).collect();
-    let mut engine = Engine::new(dir.meta.engine.clone(), &ranges).map_err(io::Error::other)?;
+    let mut engine = Engine::new(o.meta.engine.clone(), &ranges).map_err(io::Error::other)?;
     load_images(store, &mut engine, &manifests)?;
     let mut replies = ReplyCache::default();
     let mut replayed = 0;

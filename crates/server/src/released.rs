@@ -72,6 +72,7 @@ mod tests {
             full,
             server: 2,
             epoch: 1,
+            parts: 0,
         }
     }
 

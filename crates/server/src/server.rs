@@ -114,12 +114,22 @@ pub struct RunningServer {
 /// server of `kochab up`), as a new incarnation: its epoch is bumped, the previous
 /// incarnation's journal is sealed and replayed, every table is claimed.
 pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
+    start_on(config, None).await
+}
+
+/// [`start`] with the cluster's object store in `store` (a bucket on S3) instead of the data
+/// directory's own; the directory keeps the key, the lock and (see
+/// [`DataDir::data_store`]) file data.
+pub async fn start_on(
+    config: ServerConfig,
+    store: Option<Arc<dyn ObjectStore>>,
+) -> io::Result<RunningServer> {
     let dir_path = config.data_dir.clone();
     let (lock, dir, me, recovered) = tokio::task::spawn_blocking(move || -> io::Result<_> {
         // Before anything is read: two servers on one directory would overwrite each
         // other's journal.
         let lock = DataDirLock::acquire(&dir_path)?;
-        let dir = DataDir::open_or_create(&dir_path)?;
+        let dir = DataDir::open_or_create_on(&dir_path, store)?;
         let state = dir.next_incarnation()?;
         let me = JournalId {
             server: state.server_id,
@@ -140,6 +150,7 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
     let (recovered, crashed) = recovered;
     let member = Member {
         store: dir.store.clone(),
+        data_store: dir.data_store.clone(),
         key: dir.key,
         status_id: dir.meta.server_id,
         me,
@@ -198,6 +209,7 @@ async fn start_over_store(
     .map_err(io::Error::other)??;
     recovered.engine.member = cluster.is_some();
     let member = Member {
+        data_store: crate::datadir::data_store_for(&store, &config.data_dir)?,
         store,
         key,
         status_id: me.server,
@@ -213,6 +225,8 @@ async fn start_over_store(
 /// Who a starting server is.
 struct Member {
     store: Arc<dyn ObjectStore>,
+    /// Where file data goes (see `DataDir::data_store`).
+    data_store: Arc<dyn ObjectStore>,
     key: ClusterKey,
     /// The id `kochab status` shows.
     status_id: u64,
@@ -286,7 +300,7 @@ async fn serve(
         Some(host) => host.keys(),
         None => Arc::new(crate::keys::KeyStore::load(&dir.data_path, dir.key)?),
     };
-    let data = Arc::new(DataStore::new(dir.store.clone()));
+    let data = Arc::new(DataStore::new(dir.data_store.clone()));
     // Data deletions and trims left over from before the restart run in the background
     // (`reclaim_loop`): serving never waits for bulk deletion, and a data operation on a
     // file with a pending trim finishes that trim first (see `filesvc::lock_file`).

@@ -194,6 +194,7 @@ fn store_with_image(lo: u64, hi: u64, bytes: &[u8]) -> (MemStore, Manifest) {
             full: true,
             server: 1,
             epoch: 1,
+            parts: 0,
         }],
         next_seq: 2,
         ..Manifest::default()
@@ -609,7 +610,7 @@ proptest! {
         s.put(&name, &raw).map_err(fail)?;
         let _ = read_manifest(&s, 0, 1 << 40);
         let s = MemStore::new();
-        let mut m = Manifest { lo: 0, hi: 1 << 40, images: vec![ImageRef { seq: 1, bytes: 10, full: true, server: 1, epoch: 1 }], next_seq: 2, ..Manifest::default() };
+        let mut m = Manifest { lo: 0, hi: 1 << 40, images: vec![ImageRef { seq: 1, bytes: 10, full: true, server: 1, epoch: 1, parts: 0 }], next_seq: 2, ..Manifest::default() };
         swap_manifest(&s, &mut m).map_err(fail)?;
         let mut json = s.get(&name).map_err(fail)?.unwrap_or_default();
         let i = at.index(json.len().max(1)).min(json.len().saturating_sub(1));

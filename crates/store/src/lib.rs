@@ -2,8 +2,9 @@
 //! file data chunks, grouped in folders. Servers are soft state; everything durable lives
 //! here.
 //!
-//! [`LocalStore`] keeps objects as files under one directory (the embedded default). Object
-//! storage servers implement the same trait later.
+//! [`LocalStore`] keeps objects as files under one directory (the embedded default);
+//! `kochab-s3store` implements the same trait over the S3 API, without positioned I/O
+//! ([`ObjectStore::positioned_io`]).
 
 mod aligned;
 pub mod crashsim;
@@ -133,9 +134,26 @@ pub trait ObjectStore: Send + Sync {
         Ok(next)
     }
     /// True if `name` exists. Cheap where the store allows (a stat on a local directory):
-    /// the journal asks once per group commit whether it has been sealed.
+    /// the journal in segments asks once per group commit whether it has been sealed.
     fn exists(&self, name: &str) -> io::Result<bool> {
         Ok(self.get(name)?.is_some())
+    }
+    /// True if the store has positioned I/O (`open` and its kin, `rename`), as a local
+    /// directory has. A store without it (S3) holds only whole objects written once: the
+    /// journal is then a sequence of immutable objects instead of segments written in
+    /// place, and checkpoint images are written in whole parts.
+    fn positioned_io(&self) -> bool {
+        true
+    }
+    /// Several whole objects (`None` for a missing one), in the order named. A store over
+    /// a network fetches them concurrently: recovery reads a journal of many objects.
+    fn get_many(&self, names: &[String]) -> io::Result<Vec<Option<Vec<u8>>>> {
+        names.iter().map(|n| self.get(n)).collect()
+    }
+    /// Removes several objects (missing ones are not an error). A store over a network
+    /// removes them concurrently: trimming a journal deletes many small objects at once.
+    fn delete_many(&self, names: &[String]) -> io::Result<()> {
+        names.iter().try_for_each(|n| self.delete(n))
     }
 }
 

@@ -53,6 +53,8 @@ pub enum MemLoss {
 #[derive(Clone, Default, Debug)]
 pub struct MemStore {
     state: Arc<Mutex<State>>,
+    /// Refuse positioned I/O, as a store on S3 does (see [`MemStore::objects_only`]).
+    objects_only: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -160,11 +162,32 @@ impl MemStore {
         MemStore::default()
     }
 
+    /// A store of whole objects only: positioned I/O and rename are refused and
+    /// [`ObjectStore::positioned_io`] is false, as on S3, so the code paths for such a store
+    /// (the journal as objects, images in parts) run in memory.
+    pub fn objects_only() -> MemStore {
+        MemStore {
+            objects_only: true,
+            ..MemStore::default()
+        }
+    }
+
+    fn positioned(&self, name: &str) -> io::Result<()> {
+        if self.objects_only {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("{name}: this store holds whole objects only"),
+            ));
+        }
+        Ok(())
+    }
+
     /// An independent copy of every object (what is durable and what is not).
     pub fn deep_clone(&self) -> MemStore {
         let st = lock(&self.state);
         MemStore {
             state: Arc::new(Mutex::new(copy_maps(&st, |n| n.clone(), false))),
+            objects_only: self.objects_only,
         }
     }
 
@@ -191,6 +214,7 @@ impl MemStore {
                 |n| n.after_loss(loss, &mut rng),
                 true,
             ))),
+            objects_only: self.objects_only,
         }
     }
 
@@ -321,6 +345,7 @@ impl ObjectStore for MemStore {
     }
 
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        self.positioned(from)?;
         let mut st = lock(&self.state);
         let node = st.names.remove(from).ok_or_else(|| missing(from))?;
         st.names.insert(to.to_string(), node);
@@ -328,6 +353,7 @@ impl ObjectStore for MemStore {
     }
 
     fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn Object>> {
+        self.positioned(name)?;
         let mut st = lock(&self.state);
         let node = match st.names.get(name) {
             Some(n) => n.clone(),
@@ -344,12 +370,18 @@ impl ObjectStore for MemStore {
         }))
     }
 
-    fn open_sync_direct(&self, _name: &str) -> io::Result<Option<Arc<dyn Object>>> {
+    fn open_sync_direct(&self, name: &str) -> io::Result<Option<Arc<dyn Object>>> {
+        self.positioned(name)?;
         Ok(None)
     }
 
-    fn open_direct(&self, _name: &str, _create: bool) -> io::Result<Option<Arc<dyn Object>>> {
+    fn open_direct(&self, name: &str, _create: bool) -> io::Result<Option<Arc<dyn Object>>> {
+        self.positioned(name)?;
         Ok(None)
+    }
+
+    fn positioned_io(&self) -> bool {
+        !self.objects_only
     }
 
     /// Names directly under `prefix` become durable as they are now.
@@ -482,5 +514,27 @@ mod tests {
             );
         }
         assert_eq!(kinds, BTreeSet::from([1, 2]), "blocks of both ages survive");
+    }
+
+    #[test]
+    fn an_objects_only_store_refuses_positioned_io() {
+        let s = MemStore::objects_only();
+        assert!(!s.positioned_io());
+        s.put("a/x", b"1").unwrap();
+        for e in [
+            s.open("a/x", false).err(),
+            s.open_direct("a/x", false).err(),
+            s.open_sync_direct("a/x").err(),
+            s.rename("a/x", "a/y").err(),
+        ] {
+            assert_eq!(e.unwrap().kind(), io::ErrorKind::Unsupported);
+        }
+        assert!(!s.deep_clone().positioned_io());
+        assert_eq!(
+            s.get_many(&["a/x".into(), "a/none".into()]).unwrap(),
+            vec![Some(b"1".to_vec()), None]
+        );
+        s.delete_many(&["a/x".into(), "a/none".into()]).unwrap();
+        assert!(s.list("a").unwrap().is_empty());
     }
 }
