@@ -30,6 +30,8 @@ fn load(image: &[u8]) {
             full: true,
             server: 1,
             epoch: 1,
+            // One object, as on a store with positioned I/O.
+            parts: 0,
         }],
         next_seq: 2,
         ..Manifest::default()
