@@ -3,25 +3,12 @@
 
 mod common;
 
-use common::{ServerProc, kochab_bin, offline_fsck_clean, runtime};
+use common::{ServerProc, offline_fsck_clean, runtime, status};
 use kochab_client::Client;
 use kochab_proto::{Credentials, InodeId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
-
-/// `kochab status --json` of the cluster, or None while it does not answer as one.
-fn status(server: &ServerProc) -> Option<serde_json::Value> {
-    let out = Command::new(kochab_bin())
-        .args(["status", "--json", "--cluster", &server.addr.to_string()])
-        .arg("--key-file")
-        .arg(server.data.join("cluster.key"))
-        .output()
-        .ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-    v.get("servers").is_some().then_some(v)
-}
 
 /// Server id -> (pid, number of tables), once every server answers and the tables are
 /// spread evenly (each holds at least `min_tables`). Panics with the log after 90 s.

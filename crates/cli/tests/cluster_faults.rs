@@ -11,7 +11,7 @@ mod common;
 
 use common::{
     CRASH_SIM, Rng, ServerProc, kochab_bin, loss_for, offline_fsck_clean, power_loss_of, runtime,
-    seed,
+    seed, status,
 };
 use kochab_client::Client;
 use kochab_proto::{Credentials, InodeId};
@@ -26,18 +26,6 @@ const LOAD: Duration = Duration::from_secs(16);
 /// Pause between one worker's operations: the load must leave CPU to failover on a
 /// 2-core CI machine.
 const OP_PAUSE: Duration = Duration::from_millis(15);
-
-/// `kochab status --json` of the cluster, or None while it does not answer as one.
-fn status(server: &ServerProc) -> Option<serde_json::Value> {
-    let out = Command::new(kochab_bin())
-        .args(["status", "--json", "--cluster", &server.addr.to_string()])
-        .arg("--key-file")
-        .arg(server.data.join("cluster.key"))
-        .output()
-        .ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-    v.get("servers").is_some().then_some(v)
-}
 
 /// Waits until all `n` servers answer and each holds a table, and a coordinator replica
 /// leads; returns every server's address, comma separated (an entry list for `--cluster`:

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{ServerProc, kochab_bin, runtime};
+use common::{ServerProc, kochab_bin, runtime, status};
 use kochab_client::conn::{Conn, ConnError};
 use kochab_proto::auth::{ClientKey, client_key_from_text};
 use kochab_proto::{Credentials, Errno, KeyPolicy, Op, Reply, Request};
@@ -43,18 +43,6 @@ fn key_cli(addr: SocketAddr, admin: &Path, args: &[&str]) -> (Option<i32>, Strin
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-/// `kochab status --json` through `server`, or None while the cluster does not answer.
-fn status(server: &ServerProc) -> Option<serde_json::Value> {
-    let out = Command::new(kochab_bin())
-        .args(["status", "--json", "--cluster", &server.addr.to_string()])
-        .arg("--key-file")
-        .arg(server.data.join("cluster.key"))
-        .output()
-        .ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-    v.get("servers").is_some().then_some(v)
 }
 
 /// Every server's own address, once all `n` answer and hold a table. Panics with the log

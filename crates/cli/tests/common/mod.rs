@@ -784,3 +784,16 @@ pub fn resume_and_probe_fenced(
     }
     refused
 }
+
+/// `kochab status --json` of the cluster `server` started, or None while it does not
+/// answer as one (no server list yet).
+pub fn status(server: &ServerProc) -> Option<serde_json::Value> {
+    let out = Command::new(kochab_bin())
+        .args(["status", "--json", "--cluster", &server.addr.to_string()])
+        .arg("--key-file")
+        .arg(server.data.join("cluster.key"))
+        .output()
+        .ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    v.get("servers").is_some().then_some(v)
+}
