@@ -61,21 +61,3 @@ pub async fn open_async(args: &StoreArgs) -> Result<Option<Arc<dyn ObjectStore>>
         .await
         .map_err(|e| format!("the store's self-test failed: {e}"))?
 }
-
-/// For a command given `--store` that cannot run on S3 yet: opens the store and self-tests
-/// the engine, then refuses to go on, saying what is missing. `Ok(())` without `--store`.
-pub async fn refuse_after_self_test_async(
-    args: &StoreArgs,
-    what: &str,
-    missing: &str,
-) -> Result<(), String> {
-    if args.store.is_none() {
-        return Ok(());
-    }
-    let url = args.store.clone().unwrap_or_default();
-    open_async(args).await?;
-    Err(format!(
-        "{url}: the engine passed the self-test, but {what} cannot run on a store on S3 yet: \
-         {missing}"
-    ))
-}
