@@ -745,6 +745,7 @@ pub async fn status(
                     "id": id.0, "addr": addr, "pid": s.pid, "epoch": s.epoch,
                     "tables": s.tables.iter().map(|t| format!("{:016x}", t.lo)).collect::<Vec<_>>(),
                     "inodes": s.inodes, "rss_bytes": s.rss_bytes, "connections": s.connections,
+                    "store": s.store,
                     "status": s,
                 }),
                 Err(e) => serde_json::json!({"id": id.0, "addr": addr, "error": e}),
@@ -768,6 +769,15 @@ pub async fn status(
             coordinators.join(",")
         }
     );
+    // One line per store the servers report (one, unless they were started on different
+    // ones by mistake).
+    let stores: std::collections::BTreeSet<&str> = servers
+        .iter()
+        .filter_map(|(_, _, r)| r.as_ref().ok().map(|s| s.store.as_str()))
+        .collect();
+    for store in stores {
+        println!("store: {store}");
+    }
     for (addr, r) in &replicas {
         match r {
             Ok(s) => println!(

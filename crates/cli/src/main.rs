@@ -555,6 +555,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
     }
     let store = store::open_async(&args.store).await?;
     let on_s3 = store.is_some();
+    config.store_description = store::description(&args.store);
     let server = kochab_server::start_on(config, store)
         .await
         .map_err(|e| format!("cannot start: {e}"))?;
@@ -755,6 +756,7 @@ async fn status(conn: ConnArgs, json: bool) -> Result<(), String> {
         s.uptime_ms as f64 / 1000.0,
         s.connections
     );
+    println!("store: {}", s.store);
     println!(
         "inodes {}, entries {}, resident memory {:.1} MiB",
         s.inodes,

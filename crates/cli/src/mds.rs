@@ -114,6 +114,7 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
     .map_err(|e| format!("server {}: {e}", args.id))?;
     let mut config = ServerConfig::new(&data_dir, args.listen);
     config.metrics_listen = args.metrics;
+    config.store_description = crate::store::description(&args.store);
     config.fsync = !args.no_fsync;
     if let Some(n) = args.checkpoint_records {
         config.checkpoint_records = n.max(1);

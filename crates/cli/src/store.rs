@@ -50,6 +50,14 @@ pub fn open(args: &StoreArgs) -> Result<Option<Arc<dyn ObjectStore>>, String> {
     Ok(Some(Arc::new(store)))
 }
 
+/// What `kochab status` says of a store on S3 that passed the self-test at start.
+pub fn description(args: &StoreArgs) -> Option<String> {
+    let url = args.store.as_ref()?;
+    Some(format!(
+        "{url}, engine self-test passed at start (conditional create honoured)"
+    ))
+}
+
 /// [`open`] off the calling runtime's worker threads (the store's requests are waited for
 /// synchronously).
 pub async fn open_async(args: &StoreArgs) -> Result<Option<Arc<dyn ObjectStore>>, String> {

@@ -240,6 +240,16 @@ fn durable_files_under(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// `kochab status` shows every server's store: the bucket, and that its engine passed.
+fn assert_store_shown(v: &serde_json::Value, url: &str) {
+    let servers = v["servers"].as_array().expect("servers");
+    for s in servers {
+        let store = s["store"].as_str().unwrap_or_default();
+        assert!(store.starts_with(url), "{s:#}");
+        assert!(store.contains("self-test passed"), "{s:#}");
+    }
+}
+
 fn alive(pid: i32) -> bool {
     // SAFETY: signal 0 only checks that the process exists.
     unsafe { libc::kill(pid, 0) == 0 }
@@ -260,6 +270,7 @@ fn up_servers_3_on_rgw_serves_moves_and_fails_over() {
     let mut up = ServerProc::start(&data, &extra);
     let key_file = data.join(kochab_server::KEY_FILE);
     let v = wait_spread(up.addr, &key_file, 3, 6);
+    assert_store_shown(&v, &url);
     let rt = runtime();
     let names = ["d0", "d1", "d2", "d3", "d4", "d5"];
     let mut inodes = rt.block_on(async {
@@ -545,6 +556,7 @@ fn three_hosts_share_nothing_but_the_store() {
 
     let key_file = hosts[0].join("cluster.key");
     let v = wait_spread(mds[0], &key_file, 3, 6);
+    assert_store_shown(&v, &url);
     let rt = runtime();
     let names = ["e0", "e1", "e2", "e3", "e4", "e5"];
     let (inodes, survivor, victim) = rt.block_on(async {

@@ -56,6 +56,9 @@ pub struct ServerConfig {
     /// The cluster key, given instead of read from (or made in) the data directory's key
     /// file: a server over a store on S3 that a cluster's hosts share, each with a copy.
     pub cluster_key: Option<ClusterKey>,
+    /// What `kochab status` says of the store when it is not the data directory's own
+    /// (the URL of a store on S3 and its engine's self-test).
+    pub store_description: Option<String>,
 }
 
 impl ServerConfig {
@@ -73,6 +76,7 @@ impl ServerConfig {
             session_grace: Duration::from_secs(10),
             tls_cert_key: None,
             cluster_key: None,
+            store_description: None,
         }
     }
 }
@@ -337,6 +341,10 @@ async fn serve(
         metrics: metrics.clone(),
         server_id: dir.status_id,
         durable_mode: config.fsync,
+        store_description: config
+            .store_description
+            .clone()
+            .unwrap_or_else(|| format!("local, {}", config.data_dir.join("store").display())),
         started: Instant::now(),
         connections: AtomicU64::new(0),
         next_conn: AtomicU64::new(1),
