@@ -819,6 +819,72 @@ pub async fn status(
 mod tests {
     use super::*;
 
+    /// Three first starts on three "hosts" (directories of their own) race to initialise
+    /// one new store of whole objects (the stand-in for S3): exactly one runs the single
+    /// server and releases the tables, the others wait for the mark; then a single server
+    /// refuses the store, and a member with the key opens it (with another key, refused).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn of_first_starts_racing_on_a_new_store_one_initialises_it() {
+        let store: Arc<dyn ObjectStore> = Arc::new(kochab_store::MemStore::objects_only());
+        let hosts: Vec<_> = (0..3)
+            .map(|_| tempfile::tempdir().expect("tempdir"))
+            .collect();
+        let key = [5u8; 32];
+        let runs: Vec<_> = hosts
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let (work, store) = (h.path().join("init"), store.clone());
+                tokio::spawn(async move {
+                    init_store(&work, store, key, &format!("server {}", i + 2), "mem").await
+                })
+            })
+            .collect();
+        for r in runs {
+            r.await.expect("join").expect("init_store");
+        }
+        assert!(kochab_server::datadir::is_released(store.as_ref()).expect("released"));
+        // The single server that initialised it stopped cleanly on its host, and only there.
+        let ran: Vec<bool> = hosts
+            .iter()
+            .map(|h| h.path().join("init").join("stopped-cleanly").exists())
+            .collect();
+        assert_eq!(ran.iter().filter(|&&r| r).count(), 1, "{ran:?}");
+        // Every table was released: each manifest names no owner.
+        let meta = kochab_server::datadir::read_meta(store.as_ref(), "mem")
+            .expect("meta")
+            .expect("a cluster");
+        for &(lo, _) in &meta.tables {
+            let m = kochab_server::checkpoint::read_manifest_by_id(store.as_ref(), lo)
+                .expect("manifest")
+                .expect("a manifest per table");
+            assert!(m.owner.is_none(), "table {lo:016x} released");
+        }
+        // Initialising again changes nothing.
+        init_store(
+            &hosts[0].path().join("init"),
+            store.clone(),
+            key,
+            "server 9",
+            "mem",
+        )
+        .await
+        .expect("again");
+        let single = tempfile::tempdir().expect("tempdir");
+        let mut config =
+            kochab_server::ServerConfig::new(single.path(), "127.0.0.1:0".parse().unwrap());
+        config.cluster_key = Some(key);
+        let e = kochab_server::start_on(config, Some(store.clone()))
+            .await
+            .err()
+            .expect("a single server refuses a cluster's store");
+        assert!(e.to_string().contains("belongs to a cluster"), "{e}");
+        let member = kochab_server::DataDir::open_member(single.path(), store.clone(), key, "mem")
+            .expect("member");
+        assert_eq!(member.meta.cluster_id, meta.cluster_id);
+        assert!(kochab_server::DataDir::open_member(single.path(), store, [6; 32], "mem").is_err());
+    }
+
     #[test]
     fn a_directory_keeps_the_size_and_addresses_of_its_coordinator_group() {
         let dir = tempfile::tempdir().expect("tempdir");
