@@ -31,6 +31,13 @@ use std::time::Instant;
 pub const PUTS_IN_FLIGHT_MAX: usize = 2;
 /// Object buffers kept for reuse between PUTs (each up to a group commit's size).
 const SPARE_BUFFERS_MAX: usize = PUTS_IN_FLIGHT_MAX;
+/// Pauses between tries of a journal PUT the store did not take: short at first (a lost
+/// connection is often back at once), doubling up to a pause that still notices a
+/// restarted store within a second or two (Ceph RGW restarts in 2-3 s here).
+const STALL_PAUSE_MIN: std::time::Duration = std::time::Duration::from_millis(50);
+const STALL_PAUSE_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+/// How often a stalled journal says it is still waiting.
+const STALL_REPORT_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// What the uploads tell the journal.
 pub(crate) trait Acks: Send + Sync {
@@ -78,6 +85,8 @@ struct State {
     start_marker: u64,
     spare: Vec<Vec<u8>>,
     failed: bool,
+    /// `finish` was called: a PUT the store did not take is not retried.
+    stopping: bool,
     stop: bool,
 }
 
@@ -123,6 +132,7 @@ impl Uploads {
                 start_marker,
                 spare: Vec::new(),
                 failed: false,
+                stopping: false,
                 stop: false,
             }),
             work: Condvar::new(),
@@ -200,14 +210,7 @@ impl Uploads {
                 }
             };
             let started = Instant::now();
-            // A journal that failed writes nothing more (it would never be acknowledged).
-            let result = if self.state.lock().failed {
-                Err(None)
-            } else {
-                self.store
-                    .create_if_absent(&object_name(self.id, job.seq), &job.data)
-                    .map_err(Some)
-            };
+            let result = self.put_until_settled(&job);
             let put_seconds = started.elapsed().as_secs_f64();
             let mut st = self.state.lock();
             let bytes = job.data.len() as u64;
@@ -248,6 +251,101 @@ impl Uploads {
         }
     }
 
+    /// Creates the job's object, waiting out a store that cannot be reached: a store
+    /// restarting (every Ceph daemon killed, an S3 endpoint briefly gone) stalls the
+    /// journal, and with it every reply waiting to be durable, but never ends it. Only an
+    /// answer that cannot change by waiting ends the journal: the name taken by another
+    /// writer (a fence), or a request the store refuses as malformed. `Err(None)`: the
+    /// journal failed meanwhile (it writes nothing more: it would never be acknowledged).
+    fn put_until_settled(&self, job: &Job) -> Result<(), Option<io::Error>> {
+        let name = object_name(self.id, job.seq);
+        let mut pause = STALL_PAUSE_MIN;
+        let mut stalled_since: Option<Instant> = None;
+        let mut last_report = Instant::now();
+        let mut tries = 0u32;
+        loop {
+            {
+                let st = self.state.lock();
+                // A stop gives up on a store that did not take a try (it is shutting
+                // down; what is not acknowledged is simply not durable).
+                if st.failed || (st.stopping && tries > 0) {
+                    return Err(None);
+                }
+            }
+            tries += 1;
+            let e = match self.store.create_if_absent(&name, &job.data) {
+                Ok(()) => {
+                    if let Some(t) = stalled_since {
+                        tracing::warn!(
+                            "journal {}: the store answers again; object {} written after \
+                             {:.1} s",
+                            self.id,
+                            job.seq,
+                            t.elapsed().as_secs_f64()
+                        );
+                    }
+                    return Ok(());
+                }
+                Err(e) => e,
+            };
+            match e.kind() {
+                // Ours after all if it holds exactly our bytes: an earlier try of this
+                // create succeeded but its answer was lost (the store died before
+                // replying). A fence object never holds a records object's bytes.
+                io::ErrorKind::AlreadyExists => {
+                    return match self.store.get(&name) {
+                        Ok(Some(found)) if found == job.data => Ok(()),
+                        Ok(_) => Err(Some(e)),
+                        // Cannot tell yet whose it is: wait and ask again.
+                        Err(read) => {
+                            self.report_stall(job.seq, &read, &mut stalled_since, &mut last_report);
+                            std::thread::sleep(pause);
+                            pause = (pause * 2).min(STALL_PAUSE_MAX);
+                            continue;
+                        }
+                    };
+                }
+                io::ErrorKind::InvalidInput
+                | io::ErrorKind::InvalidData
+                | io::ErrorKind::Unsupported => return Err(Some(e)),
+                _ => {}
+            }
+            self.report_stall(job.seq, &e, &mut stalled_since, &mut last_report);
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(STALL_PAUSE_MAX);
+        }
+    }
+
+    /// Logs a stalled PUT when it starts and then every [`STALL_REPORT_EVERY`].
+    fn report_stall(
+        &self,
+        seq: u64,
+        e: &io::Error,
+        since: &mut Option<Instant>,
+        last: &mut Instant,
+    ) {
+        match since {
+            None => {
+                *since = Some(Instant::now());
+                *last = Instant::now();
+                tracing::warn!(
+                    "journal {}: object {seq} not written, retrying until the store answers \
+                     (replies wait meanwhile): {e}",
+                    self.id
+                );
+            }
+            Some(t) if last.elapsed() >= STALL_REPORT_EVERY => {
+                *last = Instant::now();
+                tracing::warn!(
+                    "journal {}: the store has not answered for {:.0} s (object {seq}): {e}",
+                    self.id,
+                    t.elapsed().as_secs_f64()
+                );
+            }
+            Some(_) => {}
+        }
+    }
+
     fn why(&self, seq: u64, e: &io::Error) -> String {
         if e.kind() == io::ErrorKind::AlreadyExists {
             format!(
@@ -284,10 +382,11 @@ impl Uploads {
         }
     }
 
-    /// Waits until every object handed over completed (or the journal failed), then stops
-    /// the uploaders.
+    /// Waits until every object handed over completed (or the journal failed, or a PUT
+    /// stalled on a store that cannot be reached gave up), then stops the uploaders.
     pub fn finish(&self) {
         let mut st = self.state.lock();
+        st.stopping = true;
         while self.in_flight.load(Ordering::Acquire) > 0 && !st.failed {
             self.drained.wait(&mut st);
         }

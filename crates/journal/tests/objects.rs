@@ -10,6 +10,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::BTreeSet;
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 const J: JournalId = JournalId {
@@ -184,6 +185,11 @@ struct GatedStore {
     released: Condvar,
     /// Names whose conditional create was asked for.
     attempted: Mutex<BTreeSet<String>>,
+    /// The store cannot be reached: every conditional create and read fails.
+    down: AtomicBool,
+    /// The next conditional creates store their object, then fail as if the answer was
+    /// lost on the way back.
+    lose_answers: AtomicUsize,
 }
 
 impl GatedStore {
@@ -193,6 +199,8 @@ impl GatedStore {
             held: Mutex::new(BTreeSet::new()),
             released: Condvar::new(),
             attempted: Mutex::new(BTreeSet::new()),
+            down: AtomicBool::new(false),
+            lose_answers: AtomicUsize::new(0),
         })
     }
 
@@ -220,6 +228,9 @@ impl ObjectStore for GatedStore {
         self.inner.put(name, data)
     }
     fn get(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(unreachable_store());
+        }
         self.inner.get(name)
     }
     fn delete(&self, name: &str) -> io::Result<()> {
@@ -256,8 +267,24 @@ impl ObjectStore for GatedStore {
             self.released.wait(&mut held);
         }
         drop(held);
-        self.inner.create_if_absent(name, data)
+        if self.down.load(Ordering::SeqCst) {
+            return Err(unreachable_store());
+        }
+        let lost = self
+            .lose_answers
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        self.inner.create_if_absent(name, data)?;
+        if lost {
+            return Err(unreachable_store());
+        }
+        Ok(())
     }
+}
+
+/// What an S3 client says after its own retries when every daemon of the store is down.
+fn unreachable_store() -> io::Error {
+    io::Error::other("connection refused (after 5 retries)")
 }
 
 /// Appends records `from..from + n`, each its own object: the next is appended only once
@@ -294,6 +321,50 @@ fn puts_that_complete_out_of_order_are_acknowledged_in_order() {
     assert_eq!(j.durable_lsn(), 5);
     drop(j);
     assert_eq!(collect(&s.inner, J, 0).len(), 5);
+}
+
+#[test]
+fn a_store_that_cannot_be_reached_stalls_the_journal_and_never_ends_it() {
+    let s = GatedStore::new();
+    let j = Journal::start(s.clone(), J, 1, opts(), None).unwrap();
+    one_object_each(&s, &j, 1, 1);
+    assert!(j.wait_durable(1));
+    // Every daemon of the store killed: PUTs fail (after the client's own retries) for a
+    // while; the journal waits, acknowledges nothing, and does not fail.
+    s.down.store(true, Ordering::SeqCst);
+    one_object_each(&s, &j, 2, 2);
+    j.append(&payload(4));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        j.durable_lsn(),
+        1,
+        "nothing is durable while the store is down"
+    );
+    // The store back: what waited is written and acknowledged, and the journal goes on.
+    s.down.store(false, Ordering::SeqCst);
+    assert!(
+        j.wait_durable(4),
+        "the journal resumes when the store answers again"
+    );
+    // A create whose object was stored but whose answer was lost: the retry finds the
+    // object holding its own bytes and takes it as written, not as a fence.
+    s.lose_answers.store(1, Ordering::SeqCst);
+    one_object_each(&s, &j, 5, 1);
+    assert!(j.wait_durable(5), "a lost answer is not a fence");
+    assert!(j.wait_durable(j.append(b"after")));
+    drop(j);
+    let got = collect(&s.inner, J, 0);
+    assert_eq!(got.len(), 6);
+    for (l, p) in got.iter().take(5) {
+        assert_eq!(p, &payload(*l));
+    }
+    // A stop while the store is down ends (what was not written is not acknowledged).
+    let j = Journal::start(s.clone(), J, 7, opts(), None).unwrap();
+    s.down.store(true, Ordering::SeqCst);
+    j.append(b"never written");
+    std::thread::sleep(Duration::from_millis(200));
+    j.shutdown();
+    assert_eq!(j.durable_lsn(), 6);
 }
 
 #[test]
