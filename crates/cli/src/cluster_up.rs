@@ -385,7 +385,7 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     }
     match &args.store {
         // The store says whether it was turned over; the directory keeps the key, the
-        // coordinator's logs and (until file data lives in the store) file data.
+        // coordinator's logs (file data is in the store too).
         Some((store, how)) => {
             let url = how.store.clone().unwrap_or_default();
             if args.data.join(kochab_server::KEY_FILE).exists() {

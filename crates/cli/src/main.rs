@@ -561,9 +561,8 @@ async fn up(args: UpArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot start: {e}"))?;
     if on_s3 {
         eprintln!(
-            "kochab: metadata (journal, checkpoints) in {}; file data in {}, key in {}",
+            "kochab: metadata (journal, checkpoints) and file data in {}; key in {}",
             args.store.store.as_deref().unwrap_or_default(),
-            server.data_dir.join("store").display(),
             server.data_dir.join(kochab_server::KEY_FILE).display()
         );
     } else {

@@ -33,8 +33,7 @@ pub struct MdsArgs {
     coord: Vec<SocketAddr>,
     /// The cluster's data directory shared by the servers of this machine: its object
     /// store is DIR/store; this server's own files go under DIR/mds/<id>/. With --store:
-    /// this host's own directory, for its lock and (until file data lives in the store)
-    /// file data, nothing another host needs (default: $XDG_CACHE_HOME/kochab/mds-<id>,
+    /// this host's own directory, for its lock only, nothing another host needs (default: $XDG_CACHE_HOME/kochab/mds-<id>,
     /// else ~/.cache/kochab/mds-<id>, else /var/tmp/kochab/mds-<id>).
     #[arg(long)]
     data: Option<PathBuf>,
@@ -184,8 +183,8 @@ async fn open_shared_dir(
 
 /// The cluster in the store on S3 `store`, which holds everything durable: the cluster
 /// description, the journals, checkpoints and manifests of every server. This host's own
-/// directory (`--data`, or the default) holds this server's lock and, until file data
-/// lives in the store, file data. A store with no cluster yet is initialised first (see
+/// directory (`--data`, or the default) holds only this server's lock (file data is in the
+/// store too). A store with no cluster yet is initialised first (see
 /// [`crate::cluster_up::init_store`]: of several servers started at once on a new store,
 /// one does it, the others wait).
 async fn open_on_store(

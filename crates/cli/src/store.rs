@@ -13,8 +13,8 @@ pub struct StoreArgs {
     /// directory. Endpoint, region and keys come from AWS_ENDPOINT_URL, AWS_REGION,
     /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN and AWS_ALLOW_HTTP, or
     /// from --store-env, never from the command line. A self-test at start refuses an
-    /// engine that does not honour conditional create. File data stays in the local data
-    /// directory (DIR/store/data) until file data as objects is built.
+    /// engine that does not honour conditional create. File data goes there too, as
+    /// immutable slice objects.
     #[arg(long, value_name = "s3://BUCKET/PREFIX")]
     pub store: Option<String>,
     /// With --store: a file of NAME=VALUE lines (the AWS_* variables above; `export `

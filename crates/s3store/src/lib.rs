@@ -20,7 +20,8 @@
 //! create. There is no positioned I/O (`open` and its kin, `rename` return `Unsupported`,
 //! and [`ObjectStore::positioned_io`] is false): the journal on this store is a sequence of
 //! immutable objects and checkpoint images are written in whole parts (`kochab-journal`,
-//! `kochab-server`); file data stays on the local store (issue 31).
+//! `kochab-server`); file data is immutable slice objects written by the server
+//! (`kochab-server`'s `data::slices`), read back by ranged GETs ([`ObjectStore::get_range`]).
 //!
 //! The store's trait is synchronous and is called from server code, some of it on tokio
 //! runtimes. Requests run on a small runtime owned by the store; a caller waits for the
@@ -37,8 +38,8 @@ use kochab_store::{Capacity, Object, ObjectStore, validate_object_name};
 use object_store::aws::{AmazonS3Builder, S3ConditionalPut};
 use object_store::path::Path as Key;
 use object_store::{
-    Attribute, Attributes, BackoffConfig, ClientOptions, ObjectStoreExt, PutMode, PutOptions,
-    PutPayload, RetryConfig,
+    Attribute, Attributes, BackoffConfig, ClientOptions, GetOptions, ObjectStoreExt, PutMode,
+    PutOptions, PutPayload, RetryConfig,
 };
 use std::future::Future;
 use std::io::{self, ErrorKind};
@@ -431,7 +432,7 @@ fn no_positioned_io(name: &str) -> io::Error {
         ErrorKind::Unsupported,
         format!(
             "{name}: the store on S3 has no positioned I/O (objects are written whole, once); \
-             file data as immutable objects on S3 is not built yet (issue 31)"
+             file data on it is immutable slice objects"
         ),
     )
 }
@@ -458,6 +459,34 @@ impl ObjectStore for S3Store {
     fn get(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
         let (r, name) = (self.remote.clone(), name.to_string());
         self.run(async move { r.get(&name).await })
+    }
+
+    /// One ranged GET (`Range: bytes=...`): file data reads only the part of a slice it
+    /// needs. A range starting at or past the end is refused by S3 (416): callers read
+    /// only what they know is written, so that is an error here too.
+    fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Option<Vec<u8>>> {
+        if len == 0 {
+            return Ok(self.exists(name)?.then(Vec::new));
+        }
+        let r = self.remote.clone();
+        let (key, name) = (r.key(name)?, name.to_string());
+        let range = offset..offset.saturating_add(len);
+        self.run(async move {
+            let opts = GetOptions {
+                range: Some(range.into()),
+                ..GetOptions::default()
+            };
+            match r.inner.get_opts(&key, opts).await {
+                Ok(g) => Ok(Some(
+                    g.bytes()
+                        .await
+                        .map_err(|e| r.error("ranged get", &name, e))?
+                        .to_vec(),
+                )),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(r.error("ranged get", &name, e)),
+            }
+        })
     }
 
     fn delete(&self, name: &str) -> io::Result<()> {

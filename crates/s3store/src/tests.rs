@@ -348,3 +348,18 @@ fn the_self_test_refuses_an_engine_that_ignores_if_none_match() {
     assert!(e.contains("does not honour conditional create"), "{e}");
     assert!(e.contains("2xx"), "{e}");
 }
+
+#[test]
+fn ranged_gets_return_just_the_range() {
+    let (s, _mem) = store();
+    s.put("d/x", b"0123456789").unwrap();
+    assert_eq!(s.get_range("d/x", 2, 3).unwrap().unwrap(), b"234");
+    assert_eq!(
+        s.get_range("d/x", 7, 100).unwrap().unwrap(),
+        b"789",
+        "short at the end"
+    );
+    assert_eq!(s.get_range("d/x", 4, 0).unwrap().unwrap(), b"");
+    assert_eq!(s.get_range("d/none", 0, 4).unwrap(), None);
+    assert_eq!(s.get_range("d/none", 0, 0).unwrap(), None);
+}

@@ -848,7 +848,8 @@ impl Shared {
             engine, scratch, ..
         } = core;
         let reply = engine.execute(&req.cred, &req.op, now, scratch);
-        // File data's store: the cluster's store, or the local one beside a store on S3.
+        // File data's store, the cluster's (on S3, a large fixed figure: see
+        // `kochab_s3store::REPORTED_CAPACITY`).
         match (reply, self.data.capacity()) {
             (Reply::StatFs(mut s), Ok(c)) => {
                 let bs = s.bsize as u64;

@@ -126,8 +126,8 @@ pub struct ClusterMeta {
 pub struct DataDir {
     pub path: PathBuf,
     pub store: Arc<dyn ObjectStore>,
-    /// Where file data goes: the store itself, or, for a store without positioned I/O (S3,
-    /// whose file data as objects is not built: issue 31), the directory's own local store.
+    /// Where file data goes: the store itself (on a store without positioned I/O, S3, as
+    /// immutable slices: `data::slices`), so that every host reaches every file's data.
     pub data_store: Arc<dyn ObjectStore>,
     pub key: ClusterKey,
     pub meta: ClusterMeta,
@@ -135,16 +135,35 @@ pub struct DataDir {
     pub created: bool,
 }
 
-/// The store file data goes to (see [`DataDir::data_store`]): `store` if it has positioned
-/// I/O, else the local store under `dir` (`DIR/store`).
+/// The store file data goes to (see [`DataDir::data_store`]): `store` itself. Over a store
+/// without positioned I/O (S3), an earlier version kept file data in the local store under
+/// `dir` (`DIR/store/data`); a directory that still holds some is refused rather than its
+/// files read as zeros.
 pub fn data_store_for(
     store: &Arc<dyn ObjectStore>,
     dir: &Path,
 ) -> io::Result<Arc<dyn ObjectStore>> {
-    if store.positioned_io() {
-        return Ok(store.clone());
+    if !store.positioned_io() {
+        let local = dir.join("store").join("data");
+        let left = match fs::read_dir(&local) {
+            Ok(mut entries) => entries.next().is_some(),
+            Err(e) if e.kind() == ErrorKind::NotFound => false,
+            Err(e) => return Err(e),
+        };
+        if left {
+            return Err(io::Error::new(
+                ErrorKind::InvalidData,
+                format!(
+                    "{} holds file data that an earlier version of kochab kept beside the \
+                     store on S3; this version keeps file data in the store itself and does \
+                     not move it: copy the files out with the version that wrote them, or \
+                     start with a new data directory",
+                    local.display()
+                ),
+            ));
+        }
     }
-    Ok(Arc::new(LocalStore::open(dir.join("store"))?))
+    Ok(store.clone())
 }
 
 fn random_u64() -> io::Result<u64> {
@@ -496,12 +515,16 @@ mod tests {
                     (d.path().to_path_buf(), store.clone(), barrier.clone());
                 std::thread::spawn(move || {
                     barrier.wait();
-                    let dir = DataDir::open_or_create_with(&path, Some(store), Some(key)).unwrap();
+                    let dir = DataDir::open_or_create_with(&path, Some(store.clone()), Some(key))
+                        .unwrap();
                     assert!(
                         !path.join(KEY_FILE).exists(),
                         "the key given is not written"
                     );
-                    assert!(dir.data_store.positioned_io(), "file data stays local");
+                    assert!(
+                        Arc::ptr_eq(&dir.data_store, &store),
+                        "file data in the shared store"
+                    );
                     let epochs: Vec<u64> = (0..5)
                         .map(|_| dir.next_incarnation().unwrap().epoch)
                         .collect();
@@ -551,6 +574,26 @@ mod tests {
         mark_released(store.as_ref()).unwrap();
         mark_released(store.as_ref()).unwrap();
         assert!(is_released(store.as_ref()).unwrap());
+    }
+
+    #[test]
+    fn file_data_on_a_store_of_objects_goes_to_that_store() {
+        let store: Arc<dyn ObjectStore> = Arc::new(kochab_store::MemStore::objects_only());
+        let d = tempfile::tempdir().unwrap();
+        let dir = DataDir::open_or_create_on(d.path(), Some(store.clone())).unwrap();
+        assert!(Arc::ptr_eq(&dir.data_store, &store));
+        // File data an earlier version left in the local store is refused, not hidden.
+        fs::create_dir_all(d.path().join("store/data/07")).unwrap();
+        let err = DataDir::open_or_create_on(d.path(), Some(store.clone()))
+            .err()
+            .expect("refused");
+        assert_eq!(err.kind(), ErrorKind::InvalidData);
+        assert!(err.to_string().contains("earlier version"), "{err}");
+        // The local store keeps its own data as ever.
+        let local = tempfile::tempdir().unwrap();
+        fs::create_dir_all(local.path().join("store/data/07")).unwrap();
+        let dir = DataDir::open_or_create(local.path()).unwrap();
+        assert!(dir.data_store.positioned_io());
     }
 
     #[test]

@@ -807,6 +807,10 @@ async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), Fs
         let mut core = shared.core.lock();
         current_generation(&core, of)?;
         let muts = core.engine.mark_data(of.id).map_err(fail)?;
+        if !muts.is_empty() {
+            // Set just now, under the core lock: no write of this generation has run.
+            shared.data.created(of.id, of.generation);
+        }
         shared.journal_now(&mut core, client, &muts)
     };
     if lsn != 0 {

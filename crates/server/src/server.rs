@@ -126,8 +126,8 @@ pub async fn start(config: ServerConfig) -> io::Result<RunningServer> {
 }
 
 /// [`start`] with the cluster's object store in `store` (a bucket on S3) instead of the data
-/// directory's own; the directory keeps the key, the lock and (see
-/// [`DataDir::data_store`]) file data.
+/// directory's own; the directory keeps the key and the lock (file data goes to the store
+/// too: see [`DataDir::data_store`]).
 pub async fn start_on(
     config: ServerConfig,
     store: Option<Arc<dyn ObjectStore>>,

@@ -150,6 +150,19 @@ pub trait ObjectStore: Send + Sync {
     fn get_many(&self, names: &[String]) -> io::Result<Vec<Option<Vec<u8>>>> {
         names.iter().map(|n| self.get(n)).collect()
     }
+    /// Up to `len` bytes of `name` from `offset` (fewer at its end, none past it), or
+    /// `None` if it does not exist. A store over a network asks for just that range (one
+    /// ranged GET); the default reads the whole object and cuts.
+    fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Option<Vec<u8>>> {
+        Ok(self.get(name)?.map(|mut all| {
+            let start = usize::try_from(offset).map_or(all.len(), |o| o.min(all.len()));
+            let end =
+                usize::try_from(offset.saturating_add(len)).map_or(all.len(), |e| e.min(all.len()));
+            all.truncate(end);
+            all.drain(..start);
+            all
+        }))
+    }
     /// Removes several objects (missing ones are not an error). A store over a network
     /// removes them concurrently: trimming a journal deletes many small objects at once.
     fn delete_many(&self, names: &[String]) -> io::Result<()> {

@@ -1,4 +1,4 @@
-//! File data in the object store: a file is cut into chunks of `CHUNK_BYTES`, each an
+//! File data in a store with positioned I/O (the local directory): a file is cut into chunks of `CHUNK_BYTES`, each an
 //! object named by (inode, generation, chunk). Chunk 0 is `data/<id & 0xff>/<id>.<generation>`
 //! (most files have no other, and then cost no folder); every other chunk lives in the file
 //! generation's own folder, `data/<id & 0xff>/<id>.<generation>.d/<chunk>`. Missing chunks
@@ -14,6 +14,7 @@
 //! hypervisor and buffered writes reach ~300 MB/s, direct ones 1.2-1.7 GB/s (measured with
 //! dd). Unaligned pieces use the page cache; Linux keeps the two coherent.
 
+use super::{ReclaimPlan, chunk_span, pieces};
 use kochab_meta::Reclaim;
 use kochab_proto::{CHUNK_BYTES, InodeId};
 use kochab_store::{AlignedBuf, DIRECT_ALIGN, Object, ObjectStore};
@@ -77,32 +78,6 @@ fn parse_chunk(name: &str) -> Option<u64> {
     u64::from_str_radix(last, 16).ok()
 }
 
-/// The chunks `[first, last]` that a byte range `[offset, offset + len)` touches (its
-/// first chunk if `len` is 0).
-pub fn chunk_span(offset: u64, len: u64) -> RangeInclusive<u64> {
-    let last = offset.saturating_add(len.max(1) - 1);
-    offset / CHUNK_BYTES..=last / CHUNK_BYTES
-}
-
-/// A byte range cut into consecutive parts of at most `chunks_max` whole chunks each (the
-/// first and last may be partial), so that work over a long range can be done in bounded
-/// calls.
-pub fn chunk_batches(offset: u64, len: u64, chunks_max: u64) -> impl Iterator<Item = (u64, u64)> {
-    let step = chunks_max.max(1).saturating_mul(CHUNK_BYTES);
-    let end = offset.saturating_add(len);
-    let mut pos = offset;
-    std::iter::from_fn(move || {
-        if pos >= end {
-            return None;
-        }
-        let boundary = (pos / step).saturating_add(1).saturating_mul(step);
-        let next = boundary.min(end);
-        let part = (pos, next - pos);
-        pos = next;
-        Some(part)
-    })
-}
-
 /// A chunk opened for buffered and (where the store can) direct I/O.
 #[derive(Clone)]
 struct ChunkObjects {
@@ -136,8 +111,8 @@ fn aligned(within: u64, n: usize) -> bool {
     within.is_multiple_of(DIRECT_ALIGN as u64) && n.is_multiple_of(DIRECT_ALIGN)
 }
 
-/// Reads and writes chunk objects.
-pub struct DataStore {
+/// Reads and writes chunk objects in place.
+pub struct ChunkStore {
     store: Arc<dyn ObjectStore>,
     open: Mutex<OpenCache>,
     /// Per file generation with unsynced chunks or a failed sync; an entry goes when it
@@ -145,32 +120,10 @@ pub struct DataStore {
     syncs: Mutex<FxHashMap<(InodeId, u64), SyncState>>,
 }
 
-/// The pieces of a byte range, chunk by chunk: (chunk, offset in chunk, length).
-fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, u64, usize)> {
-    let mut pos = offset;
-    let end = offset.saturating_add(len);
-    std::iter::from_fn(move || {
-        if pos >= end {
-            return None;
-        }
-        let chunk = pos / CHUNK_BYTES;
-        let within = pos % CHUNK_BYTES;
-        let n = (CHUNK_BYTES - within).min(end - pos);
-        pos += n;
-        Some((chunk, within, n as usize))
-    })
-}
-
-/// What a reclaim entry deletes, once the chunk holding its cut is cut.
-pub struct ReclaimPlan {
-    /// Chunks to delete, ascending.
-    pub chunks: Vec<u64>,
-}
-
-impl DataStore {
+impl ChunkStore {
     /// A data store over `store`'s `data/` folder.
-    pub fn new(store: Arc<dyn ObjectStore>) -> DataStore {
-        DataStore {
+    pub fn new(store: Arc<dyn ObjectStore>) -> ChunkStore {
+        ChunkStore {
             store,
             open: Mutex::new(OpenCache::default()),
             syncs: Mutex::new(FxHashMap::default()),
@@ -626,13 +579,13 @@ mod tests {
     use kochab_store::{Capacity, LocalStore};
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    fn store() -> (tempfile::TempDir, DataStore) {
+    fn store() -> (tempfile::TempDir, ChunkStore) {
         let d = tempfile::tempdir().unwrap();
         let s: Arc<dyn ObjectStore> = Arc::new(LocalStore::open(d.path()).unwrap());
-        (d, DataStore::new(s))
+        (d, ChunkStore::new(s))
     }
 
-    fn reclaim(ds: &DataStore, id: InodeId, generation: u64, from: u64) {
+    fn reclaim(ds: &ChunkStore, id: InodeId, generation: u64, from: u64) {
         ds.reclaim(&Reclaim {
             id,
             generation,
@@ -715,7 +668,7 @@ mod tests {
         ds.write(9, 1, 0, &vec![7u8; (CHUNK_BYTES + 10) as usize])
             .unwrap();
         ds.write(9, 1, 1 << 50, b"far").unwrap();
-        let names = |ds: &DataStore| ds.store.list("data/09").unwrap();
+        let names = |ds: &ChunkStore| ds.store.list("data/09").unwrap();
         assert_eq!(
             names(&ds),
             vec![
@@ -774,24 +727,6 @@ mod tests {
             "the covered chunk is deleted"
         );
         assert_eq!(ds.read(3, 1, 100, 0, 100).unwrap()[50..], [1u8; 50]);
-    }
-
-    #[test]
-    fn batches_cover_a_range_in_bounded_parts() {
-        let parts: Vec<_> = chunk_batches(CHUNK_BYTES - 1, 3 * CHUNK_BYTES + 2, 2).collect();
-        assert_eq!(
-            parts,
-            vec![
-                (CHUNK_BYTES - 1, 1 + CHUNK_BYTES),
-                (2 * CHUNK_BYTES, CHUNK_BYTES * 2),
-                (4 * CHUNK_BYTES, 1)
-            ]
-        );
-        assert_eq!(chunk_batches(FILE_BYTES_MAX - 1, 1, 256).count(), 1);
-        assert_eq!(chunk_span(FILE_BYTES_MAX - 1, 1), {
-            let c = (FILE_BYTES_MAX - 1) / CHUNK_BYTES;
-            c..=c
-        });
     }
 
     #[test]
@@ -888,7 +823,7 @@ mod tests {
     fn a_failed_fsync_is_never_retried_into_a_false_success() {
         let d = tempfile::tempdir().unwrap();
         let fail = Arc::new(AtomicBool::new(false));
-        let ds = DataStore::new(Arc::new(FailingSync {
+        let ds = ChunkStore::new(Arc::new(FailingSync {
             inner: LocalStore::open(d.path()).unwrap(),
             fail: fail.clone(),
         }));
