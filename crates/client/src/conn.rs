@@ -309,17 +309,10 @@ async fn dial(
         let (r, w) = sock.into_split();
         return Ok((Box::new(r), Box::new(w)));
     };
-    let name = crate::tls::server_name(given)
-        .unwrap_or_else(|| rustls::pki_types::ServerName::IpAddress(addr.ip().into()));
-    let s = tokio::time::timeout(timeout, tls.0.connect(name, sock))
+    let s = tokio::time::timeout(timeout, tls.connect(given, addr, sock))
         .await
         .map_err(|_| ConnError::Lost(format!("{addr}: TLS handshake timed out")))?
-        .map_err(|e| {
-            ConnError::Refused(fs_err!(
-                EACCES,
-                "{given} ({addr}): TLS handshake failed: {e}"
-            ))
-        })?;
+        .map_err(|e| ConnError::Refused(fs_err!(EACCES, "{e}")))?;
     let (r, w) = tokio::io::split(s);
     Ok((Box::new(r), Box::new(w)))
 }
