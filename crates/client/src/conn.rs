@@ -191,7 +191,16 @@ impl Conn {
         };
         let welcome = tokio::time::timeout(timeout, handshake)
             .await
-            .map_err(|_| ConnError::Lost(format!("{addr}: handshake timed out")))??;
+            .map_err(|_| {
+                // A TLS listener waits for a TLS hello and never sends a plain client
+                // the challenge: say so, it is the likely cause.
+                let hint = if tls.is_none() {
+                    " (if the server runs TLS, connect with TLS: --tls-ca)"
+                } else {
+                    ""
+                };
+                ConnError::Lost(format!("{addr}: handshake timed out{hint}"))
+            })??;
         // The welcome announces what the server accepts; replies may be as large as the
         // protocol allows.
         *frames.decoder_mut() = FrameCodec::authenticated(MAX_FRAME_BYTES);
