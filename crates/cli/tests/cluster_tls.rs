@@ -3,7 +3,8 @@
 //! throw-away authority and one certificate for 127.0.0.1 made here with openssl). A
 //! client over TLS creates, writes and reads files on both servers and renames one from a
 //! directory of one server into a directory of the other; `kochab status --tls-ca` reaches
-//! the servers and the replicas. Without TLS, neither the servers nor the replicas serve.
+//! the servers and the replicas. Without TLS, neither the servers nor the replicas serve;
+//! a replica whose certificate names another host is refused.
 
 mod common;
 
@@ -76,24 +77,26 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
-/// `ca.pem`, and `node.pem` (key `node.key`) signed by it for IP:127.0.0.1 and
-/// DNS:localhost: every process of this loopback "cluster" uses the same one.
+fn genkey(dir: &Path, out: &str) {
+    openssl(
+        dir,
+        &[
+            "ecparam",
+            "-name",
+            "prime256v1",
+            "-genkey",
+            "-noout",
+            "-out",
+            out,
+        ],
+    );
+}
+
+/// `ca.pem`, `node.pem` (key `node.key`) signed by it for IP:127.0.0.1 and DNS:localhost,
+/// which every process of this loopback "cluster" uses, and `elsewhere.pem` (key
+/// `elsewhere.key`), signed by it too but for DNS:elsewhere.example only.
 fn make_certs(dir: &Path) {
-    let ec = |out: &str| {
-        openssl(
-            dir,
-            &[
-                "ecparam",
-                "-name",
-                "prime256v1",
-                "-genkey",
-                "-noout",
-                "-out",
-                out,
-            ],
-        )
-    };
-    ec("ca.key");
+    genkey(dir, "ca.key");
     openssl(
         dir,
         &[
@@ -110,23 +113,35 @@ fn make_certs(dir: &Path) {
             "ca.pem",
         ],
     );
-    ec("node.key");
+    leaf(dir, "node", "IP:127.0.0.1,DNS:localhost");
+    leaf(dir, "elsewhere", "DNS:elsewhere.example");
+}
+
+/// `NAME.pem` and `NAME.key`, signed by `ca.pem`, whose subject-alternative names are `san`.
+fn leaf(dir: &Path, name: &str, san: &str) {
+    let (key, csr, pem, ext) = (
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.pem"),
+        format!("{name}.cnf"),
+    );
+    genkey(dir, &key);
     openssl(
         dir,
         &[
             "req",
             "-new",
             "-key",
-            "node.key",
+            &key,
             "-subj",
             "/CN=kochab node",
             "-out",
-            "node.csr",
+            &csr,
         ],
     );
     std::fs::write(
-        dir.join("ext.cnf"),
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n",
+        dir.join(&ext),
+        format!("subjectAltName={san}\nbasicConstraints=CA:FALSE\n"),
     )
     .unwrap();
     openssl(
@@ -135,7 +150,7 @@ fn make_certs(dir: &Path) {
             "x509",
             "-req",
             "-in",
-            "node.csr",
+            &csr,
             "-CA",
             "ca.pem",
             "-CAkey",
@@ -144,9 +159,9 @@ fn make_certs(dir: &Path) {
             "-days",
             "2",
             "-extfile",
-            "ext.cnf",
+            &ext,
             "-out",
-            "node.pem",
+            &pem,
         ],
     );
 }
@@ -396,6 +411,44 @@ fn a_cluster_of_coordinators_and_servers_talks_tls_throughout() {
     match rt.block_on(CoordClient::<CoordState>::new(plain).read_state()) {
         Ok(_) => panic!("a plain connection to the coordinator was answered"),
         Err(e) => assert!(e.to_string().contains("gave up"), "{e}"),
+    }
+
+    // A replica whose certificate names another host than the address dialed: refused,
+    // and the message says why.
+    let stray = free_addr();
+    procs.0.push(spawn(
+        &[
+            s("coord"),
+            s("--id"),
+            s("9"),
+            s("--listen"),
+            stray.to_string(),
+            s("--peers"),
+            format!("9={stray}"),
+            s("--data"),
+            tmp.path().join("stray").display().to_string(),
+            s("--key-file"),
+            kf.clone(),
+            s("--tls-cert"),
+            p("elsewhere.pem"),
+            s("--tls-key"),
+            p("elsewhere.key"),
+            s("--tls-ca"),
+            ca.clone(),
+        ],
+        &tmp.path().join("stray.log"),
+        "ready at",
+    ));
+    let mut cfg = kochab_coord::ClientConfig::new(vec![stray], key);
+    cfg.tls = Some(tls.clone());
+    let refused = rt.block_on(CoordClient::<CoordState>::new(cfg).status_of(stray));
+    match refused {
+        Ok(st) => panic!("a certificate for elsewhere.example served {stray}: {st:?}"),
+        Err(e) => {
+            let e = e.to_string();
+            assert!(e.contains("TLS handshake failed"), "{e}");
+            assert!(e.contains("not valid for name"), "{e}");
+        }
     }
     eprintln!("took {:?}", started.elapsed());
 }
