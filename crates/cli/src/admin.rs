@@ -113,9 +113,9 @@ async fn coord_client(admin: &AdminArgs) -> Result<CoordClient<CoordState>, Stri
     for n in &names {
         addrs.extend(kochab_client::resolve_addrs(n).map_err(|e| format!("{n}: {e}"))?);
     }
-    Ok(CoordClient::new(kochab_coord::ClientConfig::new(
-        addrs, key.key,
-    )))
+    let mut cfg = kochab_coord::ClientConfig::new(addrs, key.key);
+    cfg.tls = admin.conn.tls.load()?;
+    Ok(CoordClient::new(cfg))
 }
 
 async fn read(coord: &CoordClient<CoordState>) -> Result<CoordState, String> {
@@ -441,6 +441,7 @@ async fn coord_state(conn: &ConnArgs, coordinators: &[String]) -> Result<CoordSt
     }
     let mut cfg = kochab_coord::ClientConfig::new(addrs, key.key);
     cfg.budget = Duration::from_secs(3);
+    cfg.tls = conn.tls.load()?;
     read(&CoordClient::new(cfg)).await
 }
 
@@ -533,8 +534,9 @@ async fn replica_statuses(conn: &ConnArgs, coordinators: &[String]) -> Vec<serde
         return Vec::new();
     }
     let socks: Vec<SocketAddr> = coordinators.iter().filter_map(|a| a.parse().ok()).collect();
-    let client =
-        CoordClient::<CoordState>::new(kochab_coord::ClientConfig::new(socks.clone(), key.key));
+    let mut cfg = kochab_coord::ClientConfig::new(socks.clone(), key.key);
+    cfg.tls = conn.tls.load().ok().flatten();
+    let client = CoordClient::<CoordState>::new(cfg);
     let mut out = Vec::new();
     for a in socks {
         out.push(match client.status_of(a).await {

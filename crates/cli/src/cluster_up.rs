@@ -688,13 +688,15 @@ fn supervise(
 async fn replica_statuses(
     addrs: &[String],
     key: &kochab_proto::auth::ClientKey,
+    tls: &Option<kochab_client::tls::TlsClient>,
 ) -> Vec<(String, Result<kochab_coord::ReplicaStatus, String>)> {
     if key.id != kochab_proto::auth::ADMIN_KEY_ID {
         return Vec::new();
     }
     let socks: Vec<SocketAddr> = addrs.iter().filter_map(|a| a.parse().ok()).collect();
-    let client =
-        CoordClient::<CoordState>::new(kochab_coord::ClientConfig::new(socks.clone(), key.key));
+    let mut cfg = kochab_coord::ClientConfig::new(socks.clone(), key.key);
+    cfg.tls = tls.clone();
+    let client = CoordClient::<CoordState>::new(cfg);
     let mut out = Vec::new();
     for a in socks {
         let r = client.status_of(a).await.map_err(|e| e.to_string());
@@ -728,7 +730,7 @@ pub async fn status(
         .iter()
         .find_map(|(_, _, r)| r.as_ref().ok().map(|s| s.coordinators.clone()))
         .unwrap_or_default();
-    let replicas = replica_statuses(&coordinators, &key).await;
+    let replicas = replica_statuses(&coordinators, &key, &tls).await;
     if json {
         let out = serde_json::json!({
             "map_version": map.version.0,

@@ -34,6 +34,8 @@ pub struct CoordArgs {
     /// The cluster key (64 hex digits; a file only its owner may read).
     #[arg(long)]
     key_file: PathBuf,
+    #[command(flatten)]
+    tls: crate::ServeTlsArgs,
     /// Lease of a metadata server, in seconds: a server that does not renew it within this
     /// long is fenced and its tables are recovered elsewhere.
     #[arg(long, default_value_t = 10.0)]
@@ -61,6 +63,8 @@ pub struct CoordStatusArgs {
     /// The cluster key file.
     #[arg(long)]
     key_file: PathBuf,
+    #[command(flatten)]
+    tls: crate::TlsArgs,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -117,6 +121,7 @@ pub async fn run(args: CoordArgs) -> Result<(), String> {
         return Err("--lease must be at least 1 second".into());
     }
     let key = key_file(&args.key_file)?;
+    let tls = args.tls.load()?;
     let replica = Replica::<CoordState>::start(ReplicaConfig {
         id: args.id,
         listen: args.listen,
@@ -125,6 +130,10 @@ pub async fn run(args: CoordArgs) -> Result<(), String> {
         key,
         bootstrap: args.bootstrap,
         timing: Timing::default(),
+        tls: kochab_coord::ReplicaTls {
+            accept: tls.as_ref().map(|(accept, _)| accept.clone()),
+            dial: tls.as_ref().map(|(_, dial)| dial.clone()),
+        },
     })
     .await
     .map_err(|e| format!("coordinator replica {}: {e}", args.id))?;
@@ -142,7 +151,7 @@ pub async fn run(args: CoordArgs) -> Result<(), String> {
     // for to the metadata servers and proposes their answers.
     let driver = spawn_driver(
         replica.clone(),
-        std::sync::Arc::new(ClientLink::new(key)),
+        std::sync::Arc::new(ClientLink::new(key, tls.map(|(_, dial)| dial))),
         DriverConfig {
             balance: !args.no_balance,
             load_gap_ops: args.load_gap_ops,
@@ -188,11 +197,13 @@ struct ClientLink {
 struct LinkInner {
     key: kochab_proto::auth::ClientKey,
     client_id: u64,
+    /// TLS to the servers (their certificates must name the addresses they registered).
+    tls: Option<kochab_client::tls::TlsClient>,
     conns: tokio::sync::Mutex<BTreeMap<String, std::sync::Arc<kochab_client::conn::Conn>>>,
 }
 
 impl ClientLink {
-    fn new(key: [u8; 32]) -> ClientLink {
+    fn new(key: [u8; 32], tls: Option<kochab_client::tls::TlsClient>) -> ClientLink {
         let mut b = [0u8; 8];
         // The id only names the link's session on each server; any value works.
         let _ = getrandom::fill(&mut b);
@@ -200,6 +211,7 @@ impl ClientLink {
             inner: std::sync::Arc::new(LinkInner {
                 key: key.into(),
                 client_id: u64::from_le_bytes(b),
+                tls,
                 conns: Default::default(),
             }),
         }
@@ -216,10 +228,18 @@ impl LinkInner {
         }
         conns.remove(addr);
         let sock = kochab_client::resolve_addr(addr).ok()?;
-        let c =
-            kochab_client::conn::Conn::connect(sock, &self.key, self.client_id, CONTROL_TIMEOUT)
-                .await
-                .ok()?;
+        let c = kochab_client::conn::Conn::connect_with(
+            sock,
+            &self.key,
+            self.client_id,
+            CONTROL_TIMEOUT,
+            self.tls.as_ref().map(|t| (t, addr)),
+            None,
+            false,
+        )
+        .await
+        .map_err(|e| tracing::info!("cannot reach server {addr}: {e:?}"))
+        .ok()?;
         conns.insert(addr.to_string(), c.clone());
         Some(c)
     }
@@ -307,7 +327,9 @@ async fn record_tables(replica: std::sync::Arc<Replica<CoordState>>, lease_ms: u
 
 pub async fn status(args: CoordStatusArgs) -> Result<(), String> {
     let key = key_file(&args.key_file)?;
-    let client = CoordClient::<CoordState>::new(ClientConfig::new(args.coord.clone(), key));
+    let mut cfg = ClientConfig::new(args.coord.clone(), key);
+    cfg.tls = args.tls.load()?;
+    let client = CoordClient::<CoordState>::new(cfg);
     let replicas = client.statuses().await;
     let state = client.read_state().await.ok().map(|(s, _)| s);
     if args.json {

@@ -365,14 +365,59 @@ impl KeyArgs {
 
 /// TLS to the cluster (when its server runs with --tls-cert).
 #[derive(Args, Clone)]
-struct TlsArgs {
+pub(crate) struct TlsArgs {
     /// Connect with TLS, trusting the certificate authorities in this PEM file.
     #[arg(long, env = "KOCHAB_TLS_CA")]
     tls_ca: Option<PathBuf>,
 }
 
+/// TLS of a process of a cluster on separate hosts (`kochab mds`, `kochab coord`): all
+/// three or none, so that a cluster is encrypted throughout.
+#[derive(Args, Clone)]
+pub(crate) struct ServeTlsArgs {
+    /// Serve over TLS with this PEM certificate chain. It must name the address others
+    /// dial this process at: for `mds`, the host of --advertise (a DNS name, or an IP
+    /// address for a numeric one); for `coord`, the IP address of --listen/--peers.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    tls_key: Option<PathBuf>,
+    /// Dial the cluster's other processes with TLS, trusting the certificate authorities
+    /// in this PEM file (each certificate is checked against the address dialed).
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+}
+
+/// [`ServeTlsArgs`] loaded: the listener's acceptor and the dialer's authorities.
+pub(crate) type ServeTls = Option<(
+    kochab_server::tls::TlsAcceptor,
+    kochab_client::tls::TlsClient,
+)>;
+
+impl ServeTlsArgs {
+    /// Loads the certificate, key and authorities (so that a bad file fails at start,
+    /// before the process registers anywhere).
+    pub(crate) fn load(&self) -> Result<ServeTls, String> {
+        let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca)
+        else {
+            return Ok(None);
+        };
+        let acceptor = kochab_server::tls::acceptor(cert, key)
+            .map_err(|e| format!("cannot load --tls-cert/--tls-key: {e}"))?;
+        let dial = kochab_client::tls::TlsClient::from_ca_file(ca)
+            .map_err(|e| format!("cannot load --tls-ca: {e}"))?;
+        Ok(Some((acceptor, dial)))
+    }
+
+    /// The certificate and key files, for a [`ServerConfig`].
+    pub(crate) fn cert_key(&self) -> Option<(PathBuf, PathBuf)> {
+        self.tls_cert.clone().zip(self.tls_key.clone())
+    }
+}
+
 impl TlsArgs {
-    fn load(&self) -> Result<Option<kochab_client::tls::TlsClient>, String> {
+    pub(crate) fn load(&self) -> Result<Option<kochab_client::tls::TlsClient>, String> {
         self.tls_ca
             .as_deref()
             .map(|ca| {
@@ -489,7 +534,11 @@ async fn up(args: UpArgs) -> Result<(), String> {
             .map(|s| (s, args.store.clone()));
         if args.tls_cert.is_some() {
             return Err(
-                "--servers does not take TLS yet (a cluster's servers are on one machine)".into(),
+                "--servers does not take TLS: its coordinators and servers are on this \
+                 machine and talk over loopback. A cluster across hosts runs `kochab coord` \
+                 and `kochab mds` with --tls-cert, --tls-key and --tls-ca on each host \
+                 (docs/SECURITY.md)"
+                    .into(),
             );
         }
         let mut mds_extra = Vec::new();

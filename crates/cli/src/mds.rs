@@ -43,6 +43,8 @@ pub struct MdsArgs {
     /// host: the store records a check of it, and a server given another is refused).
     #[arg(long)]
     key_file: PathBuf,
+    #[command(flatten)]
+    tls: crate::ServeTlsArgs,
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -77,6 +79,7 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
     // The engine's self-test first: a store that cannot be used is the first thing to say.
     let store = crate::store::open_async(&args.store).await?;
     let key = crate::coord::key_file(&args.key_file)?;
+    let tls = args.tls.load()?;
     let (data_dir, dir, import_keys_from) = match store {
         Some(store) => open_on_store(&args, store, key).await?,
         None => {
@@ -99,6 +102,7 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
         addr: addr.clone(),
         coord: args.coord.clone(),
         key,
+        coord_tls: tls.as_ref().map(|(_, dial)| dial.clone()),
         ranges: dir.meta.tables.clone(),
         // Renewed four times per lease of `kochab up` (2 s): a renewal delayed by a busy
         // coordinator does not cost the server its lease.
@@ -113,6 +117,7 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
     .map_err(|e| format!("server {}: {e}", args.id))?;
     let mut config = ServerConfig::new(&data_dir, args.listen);
     config.metrics_listen = args.metrics;
+    config.tls_cert_key = args.tls.cert_key();
     config.store_description = crate::store::description(&args.store);
     config.fsync = !args.no_fsync;
     if let Some(n) = args.checkpoint_records {

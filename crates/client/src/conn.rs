@@ -191,7 +191,16 @@ impl Conn {
         };
         let welcome = tokio::time::timeout(timeout, handshake)
             .await
-            .map_err(|_| ConnError::Lost(format!("{addr}: handshake timed out")))??;
+            .map_err(|_| {
+                // A TLS listener waits for a TLS hello and never sends a plain client
+                // the challenge: say so, it is the likely cause.
+                let hint = if tls.is_none() {
+                    " (if the server runs TLS, connect with TLS: --tls-ca)"
+                } else {
+                    ""
+                };
+                ConnError::Lost(format!("{addr}: handshake timed out{hint}"))
+            })??;
         // The welcome announces what the server accepts; replies may be as large as the
         // protocol allows.
         *frames.decoder_mut() = FrameCodec::authenticated(MAX_FRAME_BYTES);
@@ -309,17 +318,10 @@ async fn dial(
         let (r, w) = sock.into_split();
         return Ok((Box::new(r), Box::new(w)));
     };
-    let name = crate::tls::server_name(given)
-        .unwrap_or_else(|| rustls::pki_types::ServerName::IpAddress(addr.ip().into()));
-    let s = tokio::time::timeout(timeout, tls.0.connect(name, sock))
+    let s = tokio::time::timeout(timeout, tls.connect(given, addr, sock))
         .await
         .map_err(|_| ConnError::Lost(format!("{addr}: TLS handshake timed out")))?
-        .map_err(|e| {
-            ConnError::Refused(fs_err!(
-                EACCES,
-                "{given} ({addr}): TLS handshake failed: {e}"
-            ))
-        })?;
+        .map_err(|e| ConnError::Refused(fs_err!(EACCES, "{e}")))?;
     let (r, w) = tokio::io::split(s);
     Ok((Box::new(r), Box::new(w)))
 }

@@ -12,7 +12,7 @@ pub mod dircache;
 mod pool;
 pub mod replay;
 pub mod routing;
-pub mod tls;
+pub use kochab_tls as tls;
 
 use conn::{ConnError, ConnEvents};
 use dircache::DirCache;

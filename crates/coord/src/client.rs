@@ -32,6 +32,9 @@ pub struct ClientConfig {
     pub budget: Duration,
     /// Time one attempt may take before the client tries elsewhere.
     pub attempt_timeout: Duration,
+    /// TLS to the replicas (their certificates must name the addresses dialed); plain
+    /// TCP if `None`.
+    pub tls: Option<kochab_tls::TlsClient>,
 }
 
 impl ClientConfig {
@@ -42,6 +45,7 @@ impl ClientConfig {
             key,
             budget: Duration::from_secs(5),
             attempt_timeout: Duration::from_millis(1500),
+            tls: None,
         }
     }
 }
@@ -128,7 +132,7 @@ impl<S: ReplicatedState> CoordClient<S> {
     /// Asks one replica for its status (no routing, one attempt).
     pub async fn status_of(&self, addr: SocketAddr) -> Result<ReplicaStatus, CoordError> {
         let run = async {
-            let mut conn = Conn::connect(addr, &self.cfg.key)
+            let mut conn = Conn::connect(addr, &self.cfg.key, self.cfg.tls.as_ref())
                 .await
                 .map_err(|e| wire_err(addr, e))?;
             let req = Request::<S>::Client(ClientRequest::Status);
@@ -177,7 +181,7 @@ impl<S: ReplicatedState> CoordClient<S> {
             let left = deadline - now;
             let attempt = tokio::time::timeout(
                 self.cfg.attempt_timeout.min(left),
-                attempt(&mut route, addr, &self.cfg.key, &req),
+                attempt(&mut route, addr, &self.cfg, &req),
             )
             .await;
             let err = match attempt {
@@ -222,12 +226,12 @@ impl<S: ReplicatedState> CoordClient<S> {
 async fn attempt<S: ReplicatedState>(
     route: &mut Route,
     addr: SocketAddr,
-    key: &ClusterKey,
+    cfg: &ClientConfig,
     req: &Request<S>,
 ) -> Result<ClientReply<S>, CoordError> {
     if route.conn.as_ref().is_none_or(|(a, _)| *a != addr) {
         route.conn = None;
-        let c = Conn::connect(addr, key)
+        let c = Conn::connect(addr, &cfg.key, cfg.tls.as_ref())
             .await
             .map_err(|e| wire_err(addr, e))?;
         route.conn = Some((addr, c));

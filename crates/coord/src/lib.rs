@@ -29,6 +29,7 @@ use std::marker::PhantomData;
 
 pub use client::{ClientConfig, CoordClient};
 pub use error::CoordError;
+pub use net::ReplicaTls;
 pub use replica::{
     CoordView, Replica, ReplicaConfig, ReplicaStatus, Timing, run_replica_until_signal,
 };

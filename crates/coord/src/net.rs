@@ -9,6 +9,7 @@ use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use kochab_tls::{TlsAcceptor, TlsClient};
 use openraft::BasicNode;
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
@@ -19,6 +20,7 @@ use openraft::raft::{
     VoteRequest, VoteResponse,
 };
 use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::error::CoordError;
@@ -30,6 +32,30 @@ type C<S> = TypeConfig<S>;
 
 /// Time allowed to open a TCP connection to a peer.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// TLS on a replica's connections: the acceptor of its listener (peers, servers and admin
+/// commands reach it through TLS) and the authorities its dials to peers trust (a peer's
+/// certificate must name the address dialed, an IP address SAN). `None`: plain TCP.
+#[derive(Clone, Default)]
+pub struct ReplicaTls {
+    /// For the listener.
+    pub accept: Option<TlsAcceptor>,
+    /// For dials to peers.
+    pub dial: Option<TlsClient>,
+}
+
+impl std::fmt::Debug for ReplicaTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaTls")
+            .field("accept", &self.accept.is_some())
+            .field("dial", &self.dial.is_some())
+            .finish()
+    }
+}
+
+/// A byte stream to a replica: plain TCP or TLS over it.
+pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + Sync {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + Sync> Stream for T {}
 
 /// A request to a replica.
 #[derive(Serialize, Deserialize)]
@@ -106,12 +132,17 @@ pub enum Response<S: ReplicatedState> {
 
 /// An authenticated connection to one replica.
 pub struct Conn {
-    stream: TcpStream,
+    stream: Box<dyn Stream>,
 }
 
 impl Conn {
-    /// Dials `addr` and completes the handshake.
-    pub async fn connect(addr: SocketAddr, key: &ClusterKey) -> Result<Conn, WireError> {
+    /// Dials `addr` (through TLS if `tls` is given, the certificate checked against the
+    /// address) and completes the handshake.
+    pub async fn connect(
+        addr: SocketAddr,
+        key: &ClusterKey,
+        tls: Option<&TlsClient>,
+    ) -> Result<Conn, WireError> {
         let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
             .await
             .map_err(|_| {
@@ -121,6 +152,19 @@ impl Conn {
                 ))
             })??;
         stream.set_nodelay(true)?;
+        let stream: Box<dyn Stream> = match tls {
+            None => Box::new(stream),
+            Some(tls) => {
+                let given = addr.to_string();
+                let s = tokio::time::timeout(
+                    wire::HANDSHAKE_TIMEOUT,
+                    tls.connect(&given, addr, stream),
+                )
+                .await
+                .map_err(|_| WireError::Timeout)??;
+                Box::new(s)
+            }
+        };
         let mut conn = Conn { stream };
         wire::handshake_dial(&mut conn.stream, key).await?;
         Ok(conn)
@@ -139,14 +183,16 @@ impl Conn {
 /// openraft's network factory: one `PeerClient` per target.
 pub struct Network<S> {
     key: ClusterKey,
+    tls: Option<TlsClient>,
     _s: PhantomData<fn() -> S>,
 }
 
 impl<S> Network<S> {
-    /// A factory whose clients prove `key`.
-    pub fn new(key: ClusterKey) -> Self {
+    /// A factory whose clients prove `key`, through TLS if `tls` is given.
+    pub fn new(key: ClusterKey, tls: Option<TlsClient>) -> Self {
         Network {
             key,
+            tls,
             _s: PhantomData,
         }
     }
@@ -157,6 +203,7 @@ pub struct PeerClient<S> {
     target: ReplicaId,
     addr: Option<SocketAddr>,
     key: ClusterKey,
+    tls: Option<TlsClient>,
     conn: Option<Conn>,
     _s: PhantomData<fn() -> S>,
 }
@@ -191,7 +238,7 @@ impl<S: ReplicatedState> PeerClient<S> {
         };
         let run = async {
             if self.conn.is_none() {
-                let c = Conn::connect(addr, &self.key)
+                let c = Conn::connect(addr, &self.key, self.tls.as_ref())
                     .await
                     .map_err(|e| CallError::Unreachable(format!("{addr}: {e}")))?;
                 self.conn = Some(c);
@@ -231,6 +278,7 @@ impl<S: ReplicatedState> RaftNetworkFactory<C<S>> for Network<S> {
             target,
             addr: node.addr.parse().ok(),
             key: self.key,
+            tls: self.tls.clone(),
             conn: None,
             _s: PhantomData,
         }

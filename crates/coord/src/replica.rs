@@ -79,6 +79,8 @@ pub struct ReplicaConfig {
     pub bootstrap: bool,
     /// Timing knobs.
     pub timing: Timing,
+    /// TLS on its listener and its dials to peers (default: none).
+    pub tls: crate::net::ReplicaTls,
 }
 
 /// One replica's view of the group, for `kochab status`.
@@ -201,16 +203,27 @@ impl<S: ReplicatedState> Replica<S> {
         let listen = listener
             .local_addr()
             .map_err(|e| CoordError::Unavailable(e.to_string()))?;
-        let raft = Raft::<S>::new(cfg.id, rcfg, Network::new(cfg.key), log, sm.clone())
-            .await
-            .map_err(|e| CoordError::Stopped(e.to_string()))?;
+        let raft = Raft::<S>::new(
+            cfg.id,
+            rcfg,
+            Network::new(cfg.key, cfg.tls.dial.clone()),
+            log,
+            sm.clone(),
+        )
+        .await
+        .map_err(|e| CoordError::Stopped(e.to_string()))?;
         let core = Arc::new(Core {
             id: cfg.id,
             raft,
             sm,
             timing: cfg.timing,
         });
-        let mut tasks = vec![tokio::spawn(serve(listener, cfg.key, Arc::clone(&core)))];
+        let mut tasks = vec![tokio::spawn(serve(
+            listener,
+            cfg.key,
+            cfg.tls.accept.clone(),
+            Arc::clone(&core),
+        ))];
         let (view, merger) = spawn_view(&core);
         tasks.push(merger);
         if cfg.bootstrap {
@@ -480,7 +493,12 @@ fn spawn_view<S: ReplicatedState>(
     (rx, task)
 }
 
-async fn serve<S: ReplicatedState>(listener: TcpListener, key: ClusterKey, core: Arc<Core<S>>) {
+async fn serve<S: ReplicatedState>(
+    listener: TcpListener,
+    key: ClusterKey,
+    tls: Option<kochab_tls::TlsAcceptor>,
+    core: Arc<Core<S>>,
+) {
     let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
     loop {
         let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
@@ -494,8 +512,9 @@ async fn serve<S: ReplicatedState>(listener: TcpListener, key: ClusterKey, core:
             }
         };
         let core = Arc::clone(&core);
+        let tls = tls.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_conn(stream, key, core).await {
+            if let Err(e) = accept_conn(stream, key, tls, core).await {
                 tracing::debug!(%peer, error = %e, "coord connection ended");
             }
             drop(permit);
@@ -503,12 +522,37 @@ async fn serve<S: ReplicatedState>(listener: TcpListener, key: ClusterKey, core:
     }
 }
 
-async fn serve_conn<S: ReplicatedState>(
-    mut stream: TcpStream,
+/// TLS first if the listener has it (a plain connection then fails its handshake and is
+/// closed), then [`serve_conn`].
+async fn accept_conn<S: ReplicatedState>(
+    stream: TcpStream,
     key: ClusterKey,
+    tls: Option<kochab_tls::TlsAcceptor>,
     core: Arc<Core<S>>,
 ) -> Result<(), WireError> {
     stream.set_nodelay(true)?;
+    match tls {
+        None => serve_conn(stream, key, core).await,
+        Some(acceptor) => {
+            let s = tokio::time::timeout(wire::HANDSHAKE_TIMEOUT, acceptor.accept(stream))
+                .await
+                .map_err(|_| WireError::Timeout)?
+                .map_err(|e| {
+                    WireError::Io(std::io::Error::new(
+                        e.kind(),
+                        format!("TLS handshake failed: {e}"),
+                    ))
+                })?;
+            serve_conn(s, key, core).await
+        }
+    }
+}
+
+async fn serve_conn<S: ReplicatedState, T: crate::net::Stream>(
+    mut stream: T,
+    key: ClusterKey,
+    core: Arc<Core<S>>,
+) -> Result<(), WireError> {
     wire::handshake_accept(&mut stream, &key).await?;
     loop {
         let next = tokio::time::timeout(CONN_IDLE_MAX, wire::read_msg(&mut stream)).await;

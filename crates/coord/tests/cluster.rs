@@ -95,6 +95,7 @@ impl Node {
             key: KEY,
             bootstrap,
             timing: self.timing,
+            tls: Default::default(),
         };
         let r = rt.block_on(Replica::<Ledger>::start(cfg)).unwrap();
         self.live = Some((rt, r));

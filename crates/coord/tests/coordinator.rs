@@ -104,6 +104,7 @@ impl Node {
                 entries_kept_after_snapshot: 100,
                 request_timeout_ms: 2000,
             },
+            tls: Default::default(),
         };
         let replica = Arc::new(rt.block_on(Replica::<CoordState>::start(cfg)).unwrap());
         let link: Arc<dyn ServerLink> = servers.clone();

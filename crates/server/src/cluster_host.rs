@@ -87,6 +87,9 @@ pub struct HostConfig {
     pub addr: String,
     pub coord: Vec<SocketAddr>,
     pub key: [u8; 32],
+    /// TLS to the coordinator replicas (their certificates must name the addresses in
+    /// `coord`); plain TCP if `None`.
+    pub coord_tls: Option<crate::tls::TlsClient>,
     /// The id ranges of the cluster's tables (`lo`, `hi`): how ids map to tables.
     pub ranges: Vec<(u64, u64)>,
     pub participant: ParticipantConfig,
@@ -230,6 +233,7 @@ impl ClusterHost {
             let mut c = ClientConfig::new(cfg.coord.clone(), cfg.key);
             c.budget = budget;
             c.attempt_timeout = Duration::from_millis(1000);
+            c.tls = cfg.coord_tls.clone();
             CoordClient::<CoordState>::new(c)
         };
         let reader = client(MAP_READ_TIMEOUT);

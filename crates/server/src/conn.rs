@@ -378,7 +378,7 @@ pub async fn serve(
     counted: Counted,
     accepted: Accepted,
     shutdown: watch::Receiver<bool>,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<crate::tls::TlsAcceptor>,
 ) {
     let shared = counted.0.clone();
     // TLS and the key handshake share one deadline.

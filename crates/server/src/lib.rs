@@ -32,7 +32,7 @@ pub mod released;
 pub mod replycache;
 pub mod server;
 pub mod session;
-pub mod tls;
+pub use kochab_tls as tls;
 
 pub use datadir::{DataDir, KEY_FILE, read_key_file};
 pub use server::{RunningServer, ServerConfig, start, start_member, start_on};

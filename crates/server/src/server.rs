@@ -447,7 +447,7 @@ async fn accept_loop(
     shared: Arc<Shared>,
     mut shutdown: watch::Receiver<bool>,
     mut journal_failure: watch::Receiver<Option<String>>,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<crate::tls::TlsAcceptor>,
 ) {
     loop {
         // Where the connection is served: here, unless a client of this process asked for

@@ -64,6 +64,7 @@ fn parse() -> Result<ReplicaConfig, String> {
             election_max_ms: 600,
             ..Timing::default()
         },
+        tls: Default::default(),
     })
 }
 
