@@ -826,6 +826,64 @@ fn served_again(
     }
 }
 
+/// When the process `pid` (a child not reaped yet) ended, after `t0`: watched every 10 ms
+/// by a thread of its own, at most [`RECOVERY_LIMIT`].
+fn exit_watch(pid: u32, t0: Instant) -> Arc<Mutex<Option<Duration>>> {
+    let seen = Arc::new(Mutex::new(None));
+    let out = seen.clone();
+    std::thread::spawn(move || {
+        while t0.elapsed() < RECOVERY_LIMIT {
+            let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|st| {
+                    let (_, rest) = st.rsplit_once(')')?;
+                    rest.split_whitespace().next().map(str::to_string)
+                });
+            if !matches!(state.as_deref(), Some(s) if s != "Z" && s != "X") {
+                *seen.lock().unwrap() = Some(t0.elapsed());
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    out
+}
+
+/// Stops every process of the cluster with SIGKILL (as if every host lost power) and checks
+/// what the store holds offline (`kochab fsck --data` or `--store`): every table loaded at
+/// once, links across servers included. Returns its summary.
+fn offline_fsck(test: &str, c: &Cluster) -> String {
+    c.client.kill_all();
+    force_unmount(&c.mnt);
+    for m in &c.mds {
+        m.host.kill_all();
+    }
+    for h in &c.coords {
+        h.kill_all();
+    }
+    let mut cmd = std::process::Command::new(kochab_bin());
+    match STORE {
+        Store::Local => cmd.args(["fsck", "--data"]).arg(&c.data),
+        Store::S3 => cmd
+            .args(["fsck", "--store", &c.location, "--store-env"])
+            .arg(&c.env_file),
+    };
+    let out = cmd.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("namespace") && text.contains(": clean"),
+        "{test}: offline fsck:\n{text}"
+    );
+    text.lines()
+        .filter(|l| l.contains("namespace"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Fails the test with the logs if any server process of `c` but `except` exited.
 fn assert_no_server_exited(c: &Cluster, except: Option<usize>) {
     for (i, m) in c.mds.iter().enumerate() {
@@ -854,10 +912,14 @@ fn report(test: &str, ledger: &Ledger, lost: &[String]) {
     );
 }
 
+/// `kochab fsck` of the running cluster, then of its store once every process is stopped:
+/// both clean.
 fn fsck_clean(test: &str, c: &Cluster) {
     let (ok, text) = c.online_fsck();
     eprintln!("{test}: {}", text.trim().replace('\n', "; "));
     assert!(ok && !text.contains("problem"), "{test}: fsck:\n{text}");
+    let offline = offline_fsck(test, c);
+    eprintln!("{test}: offline: {offline}");
 }
 
 #[test]
@@ -927,6 +989,7 @@ fn a_cut_off_server_host_is_fenced_and_serves_nothing_until_it_registers_again()
     let held_incarnation = held.incarnation;
     let t0 = Instant::now();
     c.mds[vi].host.cut_link().unwrap();
+    let exit_seen = exit_watch(c.mds[vi].pid, t0);
     eprintln!(
         "{T}: cut the link of host {} (server {gone:?}, epoch {old_epoch:?}, {} tables)",
         c.mds[vi].host.addr,
@@ -968,14 +1031,17 @@ fn a_cut_off_server_host_is_fenced_and_serves_nothing_until_it_registers_again()
         !m.host.running(m.pid)
     };
     let status = m.host.reap();
+    let exit_at = match *exit_seen.lock().unwrap() {
+        Some(d) => format!("{:.2} s after the cut", d.as_secs_f64()),
+        None => "still running".to_string(),
+    };
     eprintln!(
-        "{T}: the cut-off server {} on its own while cut ({:.2} s after the cut): {status:?}",
+        "{T}: the cut-off server {} on its own while cut ({exit_at}): {status:?}",
         if exited_alone {
             "exited"
         } else {
             "did not exit"
         },
-        t0.elapsed().as_secs_f64()
     );
     c.mds[vi].host.restore_link().unwrap();
     // Whatever the held connection and new ones get from that address before a new
