@@ -84,9 +84,10 @@ static WORLD: Mutex<Option<World>> = Mutex::new(None);
 static TURN: Mutex<()> = Mutex::new(());
 
 extern "C" fn tear_down_world() {
-    if let Ok(mut w) = WORLD.lock()
-        && let Some(w) = w.take()
-    {
+    // (A test that failed while holding the lock poisoned it; the world is torn down all
+    // the same.)
+    let mut w = WORLD.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(w) = w.take() {
         rgw(&w.store, &w.rgw_dir, "down").ok();
         drop(w);
     }
