@@ -486,6 +486,7 @@ pub async fn status(conn: &ConnArgs, map: DelegationMap, json: bool) -> Result<(
                 "id": id.0, "addr": addr, "pid": s.pid, "epoch": s.epoch,
                 "tables": s.tables.iter().map(|t| format!("{:016x}", t.lo)).collect::<Vec<_>>(),
                 "inodes": s.inodes, "rss_bytes": s.rss_bytes, "connections": s.connections,
+                "store": s.store,
                 "draining": draining(*id),
                 "status": s,
             }),

@@ -13,6 +13,7 @@ use crate::mount;
 use kochab_client::{Client, ClientConfig};
 use kochab_cluster::state::CoordState;
 use kochab_coord::CoordClient;
+use kochab_store::ObjectStore;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -60,6 +61,9 @@ pub struct ClusterArgs {
     pub mds_extra: Vec<String>,
     /// Extra arguments for every coordinator replica (tests' balancing thresholds).
     pub coord_extra: Vec<String>,
+    /// The cluster's store on S3 (`--store`, opened and self-tested) instead of the data
+    /// directory's own, and how the servers are told to open it.
+    pub store: Option<(Arc<dyn ObjectStore>, crate::store::StoreArgs)>,
 }
 
 /// True if `data` belongs to a cluster of servers.
@@ -193,22 +197,158 @@ fn free_ports(host: &str, n: usize) -> Result<Vec<u16>, String> {
 }
 
 /// Turns a single server's directory (or a new one) over to the cluster: every table
-/// released, so the coordinator can place it.
-async fn prepare(data: &Path) -> Result<(), String> {
+/// released, so the coordinator can place it. With `store`, the cluster's store is that
+/// (a bucket on S3) and `data` is only the single server's local directory; with `key`,
+/// the cluster key is that instead of `data`'s key file. The store is marked released
+/// (see [`kochab_server::datadir::RELEASED_OBJECT`]) once every table is; a store already
+/// marked is left as it is.
+async fn prepare(
+    data: &Path,
+    store: Option<Arc<dyn ObjectStore>>,
+    key: Option<kochab_proto::auth::ClusterKey>,
+) -> Result<(), String> {
     let listen: SocketAddr = "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?;
-    let config = kochab_server::ServerConfig::new(data, listen);
-    let server = kochab_server::start(config)
+    let mut config = kochab_server::ServerConfig::new(data, listen);
+    config.cluster_key = key;
+    // Releasing and marking are done in this order, so a marked store is one whose every
+    // table was released; a start that died between them releases them again (nothing
+    // else serves a store before it is marked).
+    if let Some(s) = &store
+        && blocking(s.clone(), |s| {
+            kochab_server::datadir::is_released(s.as_ref())
+        })
+        .await?
+    {
+        return Ok(());
+    }
+    let server = kochab_server::start_on(config, store.clone())
         .await
         .map_err(|e| format!("cannot prepare {}: {e}", data.display()))?;
     let released = tokio::task::block_in_place(|| server.release_all_tables())
         .map_err(|e| format!("cannot release the tables of {}: {e}", data.display()))?;
+    let marked = match &store {
+        Some(s) => s.clone(),
+        None => server.shared().store.clone(),
+    };
     server.shutdown().await;
+    blocking(marked, |s| {
+        kochab_server::datadir::mark_released(s.as_ref())
+    })
+    .await?;
     eprintln!(
         "kochab: {} tables of {} released to the cluster",
         released.len(),
         data.display()
     );
     Ok(())
+}
+
+/// Runs `f` on `store` off the runtime's worker threads (a store on S3 is waited for
+/// synchronously).
+async fn blocking<T: Send + 'static>(
+    store: Arc<dyn ObjectStore>,
+    f: impl FnOnce(&Arc<dyn ObjectStore>) -> std::io::Result<T> + Send + 'static,
+) -> Result<T, String> {
+    tokio::task::spawn_blocking(move || f(&store))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())
+}
+
+/// How often a start waiting for another to initialise a store looks again.
+const INIT_POLL: Duration = Duration::from_millis(250);
+/// How often a start waiting for another to initialise a store says so.
+const INIT_WAIT_NOTICE: Duration = Duration::from_secs(10);
+
+/// Who initialises a store (the content of its [`INIT_CLAIM_OBJECT`]).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct InitClaim {
+    /// What started it, e.g. "server 3": a later start of the same claims it again.
+    by: String,
+    pid: u32,
+    at_unix_ms: u64,
+}
+
+use kochab_server::datadir::INIT_CLAIM_OBJECT;
+
+/// Makes sure the cluster's store `store` (`name`, e.g. its URL) was turned over to a
+/// cluster of servers, doing it if nobody has: the start that creates the store's
+/// [`INIT_CLAIM_OBJECT`] (conditional create: of several first starts on several hosts,
+/// one) runs a single server on `work` (this host's own directory) with `key`, which
+/// creates the cluster if the store holds none and releases every table; the others wait
+/// until the store is marked released. `by` names the claimant ("server 3"): a later start
+/// with the same name (the claimant died half-way) initialises it again.
+pub async fn init_store(
+    work: &Path,
+    store: Arc<dyn ObjectStore>,
+    key: kochab_proto::auth::ClusterKey,
+    by: &str,
+    name: &str,
+) -> Result<(), String> {
+    if blocking(store.clone(), |s| {
+        kochab_server::datadir::is_released(s.as_ref())
+    })
+    .await?
+    {
+        return Ok(());
+    }
+    let claim = InitClaim {
+        by: by.to_string(),
+        pid: std::process::id(),
+        at_unix_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+    };
+    let json = serde_json::to_vec_pretty(&claim).map_err(|e| e.to_string())?;
+    let created = blocking(store.clone(), move |s| {
+        match s.create_if_absent(INIT_CLAIM_OBJECT, &json) {
+            Ok(()) => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                Ok(Some(s.get(INIT_CLAIM_OBJECT)?.unwrap_or_default()))
+            }
+            Err(e) => Err(e),
+        }
+    })
+    .await
+    .map_err(|e| format!("{name}: {e}"))?;
+    let holder = match created {
+        None => None,
+        Some(bytes) => match serde_json::from_slice::<InitClaim>(&bytes) {
+            // Ours: a retried create whose first try made it, or an earlier start of this
+            // server that died before it was done.
+            Ok(c) if c.by == by => None,
+            Ok(c) => Some(format!(
+                "{} (pid {}, claimed at unix ms {})",
+                c.by, c.pid, c.at_unix_ms
+            )),
+            Err(e) => return Err(format!("{name}: {INIT_CLAIM_OBJECT}: {e}")),
+        },
+    };
+    let Some(holder) = holder else {
+        eprintln!("kochab: {by} initialises the cluster in {name}");
+        return prepare(work, Some(store), Some(key))
+            .await
+            .map_err(|e| format!("{name}: {e}"));
+    };
+    let mut notice = Instant::now();
+    eprintln!("kochab: waiting for {holder} to initialise the cluster in {name}");
+    loop {
+        tokio::time::sleep(INIT_POLL).await;
+        if blocking(store.clone(), |s| {
+            kochab_server::datadir::is_released(s.as_ref())
+        })
+        .await?
+        {
+            return Ok(());
+        }
+        if notice.elapsed() >= INIT_WAIT_NOTICE {
+            notice = Instant::now();
+            eprintln!(
+                "kochab: still waiting for {holder} to initialise the cluster in {name}; \
+                 if it died, start it again (or delete {INIT_CLAIM_OBJECT} from the store)"
+            );
+        }
+    }
 }
 
 /// Waits until the coordinator has placed every table and nothing moves, or `deadline`.
@@ -243,8 +383,25 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
     if !args.lease.is_finite() || args.lease < 1.0 {
         return Err("--lease must be at least 1 second".into());
     }
-    if !is_cluster_dir(&args.data) {
-        prepare(&args.data).await?;
+    match &args.store {
+        // The store says whether it was turned over; the directory keeps the key, the
+        // coordinator's logs and (until file data lives in the store) file data.
+        Some((store, how)) => {
+            let url = how.store.clone().unwrap_or_default();
+            if args.data.join(kochab_server::KEY_FILE).exists() {
+                let key = kochab_server::read_key_file(&args.data.join(kochab_server::KEY_FILE))
+                    .map_err(|e| format!("{}: {e}", args.data.display()))?;
+                // A first start racing `kochab mds` of other hosts claims it like them.
+                init_store(&args.data, store.clone(), key, "kochab up", &url).await?;
+            } else {
+                // A new key: the store must hold no cluster yet (the check says if it does).
+                prepare(&args.data, Some(store.clone()), None)
+                    .await
+                    .map_err(|e| format!("{url}: {e}"))?;
+            }
+        }
+        None if !is_cluster_dir(&args.data) => prepare(&args.data, None, None).await?,
+        None => {}
     }
     // Held for the life of the cluster: a plain `kochab up` on the directory refuses.
     let _lock =
@@ -366,6 +523,12 @@ pub async fn up_cluster(args: ClusterArgs) -> Result<(), String> {
             "--key-file".into(),
             key_path.clone(),
         ];
+        if let Some((_, how)) = &args.store {
+            a.extend(["--store".into(), how.store.clone().unwrap_or_default()]);
+            if let Some(env) = &how.store_env {
+                a.extend(["--store-env".into(), env.display().to_string()]);
+            }
+        }
         if args.no_fsync {
             a.push("--no-fsync".into());
         }
@@ -582,6 +745,7 @@ pub async fn status(
                     "id": id.0, "addr": addr, "pid": s.pid, "epoch": s.epoch,
                     "tables": s.tables.iter().map(|t| format!("{:016x}", t.lo)).collect::<Vec<_>>(),
                     "inodes": s.inodes, "rss_bytes": s.rss_bytes, "connections": s.connections,
+                    "store": s.store,
                     "status": s,
                 }),
                 Err(e) => serde_json::json!({"id": id.0, "addr": addr, "error": e}),
@@ -605,6 +769,15 @@ pub async fn status(
             coordinators.join(",")
         }
     );
+    // One line per store the servers report (one, unless they were started on different
+    // ones by mistake).
+    let stores: std::collections::BTreeSet<&str> = servers
+        .iter()
+        .filter_map(|(_, _, r)| r.as_ref().ok().map(|s| s.store.as_str()))
+        .collect();
+    for store in stores {
+        println!("store: {store}");
+    }
     for (addr, r) in &replicas {
         match r {
             Ok(s) => println!(
@@ -645,6 +818,72 @@ pub async fn status(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Three first starts on three "hosts" (directories of their own) race to initialise
+    /// one new store of whole objects (the stand-in for S3): exactly one runs the single
+    /// server and releases the tables, the others wait for the mark; then a single server
+    /// refuses the store, and a member with the key opens it (with another key, refused).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn of_first_starts_racing_on_a_new_store_one_initialises_it() {
+        let store: Arc<dyn ObjectStore> = Arc::new(kochab_store::MemStore::objects_only());
+        let hosts: Vec<_> = (0..3)
+            .map(|_| tempfile::tempdir().expect("tempdir"))
+            .collect();
+        let key = [5u8; 32];
+        let runs: Vec<_> = hosts
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let (work, store) = (h.path().join("init"), store.clone());
+                tokio::spawn(async move {
+                    init_store(&work, store, key, &format!("server {}", i + 2), "mem").await
+                })
+            })
+            .collect();
+        for r in runs {
+            r.await.expect("join").expect("init_store");
+        }
+        assert!(kochab_server::datadir::is_released(store.as_ref()).expect("released"));
+        // The single server that initialised it stopped cleanly on its host, and only there.
+        let ran: Vec<bool> = hosts
+            .iter()
+            .map(|h| h.path().join("init").join("stopped-cleanly").exists())
+            .collect();
+        assert_eq!(ran.iter().filter(|&&r| r).count(), 1, "{ran:?}");
+        // Every table was released: each manifest names no owner.
+        let meta = kochab_server::datadir::read_meta(store.as_ref(), "mem")
+            .expect("meta")
+            .expect("a cluster");
+        for &(lo, _) in &meta.tables {
+            let m = kochab_server::checkpoint::read_manifest_by_id(store.as_ref(), lo)
+                .expect("manifest")
+                .expect("a manifest per table");
+            assert!(m.owner.is_none(), "table {lo:016x} released");
+        }
+        // Initialising again changes nothing.
+        init_store(
+            &hosts[0].path().join("init"),
+            store.clone(),
+            key,
+            "server 9",
+            "mem",
+        )
+        .await
+        .expect("again");
+        let single = tempfile::tempdir().expect("tempdir");
+        let mut config =
+            kochab_server::ServerConfig::new(single.path(), "127.0.0.1:0".parse().unwrap());
+        config.cluster_key = Some(key);
+        let e = kochab_server::start_on(config, Some(store.clone()))
+            .await
+            .err()
+            .expect("a single server refuses a cluster's store");
+        assert!(e.to_string().contains("belongs to a cluster"), "{e}");
+        let member = kochab_server::DataDir::open_member(single.path(), store.clone(), key, "mem")
+            .expect("member");
+        assert_eq!(member.meta.cluster_id, meta.cluster_id);
+        assert!(kochab_server::DataDir::open_member(single.path(), store, [6; 32], "mem").is_err());
+    }
 
     #[test]
     fn a_directory_keeps_the_size_and_addresses_of_its_coordinator_group() {

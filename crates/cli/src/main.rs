@@ -305,8 +305,9 @@ struct FsckArgs {
     /// lists exactly which).
     #[arg(long, requires = "repair")]
     accept_loss: bool,
-    /// Check a stopped server's store on S3 instead (see `kochab up --store`), as --data
-    /// checks a directory's: journals, whether a start would refuse, the namespace.
+    /// Check a stopped server's or cluster's store on S3 instead (see `kochab up --store`,
+    /// `kochab mds --store`), as --data checks a directory's: every server's journals,
+    /// whether a start would refuse, the namespace across every table.
     #[command(flatten)]
     store: store::StoreArgs,
 }
@@ -483,13 +484,9 @@ fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, String> {
 
 async fn up(args: UpArgs) -> Result<(), String> {
     if let Some(servers) = args.servers {
-        store::refuse_after_self_test_async(
-            &args.store,
-            "kochab up --servers",
-            "servers of a cluster sharing a store on S3 are not built yet (issue 30, step 3); \
-             `kochab up --store` without --servers runs one server on it",
-        )
-        .await?;
+        let store = store::open_async(&args.store)
+            .await?
+            .map(|s| (s, args.store.clone()));
         if args.tls_cert.is_some() {
             return Err(
                 "--servers does not take TLS yet (a cluster's servers are on one machine)".into(),
@@ -524,6 +521,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
             .filter_map(|(flag, n)| Some([flag.to_string(), n?.to_string()]))
             .flatten()
             .collect(),
+            store,
         })
         .await;
     }
@@ -557,6 +555,7 @@ async fn up(args: UpArgs) -> Result<(), String> {
     }
     let store = store::open_async(&args.store).await?;
     let on_s3 = store.is_some();
+    config.store_description = store::description(&args.store);
     let server = kochab_server::start_on(config, store)
         .await
         .map_err(|e| format!("cannot start: {e}"))?;
@@ -757,6 +756,7 @@ async fn status(conn: ConnArgs, json: bool) -> Result<(), String> {
         s.uptime_ms as f64 / 1000.0,
         s.connections
     );
+    println!("store: {}", s.store);
     println!(
         "inodes {}, entries {}, resident memory {:.1} MiB",
         s.inodes,
@@ -824,7 +824,8 @@ fn fsck_offline(dir: &std::path::Path, repair: bool, accept_loss: bool) -> Resul
 }
 
 /// `kochab fsck --store s3://BUCKET/PREFIX [--repair --accept-loss]`: offline, on the store of
-/// a stopped server (nothing locks a store on S3: every server using it must be stopped).
+/// a stopped server or cluster (nothing locks a store on S3: every server using it must be
+/// stopped): every server's journals, every table's manifest.
 fn fsck_store(args: &store::StoreArgs, repair: bool, accept_loss: bool) -> Result<(), String> {
     check_repair_flags(repair, accept_loss)?;
     let Some(store) = store::open(args)? else {
@@ -850,7 +851,11 @@ fn fsck_store(args: &store::StoreArgs, repair: bool, accept_loss: bool) -> Resul
     }
     let ns =
         kochab_server::recovery::check_store_namespace(&o).map_err(|e| format!("{url}: {e}"))?;
-    print_namespace(&ns, "server")
+    // Every table is loaded from its manifest and the journals it names, whichever server
+    // wrote them: one server's store and a cluster's are checked alike.
+    let cluster =
+        kochab_server::datadir::is_released(store.as_ref()).map_err(|e| format!("{url}: {e}"))?;
+    print_namespace(&ns, if cluster { "cluster" } else { "server" })
 }
 
 /// Prints what the journal check found; `Ok(true)` if the store starts.

@@ -1,7 +1,8 @@
 //! `kochab mds`: one metadata server process of a many-server cluster. It registers with
 //! the coordinator group as a new incarnation, starts with no tables, and serves the tables
 //! the coordinator ADDs to it (until they are DROPped), over the cluster's shared object
-//! store.
+//! store: the directory of this machine's servers (`--data`), or a bucket on S3
+//! (`--store`), which servers on separate hosts share with nothing else (see [`run`]).
 
 use clap::Args;
 use kochab_cluster::participant::ParticipantConfig;
@@ -10,7 +11,7 @@ use kochab_server::ServerConfig;
 use kochab_server::cluster_host::{ClusterHost, HostConfig, monotonic_clock};
 use kochab_server::datadir::{DataDir, DataDirLock};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Exit status of a fenced server (its supervisor starts a new incarnation).
 pub const EXIT_FENCED: i32 = 3;
@@ -31,12 +32,16 @@ pub struct MdsArgs {
     #[arg(long, value_delimiter = ',', required = true)]
     coord: Vec<SocketAddr>,
     /// The cluster's data directory shared by the servers of this machine: its object
-    /// store is DIR/store; this server's own files go under DIR/mds/<id>/.
-    #[arg(long, required_unless_present = "store")]
+    /// store is DIR/store; this server's own files go under DIR/mds/<id>/. With --store:
+    /// this host's own directory, for its lock and (until file data lives in the store)
+    /// file data, nothing another host needs (default: $XDG_CACHE_HOME/kochab/mds-<id>,
+    /// else ~/.cache/kochab/mds-<id>, else /var/tmp/kochab/mds-<id>).
+    #[arg(long)]
     data: Option<PathBuf>,
     #[command(flatten)]
     store: crate::store::StoreArgs,
-    /// The cluster key (the one in DIR/cluster.key).
+    /// The cluster key (the one in DIR/cluster.key; with --store, the same file on every
+    /// host: the store records a check of it, and a server given another is refused).
     #[arg(long)]
     key_file: PathBuf,
     /// Serve Prometheus metrics on this address.
@@ -70,32 +75,22 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
             "--listen needs a concrete port (it is registered with the coordinator)".into(),
         );
     }
-    crate::store::refuse_after_self_test_async(
-        &args.store,
-        "kochab mds",
-        "servers of a cluster sharing a store on S3 are not built yet (issue 30, step 3); \
-         `kochab up --store` runs one server on it",
-    )
-    .await?;
-    let Some(data_dir) = args.data.clone() else {
-        return Err("--data DIR is needed: the local directory is the only store that runs".into());
-    };
+    // The engine's self-test first: a store that cannot be used is the first thing to say.
+    let store = crate::store::open_async(&args.store).await?;
     let key = crate::coord::key_file(&args.key_file)?;
-    let own = data_dir.join("mds").join(args.id.to_string());
-    // Two processes with one id would write one journal.
-    let _lock = DataDirLock::acquire(&own).map_err(|e| format!("{}: {e}", own.display()))?;
-    let data = data_dir.clone();
-    let dir = tokio::task::spawn_blocking(move || DataDir::open_existing(&data))
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("{}: {e}", data_dir.display()))?;
-    if dir.key != key {
-        return Err(format!(
-            "{} is not the key of the cluster in {}",
-            args.key_file.display(),
-            data_dir.display()
-        ));
-    }
+    let (data_dir, dir, import_keys_from) = match store {
+        Some(store) => open_on_store(&args, store, key).await?,
+        None => {
+            let Some(data_dir) = args.data.clone() else {
+                return Err("--data DIR or --store s3://BUCKET/PREFIX is needed".into());
+            };
+            let (lock, dir) = open_shared_dir(&args, &data_dir, key).await?;
+            // A single server's keys go with its data directory when it becomes a
+            // cluster's.
+            (data_dir.clone(), (lock, dir), Some(data_dir))
+        }
+    };
+    let (_lock, dir) = dir;
     let addr = args
         .advertise
         .clone()
@@ -113,13 +108,13 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
             ..ParticipantConfig::default()
         },
         clock: monotonic_clock(),
-        // A single server's keys go with its data directory when it becomes a cluster's.
-        import_keys_from: Some(data_dir.clone()),
+        import_keys_from,
     })
     .await
     .map_err(|e| format!("server {}: {e}", args.id))?;
     let mut config = ServerConfig::new(&data_dir, args.listen);
     config.metrics_listen = args.metrics;
+    config.store_description = crate::store::description(&args.store);
     config.fsync = !args.no_fsync;
     if let Some(n) = args.checkpoint_records {
         config.checkpoint_records = n.max(1);
@@ -160,4 +155,83 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
     }
     server.shutdown().await;
     Ok(())
+}
+
+/// The cluster in the data directory `data_dir` shared by this machine's servers, with this
+/// server's lock in DIR/mds/<id>/.
+async fn open_shared_dir(
+    args: &MdsArgs,
+    data_dir: &Path,
+    key: [u8; 32],
+) -> Result<(DataDirLock, DataDir), String> {
+    let own = data_dir.join("mds").join(args.id.to_string());
+    // Two processes with one id would write one journal.
+    let lock = DataDirLock::acquire(&own).map_err(|e| format!("{}: {e}", own.display()))?;
+    let data = data_dir.to_path_buf();
+    let dir = tokio::task::spawn_blocking(move || DataDir::open_existing(&data))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("{}: {e}", data_dir.display()))?;
+    if dir.key != key {
+        return Err(format!(
+            "{} is not the key of the cluster in {}",
+            args.key_file.display(),
+            data_dir.display()
+        ));
+    }
+    Ok((lock, dir))
+}
+
+/// The cluster in the store on S3 `store`, which holds everything durable: the cluster
+/// description, the journals, checkpoints and manifests of every server. This host's own
+/// directory (`--data`, or the default) holds this server's lock and, until file data
+/// lives in the store, file data. A store with no cluster yet is initialised first (see
+/// [`crate::cluster_up::init_store`]: of several servers started at once on a new store,
+/// one does it, the others wait).
+async fn open_on_store(
+    args: &MdsArgs,
+    store: std::sync::Arc<dyn kochab_store::ObjectStore>,
+    key: [u8; 32],
+) -> Result<(PathBuf, (DataDirLock, DataDir), Option<PathBuf>), String> {
+    let url = args.store.store.clone().unwrap_or_default();
+    let local = match &args.data {
+        Some(d) => d.clone(),
+        None => default_local_dir(args.id)?,
+    };
+    let own = local.join("mds").join(args.id.to_string());
+    // Two processes with one id on this host would write one journal (on two hosts, the
+    // epochs in the store keep them apart: the later start fences the earlier).
+    let lock = DataDirLock::acquire(&own).map_err(|e| format!("{}: {e}", own.display()))?;
+    crate::cluster_up::init_store(
+        &own.join("init"),
+        store.clone(),
+        key,
+        &format!("server {}", args.id),
+        &url,
+    )
+    .await?;
+    let path = local.clone();
+    let name = url.clone();
+    let dir = tokio::task::spawn_blocking(move || DataDir::open_member(&path, store, key, &name))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("{}: {e}", args.key_file.display()))?;
+    eprintln!(
+        "kochab: server {}: metadata in {url}; local directory {} (lock, file data)",
+        args.id,
+        local.display()
+    );
+    // The keys of a single server that ran on this directory (`kochab up --store`), if
+    // any: the first server to join a cluster without keys imports them.
+    Ok((local.clone(), (lock, dir), Some(local)))
+}
+
+/// This host's directory for server `id` when --store is given without --data.
+fn default_local_dir(id: u32) -> Result<PathBuf, String> {
+    let base = match (std::env::var_os("XDG_CACHE_HOME"), std::env::var_os("HOME")) {
+        (Some(x), _) if !x.is_empty() => PathBuf::from(x).join("kochab"),
+        (_, Some(h)) if !h.is_empty() => PathBuf::from(h).join(".cache").join("kochab"),
+        _ => PathBuf::from("/var/tmp/kochab"),
+    };
+    Ok(base.join(format!("mds-{id}")))
 }

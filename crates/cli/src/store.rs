@@ -50,6 +50,14 @@ pub fn open(args: &StoreArgs) -> Result<Option<Arc<dyn ObjectStore>>, String> {
     Ok(Some(Arc::new(store)))
 }
 
+/// What `kochab status` says of a store on S3 that passed the self-test at start.
+pub fn description(args: &StoreArgs) -> Option<String> {
+    let url = args.store.as_ref()?;
+    Some(format!(
+        "{url}, engine self-test passed at start (conditional create honoured)"
+    ))
+}
+
 /// [`open`] off the calling runtime's worker threads (the store's requests are waited for
 /// synchronously).
 pub async fn open_async(args: &StoreArgs) -> Result<Option<Arc<dyn ObjectStore>>, String> {
@@ -60,22 +68,4 @@ pub async fn open_async(args: &StoreArgs) -> Result<Option<Arc<dyn ObjectStore>>
     tokio::task::spawn_blocking(move || open(&args))
         .await
         .map_err(|e| format!("the store's self-test failed: {e}"))?
-}
-
-/// For a command given `--store` that cannot run on S3 yet: opens the store and self-tests
-/// the engine, then refuses to go on, saying what is missing. `Ok(())` without `--store`.
-pub async fn refuse_after_self_test_async(
-    args: &StoreArgs,
-    what: &str,
-    missing: &str,
-) -> Result<(), String> {
-    if args.store.is_none() {
-        return Ok(());
-    }
-    let url = args.store.clone().unwrap_or_default();
-    open_async(args).await?;
-    Err(format!(
-        "{url}: the engine passed the self-test, but {what} cannot run on a store on S3 yet: \
-         {missing}"
-    ))
 }

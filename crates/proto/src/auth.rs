@@ -80,6 +80,7 @@ const CLIENT_ROLE: &[u8] = b"kochab client proof v2";
 const SERVER_ROLE: &[u8] = b"kochab server proof v2";
 const SESSION_ROLE: &[u8] = b"kochab session id v2";
 const REPLAY_KEY_ROLE: &[u8] = b"kochab replay tag key v1";
+const KEY_CHECK_ROLE: &[u8] = b"kochab cluster key check v1";
 
 fn mac_for(key: &ClusterKey, role: &[u8], t: &Transcript) -> Hmac<Sha256> {
     let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(key)
@@ -126,6 +127,17 @@ pub fn session_id(cluster_key: &ClusterKey, key_id: KeyId, client_id: u64) -> u6
     let mut b = [0u8; 8];
     b.copy_from_slice(&h[..8]);
     u64::from_le_bytes(b)
+}
+
+/// What a cluster's store records of its key: a keyed hash of the cluster's id under the
+/// key, so a server given another key is refused at start, and the store (which anyone
+/// with the bucket's credentials reads) tells nothing of the key itself.
+pub fn key_check(cluster_key: &ClusterKey, cluster_id: u64) -> [u8; 32] {
+    let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(cluster_key)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    m.update(KEY_CHECK_ROLE);
+    m.update(&cluster_id.to_le_bytes());
+    m.finalize().into_bytes().into()
 }
 
 /// Bytes of a replay tag: HMAC-SHA256 truncated to 128 bits (RFC 2104 allows truncation to

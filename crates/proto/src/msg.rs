@@ -818,6 +818,9 @@ pub struct StatusReport {
     pub rss_bytes: u64,
     pub connections: u64,
     pub durable_mode: bool,
+    /// Where the metadata is durable: the data directory's own store, or a store on S3
+    /// (its URL and endpoint, and what its engine's self-test found at start).
+    pub store: String,
 }
 
 #[cfg(test)]

@@ -492,6 +492,7 @@ fn status_report() -> impl Strategy<Value = StatusReport> {
                 rss_bytes,
                 connections,
                 durable_mode,
+                store: format!("s3://b/p{epoch}"),
             },
         )
 }

@@ -447,6 +447,8 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub server_id: u64,
     pub durable_mode: bool,
+    /// What `kochab status` says of the store (see `ServerConfig::store_description`).
+    pub store_description: String,
     pub started: Instant,
     pub connections: AtomicU64,
     /// Numbers connections (callbacks name the connection they go to).
@@ -898,6 +900,7 @@ impl Shared {
             rss_bytes: crate::metrics::rss_bytes(),
             connections: self.connections.load(Ordering::Relaxed),
             durable_mode: self.durable_mode,
+            store: self.store_description.clone(),
         }
     }
 

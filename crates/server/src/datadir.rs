@@ -21,6 +21,18 @@ pub const KEY_FILE: &str = "cluster.key";
 pub const LOCK_FILE: &str = "kochab.lock";
 /// Object holding the cluster description.
 const CLUSTER_OBJECT: &str = "cluster.json";
+/// Object holding the check of the cluster key ([`kochab_proto::auth::key_check`], hex),
+/// recorded by conditional create by the first start given a store: every later start,
+/// on whatever host, must hold the same key.
+const KEY_CHECK_OBJECT: &str = "cluster.keycheck";
+/// Object whose presence says every table of the store was released to a cluster of
+/// servers (by conditional create, once the release is done): metadata servers serve it,
+/// a single server (`kochab up` without --servers) refuses it.
+pub const RELEASED_OBJECT: &str = "cluster.released";
+/// Object naming who initialises a new cluster in a store (created by conditional create:
+/// of several first starts on several hosts, one turns the store over to the cluster and
+/// the others wait for [`RELEASED_OBJECT`]).
+pub const INIT_CLAIM_OBJECT: &str = "cluster.init";
 /// Object holding this server's id and its current epoch (bumped on every start), kept for
 /// older versions; the epoch that counts is the newest of [`epoch_base`]'s versions.
 const SERVER_OBJECT: &str = "server.json";
@@ -219,7 +231,85 @@ fn read_or_create_meta(store: &dyn ObjectStore, name: &str) -> io::Result<(Clust
     }
 }
 
+/// Checks `key` against the check `store` records of its cluster's key, recording it (by
+/// conditional create: the first start wins, every other must agree) if there is none.
+pub fn check_key(
+    store: &dyn ObjectStore,
+    meta: &ClusterMeta,
+    key: &ClusterKey,
+    name: &str,
+) -> io::Result<()> {
+    let want = key_to_hex(&kochab_proto::auth::key_check(key, meta.cluster_id));
+    let have = match store.get(KEY_CHECK_OBJECT)? {
+        Some(b) => b,
+        None => match store.create_if_absent(KEY_CHECK_OBJECT, want.as_bytes()) {
+            Ok(()) => return Ok(()),
+            // Another start recorded it first, or a retried create whose first try made it.
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+                store.get(KEY_CHECK_OBJECT)?.ok_or_else(|| {
+                    io::Error::other(format!(
+                        "{name}: {KEY_CHECK_OBJECT} exists and then does not"
+                    ))
+                })?
+            }
+            Err(e) => return Err(e),
+        },
+    };
+    if have.trim_ascii() != want.as_bytes() {
+        return Err(io::Error::new(
+            ErrorKind::PermissionDenied,
+            format!(
+                "the key given is not the key of the cluster in {name} (its {KEY_CHECK_OBJECT} \
+                 records another): give every server and coordinator the same cluster key"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// True if every table of `store` was released to a cluster of servers.
+pub fn is_released(store: &dyn ObjectStore) -> io::Result<bool> {
+    store.exists(RELEASED_OBJECT)
+}
+
+/// Records that every table of `store` was released to a cluster of servers (a second
+/// record, or a retried one, changes nothing).
+pub fn mark_released(store: &dyn ObjectStore) -> io::Result<()> {
+    match store.create_if_absent(RELEASED_OBJECT, b"every table released to the cluster\n") {
+        Err(e) if e.kind() != ErrorKind::AlreadyExists => Err(e),
+        _ => Ok(()),
+    }
+}
+
 impl DataDir {
+    /// A metadata server's view of a cluster's store on another host's or a bucket's:
+    /// the description read from `store` (which must hold a cluster), `key` checked
+    /// against it. `local` is this host's own directory: file data while the store has no
+    /// positioned I/O (see [`DataDir::data_store`]), nothing another host needs.
+    pub fn open_member(
+        local: &Path,
+        store: Arc<dyn ObjectStore>,
+        key: ClusterKey,
+        name: &str,
+    ) -> io::Result<DataDir> {
+        let meta = read_meta(store.as_ref(), name)?.ok_or_else(|| {
+            io::Error::new(
+                ErrorKind::NotFound,
+                format!("{name} holds no Kochab cluster (no {CLUSTER_OBJECT})"),
+            )
+        })?;
+        check_key(store.as_ref(), &meta, &key, name)?;
+        let data_store = data_store_for(&store, local)?;
+        Ok(DataDir {
+            path: local.to_path_buf(),
+            store,
+            data_store,
+            key,
+            meta,
+            created: false,
+        })
+    }
+
     /// Opens the cluster in `path`, which must hold one (for offline tools: nothing is
     /// created). The caller holds the directory's [`DataDirLock`].
     pub fn open_existing(path: &Path) -> io::Result<DataDir> {
@@ -249,6 +339,17 @@ impl DataDir {
         path: &Path,
         store: Option<Arc<dyn ObjectStore>>,
     ) -> io::Result<DataDir> {
+        DataDir::open_or_create_with(path, store, None)
+    }
+
+    /// [`DataDir::open_or_create_on`] with the cluster key `key` (if given) instead of the
+    /// directory's key file, which is then neither read nor made. A key is checked against
+    /// the check a given store records (see [`check_key`]).
+    pub fn open_or_create_with(
+        path: &Path,
+        store: Option<Arc<dyn ObjectStore>>,
+        key: Option<ClusterKey>,
+    ) -> io::Result<DataDir> {
         // A new directory is made 0700; an existing one keeps the mode its owner gave it
         // (the key files in it are 0600 whatever the directory's mode).
         if !path.exists() {
@@ -258,24 +359,37 @@ impl DataDir {
                 .mode(0o700)
                 .create(path)?;
         }
-        let key_path = path.join(KEY_FILE);
-        let key = match read_key_file(&key_path) {
-            Ok(k) => k,
-            Err(e) if e.kind() == ErrorKind::NotFound => create_key_file(&key_path)?,
-            Err(e) => return Err(e),
+        let key = match key {
+            Some(k) => k,
+            None => {
+                let key_path = path.join(KEY_FILE);
+                let key = match read_key_file(&key_path) {
+                    Ok(k) => k,
+                    Err(e) if e.kind() == ErrorKind::NotFound => create_key_file(&key_path)?,
+                    Err(e) => return Err(e),
+                };
+                let mode = fs::metadata(&key_path)?.permissions().mode() & 0o777;
+                if mode & 0o077 != 0 {
+                    return Err(io::Error::new(
+                        ErrorKind::PermissionDenied,
+                        format!("{} has mode {mode:o}; it must be 0600", key_path.display()),
+                    ));
+                }
+                key
+            }
         };
-        let mode = fs::metadata(&key_path)?.permissions().mode() & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(io::Error::new(
-                ErrorKind::PermissionDenied,
-                format!("{} has mode {mode:o}; it must be 0600", key_path.display()),
-            ));
-        }
+        let given = store.is_some();
         let store: Arc<dyn ObjectStore> = match store {
             Some(s) => s,
             None => Arc::new(LocalStore::open(path.join("store"))?),
         };
         let (meta, created) = read_or_create_meta(store.as_ref(), &path.display().to_string())?;
+        // A store of its own (a bucket) may be shared by hosts that each hold a copy of the
+        // key: the store says which key is the cluster's. The directory's own store sits
+        // beside its key and needs no check.
+        if given {
+            check_key(store.as_ref(), &meta, &key, &path.display().to_string())?;
+        }
         let data_store = data_store_for(&store, path)?;
         Ok(DataDir {
             path: path.to_path_buf(),
@@ -369,9 +483,10 @@ mod tests {
 
     #[test]
     fn starts_racing_over_one_store_share_one_cluster_and_never_an_epoch() {
-        // Four hosts (directories of their own) start one server over one store of whole
-        // objects at once, five times each.
+        // Four hosts (directories of their own, a copy of the key each) start one server
+        // over one store of whole objects at once, five times each.
         let store: Arc<dyn ObjectStore> = Arc::new(kochab_store::MemStore::objects_only());
+        let key = [7u8; 32];
         let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
         let barrier = Arc::new(std::sync::Barrier::new(dirs.len()));
         let runs: Vec<_> = dirs
@@ -381,7 +496,11 @@ mod tests {
                     (d.path().to_path_buf(), store.clone(), barrier.clone());
                 std::thread::spawn(move || {
                     barrier.wait();
-                    let dir = DataDir::open_or_create_on(&path, Some(store)).unwrap();
+                    let dir = DataDir::open_or_create_with(&path, Some(store), Some(key)).unwrap();
+                    assert!(
+                        !path.join(KEY_FILE).exists(),
+                        "the key given is not written"
+                    );
                     assert!(dir.data_store.positioned_io(), "file data stays local");
                     let epochs: Vec<u64> = (0..5)
                         .map(|_| dir.next_incarnation().unwrap().epoch)
@@ -396,6 +515,42 @@ mod tests {
         let mut epochs: Vec<u64> = results.iter().flat_map(|r| r.2.clone()).collect();
         epochs.sort_unstable();
         assert_eq!(epochs, (1..=20).collect::<Vec<_>>(), "every epoch once");
+    }
+
+    #[test]
+    fn a_store_shared_by_hosts_refuses_another_key() {
+        let store: Arc<dyn ObjectStore> = Arc::new(kochab_store::MemStore::objects_only());
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        // The first start makes the cluster and records its key's check, not the key.
+        let dir = DataDir::open_or_create_on(a.path(), Some(store.clone())).unwrap();
+        let check = store.get(KEY_CHECK_OBJECT).unwrap().unwrap();
+        assert!(!String::from_utf8_lossy(&check).contains(&key_to_hex(&dir.key)));
+        // Another host with its own new key file is refused; with a copy of the key, it
+        // opens the same cluster, as a member does without touching its directory's key.
+        let err = DataDir::open_or_create_on(b.path(), Some(store.clone()))
+            .err()
+            .expect("another key");
+        assert_eq!(err.kind(), ErrorKind::PermissionDenied, "{err}");
+        let err = DataDir::open_member(b.path(), store.clone(), [9; 32], "s3://b/p")
+            .err()
+            .expect("another key");
+        assert!(
+            err.to_string().contains("not the key of the cluster"),
+            "{err}"
+        );
+        let m = DataDir::open_member(b.path(), store.clone(), dir.key, "s3://b/p").unwrap();
+        assert_eq!(m.meta.cluster_id, dir.meta.cluster_id);
+        // A member needs a cluster there.
+        let empty: Arc<dyn ObjectStore> = Arc::new(kochab_store::MemStore::objects_only());
+        let err = DataDir::open_member(b.path(), empty, dir.key, "s3://b/q")
+            .err()
+            .expect("no cluster");
+        assert_eq!(err.kind(), ErrorKind::NotFound);
+        // Marking released is idempotent.
+        assert!(!is_released(store.as_ref()).unwrap());
+        mark_released(store.as_ref()).unwrap();
+        mark_released(store.as_ref()).unwrap();
+        assert!(is_released(store.as_ref()).unwrap());
     }
 
     #[test]

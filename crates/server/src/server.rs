@@ -53,6 +53,12 @@ pub struct ServerConfig {
     pub session_grace: Duration,
     /// TLS for client connections: a PEM certificate chain and its PEM private key.
     pub tls_cert_key: Option<(PathBuf, PathBuf)>,
+    /// The cluster key, given instead of read from (or made in) the data directory's key
+    /// file: a server over a store on S3 that a cluster's hosts share, each with a copy.
+    pub cluster_key: Option<ClusterKey>,
+    /// What `kochab status` says of the store when it is not the data directory's own
+    /// (the URL of a store on S3 and its engine's self-test).
+    pub store_description: Option<String>,
 }
 
 impl ServerConfig {
@@ -69,6 +75,8 @@ impl ServerConfig {
             segment_bytes: JournalOptions::default().segment_bytes,
             session_grace: Duration::from_secs(10),
             tls_cert_key: None,
+            cluster_key: None,
+            store_description: None,
         }
     }
 }
@@ -125,11 +133,24 @@ pub async fn start_on(
     store: Option<Arc<dyn ObjectStore>>,
 ) -> io::Result<RunningServer> {
     let dir_path = config.data_dir.clone();
+    let key = config.cluster_key;
     let (lock, dir, me, recovered) = tokio::task::spawn_blocking(move || -> io::Result<_> {
         // Before anything is read: two servers on one directory would overwrite each
         // other's journal.
         let lock = DataDirLock::acquire(&dir_path)?;
-        let dir = DataDir::open_or_create_on(&dir_path, store)?;
+        let dir = DataDir::open_or_create_with(&dir_path, store, key)?;
+        // A single server would claim every table while the cluster's servers serve them.
+        if crate::datadir::is_released(dir.store.as_ref())? {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!(
+                    "the store of {} belongs to a cluster of servers (it holds {}): start \
+                     it with `kochab up --servers N` or `kochab mds`",
+                    dir_path.display(),
+                    crate::datadir::RELEASED_OBJECT
+                ),
+            ));
+        }
         let state = dir.next_incarnation()?;
         let me = JournalId {
             server: state.server_id,
@@ -320,6 +341,10 @@ async fn serve(
         metrics: metrics.clone(),
         server_id: dir.status_id,
         durable_mode: config.fsync,
+        store_description: config
+            .store_description
+            .clone()
+            .unwrap_or_else(|| format!("local, {}", config.data_dir.join("store").display())),
         started: Instant::now(),
         connections: AtomicU64::new(0),
         next_conn: AtomicU64::new(1),
