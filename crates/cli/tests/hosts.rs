@@ -35,17 +35,22 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Where the metadata servers keep their state. `Local`: one directory every host reads
-/// (the hosts share the test machine's filesystem), which stands in for a shared store
-/// until `kochab mds --store` serves; `S3`: the RGW on the store host, each server's
-/// local directory its host's own.
+/// Where the metadata servers keep their state. `S3`: the RGW on the store host (`kochab
+/// mds --store`), each server's local directory its host's own. `Local`: one directory
+/// every host reads (the hosts share the test machine's filesystem), `kochab mds --data`,
+/// for comparison: `KOCHAB_HOSTS_STORE=local`.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Store {
     Local,
-    #[allow(dead_code)] // until `kochab mds --store` serves
     S3,
 }
-const STORE: Store = Store::Local;
+
+fn store() -> Store {
+    match std::env::var("KOCHAB_HOSTS_STORE").as_deref() {
+        Ok("local") => Store::Local,
+        _ => Store::S3,
+    }
+}
 
 /// A server's lease (s), as `kochab up --servers` gives by default: a dead server's tables
 /// are recovered about this long after it stopped renewing.
@@ -174,6 +179,23 @@ fn world(
     Some((turn, w))
 }
 
+/// A copy of the cluster key in `h`'s directory (mode 0600, as `kochab` wants it): each
+/// host has its own, as separate machines would.
+fn install_key(h: &Host, key: &[u8; 32]) -> PathBuf {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = h.dir.join("cluster.key");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .unwrap();
+    writeln!(f, "{}", kochab_proto::auth::key_to_hex(key)).unwrap();
+    path
+}
+
 /// A data directory holding a cluster whose every table is released (as `kochab up
 /// --servers` leaves one): a single server starts on it once and lets every table go.
 fn prepare_local(data: &Path) {
@@ -251,13 +273,20 @@ impl Cluster {
             let tag: String = b.iter().map(|x| format!("{x:02x}")).collect();
             format!("s3://{}/hosts/{test}-{tag}", w.bucket)
         };
-        match STORE {
-            Store::Local => prepare_local(&data),
-            Store::S3 => unimplemented!("kochab mds --store"),
-        }
-        let key_file = data.join(kochab_server::KEY_FILE);
-        let key = kochab_server::read_key_file(&key_file).unwrap();
+        let key: [u8; 32] = match store() {
+            Store::Local => {
+                prepare_local(&data);
+                kochab_server::read_key_file(&data.join(kochab_server::KEY_FILE)).unwrap()
+            }
+            // The first server to start on the new location initialises it with this key.
+            Store::S3 => {
+                let mut k = [0u8; 32];
+                getrandom::fill(&mut k).unwrap();
+                k
+            }
+        };
         let client = net.host(&format!("{test}-client"), CLIENT_HOST).unwrap();
+        let key_file = install_key(&client, &key);
         let coords: Vec<Host> = COORD_HOSTS
             .iter()
             .enumerate()
@@ -284,7 +313,7 @@ impl Cluster {
                     .args(["--peers", &peers, "--data"])
                     .arg(h.dir.join("coord"))
                     .arg("--key-file")
-                    .arg(&key_file)
+                    .arg(install_key(h, &key))
                     .args(["--bootstrap", "--lease", &LEASE_S.to_string()])
                     .env("KOCHAB_LOG", "info")
                     .stdout(out.try_clone().unwrap())
@@ -333,10 +362,11 @@ impl Cluster {
         wait_until("every table placed", 60, || cluster.placed());
         cluster.mount();
         eprintln!(
-            "{test}: {} coordinators, {} servers and a mount on hosts in {:?} (store: {STORE:?})",
+            "{test}: {} coordinators, {} servers and a mount on hosts in {:?} (store: {:?})",
             cluster.coords.len(),
             cluster.mds.len(),
-            t0.elapsed()
+            t0.elapsed(),
+            store()
         );
         cluster
     }
@@ -352,11 +382,11 @@ impl Cluster {
         cmd.args(["mds", "--id", &m.id.to_string(), "--listen"])
             .arg(addr_of(&m.host, MDS_PORT).to_string())
             .args(["--coord", &self.coord_list, "--key-file"])
-            .arg(&self.key_file)
+            .arg(install_key(&m.host, &self.key))
             .env("KOCHAB_LOG", "info")
             .stdout(out.try_clone().unwrap())
             .stderr(out);
-        match STORE {
+        match store() {
             Store::Local => cmd.arg("--data").arg(&self.data),
             Store::S3 => cmd
                 .args(["--store", &self.location, "--store-env"])
@@ -884,8 +914,9 @@ fn offline_fsck(test: &str, c: &Cluster) -> String {
     for h in &c.coords {
         h.kill_all();
     }
-    let mut cmd = std::process::Command::new(kochab_bin());
-    match STORE {
+    // From the client host: the store host is reachable only on the hosts' network.
+    let mut cmd = c.client.command(kochab_bin());
+    match store() {
         Store::Local => cmd.args(["fsck", "--data"]).arg(&c.data),
         Store::S3 => cmd
             .args(["fsck", "--store", &c.location, "--store-env"])
@@ -1191,16 +1222,27 @@ fn every_ceph_daemon_killed_and_restarted_stalls_the_servers_and_loses_nothing()
     });
     // Down for a few leases: long enough for anything that would give up to give up.
     std::thread::sleep(Duration::from_secs(3 * LEASE_S as u64));
+    let exited: Vec<u32> = c
+        .mds
+        .iter()
+        .filter(|m| !m.host.running(m.pid))
+        .map(|m| m.id)
+        .collect();
+    eprintln!("{T}: servers exited while Ceph was down: {exited:?}");
     let during = load.acked.load(Ordering::SeqCst) - before;
     let during_durable = load.acked_durable.load(Ordering::SeqCst) - before_durable;
     let t1 = Instant::now();
     rgw(&world.store, &world.rgw_dir, "start").unwrap_or_else(|e| panic!("{e}"));
     let restart = t1.elapsed();
     let at_restart = load.acked_durable.load(Ordering::SeqCst);
+    // Every server must still be there (stalled, not stopped) and acknowledge again.
     wait_until(
         "the native clients acknowledged again",
         RECOVERY_LIMIT.as_secs(),
-        || load.acked_durable.load(Ordering::SeqCst) > at_restart + 10,
+        || {
+            assert_no_server_exited(&c, None);
+            load.acked_durable.load(Ordering::SeqCst) > at_restart + 10
+        },
     );
     eprintln!(
         "{T}: SIGKILLed {:?}; down {:.2} s ({during} ops acknowledged meanwhile, {during_durable} of them durable); restarted in \
