@@ -558,6 +558,7 @@ impl Drop for Cluster {
             self.keep_logs();
         }
         self.client.kill_all();
+        hosts::abort_fuse(&self.mnt);
         force_unmount(&self.mnt);
     }
 }
@@ -735,14 +736,21 @@ impl Load {
         }
     }
 
-    fn finish(self) -> Ledger {
+    fn finish(mut self) -> Ledger {
         self.stop.store(true, Ordering::SeqCst);
         let mut ledger = Ledger::default();
-        for h in self.handles {
+        for h in std::mem::take(&mut self.handles) {
             let (dir, names, ok, failed) = h.join().expect("load worker");
             ledger.merge(&dir, names, ok, failed);
         }
         ledger
+    }
+}
+
+impl Drop for Load {
+    /// A test that failed mid-load stops its workers (they end once the mount is gone).
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
     }
 }
 
@@ -907,6 +915,7 @@ fn exit_watch(pid: u32, t0: Instant) -> Arc<Mutex<Option<Duration>>> {
 /// once, links across servers included. Returns its summary.
 fn offline_fsck(test: &str, c: &Cluster) -> String {
     c.client.kill_all();
+    hosts::abort_fuse(&c.mnt);
     force_unmount(&c.mnt);
     for m in &c.mds {
         m.host.kill_all();

@@ -172,6 +172,26 @@ pub fn remove_stale() {
             eprintln!("hosts: removed the stale namespace {name}");
         }
     }
+    // Scratch directories (`PREFIX-<pid>-XXXX` in the temporary directory), after lazily
+    // unmounting whatever is mounted under them (a mount whose process was killed).
+    for e in std::fs::read_dir(std::env::temp_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(PREFIX) && stale(&name) {
+            let dir = e.path();
+            let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+            for m in mounts.lines().filter_map(|l| l.split_whitespace().nth(1)) {
+                if Path::new(m).starts_with(&dir) {
+                    let _ = run_bounded(Command::new("umount").args(["-l", m]), IP_TIMEOUT);
+                }
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            eprintln!("hosts: removed the stale directory {}", dir.display());
+        }
+    }
     for line in ip(&["-o", "link", "show"]).unwrap_or_default().lines() {
         // "7: kv123x4@if6: <...>"
         let Some(name) = line
@@ -184,6 +204,27 @@ pub fn remove_stale() {
         if stale(name) {
             let _ = ip(&["link", "del", name]);
             eprintln!("hosts: removed the stale link {name}");
+        }
+    }
+}
+
+/// Aborts the FUSE connection mounted at `mnt`, if any (`/sys/fs/fuse/connections/N/abort`,
+/// N the mount's device minor): requests waiting in it fail at once instead of leaving the
+/// threads that made them in uninterruptible sleep, as they were seen to stay (for minutes,
+/// in a test process that could then not exit) after the mount process was SIGKILLed while
+/// its requests waited.
+pub fn abort_fuse(mnt: &Path) {
+    let Ok(canon) = std::fs::canonicalize(mnt) else {
+        return;
+    };
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for l in info.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() > 4
+            && Path::new(f[4]) == canon
+            && let Some((_, minor)) = f[2].split_once(':')
+        {
+            let _ = std::fs::write(format!("/sys/fs/fuse/connections/{minor}/abort"), "1");
         }
     }
 }
@@ -206,7 +247,7 @@ impl Net {
             bridge,
             n,
             dir: tempfile::Builder::new()
-                .prefix("kochab-hosts")
+                .prefix(&format!("{PREFIX}-{}-", std::process::id()))
                 .tempdir()
                 .map_err(|e| e.to_string())?,
         };
