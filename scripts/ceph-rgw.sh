@@ -21,13 +21,17 @@
 # Knobs: KOCHAB_RGW_DIR (default /tmp/kochab-rgw), KOCHAB_RGW_PORT (S3, default 17480),
 # KOCHAB_RGW_MON_PORT (default 13300), KOCHAB_RGW_OSD_PORTS (default 16800-16899). They
 # are not Ceph's default ports so that this cluster and another on the machine (one
-# started by hand for benchmarks, say) do not collide.
+# started by hand for benchmarks, say) do not collide. KOCHAB_RGW_ADDR (default
+# 127.0.0.1): the IPv4 address every daemon binds and the env file names, e.g. a network
+# namespace's own address when Ceph is a host of its own in a test (`start` takes it from
+# the cluster's ceph.conf).
 set -euo pipefail
 
 D=${KOCHAB_RGW_DIR:-/tmp/kochab-rgw}
 CONF=$D/ceph.conf
 RGW_PORT=${KOCHAB_RGW_PORT:-17480}
 MON_PORT=${KOCHAB_RGW_MON_PORT:-13300}
+ADDR=${KOCHAB_RGW_ADDR:-127.0.0.1}
 OSD_PORTS=${KOCHAB_RGW_OSD_PORTS:-16800-16899}
 BUCKET=kochab-test
 # Ceph's daemons, in start order.
@@ -100,7 +104,7 @@ start_daemons() {
   running osd.0 || ceph-osd -c "$CONF" -i 0 </dev/null >>"$D/log/osd.0.out" 2>&1
   wait_for 90 "osd.0 up" sh -c "ceph -c '$CONF' osd stat -f json | grep -q '\"num_up_osds\":1'"
   running client.rgw.gw || radosgw -c "$CONF" -n client.rgw.gw </dev/null >>"$D/log/rgw.out" 2>&1
-  wait_for 120 "radosgw on 127.0.0.1:$RGW_PORT" curl -sf -o /dev/null "http://127.0.0.1:$RGW_PORT/"
+  wait_for 120 "radosgw on $ADDR:$RGW_PORT" curl -sf -o /dev/null "http://$ADDR:$RGW_PORT/"
 }
 
 write_conf() {
@@ -108,9 +112,9 @@ write_conf() {
   cat >"$CONF" <<CONF
 [global]
 fsid = $fsid
-mon_host = [v2:127.0.0.1:$MON_PORT]
-public_addr = 127.0.0.1
-cluster_addr = 127.0.0.1
+mon_host = [v2:$ADDR:$MON_PORT]
+public_addr = $ADDR
+cluster_addr = $ADDR
 ms_bind_ipv4 = true
 ms_bind_ipv6 = false
 ms_bind_msgr1 = false
@@ -171,7 +175,7 @@ bluestore_cache_size = 67108864
 rgw_data = $D/\$name
 # Without tcp_nodelay, every answer with a body (GET, LIST, multi-object DELETE) waits
 # 40 ms for the client's delayed ACK (Nagle's algorithm): measured, GET p50 44 ms.
-rgw_frontends = beast endpoint=127.0.0.1:$RGW_PORT tcp_nodelay=1
+rgw_frontends = beast endpoint=$ADDR:$RGW_PORT tcp_nodelay=1
 rgw_thread_pool_size = 64
 CONF
 }
@@ -189,8 +193,8 @@ up() {
   [ ! -f "$CONF" ] || stop_daemons KILL
   local port
   for port in "$MON_PORT" "$RGW_PORT"; do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-      die "127.0.0.1:$port is in use (another Ceph?); see KOCHAB_RGW_*PORT* in $0"
+    if (exec 3<>"/dev/tcp/$ADDR/$port") 2>/dev/null; then
+      die "$ADDR:$port is in use (another Ceph?); see KOCHAB_RGW_*PORT* in $0"
     fi
   done
   rm -rf "$D"
@@ -206,7 +210,7 @@ up() {
   ceph-authtool --create-keyring "$D/ceph.client.admin.keyring" --gen-key -n client.admin \
     --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *' >/dev/null
   ceph-authtool "$D/mon.keyring" --import-keyring "$D/ceph.client.admin.keyring" >/dev/null
-  monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$MON_PORT]" "$D/monmap" >/dev/null
+  monmaptool --create --fsid "$fsid" --addv a "[v2:$ADDR:$MON_PORT]" "$D/monmap" >/dev/null
   ceph-mon -c "$CONF" --mkfs -i a --monmap "$D/monmap" --keyring "$D/mon.keyring" 2>>"$D/log/mkfs.out"
   rm -f "$D/mon.keyring"
   ceph-mon -c "$CONF" -i a </dev/null >>"$D/log/mon.a.out" 2>&1
@@ -232,12 +236,12 @@ up() {
   # (curl signs no payload hash by itself; S3 wants one, here that of the empty body.)
   curl -sf --aws-sigv4 "aws:amz:us-east-1:s3" --user "$access:$secret" -X PUT \
     -H "x-amz-content-sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855" \
-    "http://127.0.0.1:$RGW_PORT/$BUCKET" -o /dev/null ||
+    "http://$ADDR:$RGW_PORT/$BUCKET" -o /dev/null ||
     die "cannot create bucket $BUCKET"
   (
     umask 077
     cat >"$D/env" <<ENV
-export AWS_ENDPOINT_URL=http://127.0.0.1:$RGW_PORT
+export AWS_ENDPOINT_URL=http://$ADDR:$RGW_PORT
 export AWS_ACCESS_KEY_ID=$access
 export AWS_SECRET_ACCESS_KEY=$secret
 export AWS_REGION=us-east-1
@@ -246,7 +250,7 @@ export KOCHAB_S3_BUCKET=$BUCKET
 ENV
   )
   trap - EXIT
-  log "ready in $(($(now_ms) - t0)) ms: S3 at http://127.0.0.1:$RGW_PORT, bucket $BUCKET"
+  log "ready in $(($(now_ms) - t0)) ms: S3 at http://$ADDR:$RGW_PORT, bucket $BUCKET"
   echo "$D/env"
 }
 
@@ -258,7 +262,8 @@ case "${1:-}" in
     ;;
   start)
     [ -f "$CONF" ] || die "no cluster in $D (run: $0 up)"
-    RGW_PORT=$(sed -n 's/^rgw_frontends = beast endpoint=127.0.0.1:\([0-9]*\).*$/\1/p' "$CONF")
+    ADDR=$(sed -n 's/^public_addr = \(.*\)$/\1/p' "$CONF")
+    RGW_PORT=$(sed -n 's/^rgw_frontends = beast endpoint=[^ ]*:\([0-9]*\) .*$/\1/p' "$CONF")
     t0=$(now_ms)
     start_daemons
     log "restarted in $(($(now_ms) - t0)) ms"

@@ -2,6 +2,8 @@
 //! killed with real signals, and a deterministic random number generator.
 #![allow(dead_code)]
 
+pub mod hosts;
+
 use kochab_client::{Client, ClientConfig};
 use kochab_proto::auth::ClusterKey;
 pub use kochab_store::crashsim::{Loss, LossReport};
