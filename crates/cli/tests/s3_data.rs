@@ -167,8 +167,11 @@ fn file_data_on_rgw_survives_a_sigkill_and_a_new_local_directory() {
     let slices = count_slices(&s3);
     assert!(slices >= 5, "slices in the bucket: {slices}");
 
-    // Another local directory: only the store is shared.
+    // Another local directory: only the store is shared, and the cluster key, copied as
+    // to a new host (the store checks it).
     let (data_b, mnt_b) = (dir.path().join("b/data"), dir.path().join("b/mnt"));
+    fs::create_dir_all(&data_b).unwrap();
+    fs::copy(data_a.join("cluster.key"), data_b.join("cluster.key")).unwrap();
     let mut server = up(&data_b, &mnt_b, &url, &env_file);
     check_files(&mnt_b, &files, "after the kill, on a new local directory");
     // It writes on from there: a rewrite wins over the old slices.
