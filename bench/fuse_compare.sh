@@ -25,6 +25,9 @@
 #          same-run A/B of two versions;
 #          kochab_sync: `kochab up --mount --mount-options sync` (no write-behind: every
 #          write(2) is a round trip, as before it existed; no early replies either);
+#          kochab_s3: `kochab up --mount --store s3://BUCKET/fuse-compare/PID` on the store of
+#          KOCHAB_S3_ENV (the env file `scripts/ceph-rgw.sh up` printed): journal and file
+#          data as objects in Ceph RGW;
 #          kochab_dirsync: `kochab up --mount --mount-options dirsync` (every metadata change
 #          durable before its reply, as before early replies existed);
 #          bindfs: Debian's bindfs, a FUSE passthrough to a directory of the local ext4 (the
@@ -79,6 +82,7 @@ KMB=/mnt/kfcb.$$                # kochab_nofsync (kochab up --no-fsync)
 KMA=/mnt/kfca.$$                # kochab_base (KOCHAB_BASE_BIN)
 KMS=/mnt/kfcs.$$                # kochab_sync (kochab up --mount-options sync)
 KMD=/mnt/kfcd.$$                # kochab_dirsync (kochab up --mount-options dirsync)
+KM3=/mnt/kfc3.$$                # kochab_s3 (kochab up --store s3://...)
 EJ=/mnt/kfce.$$                 # ext4j: a fresh journaled ext4 in a loop file under $tmp
 BF=/mnt/kfcf.$$                 # bindfs: a FUSE passthrough of $tmp/b (local ext4)
 KPIDS=()
@@ -96,7 +100,7 @@ cleanup() {
       kill -KILL "$pid"; sleep 0.5
     fi
   done
-  for m in "$KM" "$KMB" "$KMA" "$KMS" "$KMD"; do
+  for m in "$KM" "$KMB" "$KMA" "$KMS" "$KMD" "$KM3"; do
     if is_mounted "$m"; then
       echo "$m still mounted after kochab stopped: lazy unmount" >&2
       fusermount3 -uz "$m" 2>/dev/null || umount -l "$m"
@@ -172,6 +176,7 @@ mnt_of() {
     kochab_base) echo "$KMA" ;;
     kochab_sync) echo "$KMS" ;;
     kochab_dirsync) echo "$KMD" ;;
+    kochab_s3) echo "$KM3" ;;
     moosefs) echo "$MFS_MNT" ;;
     ext4) echo "$tmp/e" ;;
     ext4j) echo "$EJ" ;;
@@ -203,6 +208,11 @@ for fs in $FSLIST; do
     kochab_base) start_kochab kochab_base "$((PORT + 2))" "$KMA" ;;
     kochab_sync) start_kochab kochab_sync "$((PORT + 3))" "$KMS" --mount-options sync ${KOCHAB_UP_ARGS:-} ;;
     kochab_dirsync) start_kochab kochab_dirsync "$((PORT + 4))" "$KMD" --mount-options dirsync ${KOCHAB_UP_ARGS:-} ;;
+    kochab_s3)
+      : "${KOCHAB_S3_ENV:?kochab_s3 needs KOCHAB_S3_ENV (the env file of scripts/ceph-rgw.sh up)}"
+      start_kochab kochab_s3 "$((PORT + 5))" "$KM3" \
+        --store "s3://$(sed -n 's/^export KOCHAB_S3_BUCKET=//p' "$KOCHAB_S3_ENV")/fuse-compare/$$" \
+        --store-env "$KOCHAB_S3_ENV" ${KOCHAB_UP_ARGS:-} ;;
     moosefs)
       if is_mounted "$MFS_MNT"; then
         echo "$MFS_MNT is already mounted (someone else's run?): not touching it" >&2; exit 1

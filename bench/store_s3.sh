@@ -7,7 +7,10 @@
 #
 # Usage: bench/store_s3.sh [ROUNDS]   (default 1)
 # Env: KOCHAB_S3_ENV (the env file `scripts/ceph-rgw.sh up` printed; required), CLIENTS (256),
-#      ITEMS (100000), PORT (17700), KOCHAB_BIN, BUCKET (from the env file).
+#      ITEMS (100000), PORT (17700), KOCHAB_BIN, BUCKET (from the env file), SERVERS (1: one
+#      server, `kochab up`; N > 1: `kochab up --servers N`, N metadata server processes with
+#      their coordinator, on the local store or on S3; the journal line is then left out:
+#      the servers of `up --servers` export no metrics).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-1}
@@ -15,6 +18,7 @@ BIN=${KOCHAB_BIN:-target/release/kochab}
 CLIENTS=${CLIENTS:-256}
 ITEMS=${ITEMS:-100000}
 PORT=${PORT:-17700}
+SERVERS=${SERVERS:-1}
 : "${KOCHAB_S3_ENV:?set KOCHAB_S3_ENV to the env file of scripts/ceph-rgw.sh up}"
 BUCKET=${BUCKET:-$(sed -n 's/^export KOCHAB_S3_BUCKET=//p' "$KOCHAB_S3_ENV")}
 tmp=$(mktemp -d /var/tmp/kochab-store-s3.XXXXXX)
@@ -34,18 +38,27 @@ run() {
   if [ "$store" = s3 ]; then
     extra=(--store "s3://$BUCKET/bench/$(date +%s)-$round" --store-env "$KOCHAB_S3_ENV")
   fi
-  "$BIN" up --data "$data" --port "$PORT" --metrics-port $((PORT + 1)) "${extra[@]}" \
-    >"$tmp/$store-$round.log" 2>&1 &
+  if [ "$SERVERS" -gt 1 ]; then
+    extra+=(--servers "$SERVERS")
+  else
+    extra+=(--metrics-port $((PORT + 1)))
+  fi
+  "$BIN" up --data "$data" --port "$PORT" "${extra[@]}" >"$tmp/$store-$round.log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do grep -qs "cluster ready" "$tmp/$store-$round.log" && break; sleep 0.1; done
   grep -q "cluster ready" "$tmp/$store-$round.log" || { cat "$tmp/$store-$round.log"; exit 1; }
   local w0 r0 out w1 r1
-  w0=$(metric kochab_journal_fsync_seconds_count)
-  r0=$(metric kochab_journal_records_per_fsync_sum)
+  w0=0 r0=0 w1=0 r1=0
+  if [ "$SERVERS" = 1 ]; then
+    w0=$(metric kochab_journal_fsync_seconds_count)
+    r0=$(metric kochab_journal_records_per_fsync_sum)
+  fi
   out=$("$BIN" bench --cluster "127.0.0.1:$PORT" --key-file "$data/cluster.key" \
     --clients "$CLIENTS" --items "$ITEMS")
-  w1=$(metric kochab_journal_fsync_seconds_count)
-  r1=$(metric kochab_journal_records_per_fsync_sum)
+  if [ "$SERVERS" = 1 ]; then
+    w1=$(metric kochab_journal_fsync_seconds_count)
+    r1=$(metric kochab_journal_records_per_fsync_sum)
+  fi
   kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
   # The journal is written in the create and remove phases (a stat writes nothing): their
   # time is ITEMS / (ops per second) each.
@@ -55,10 +68,10 @@ run() {
       printf "%-6s round %s  %-7s %9s/s  p50 %6s us  p99 %7s us  errors %s\n", s, r, $1, $2, $3, $4, $5
       if ($1 != "stat") t += items / $2
     }
-    END { printf "%-6s round %s  journal writes %d in %.1f s of create and remove: %.0f/s, %.1f records per write\n", s, r, w, t, w / t, (rec - rec0) / w }'
+    END { if (w == 0) exit; printf "%-6s round %s  journal writes %d in %.1f s of create and remove: %.0f/s, %.1f records per write\n", s, r, w, t, w / t, (rec - rec0) / w }'
 }
 
-echo "$(date -u +%FT%TZ) $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg); $CLIENTS clients, $ITEMS files"
+echo "$(date -u +%FT%TZ) $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg); $SERVERS server(s), $CLIENTS clients, $ITEMS files"
 for round in $(seq "$ROUNDS"); do
   run local "$round"
   run s3 "$round"
