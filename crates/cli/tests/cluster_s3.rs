@@ -450,7 +450,8 @@ fn s(x: impl ToString) -> String {
 /// shared but the bucket: the three servers start at once on a new store (one initialises
 /// the cluster in it, the others wait), a server given another key is refused, a client
 /// creates and renames across servers, a SIGKILLed server's tables are served again by the
-/// others with nothing acknowledged lost, and the stopped cluster's store is clean.
+/// others with nothing acknowledged lost, the killed server started again on a new
+/// directory serves tables again, and the stopped cluster's store is clean.
 #[test]
 fn three_hosts_share_nothing_but_the_store() {
     let Some(rgw) = Rgw::get() else { return };
@@ -592,6 +593,21 @@ fn three_hosts_share_nothing_but_the_store() {
         tables_per_server(&v).keys().all(|&id| id != victim),
         "the killed server serves nothing: {v:#}"
     );
+
+    // The killed server starts again on a directory it never had (as on a new host): a
+    // new incarnation, and the balancer gives it tables again, loaded from the store.
+    let i = (victim - 2) as usize;
+    let mut again = mds_args(i, key_of(&hosts[i]));
+    again[10] = hosts[i].join("local-new").display().to_string();
+    let name = format!("mds{victim}-again");
+    let rx = procs.spawn(&name, &again, &hosts[i].join("mds-again.log"));
+    procs.wait_ready(&name, &rx);
+    let v = wait_spread(survivor, &key_file, 3, 3);
+    let epoch = v["servers"]
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["id"].as_u64() == Some(victim)))
+        .and_then(|s| s["epoch"].as_u64());
+    assert!(epoch.is_some_and(|e| e > 1), "a new incarnation: {v:#}");
 
     for (name, code) in procs.stop("mds") {
         assert_eq!(code, Some(0), "{name} stopped cleanly");
