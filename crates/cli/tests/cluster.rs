@@ -735,3 +735,129 @@ fn a_failover_replays_what_the_mount_had_acknowledged_early() {
         server.log_text()
     );
 }
+
+/// A released table's manifest hands the next owner the releasing server's reply cache,
+/// which holds the entries of every table (the cache is per session), and the next owner
+/// answers a replay from them as done. An entry whose record was not durable yet (an
+/// early-answered rename on a table still served there, made while the release waited
+/// for a mount's callbacks) let the next owner answer that rename's replay "done" after
+/// the releasing server was killed: the rename was lost (the hosts test `kill` lost a
+/// create and a rename so, 1 run in 7). The release now waits until every entry it hands
+/// over is durable.
+#[test]
+fn a_released_table_hands_over_only_durable_replies() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    // Directories dealt across the tables, each with a file, made on one server (no
+    // borrows, no slow journal yet).
+    let names: Vec<String> = (0..8).map(|i| format!("d{i}")).collect();
+    let mut one = start(dir.path(), "1");
+    runtime().block_on(async {
+        let c = one.client(3).await;
+        let cred = Credentials::root();
+        for n in &names {
+            let d = c
+                .mkdir(&cred, c.root(), n.as_bytes(), 0o755)
+                .await
+                .expect("mkdir");
+            c.mknod(&cred, d.id, b"x", 0o100644, 0, true)
+                .await
+                .expect("create x");
+        }
+    });
+    assert_eq!(one.stop(), Some(0), "clean stop; log:\n{}", one.log_text());
+    drop(one);
+    let server = ServerProc::start_env(
+        &data,
+        "0",
+        &["--servers", "2", "--lease", "2"],
+        // Each flush held for 4.5 s: the rename below (2.5 s into a release that waits
+        // about 5 s) is not durable when that release ends, nor when its server is killed
+        // right after.
+        &[("KOCHAB_JOURNAL_DELAY_MS", "4500")],
+    );
+    let servers = wait_spread(&server, 2, 19 / 2);
+    let rt = runtime();
+    let mut cfg = kochab_client::ClientConfig::with_entries(server.addrs.clone(), server.key);
+    cfg.early_replies = true;
+    let client = rt.block_on(Client::connect(cfg)).expect("connect");
+    let cred = Credentials::root();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let ids = rt.block_on(dir_ids(&client, &refs));
+    let table_of = |id: InodeId| -> (String, u64) {
+        let v = status(&server).expect("status");
+        v["tables"]
+            .as_array()
+            .and_then(|a| {
+                a.iter().find_map(|t| {
+                    let lo = u64::from_str_radix(t["lo"].as_str()?, 16).ok()?;
+                    let hi = u64::from_str_radix(t["hi"].as_str()?, 16).ok()?;
+                    (lo <= id && id < hi)
+                        .then(|| Some((t["lo"].as_str()?.to_string(), t["owner"].as_u64()?)))?
+                })
+            })
+            .expect("the table of a directory")
+    };
+    let placed: Vec<(String, u64)> = ids.iter().map(|&id| table_of(id)).collect();
+    let (a, b) = (0..ids.len())
+        .flat_map(|i| (0..ids.len()).map(move |j| (i, j)))
+        .find(|&(i, j)| placed[i].1 == placed[j].1 && placed[i].0 != placed[j].0)
+        .expect("two directories on one server, in two tables");
+    let (victim, pid) = owner_of(&server, ids[a]).expect("owner");
+    let other = *servers
+        .keys()
+        .find(|&&s| s != victim)
+        .expect("the other server");
+    // A mount that caches directory b and then answers no callback: the release of b's
+    // table waits for its lease to run out (`leases::LEASE`, 5 s), seconds in which the
+    // rename below runs on a's table, on the same server.
+    let mount = common::MountProc::start(
+        server.addr,
+        &data.join("cluster.key"),
+        &dir.path().join("m"),
+    );
+    let bdir = mount.mnt.join(&names[b]);
+    std::fs::read_dir(&bdir).expect("list b").for_each(drop);
+    std::fs::metadata(bdir.join("x")).expect("stat b/x");
+    signal(mount.child.id() as i32, libc::SIGSTOP);
+    let mover = std::process::Command::new(common::kochab_bin())
+        .args(["table", "move", &placed[b].0, "--to", &other.to_string()])
+        .args(["--timeout", "120", "--cluster", &server.addr.to_string()])
+        .arg("--key-file")
+        .arg(data.join("cluster.key"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kochab table move");
+    std::thread::sleep(Duration::from_millis(2500));
+    rt.block_on(async {
+        client
+            .rename(&cred, ids[a], b"x", ids[a], b"y", 0)
+            .await
+            .expect("rename answered early");
+    });
+    assert_eq!(client.unsafe_count(), 1, "the rename was answered early");
+    let moved = mover.wait_with_output().expect("move");
+    assert!(
+        moved.status.success(),
+        "move: {}{}",
+        String::from_utf8_lossy(&moved.stdout),
+        String::from_utf8_lossy(&moved.stderr)
+    );
+    // Killed right after the release: the rename is replayed on its table's next owner,
+    // the server that took b's table (there is no other).
+    signal(pid, libc::SIGKILL);
+    signal(mount.child.id() as i32, libc::SIGCONT);
+    drop(mount);
+    let got = rt.block_on(async {
+        client.wait_durable().await.expect("the rename replayed");
+        names_of(&client, ids[a]).await
+    });
+    assert_eq!(
+        got,
+        BTreeSet::from(["y".to_string()]),
+        "server {victim} killed after releasing a table: the acknowledged rename x -> y \
+         was lost; log:\n{}",
+        server.log_text()
+    );
+}

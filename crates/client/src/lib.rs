@@ -1923,7 +1923,7 @@ impl Client {
                     );
                 }
             }
-            self.inner.early.log.lock().replayed(&e);
+            self.inner.early.log.lock().replayed(order, &e);
         }
         true
     }

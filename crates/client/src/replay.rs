@@ -53,6 +53,9 @@ pub struct ReplayLog {
     suspects: BTreeSet<u64>,
     /// Processes found gone: an entry that still arrives from one is replayed too.
     gone: BTreeSet<u64>,
+    /// Orders of the entries taken to be replayed and not replayed yet: a sync point
+    /// waits for them as for the entries kept (they left `entries`, not the log's debt).
+    in_replay: BTreeSet<u64>,
     /// Bytes of written data the entries hold (writes are replayed with their data).
     bytes: usize,
     /// Per server process with entries kept or being replayed: where it answered.
@@ -198,6 +201,7 @@ impl ReplayLog {
         let mut out = Vec::with_capacity(orders.len());
         for o in orders {
             if let Some(e) = self.entries.remove(&o) {
+                self.in_replay.insert(o);
                 self.bytes -= data_bytes(&e);
                 count(&mut self.processes, e.incarnation, |p| {
                     p.kept -= 1;
@@ -212,6 +216,7 @@ impl ReplayLog {
     /// Replays that did not reach a server, to try again later.
     pub fn put_back(&mut self, rest: Vec<(u64, Unsafe)>) {
         for (o, e) in rest {
+            self.in_replay.remove(&o);
             self.suspects.insert(e.incarnation);
             self.bytes += data_bytes(&e);
             count(&mut self.processes, e.incarnation, |p| {
@@ -227,8 +232,10 @@ impl ReplayLog {
         self.bytes
     }
 
-    /// A replay ran (or failed for good): its sequence number may leave the floor.
-    pub fn replayed(&mut self, e: &Unsafe) {
+    /// The replay of the entry numbered `order` ran (or failed for good): its sequence
+    /// number may leave the floor, and sync points stop waiting for it.
+    pub fn replayed(&mut self, order: u64, e: &Unsafe) {
+        self.in_replay.remove(&order);
         if e.req.seq != 0 {
             self.seqs.remove(&e.req.seq);
         }
@@ -240,11 +247,12 @@ impl ReplayLog {
         self.next
     }
 
-    /// True if no entry numbered below `upto` is kept.
+    /// True if no entry numbered below `upto` is kept or being replayed.
     pub fn clear_before(&self, upto: u64) -> bool {
         self.entries
             .first_key_value()
             .is_none_or(|(&o, _)| o >= upto)
+            && self.in_replay.first().is_none_or(|&o| o >= upto)
     }
 
     /// The lowest sequence number kept (the floor stays at or below it).
@@ -354,7 +362,7 @@ mod tests {
         );
         assert_eq!(log.len(), 1);
         // The first replayed, the others did not reach a server: kept for later.
-        log.replayed(&taken[0].1);
+        log.replayed(taken[0].0, &taken[0].1);
         log.put_back(taken[1..].to_vec());
         assert_eq!(log.min_seq(), Some(2));
         assert_eq!(log.next_suspect(), Some((7, "a:1".into())));
@@ -366,6 +374,30 @@ mod tests {
         assert!(!log.has_suspects());
         log.answered(entry(2, 7, 11));
         assert!(log.has_suspects());
+    }
+
+    /// A sync point (fsync) waits for changes taken to be replayed as for those kept: the
+    /// hosts test `kill` read back after a directory fsync that had returned while the
+    /// replays of a killed server's last creates still waited for its tables' new owner,
+    /// and found them missing.
+    #[test]
+    fn a_sync_point_waits_for_replays_in_progress() {
+        let mut log = ReplayLog::default();
+        log.answered(entry(1, 7, 10));
+        log.answered(entry(2, 7, 11));
+        let upto = log.order_now();
+        log.lost(7);
+        let taken = log.take_gone(7);
+        assert!(log.is_empty(), "taken out of the kept entries");
+        assert!(!log.clear_before(upto), "being replayed: not clear yet");
+        log.replayed(taken[0].0, &taken[0].1);
+        assert!(!log.clear_before(upto), "one replay still to run");
+        // Not reached: back among the kept entries, still owed.
+        log.put_back(taken[1..].to_vec());
+        assert!(!log.clear_before(upto));
+        let taken = log.take_gone(7);
+        log.replayed(taken[0].0, &taken[0].1);
+        assert!(log.clear_before(upto), "every replay ran");
     }
 
     #[test]

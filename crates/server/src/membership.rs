@@ -68,10 +68,26 @@ impl Shared {
             (table, handover, self.journal.last_lsn())
         };
         self.wait_callbacks(SERVER_ITSELF);
-        // Taken after the table left the engine: no operation on it can add one now.
-        handover.replies = self.core.lock().replies.export(HANDED_OVER_REPLIES_MAX);
+        // Taken after the table left the engine: no operation on it can add one now. The
+        // entries are of every table (the cache is per session), and the next owner
+        // answers a replay from them as done: each one's record must be durable before
+        // the release says so, or a crash of this server would lose an operation that
+        // another server then claims ran (an early-answered rename on a table still
+        // served here, made between the table's removal and this export, came back
+        // "done" from the next owner of that table too, its record lost with this
+        // server's journal: tests/cluster.rs `a_released_table_hands_over_only_durable_replies`).
+        // Every entry is cached under the core lock right after its record is appended,
+        // so the journal's last LSN read under the same lock covers all exported.
+        let (replies, exported) = {
+            let core = self.core.lock();
+            (
+                core.replies.export(HANDED_OVER_REPLIES_MAX),
+                self.journal.last_lsn(),
+            )
+        };
+        handover.replies = replies;
         self.journal.flush_now();
-        let result = if self.journal.wait_durable(last) {
+        let result = if self.journal.wait_durable(last.max(exported)) {
             ckpt.release(self, &mut table, handover.clone())
         } else {
             Err(io::Error::other("journal failed; table not released"))
