@@ -123,11 +123,11 @@ fn a_stale_version_cannot_be_swapped_in() {
 }
 
 #[test]
-fn positioned_io_is_refused_as_not_built() {
+fn positioned_io_is_refused() {
     let s = store().0;
     let msg = |e: io::Error| {
         assert_eq!(e.kind(), ErrorKind::Unsupported);
-        assert!(e.to_string().contains("not built yet"), "{e}");
+        assert!(e.to_string().contains("no positioned I/O"), "{e}");
     };
     msg(s.open("journal/1.1/0001.seg", true).err().unwrap());
     msg(s.open_direct("x/y", true).err().unwrap());
