@@ -8,61 +8,19 @@
 
 mod common;
 
-use common::kochab_bin;
+use common::{Procs, free_addr, kochab_bin, spawn_ready};
 use kochab_client::tls::TlsClient;
 use kochab_client::{Client, ClientConfig};
 use kochab_cluster::state::CoordState;
 use kochab_coord::CoordClient;
 use kochab_proto::Credentials;
 use kochab_proto::cluster::ServerId;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const O_RDWR: u32 = 2;
-
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-/// Children killed with SIGKILL however the test ends.
-#[derive(Default)]
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// Spawns `kochab ARGS`, logging to `log`, and waits for its first stdout line containing
-/// `ready` (EOF if it exits first).
-fn spawn(args: &[String], log: &Path, ready: &str) -> Child {
-    let mut child = Command::new(kochab_bin())
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .expect("spawn kochab");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(
-        line.contains(ready),
-        "kochab {args:?} did not start: {line:?}\n{}",
-        std::fs::read_to_string(log).unwrap_or_default()
-    );
-    child
-}
 
 fn openssl(dir: &Path, args: &[&str]) {
     let out = Command::new("openssl")
@@ -245,7 +203,7 @@ fn a_cluster_of_coordinators_and_servers_talks_tls_throughout() {
             args.push(s("--bootstrap"));
         }
         args.extend(tls_args());
-        procs.0.push(spawn(
+        procs.0.push(spawn_ready(
             &args,
             &tmp.path().join(format!("coord{i}.log")),
             "ready at",
@@ -274,7 +232,7 @@ fn a_cluster_of_coordinators_and_servers_talks_tls_throughout() {
             kf.clone(),
         ];
         args.extend(tls_args());
-        procs.0.push(spawn(
+        procs.0.push(spawn_ready(
             &args,
             &tmp.path().join(format!("mds{id}.log")),
             "serving at",
@@ -416,7 +374,7 @@ fn a_cluster_of_coordinators_and_servers_talks_tls_throughout() {
     // A replica whose certificate names another host than the address dialed: refused,
     // and the message says why.
     let stray = free_addr();
-    procs.0.push(spawn(
+    procs.0.push(spawn_ready(
         &[
             s("coord"),
             s("--id"),

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::kochab_bin;
+use common::{Procs, free_addr, kochab_bin, spawn_ready};
 use kochab_client::conn::Conn;
 use kochab_client::{Client, ClientConfig};
 use kochab_cluster::state::CoordState;
@@ -14,52 +14,10 @@ use kochab_coord::CoordClient;
 use kochab_proto::auth::ClientKey;
 use kochab_proto::cluster::{Control, ControlBody, CoordCommand, CoordReply, ServerId};
 use kochab_proto::{Credentials, Errno, KeyPolicy, Op, Reply, Request};
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-/// Children killed with SIGKILL however the test ends.
-#[derive(Default)]
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// Spawns `kochab ARGS`, logging to `log`, and waits for its first stdout line containing
-/// `ready` (EOF if it exits first).
-fn spawn(args: &[String], log: &Path, ready: &str) -> Child {
-    let mut child = Command::new(kochab_bin())
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .expect("spawn kochab");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(
-        line.contains(ready),
-        "kochab {args:?} did not start: {line:?}\n{}",
-        std::fs::read_to_string(log).unwrap_or_default()
-    );
-    child
-}
 
 /// A data directory holding a cluster with a root whose every table is released, as
 /// `kochab up --servers N` leaves it: the single server starts once, lets every table go.
@@ -139,7 +97,7 @@ fn cluster(lease: u32) -> Cluster {
 
     let coord = free_addr();
     let s = |x: &str| x.to_string();
-    procs.0.push(spawn(
+    procs.0.push(spawn_ready(
         &[
             s("coord"),
             s("--id"),
@@ -167,7 +125,7 @@ fn cluster(lease: u32) -> Cluster {
         let addr = free_addr();
         addrs.insert(ServerId(id), addr);
         index.insert(ServerId(id), procs.0.len());
-        procs.0.push(spawn(
+        procs.0.push(spawn_ready(
             &[
                 s("mds"),
                 s("--id"),

@@ -799,3 +799,45 @@ pub fn status(server: &ServerProc) -> Option<serde_json::Value> {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
     v.get("servers").is_some().then_some(v)
 }
+
+/// A free port on loopback (for processes that need a concrete `--listen`).
+pub fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// Children killed with SIGKILL however the test ends.
+#[derive(Default)]
+pub struct Procs(pub Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Spawns `kochab ARGS`, logging to `log`, and waits for its first stdout line containing
+/// `ready` (EOF if it exits first).
+pub fn spawn_ready(args: &[String], log: &Path, ready: &str) -> Child {
+    let mut child = Command::new(kochab_bin())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .expect("spawn kochab");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(
+        line.contains(ready),
+        "kochab {args:?} did not start: {line:?}\n{}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+    child
+}
