@@ -126,11 +126,23 @@ pub trait ObjectStore: Send + Sync {
     /// [`ObjectStore::create_if_absent`], so `Unsupported` where that is). A writer whose
     /// version is stale, because another wrote `expected + 1` first, gets `AlreadyExists`.
     /// Returns the new version. Versions start at 1; 0 means "none yet".
+    ///
+    /// Writers delete versions well behind the newest (manifests keep two, epochs one), so
+    /// a writer stale by more than that finds `expected + 1` free again and its create
+    /// succeeds. A listing after the create catches it: a newer version exists, so the
+    /// write is refused as stale (`AlreadyExists`), as it would have been had the name
+    /// still been taken. The newest version is never deleted, so the listing sees it.
     fn swap_version(&self, base: &str, expected: u64, data: &[u8]) -> io::Result<u64> {
         let next = expected
             .checked_add(1)
             .ok_or_else(|| io::Error::new(ErrorKind::InvalidInput, "version overflow"))?;
         self.create_if_absent(&versioned_name(base, next), data)?;
+        if let Some(newer) = newest_listed_version(self, base)?.filter(|&v| v > next) {
+            return Err(io::Error::new(
+                ErrorKind::AlreadyExists,
+                format!("{base}: version {next} is stale, version {newer} exists"),
+            ));
+        }
         Ok(next)
     }
     /// True if `name` exists. Cheap where the store allows (a stat on a local directory):
@@ -178,15 +190,7 @@ pub fn versioned_name(base: &str, version: u64) -> String {
 /// The newest version of `base` in `folder` (the folder `base` lives in) and its contents,
 /// or `None` if there is none. Older versions may linger until their writer deletes them.
 pub fn newest_version(store: &dyn ObjectStore, base: &str) -> io::Result<Option<(u64, Vec<u8>)>> {
-    let (folder, _) = base.rsplit_once('/').unwrap_or(("", base));
-    let prefix = format!("{base}.");
-    let mut versions: Vec<u64> = store
-        .list(folder)?
-        .iter()
-        .filter_map(|n| n.strip_prefix(&prefix))
-        .filter(|v| v.len() == 20)
-        .filter_map(|v| v.parse().ok())
-        .collect();
+    let mut versions = listed_versions(store, base)?;
     versions.sort_unstable();
     // Newest first; one deleted under us (by its writer's cleanup) means a newer exists.
     for v in versions.into_iter().rev() {
@@ -195,6 +199,27 @@ pub fn newest_version(store: &dyn ObjectStore, base: &str) -> io::Result<Option<
         }
     }
     Ok(None)
+}
+
+/// The versions of `base` its folder lists (unsorted).
+fn listed_versions<S: ObjectStore + ?Sized>(store: &S, base: &str) -> io::Result<Vec<u64>> {
+    let (folder, _) = base.rsplit_once('/').unwrap_or(("", base));
+    let prefix = format!("{base}.");
+    Ok(store
+        .list(folder)?
+        .iter()
+        .filter_map(|n| n.strip_prefix(&prefix))
+        .filter(|v| v.len() == 20)
+        .filter_map(|v| v.parse().ok())
+        .collect())
+}
+
+/// The highest version of `base` listed (one listing, no read).
+fn newest_listed_version<S: ObjectStore + ?Sized>(
+    store: &S,
+    base: &str,
+) -> io::Result<Option<u64>> {
+    Ok(listed_versions(store, base)?.into_iter().max())
 }
 
 /// Checks an object name: no empty, "." or ".." components, no absolute paths, a small
@@ -601,6 +626,28 @@ impl ObjectStore for LocalStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_writer_stale_past_deleted_versions_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let local = LocalStore::open(dir.path()).unwrap();
+        let objects = MemStore::objects_only();
+        for s in [&local as &dyn ObjectStore, &objects] {
+            let base = "t/manifest";
+            for v in 0..5 {
+                assert_eq!(s.swap_version(base, v, b"m").unwrap(), v + 1);
+            }
+            // The newest writer's cleanup deleted versions 1..3; a writer that still
+            // believes 2 is the newest finds 3 free, creates it, and must be refused.
+            for v in 1..=3 {
+                s.delete(&versioned_name(base, v)).unwrap();
+            }
+            let e = s.swap_version(base, 2, b"stale").unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::AlreadyExists, "{e}");
+            assert_eq!(newest_version(s, base).unwrap().unwrap().0, 5);
+            assert_eq!(s.swap_version(base, 5, b"next").unwrap(), 6);
+        }
+    }
 
     #[test]
     fn put_get_list_delete() {
