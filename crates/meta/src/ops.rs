@@ -215,7 +215,10 @@ impl Engine {
             | Op::KeyList
             | Op::KeyRevoke { .. }
             | Op::GetMap
-            | Op::Control { .. } => fs(fs_err!(
+            | Op::Control { .. }
+            | Op::DataGrant { .. }
+            | Op::CommitSlices { .. }
+            | Op::Layout { .. } => fs(fs_err!(
                 ENOSYS,
                 "{} is answered by the server's session layer",
                 op.name()

@@ -8,6 +8,7 @@ pub mod cluster;
 pub mod codec;
 pub mod errno;
 pub mod frame;
+pub mod layout;
 pub mod msg;
 pub mod net;
 pub mod types;

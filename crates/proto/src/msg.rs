@@ -214,7 +214,7 @@ pub enum ReplyMode {
 }
 
 /// Names of the operation kinds, indexed by [`Op::index`].
-pub const OP_NAMES: [&str; 37] = [
+pub const OP_NAMES: [&str; 40] = [
     "lookup",
     "getattr",
     "setattr",
@@ -252,6 +252,9 @@ pub const OP_NAMES: [&str; 37] = [
     "getmap",
     "control",
     "closemany",
+    "datagrant",
+    "commitslices",
+    "layout",
 ];
 
 /// Bytes of a name, serialized compactly.
@@ -467,7 +470,38 @@ pub enum Op {
     CloseMany {
         handles: Vec<u64>,
     },
+    /// Capabilities to create `objects` new slice objects of the handle's file (opened for
+    /// writing), straight in the object store (see [`crate::layout`]). EOPNOTSUPP on a
+    /// store the server writes itself (the local directory): the client then writes
+    /// through [`Op::Write`].
+    DataGrant {
+        handle: u64,
+        objects: u32,
+    },
+    /// Commits slices the client put under names it was granted, in one journal record:
+    /// each becomes its chunk's newest ref, in the order given, and the file's size
+    /// becomes at least `end` (its mtime and ctime now). Answered early like a write; a
+    /// replay with the same sequence number is answered, not run again. At most
+    /// [`COMMIT_SLICES_MAX`] slices.
+    CommitSlices {
+        handle: u64,
+        slices: Vec<crate::layout::CommittedSlice>,
+        end: u64,
+    },
+    /// The refs of chunks `[first_chunk, first_chunk + chunks)` of the handle's file, with
+    /// URLs that get their objects (EOPNOTSUPP on a store the server reads itself). At
+    /// most [`LAYOUT_CHUNKS_MAX`] chunks.
+    Layout {
+        handle: u64,
+        first_chunk: u64,
+        chunks: u32,
+    },
 }
+
+/// Slices one [`Op::CommitSlices`] carries at most (its record stays a few KiB).
+pub const COMMIT_SLICES_MAX: usize = 256;
+/// Chunks one [`Op::Layout`] covers at most (1 GiB of a file: its URLs fit one frame).
+pub const LAYOUT_CHUNKS_MAX: u32 = 256;
 
 /// A byte-range lock: `[start, end]` inclusive (`end == u64::MAX` means to the end of the
 /// file), held by `owner` (the kernel's lock owner: a process's file table for POSIX
@@ -545,6 +579,9 @@ impl Op {
             Op::GetMap => 34,
             Op::Control { .. } => 35,
             Op::CloseMany { .. } => 36,
+            Op::DataGrant { .. } => 37,
+            Op::CommitSlices { .. } => 38,
+            Op::Layout { .. } => 39,
         }
     }
 
@@ -628,7 +665,10 @@ impl Op {
             | Op::Fallocate { handle, .. }
             | Op::GetLk { handle, .. }
             | Op::SetLk { handle, .. }
-            | Op::ReleaseLocks { handle, .. } => Some(handle),
+            | Op::ReleaseLocks { handle, .. }
+            | Op::DataGrant { handle, .. }
+            | Op::CommitSlices { handle, .. }
+            | Op::Layout { handle, .. } => Some(handle),
             _ => None,
         }
     }
@@ -726,6 +766,10 @@ pub enum Reply {
     Map(DelegationMap),
     /// Control: the participant's answer, if it has one yet (the coordinator resends).
     Control(Option<ControlReply>),
+    /// DataGrant.
+    Grant(crate::layout::Grant),
+    /// Layout.
+    Layout(crate::layout::Layout),
 }
 
 impl Reply {

@@ -11,6 +11,7 @@ use kochab_proto::codec::FrameCodec;
 use kochab_proto::frame::{
     FRAME_HEADER_BYTES, MAX_FRAME_BYTES, decode_payload, encode_frame, parse_header,
 };
+use kochab_proto::layout::*;
 use kochab_proto::*;
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -245,7 +246,83 @@ fn op() -> impl Strategy<Value = Op> {
         control().prop_map(|control| Op::Control { control }),
         proptest::collection::vec(any::<u64>(), 0..40)
             .prop_map(|handles| Op::CloseMany { handles }),
+        (any::<u64>(), any::<u32>())
+            .prop_map(|(handle, objects)| Op::DataGrant { handle, objects }),
+        (any::<u64>(), vec(committed_slice(), 0..4), any::<u64>()).prop_map(
+            |(handle, slices, end)| Op::CommitSlices {
+                handle,
+                slices,
+                end
+            }
+        ),
+        (any::<u64>(), any::<u64>(), any::<u32>()).prop_map(|(handle, first_chunk, chunks)| {
+            Op::Layout {
+                handle,
+                first_chunk,
+                chunks,
+            }
+        }),
     ]
+}
+
+fn slice_ref() -> impl Strategy<Value = SliceRef> {
+    (any::<u64>(), any::<u32>(), any::<u32>()).prop_map(|(object, pos, len)| SliceRef {
+        object,
+        pos,
+        len,
+    })
+}
+
+fn committed_slice() -> impl Strategy<Value = CommittedSlice> {
+    (any::<u64>(), slice_ref(), bytes(20), any::<u64>()).prop_map(|(chunk, r, token, expires)| {
+        CommittedSlice {
+            chunk,
+            r,
+            token,
+            expires,
+        }
+    })
+}
+
+fn grant() -> impl Strategy<Value = Grant> {
+    let object =
+        (any::<u64>(), ".{0,40}", bytes(20)).prop_map(|(object, put_url, token)| GrantedObject {
+            object,
+            put_url,
+            token,
+        });
+    (any::<u64>(), any::<u64>(), vec(object, 0..3), any::<u64>()).prop_map(
+        |(id, generation, objects, expires)| Grant {
+            id,
+            generation,
+            objects,
+            expires,
+        },
+    )
+}
+
+fn layout() -> impl Strategy<Value = Layout> {
+    let chunk = (any::<u64>(), vec(slice_ref(), 0..3), vec(".{0,30}", 0..3)).prop_map(
+        |(chunk, refs, get_urls)| ChunkLayout {
+            chunk,
+            refs,
+            get_urls,
+        },
+    );
+    (
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+        vec(chunk, 0..3),
+        any::<u64>(),
+    )
+        .prop_map(|(id, generation, size, chunks, expires)| Layout {
+            id,
+            generation,
+            size,
+            chunks,
+            expires,
+        })
 }
 
 fn incarnation() -> impl Strategy<Value = Incarnation> {
@@ -527,6 +604,8 @@ fn reply() -> impl Strategy<Value = Reply> {
         any::<u64>().prop_map(|id| Reply::Child { id }),
         delegation_map().prop_map(Reply::Map),
         proptest::option::of(control_reply()).prop_map(Reply::Control),
+        grant().prop_map(Reply::Grant),
+        layout().prop_map(Reply::Layout),
     ];
     leaf.prop_recursive(2, 8, 3, |inner| {
         (inner, vec(attr(), 0..3)).prop_map(|(r, dirs)| Reply::WithDirs {
@@ -820,6 +899,8 @@ fn reply_variant(r: &Reply) -> usize {
         Reply::Map(_) => 15,
         Reply::Control(_) => 16,
         Reply::Child { .. } => 17,
+        Reply::Grant(_) => 18,
+        Reply::Layout(_) => 19,
     }
 }
 
@@ -827,7 +908,7 @@ fn reply_variant(r: &Reply) -> usize {
 fn every_reply_variant_is_generated() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = reply();
-    let mut seen = [false; 18];
+    let mut seen = [false; 20];
     for _ in 0..5000 {
         let tree = strategy.new_tree(&mut runner).unwrap();
         seen[reply_variant(&tree.current())] = true;
