@@ -263,7 +263,7 @@ fn a_server_paused_past_its_lease_never_serves_again() {
         // while it is stopped and must find no answer when it resumes.
         let addr = addr_of(&server, owner).expect("the owner's address");
         let mut held = common::RawConn::connect(addr, &server.key, 0xfe).expect("raw connection");
-        signal(pid, libc::SIGSTOP);
+        common::stop_process(pid);
         let stopped = Instant::now();
         let fenced = |n: u64| {
             kochab_proto::Request::plain(

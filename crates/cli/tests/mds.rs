@@ -388,8 +388,7 @@ fn a_server_paused_past_its_lease_is_fenced_and_its_tables_recovered() {
     // A raw connection to b, made while it serves: a request written to it while b is
     // stopped must find no answer when b resumes.
     let mut held = common::RawConn::connect(c.addrs[&b], &c.key, 0xfe).unwrap();
-    // SAFETY: signals to our own child.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    common::stop_process(pid);
     wait_until("b's tables recovered on a", 60, || {
         let st = rt.block_on(coord_client.read_state()).unwrap().0;
         st.map.owner(root_table) == Some(a) && st.migrations.is_empty()

@@ -721,6 +721,36 @@ fn is_answer(kind: kochab_proto::FrameKind) -> bool {
         FrameKind::Reply | FrameKind::Unsafe | FrameKind::Durable | FrameKind::Callback
     )
 }
+/// Stops process `pid` with SIGSTOP and returns once every one of its threads is stopped:
+/// kill(2) only queues the signal, and a thread running at that moment may still read and
+/// serve a request for a while (long enough under load to serve one a test sends next).
+pub fn stop_process(pid: i32) {
+    // SAFETY: kill(2) of a process this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let stopped = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|tasks| {
+                tasks.flatten().all(|t| {
+                    std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+                        // The state follows the parenthesised command name.
+                        stat.rsplit_once(')')
+                            .and_then(|(_, rest)| rest.split_whitespace().next())
+                            .is_some_and(|state| state == "T" || state == "t")
+                    })
+                })
+            })
+            .unwrap_or(true);
+        if stopped {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process {pid} did not stop within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
 
 /// A server paused past its lease (SIGSTOP) and since fenced must answer nothing once it
 /// resumes. `held` is a connection made to it before the pause, with requests written
