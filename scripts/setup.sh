@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs what Kochab needs on a fresh Debian machine: the Rust toolchain (if missing) and
 # the Debian packages the tests use (fuse3 for mounting; programs the FUSE tests run;
-# systemd for `systemd-analyze verify` of the example mount unit).
+# systemd for `systemd-analyze verify` of the example mount unit; stress-ng), and fsx, the
+# File System eXerciser, from crates.io into target/tools.
 # Safe to run repeatedly; does nothing when everything is present.
 set -euo pipefail
 
-PKGS=(fuse3 rsync sqlite3 git make gcc libc6-dev tar diffutils findutils util-linux procps systemd)
+PKGS=(fuse3 rsync sqlite3 git make gcc libc6-dev tar diffutils findutils util-linux procps systemd stress-ng)
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -41,3 +42,12 @@ if ! command -v cargo >/dev/null 2>&1; then
   fi
 fi
 cargo --version >/dev/null
+
+# fsx (the Rust port of the File System eXerciser, crates.io), for crates/cli/tests/fsx.rs.
+# Built once into target/tools; the version is pinned so every run exercises the same.
+fsx_version=0.2.0
+tools=$(cd "$(dirname "$0")/.." && pwd)/target/tools
+if ! "$tools/bin/fsx" --version 2>/dev/null | grep -qF "$fsx_version"; then
+  echo "setup: installing fsx $fsx_version into target/tools" >&2
+  cargo install -q --locked --root "$tools" fsx --version "$fsx_version"
+fi

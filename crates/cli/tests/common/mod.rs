@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod hosts;
+pub mod s3;
 
 use kochab_client::{Client, ClientConfig};
 use kochab_proto::auth::ClusterKey;
