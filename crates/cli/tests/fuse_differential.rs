@@ -30,7 +30,9 @@
 //! the shortest sequence found before it panics.
 //!
 //! Environment: `KOCHAB_DIFF_SEED` (default: the clock; printed), `KOCHAB_DIFF_STEPS`
-//! (default 10000), `KOCHAB_DIFF_SHRINK_SECS` (time allowed for shrinking, default 240).
+//! (default 10000), `KOCHAB_DIFF_SHRINK_SECS` (time allowed for shrinking, default 240),
+//! `KOCHAB_DIFF_STORE=s3` (the cluster keeps its state and file data on the Ceph RGW that
+//! `KOCHAB_S3_ENV` names, instead of a local directory; scripts/test.sh runs it so too).
 //! The steps run as runs of `RUN_STEPS` steps, run `i` with seed `seed + i`, each in a fresh
 //! directory of the same cluster; a failing run is replayed alone with its own seed.
 
@@ -2236,7 +2238,19 @@ impl Env {
         let tmp = tempfile::tempdir().expect("tempdir");
         // Device nodes are compared with ext4's, so this mount opts in to them (mounts are
         // nodev by default).
-        let cluster = Cluster::start(tmp.path(), &["--mount-options", "dev"]);
+        let mut args = vec!["--mount-options".to_string(), "dev".to_string()];
+        if std::env::var("KOCHAB_DIFF_STORE").as_deref() == Ok("s3") {
+            let (env_file, location) =
+                common::s3::rgw_location("diff").expect("KOCHAB_DIFF_STORE=s3 needs an RGW");
+            args.extend([
+                "--store".to_string(),
+                location.to_string(),
+                "--store-env".to_string(),
+                env_file.display().to_string(),
+            ]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let cluster = Cluster::start(tmp.path(), &args);
         let local = tmp.path().join("local");
         fs::create_dir_all(&local).expect("local dir");
         WATCHED_PID.store(cluster.server.child.id() as u64, Ordering::SeqCst);
