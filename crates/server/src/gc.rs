@@ -15,8 +15,6 @@
 
 use crate::core::Shared;
 use crate::grants::grant_life;
-#[allow(unused_imports)]
-use crate::shim::EngineLayout;
 use crate::slicesvc::DELETES_IN_FLIGHT_MAX;
 use kochab_proto::layout::parse_slice_object_name;
 use kochab_proto::{CHUNK_BYTES, FILE_BYTES_MAX, InodeId};

@@ -26,7 +26,7 @@ use crate::filesvc::{
 use crate::grants::{GRANT_OBJECTS_MAX, ObjectIds, grant_life, object_name, unix_now};
 use crate::session::OpenFile;
 #[allow(unused_imports)]
-use crate::shim::{EngineLayout, Presign, StorePresign};
+use crate::shim::{Presign, StorePresign};
 use kochab_meta::Mutation;
 use kochab_proto::auth::{GrantKey, GrantTokenInput};
 use kochab_proto::layout::{ChunkLayout, CommittedSlice, Grant, GrantedObject, Layout, SliceRef};
