@@ -526,8 +526,9 @@ mod tests {
         };
         let reply = e.execute(&Credentials::root(), &op, 9, &mut log);
         assert!(matches!(reply, Reply::Attr(_)), "{reply:?}");
+        let expected = e.chunk_refs(id, 0).to_owned();
         let (muts, freed) = e
-            .replace_chunk(id, 0, &e.chunk_refs(id, 0).to_vec(), vec![r(99, 0, 200)])
+            .replace_chunk(id, 0, &expected, vec![r(99, 0, 200)])
             .unwrap();
         assert_eq!(freed, vec![1, 3]);
         log.extend(muts);
