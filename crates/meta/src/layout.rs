@@ -306,3 +306,314 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kochab_proto::{Errno, Op, Reply, SetAttrs, mode};
+
+    fn r(object: u64, pos: u32, len: u32) -> SliceRef {
+        SliceRef { object, pos, len }
+    }
+
+    /// An engine with the root and one empty regular file (mode 06755, owned by 1000).
+    fn with_file() -> (Engine, InodeId, Vec<Mutation>) {
+        let mut e = Engine::new_cluster(crate::EngineConfig::with_key([1, 2])).unwrap();
+        let mut log = e.bootstrap(1);
+        for m in &log {
+            e.apply(m).unwrap();
+        }
+        let op = Op::Mknod {
+            parent: e.root(),
+            name: b"f".to_vec(),
+            mode: mode::S_IFREG | 0o6755,
+            rdev: 0,
+            exclusive: true,
+        };
+        let id = match e.execute(&Credentials::root(), &op, 2, &mut log) {
+            Reply::Entry(a) => a.id,
+            other => panic!("{other:?}"),
+        };
+        (e, id, log)
+    }
+
+    fn user() -> Credentials {
+        Credentials {
+            uid: 1000,
+            gid: 1000,
+            groups: vec![],
+        }
+    }
+
+    fn errno<T: std::fmt::Debug>(r: OpResult<T>) -> Errno {
+        match r {
+            Err(Fail::Fs(e)) => e.errno,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn later_commits_win_and_hidden_objects_are_freed() {
+        let (mut e, id, _) = with_file();
+        let c = user();
+        let (muts, attr, freed) = e
+            .commit_slices(&c, id, &[(0, r(1, 0, 100)), (1, r(2, 0, 10))], 0, 5)
+            .unwrap();
+        assert!(freed.is_empty());
+        assert_eq!(attr.size, CHUNK_BYTES + 10, "size covers every ref");
+        assert_eq!((attr.mtime, attr.ctime), (5, 5));
+        assert_eq!(
+            attr.mode & 0o7777,
+            0o755,
+            "a write clears setuid and setgid"
+        );
+        assert!(matches!(&muts[0], Mutation::PutInode { inode, .. } if inode.may_have_data));
+        assert_eq!(muts.len(), 3, "the inode and one record per chunk touched");
+        // Within one commit, the later slice hides the earlier where they overlap; one
+        // that hides a ref wholly frees its object.
+        let (_, _, freed) = e
+            .commit_slices(&c, id, &[(0, r(3, 50, 10)), (0, r(4, 0, 100))], 20, 6)
+            .unwrap();
+        assert_eq!(freed, vec![1, 3]);
+        assert_eq!(e.chunk_refs(id, 0), &[r(4, 0, 100)]);
+        assert_eq!(e.inode(id).unwrap().size, CHUNK_BYTES + 10);
+        e.commit_slices(&c, id, &[(0, r(5, 10, 10))], 0, 7).unwrap();
+        let parts = kochab_proto::layout::resolve_slices(e.chunk_refs(id, 0), 0..100);
+        let objects: Vec<_> = parts.iter().map(|p| p.from.map(|s| s.object)).collect();
+        assert_eq!(objects, vec![Some(4), Some(5), Some(4)]);
+        assert_eq!(
+            e.layout(id, 0..10),
+            vec![
+                (0, vec![r(4, 0, 100), r(5, 10, 10)]),
+                (1, vec![r(2, 0, 10)])
+            ]
+        );
+        assert_eq!(e.layout(id, 1..2).len(), 1);
+        assert!(
+            e.check_invariants().is_empty(),
+            "{:?}",
+            e.check_invariants()
+        );
+    }
+
+    #[test]
+    fn bad_commits_are_refused_and_change_nothing() {
+        let (mut e, id, _) = with_file();
+        let c = user();
+        assert_eq!(
+            errno(e.commit_slices(&c, id, &[(0, r(1, 0, 0))], 0, 5)),
+            Errno::EINVAL
+        );
+        let leaves = r(1, CHUNK_BYTES as u32 - 1, 2);
+        assert_eq!(
+            errno(e.commit_slices(&c, id, &[(0, leaves)], 0, 5)),
+            Errno::EINVAL
+        );
+        let last = FILE_BYTES_MAX / CHUNK_BYTES;
+        assert_eq!(
+            errno(e.commit_slices(&c, id, &[(last, r(1, 0, CHUNK_BYTES as u32))], 0, 5)),
+            Errno::EFBIG
+        );
+        assert_eq!(
+            errno(e.commit_slices(&c, id, &[], FILE_BYTES_MAX + 1, 5)),
+            Errno::EFBIG
+        );
+        let root = e.root();
+        assert_eq!(
+            errno(e.commit_slices(&c, root, &[(0, r(1, 0, 1))], 0, 5)),
+            Errno::EISDIR
+        );
+        assert!(e.layout(id, 0..u64::MAX).is_empty());
+        assert_eq!(e.inode(id).unwrap().size, 0);
+        // A chunk at its ref limit takes no more.
+        let many: Vec<_> = (0..CHUNK_REFS_MAX as u64)
+            .map(|k| (0, r(10 + k, k as u32, 1)))
+            .collect();
+        e.commit_slices(&c, id, &many, 0, 6).unwrap();
+        assert_eq!(
+            errno(e.commit_slices(&c, id, &[(0, r(1, 9000, 1))], 0, 7)),
+            Errno::ENOSPC
+        );
+    }
+
+    #[test]
+    fn truncation_trims_the_layout_and_zeros_what_it_cut() {
+        let (mut e, id, _) = with_file();
+        let c = user();
+        e.commit_slices(
+            &c,
+            id,
+            &[
+                (0, r(1, 0, 1000)),
+                (0, r(2, 2000, 1000)),
+                (1, r(3, 0, 10)),
+                (7, r(4, 0, 10)),
+            ],
+            0,
+            5,
+        )
+        .unwrap();
+        let truncate = |e: &mut Engine, size: u64| {
+            let mut out = Vec::new();
+            let op = Op::SetAttr {
+                id,
+                set: SetAttrs {
+                    size: Some(size),
+                    ..Default::default()
+                },
+            };
+            let r = e.execute(&Credentials::root(), &op, 9, &mut out);
+            assert!(matches!(r, Reply::Attr(_)), "{r:?}");
+            out
+        };
+        let out = truncate(&mut e, 500);
+        // The reclaim entry stays as on any store; chunks past the cut go in one record.
+        assert!(
+            out.iter()
+                .any(|m| matches!(m, Mutation::PutReclaim { from: 500, .. }))
+        );
+        assert!(out.contains(&Mutation::DropChunks { id, from: 1 }));
+        assert_eq!(e.chunk_refs(id, 0), &[r(1, 0, 1000), r(0, 500, 2500)]);
+        let generation = e.inode(id).unwrap().btime as u64;
+        let mut freed = e.take_freed_objects();
+        freed.sort_unstable();
+        assert_eq!(
+            freed,
+            vec![
+                (id, generation, 2),
+                (id, generation, 3),
+                (id, generation, 4)
+            ]
+        );
+        assert!(e.take_freed_objects().is_empty());
+        // Growing again shows zeros past the old cut.
+        let grow = truncate(&mut e, 4000);
+        assert!(!grow.iter().any(|m| matches!(m, Mutation::PutChunk { .. })));
+        let parts = kochab_proto::layout::resolve_slices(e.chunk_refs(id, 0), 0..4000);
+        assert_eq!(parts[0].range, (0, 500));
+        assert!(parts[1..].iter().all(|p| p.from.is_none()));
+        // The same cut again changes no chunk.
+        truncate(&mut e, 500);
+        assert_eq!(e.chunk_refs(id, 0), &[r(1, 0, 1000), r(0, 500, 2500)]);
+        assert!(e.take_freed_objects().is_empty());
+        assert!(
+            e.check_invariants().is_empty(),
+            "{:?}",
+            e.check_invariants()
+        );
+        truncate(&mut e, 0);
+        assert!(e.layout(id, 0..u64::MAX).is_empty());
+        assert_eq!(e.take_freed_objects(), vec![(id, generation, 1)]);
+    }
+
+    #[test]
+    fn replaying_the_records_twice_gives_the_same_layout() {
+        let (mut e, id, mut log) = with_file();
+        let c = user();
+        for (k, chunk) in [0u64, 3, 0, 5, 3].into_iter().enumerate() {
+            let k = k as u64;
+            let (muts, _, _) = e
+                .commit_slices(&c, id, &[(chunk, r(k + 1, k as u32 * 7, 100))], 0, 5)
+                .unwrap();
+            log.extend(muts);
+        }
+        let op = Op::SetAttr {
+            id,
+            set: SetAttrs {
+                size: Some(3 * CHUNK_BYTES + 50),
+                ..Default::default()
+            },
+        };
+        let reply = e.execute(&Credentials::root(), &op, 9, &mut log);
+        assert!(matches!(reply, Reply::Attr(_)), "{reply:?}");
+        let expected = e.chunk_refs(id, 0).to_owned();
+        let (muts, freed) = e
+            .replace_chunk(id, 0, &expected, vec![r(99, 0, 200)])
+            .unwrap();
+        assert_eq!(freed, vec![1, 3]);
+        log.extend(muts);
+        let mut again = Engine::new_cluster(crate::EngineConfig::with_key([1, 2])).unwrap();
+        for m in log.iter().chain(log.iter()) {
+            again.apply(m).unwrap();
+        }
+        assert_eq!(again.layout(id, 0..u64::MAX), e.layout(id, 0..u64::MAX));
+        assert_eq!(
+            e.layout(id, 0..u64::MAX),
+            vec![
+                (0, vec![r(99, 0, 200)]),
+                (3, vec![r(2, 7, 100), r(5, 28, 100), r(0, 50, 78)])
+            ]
+        );
+        // A swap against refs that changed meanwhile is refused.
+        assert_eq!(
+            errno(e.replace_chunk(id, 3, &[r(2, 7, 100)], vec![])),
+            Errno::ESTALE
+        );
+        // The file's removal takes its layout with it.
+        let mut out = Vec::new();
+        let unlink = Op::Unlink {
+            parent: e.root(),
+            name: b"f".to_vec(),
+        };
+        e.execute(&Credentials::root(), &unlink, 10, &mut out);
+        assert!(e.layout(id, 0..u64::MAX).is_empty());
+        assert!(e.tables().iter().all(|t| t.iter_layouts().next().is_none()));
+    }
+
+    #[test]
+    fn a_split_table_keeps_each_file_s_layout_with_its_inode() {
+        let (mut e, id, _) = with_file();
+        e.commit_slices(&user(), id, &[(2, r(1, 0, 10))], 0, 5)
+            .unwrap();
+        let i = e.table_index(id).unwrap();
+        let lo = e.tables()[i].lo;
+        let at = ((id >> crate::table::BOX_SHIFT) + 1) << crate::table::BOX_SHIFT;
+        e.split_table(lo, at).unwrap();
+        assert_eq!(e.chunk_refs(id, 2), &[r(1, 0, 10)]);
+        let upper = &e.tables()[e.table_index(at).unwrap()];
+        assert!(upper.iter_layouts().next().is_none());
+        // And on the other side of a split below it.
+        let mut e2 = with_file().0;
+        e2.commit_slices(&user(), id, &[(2, r(1, 0, 10))], 0, 5)
+            .unwrap();
+        let at = (id >> crate::table::BOX_SHIFT) << crate::table::BOX_SHIFT;
+        if at > lo {
+            e2.split_table(lo, at).unwrap();
+            let t = &e2.tables()[e2.table_index(id).unwrap()];
+            assert_eq!(t.lo, at);
+            assert_eq!(t.chunk_refs(id, 2), &[r(1, 0, 10)]);
+            assert!(
+                e2.tables()[e2.table_index(lo).unwrap()]
+                    .iter_layouts()
+                    .next()
+                    .is_none()
+            );
+        }
+    }
+
+    #[test]
+    fn fsck_reports_a_layout_on_a_directory() {
+        let (mut e, _, _) = with_file();
+        let root = e.root();
+        e.apply(&Mutation::PutChunk {
+            id: root,
+            chunk: 0,
+            refs: vec![r(1, 0, 1)],
+        })
+        .unwrap();
+        let problems = e.check_invariants();
+        assert!(
+            problems.iter().any(|p| p.contains("not a regular file")),
+            "{problems:?}"
+        );
+        assert!(
+            e.apply(&Mutation::PutChunk {
+                id: root,
+                chunk: 0,
+                refs: vec![r(1, 0, 0)],
+            })
+            .is_err(),
+            "an invalid ref in a record is damage"
+        );
+    }
+}

@@ -1028,6 +1028,107 @@ mod tests {
         );
     }
 
+    fn refs(chunk: u64, n: u64) -> Vec<SliceRef> {
+        (0..n)
+            .map(|k| SliceRef {
+                object: chunk * 8 + k + 1,
+                pos: (k * 1000) as u32,
+                len: 100_000,
+            })
+            .collect()
+    }
+
+    /// Loads the images of `set` from `t` into `into`, through their encoding.
+    fn load_set(t: &Table, set: &BoxSet, into: &mut Table) -> usize {
+        let mut records = 0;
+        for &(id, g) in &set.layout_groups {
+            for img in t.image_layout_group(id, g) {
+                let bytes = postcard::to_allocvec(&img).unwrap();
+                assert!(bytes.len() <= 2 * LAYOUT_RECORD_BYTES, "{}", bytes.len());
+                into.load_image(postcard::from_bytes(&bytes).unwrap())
+                    .unwrap();
+                records += 1;
+            }
+        }
+        records
+    }
+
+    fn layouts(t: &Table) -> Vec<(InodeId, FileLayout)> {
+        let mut v: Vec<_> = t.iter_layouts().map(|(id, l)| (id, l.clone())).collect();
+        v.sort_by_key(|x| x.0);
+        v
+    }
+
+    /// A 1 TiB file (262,144 chunks of 3 refs) checkpoints in records of bounded size and
+    /// loads back; later images of a layout that shrank or went replace the earlier ones.
+    #[test]
+    fn layouts_checkpoint_in_parts_and_later_images_replace_earlier_ones() {
+        let mut t = Table::new(0, 1 << 20);
+        let (big, small, gone) = (7, 8, 9);
+        let chunks = (1u64 << 40) / CHUNK_BYTES;
+        for c in 0..chunks {
+            t.put_chunk(big, c, refs(c, 3));
+        }
+        t.put_chunk(small, 3, refs(3, 2));
+        t.put_chunk(small, 5000, refs(5000, 1));
+        t.put_chunk(gone, 0, refs(0, 1));
+        // One group of many refs: more than one record's worth.
+        let dense = 10;
+        for c in 0..1 << LAYOUT_GROUP_SHIFT {
+            t.put_chunk(dense, c, refs(c, 64));
+        }
+        let full = t.all_boxes();
+        assert_eq!(t.take_dirty().layout_groups, full.layout_groups);
+        assert_eq!(full.layout_groups.len(), 256 + 2 + 1 + 1);
+        let mut u = Table::new(0, 1 << 20);
+        let records = load_set(&t, &full, &mut u);
+        assert!(records > full.layout_groups.len(), "a dense group is cut");
+        assert_eq!(layouts(&u), layouts(&t));
+        // The big file shrinks to 10 chunks and a half, another file loses a chunk, and
+        // the third goes with its inode: the delta replaces each of them.
+        t.drop_chunks(big, 11);
+        t.put_chunk(big, 10, refs(10, 1));
+        t.put_chunk(small, 5000, vec![]);
+        t.put_inode(gone, Inode::new(0o100644, 0, 0, 1));
+        t.drop_inode(gone);
+        let delta = t.take_dirty();
+        assert_eq!(delta.layout_groups.len(), 256 + 1 + 1);
+        load_set(&t, &delta, &mut u);
+        assert_eq!(layouts(&u), layouts(&t));
+        assert_eq!(u.layout(big).unwrap().len(), 11);
+        assert!(u.layout(gone).is_none());
+        assert!(t.take_dirty().is_empty());
+        // A record outside its range, or of another table, is refused.
+        let bad = BoxImage::Layout {
+            id: big,
+            from: 0,
+            to: 4,
+            chunks: vec![(4, refs(4, 1))],
+        };
+        assert!(u.load_image(bad).is_err());
+        let foreign = BoxImage::Layout {
+            id: 1 << 30,
+            from: 0,
+            to: 4,
+            chunks: vec![],
+        };
+        assert!(u.load_image(foreign).is_err());
+    }
+
+    #[test]
+    fn a_split_moves_layouts_and_their_dirty_marks_with_their_ids() {
+        let mut t = Table::new(0, 1 << 20);
+        t.put_chunk(5, 0, refs(0, 1));
+        t.put_chunk(700, 2000, refs(2000, 2));
+        let mut upper = t.split_off(640).unwrap();
+        assert_eq!(t.chunk_refs(5, 0), refs(0, 1).as_slice());
+        assert!(t.layout(700).is_none());
+        assert_eq!(upper.chunk_refs(700, 2000), refs(2000, 2).as_slice());
+        assert_eq!(t.take_dirty().layout_groups, vec![(5, 0)]);
+        assert_eq!(upper.take_dirty().layout_groups, vec![(700, 1)]);
+        assert_eq!(upper.all_boxes().layout_groups, vec![(700, 1)]);
+    }
+
     /// Format-1 images (64-bit hashes, so cookies up to 2^64) still load: their entries
     /// move to their names' new 63-bit hashes, and the table asks for a full checkpoint.
     #[test]

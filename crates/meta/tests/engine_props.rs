@@ -6,7 +6,13 @@
 //! exact link counts, one name per directory, parent links reach the root without a cycle)
 //! plus: no inode without a name unless a handle holds it open, and every open handle's
 //! inode still there. At the end, and at every restart, replaying the mutations the engine
-//! emitted into a fresh engine gives exactly the same state.
+//! emitted into a fresh engine gives exactly the same state, chunk layouts included.
+//!
+//! Slice commits and truncations of files with layouts are checked against a model of
+//! each file as the writes and truncations it saw, in order: at every write's edges the
+//! layout shows the newest write's object (commit order is precedence) or zeros past a
+//! truncation, and the objects a file's generation was given are exactly those its
+//! layout names plus those handed back as freed (none of which is named again).
 //!
 //! Unlike the seeded model test (`posix/model.rs`), failures shrink to a minimal sequence.
 //! Case counts are set below; `PROPTEST_CASES=N` runs N cases instead (docs/TESTING.md).
@@ -14,15 +20,20 @@
 #[path = "posix/support.rs"]
 mod support;
 
+use kochab_meta::SliceRef;
 use kochab_meta::engine::QUARANTINE_NS;
 use kochab_meta::files::open_flags::{O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY};
 use kochab_meta::{Engine, EngineConfig, IdPolicyConfig, Mutation};
+use kochab_proto::layout::resolve_slices;
 use kochab_proto::mode::*;
 use kochab_proto::rename_flags::{RENAME_EXCHANGE, RENAME_NOREPLACE, RENAME_WHITEOUT};
 use kochab_proto::xattr_flags::{XATTR_CREATE, XATTR_REPLACE};
-use kochab_proto::{Credentials, FILE_BYTES_MAX, FileKind, InodeId, Op, SetAttrs, TimeSet};
+use kochab_proto::{
+    CHUNK_BYTES, Credentials, FILE_BYTES_MAX, FileKind, InodeId, Op, Reply, SetAttrs, TimeSet,
+};
 use proptest::prelude::*;
 use proptest::sample::Index;
+use std::collections::{BTreeMap, BTreeSet};
 use support::*;
 
 fn cases(default: u32) -> ProptestConfig {
@@ -140,6 +151,17 @@ enum Step {
     Reclaim {
         which: Index,
     },
+    /// Commits slices through a writable handle: (chunk, pos, len) each, and an end.
+    Commit {
+        handle: Index,
+        slices: Vec<(u64, u32, u32)>,
+        end: u64,
+    },
+    /// Truncates a file through a handle (setattr size) to `size`.
+    Truncate {
+        handle: Index,
+        size: u64,
+    },
     /// Many files at once in one directory: past the 255 ids of a cramped directory's own
     /// file range, so that ids spill into a sibling's range and the too-wide region.
     Many {
@@ -186,6 +208,20 @@ fn set_attrs() -> impl Strategy<Value = SetAttrs> {
         })
 }
 
+/// One slice to commit: near the start or the end of one of the first chunks, or now and
+/// then an invalid one (empty, or leaving its chunk, or past the largest file).
+fn slice() -> impl Strategy<Value = (u64, u32, u32)> {
+    let chunk = CHUNK_BYTES as u32;
+    prop_oneof![
+        8 => (0u64..4, 0u32..20_000, 1u32..20_000),
+        3 => (0u64..4, chunk - 20_000..chunk, 1u32..20_000)
+            .prop_map(move |(c, p, l)| (c, p, l.min(chunk - p))),
+        1 => (0u64..4, 0u32..chunk, Just(0u32)),
+        1 => (0u64..4, chunk - 10..chunk, 11u32..20),
+        1 => Just((FILE_BYTES_MAX / CHUNK_BYTES, 0, chunk)),
+    ]
+}
+
 /// Steps; `many` adds bulk creations (useful where they spill ids, costly elsewhere).
 fn step(many: bool) -> BoxedStrategy<Step> {
     let i = any::<Index>;
@@ -218,6 +254,10 @@ fn step(many: bool) -> BoxedStrategy<Step> {
         4 => i().prop_map(|handle| Step::Close { handle }),
         4 => (i(), prop_oneof![1u64..10_000, Just(1 << 30)]).prop_map(|(handle, end)| Step::Write { handle, end }),
         1 => i().prop_map(|which| Step::Reclaim { which }),
+        6 => (i(), proptest::collection::vec(slice(), 0..5), prop_oneof![Just(0u64), 0..4 * CHUNK_BYTES])
+            .prop_map(|(handle, slices, end)| Step::Commit { handle, slices, end }),
+        3 => (i(), prop_oneof![Just(0u64), 0..4 * CHUNK_BYTES, (0u64..4).prop_map(|c| c * CHUNK_BYTES)])
+            .prop_map(|(handle, size)| Step::Truncate { handle, size }),
         1 => prop_oneof![1i64..1_000_000, Just(QUARANTINE_NS + 1)].prop_map(|ns| Step::Tick { ns }),
         1 => Just(Step::Restart),
     ];
@@ -232,11 +272,22 @@ fn step(many: bool) -> BoxedStrategy<Step> {
     }
 }
 
+/// A write in file offsets: (start, end, object); zeros (object 0) for a truncation.
+type Written = (u64, u64, u64);
+
 /// The engine under test, the handles open on it, and the journal it produced (`fs.log`).
 struct World {
     fs: Fs,
     /// Open handles: (inode, open flags).
     handles: Vec<(InodeId, u32)>,
+    /// The next slice object id to commit (each once).
+    next_object: u64,
+    /// Per file generation (id, btime): what was written, in order: (start, end, object)
+    /// in file offsets; a truncation to `s` is (s, u64::MAX, 0).
+    writes: BTreeMap<(InodeId, i64), Vec<Written>>,
+    /// Per file generation: the objects committed, and those handed back as freed.
+    given: BTreeMap<(InodeId, i64), BTreeSet<u64>>,
+    freed: BTreeMap<(InodeId, i64), BTreeSet<u64>>,
 }
 
 /// Every inode (sorted), every directory that may still get entries, every entry.
@@ -275,6 +326,10 @@ impl World {
         World {
             fs,
             handles: Vec::new(),
+            next_object: 1,
+            writes: BTreeMap::new(),
+            given: BTreeMap::new(),
+            freed: BTreeMap::new(),
         }
     }
 
@@ -385,11 +440,14 @@ impl World {
                 self.fs.exec(&c, op);
             }
             Step::SetAttr { target, set } => {
+                let id = self.pick_inode(target);
                 let op = Op::SetAttr {
-                    id: self.pick_inode(target),
+                    id,
                     set: set.clone(),
                 };
-                self.fs.exec(&c, op);
+                if let (Reply::Attr(_), Some(size)) = (self.fs.exec(&c, op), set.size) {
+                    self.truncated(id, size);
+                }
             }
             Step::SetXattr {
                 target,
@@ -490,6 +548,76 @@ impl World {
                 assert!(attr.size >= *end);
                 self.journal(muts);
             }
+            Step::Commit {
+                handle,
+                slices,
+                end,
+            } => {
+                let Some(id) = self.writable(handle) else {
+                    return;
+                };
+                let refs: Vec<(u64, SliceRef)> = slices
+                    .iter()
+                    .map(|&(chunk, pos, len)| {
+                        self.next_object += 1;
+                        let r = SliceRef {
+                            object: self.next_object,
+                            pos,
+                            len,
+                        };
+                        (chunk, r)
+                    })
+                    .collect();
+                let btime = self.fs.e.inode(id).map_or(0, |i| i.btime);
+                let invalid = refs.iter().find(|(c, r)| {
+                    !r.is_valid() || c * CHUNK_BYTES + u64::from(r.end()) > FILE_BYTES_MAX
+                });
+                self.fs.now += STEP;
+                let before = snapshot(&self.fs.e);
+                match self.fs.e.commit_slices(&c, id, &refs, *end, self.fs.now) {
+                    Err(e) => {
+                        assert!(invalid.is_some(), "commit of {refs:?} refused: {e:?}");
+                        assert!(
+                            before == snapshot(&self.fs.e),
+                            "a refused commit changed the engine"
+                        );
+                    }
+                    Ok((muts, attr, freed)) => {
+                        assert!(invalid.is_none(), "commit of {:?} accepted", invalid);
+                        let key = (id, btime);
+                        let top = refs
+                            .iter()
+                            .map(|(c, r)| c * CHUNK_BYTES + u64::from(r.end()))
+                            .max()
+                            .unwrap_or(0);
+                        assert!(attr.size >= (*end).max(top));
+                        assert!(self.fs.e.inode(id).is_some_and(|i| i.may_have_data));
+                        let w = self.writes.entry(key).or_default();
+                        for (c, r) in &refs {
+                            let start = c * CHUNK_BYTES + u64::from(r.pos);
+                            w.push((start, start + u64::from(r.len), r.object));
+                        }
+                        self.given
+                            .entry(key)
+                            .or_default()
+                            .extend(refs.iter().map(|(_, r)| r.object));
+                        self.freed.entry(key).or_default().extend(freed);
+                        self.journal(muts);
+                    }
+                }
+            }
+            Step::Truncate { handle, size } => {
+                let Some(id) = self.writable(handle) else {
+                    return;
+                };
+                let set = SetAttrs {
+                    size: Some(*size),
+                    ..Default::default()
+                };
+                if let Reply::Attr(_) = self.fs.exec(&c, Op::SetAttr { id, set }) {
+                    self.truncated(id, *size);
+                }
+            }
             Step::Reclaim { which } => {
                 let pending = self.fs.e.pending_reclaims((0, 0), 64);
                 if let Some(r) = pending.get(which.index(pending.len().max(1))) {
@@ -520,6 +648,93 @@ impl World {
                 self.fs.check_unchanged = true;
             }
             Step::Restart => self.restart(),
+        }
+        for (id, generation, object) in self.fs.e.take_freed_objects() {
+            self.freed
+                .entry((id, generation as i64))
+                .or_default()
+                .insert(object);
+        }
+    }
+
+    /// Notes in the model that file `id` was truncated to `size`.
+    fn truncated(&mut self, id: InodeId, size: u64) {
+        let btime = self.fs.e.inode(id).map_or(0, |i| i.btime);
+        if let Some(w) = self.writes.get_mut(&(id, btime)) {
+            w.push((size, u64::MAX, 0));
+        }
+    }
+
+    /// A handle open for writing on a regular file, if any.
+    fn writable(&self, handle: &Index) -> Option<InodeId> {
+        let writable: Vec<_> = self
+            .handles
+            .iter()
+            .filter(|(id, f)| {
+                *f & 3 != O_RDONLY && self.fs.e.inode(*id).is_some_and(|i| i.is_regular())
+            })
+            .map(|h| h.0)
+            .collect();
+        (!writable.is_empty()).then(|| writable[handle.index(writable.len())])
+    }
+
+    /// Checks every file's layout against what was written to it (see the module comment).
+    fn check_layouts(&self, ctx: &dyn Fn() -> String) {
+        for (&(id, btime), writes) in &self.writes {
+            let Some(inode) = self.fs.e.inode(id).filter(|i| i.btime == btime) else {
+                continue;
+            };
+            let shown = |x: u64| {
+                let refs = self.fs.e.chunk_refs(id, x / CHUNK_BYTES);
+                let off = (x % CHUNK_BYTES) as u32;
+                resolve_slices(refs, off..off + 1)[0]
+                    .from
+                    .map_or(0, |r| r.object)
+            };
+            let expected = |x: u64| {
+                writes
+                    .iter()
+                    .rev()
+                    .find(|w| w.0 <= x && x < w.1)
+                    .map_or(0, |w| w.2)
+            };
+            for w in writes {
+                for x in [w.0, w.1.saturating_sub(1), w.0.saturating_sub(1), w.1] {
+                    if x < inode.size.min(FILE_BYTES_MAX) {
+                        assert_eq!(
+                            shown(x),
+                            expected(x),
+                            "{}: byte {x} of {id:#x} (writes {writes:?}, layout {:?})",
+                            ctx(),
+                            self.fs.e.layout(id, 0..u64::MAX)
+                        );
+                    }
+                }
+            }
+            let named: BTreeSet<u64> = self
+                .fs
+                .e
+                .layout(id, 0..u64::MAX)
+                .iter()
+                .flat_map(|(_, refs)| refs.iter().map(|r| r.object))
+                .filter(|&o| o != 0)
+                .collect();
+            let none = BTreeSet::new();
+            let freed = self.freed.get(&(id, btime)).unwrap_or(&none);
+            let given = self.given.get(&(id, btime)).unwrap_or(&none);
+            assert!(
+                named.is_disjoint(freed),
+                "{}: {id:#x} names freed objects {:?}",
+                ctx(),
+                named.intersection(freed).collect::<Vec<_>>()
+            );
+            let accounted: BTreeSet<u64> = named.union(freed).copied().collect();
+            assert_eq!(
+                &accounted,
+                given,
+                "{}: {id:#x}: objects named or freed vs committed",
+                ctx()
+            );
         }
     }
 
@@ -577,6 +792,7 @@ impl World {
             .filter(|h| h.0 == self.fs.root())
             .count() as u32;
         assert_eq!(self.fs.e.open_count(self.fs.root()), open);
+        self.check_layouts(ctx);
     }
 }
 

@@ -1080,6 +1080,61 @@ mod tests {
         }
     }
 
+    /// A 1 TiB file's layout (262,144 chunks of 3 refs) and chunks at the engine's ref
+    /// limit with the largest object ids are cut into records that each fit, and load back.
+    #[test]
+    fn a_huge_layout_checkpoints_in_records_that_fit() {
+        use kochab_meta::SliceRef;
+        use kochab_meta::layout::CHUNK_REFS_MAX;
+        let mut t = Table::new(0, 1 << 20);
+        let chunks = (1u64 << 40) / kochab_proto::CHUNK_BYTES;
+        for c in 0..chunks {
+            let refs = (0..3u64)
+                .map(|k| SliceRef {
+                    object: u64::MAX - c * 3 - k,
+                    pos: k as u32 * 1_000_000,
+                    len: 1_000_000,
+                })
+                .collect();
+            t.put_chunk(5, c, refs);
+        }
+        for c in 0..16 {
+            let refs = (0..CHUNK_REFS_MAX as u64)
+                .map(|k| SliceRef {
+                    object: u64::MAX - k,
+                    pos: u32::MAX >> 12,
+                    len: u32::MAX >> 12,
+                })
+                .collect();
+            t.put_chunk(6, c, refs);
+        }
+        let set = t.take_dirty();
+        let mut loaded = Table::new(0, 1 << 20);
+        let mut records = 0;
+        for &(id, g) in &set.layout_groups {
+            for img in t.image_layout_group(id, g) {
+                let bytes = postcard::to_allocvec(&img).unwrap();
+                let mut framed = Vec::new();
+                encode_record_with(&mut framed, 1, 1, BOX_IMAGE_BYTES_MAX, |o| {
+                    o.extend_from_slice(&bytes)
+                })
+                .unwrap();
+                assert!(bytes.len() <= 2 << 20, "{} bytes", bytes.len());
+                loaded.load_image(img).unwrap();
+                records += 1;
+            }
+        }
+        assert!(records > 256 + 1, "{records} records");
+        let count = |t: &Table| -> usize {
+            t.iter_layouts()
+                .map(|(_, l)| l.values().map(|r| r.len()).sum::<usize>())
+                .sum()
+        };
+        assert_eq!(count(&loaded), count(&t));
+        assert_eq!(loaded.layout(5), t.layout(5));
+        assert_eq!(loaded.layout(6), t.layout(6));
+    }
+
     #[test]
     fn a_box_of_inodes_with_full_xattrs_fits_one_image_record() {
         // The old per-inode bound (1 MiB) made such a box a 64 MiB image record, far over

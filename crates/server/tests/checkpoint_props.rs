@@ -3,7 +3,7 @@
 //! arbitrary bytes behind a valid checksum, arbitrary box images and mutations), loading
 //! and replay answer with a value or an error and never panic, and the engine they leave
 //! still answers its invariant check and read-only operations. Undamaged images load back
-//! exactly what was written.
+//! exactly what was written, chunk layouts (slice commits and a truncation) included.
 //!
 //! Case counts are set per test (see `cases`); `PROPTEST_CASES=N` runs N cases of each
 //! instead (docs/TESTING.md). The store is in memory (`kochab_store::MemStore`).
@@ -12,7 +12,9 @@ use kochab_journal::record::encode_record_with;
 use kochab_meta::inode::{DirMeta, InodeExtra};
 use kochab_meta::name::Name;
 use kochab_meta::table::{DentryImage, InodeImage};
-use kochab_meta::{BoxImage, Engine, EngineConfig, Inode, Mutation, Reclaim, Region, Table};
+use kochab_meta::{
+    BoxImage, Engine, EngineConfig, FileLayout, Inode, Mutation, Reclaim, Region, SliceRef, Table,
+};
 use kochab_proto::{Credentials, FileKind, InodeId, Op, Reply, mode};
 use kochab_server::checkpoint::{
     BOX_IMAGE_BYTES_MAX, ImageRef, Manifest, load_table, read_manifest, swap_manifest,
@@ -81,6 +83,32 @@ fn sample_engine() -> Engine {
                     exclusive: true,
                 },
             );
+            if let Some(f) = f.filter(|_| j == 1) {
+                // A layout: slices committed over three chunks, the second overwritten,
+                // then a truncation inside the last (zeros from the cut).
+                let slices: Vec<(u64, SliceRef)> = (0..4u64)
+                    .map(|k| {
+                        let r = SliceRef {
+                            object: k + 1,
+                            pos: (k as u32) * 100,
+                            len: 1000 + i,
+                        };
+                        (k.min(2), r)
+                    })
+                    .collect();
+                e.commit_slices(&c, f, &slices, 0, 3)
+                    .unwrap_or_else(|err| panic!("{err:?}"));
+                run(
+                    &mut e,
+                    Op::SetAttr {
+                        id: f,
+                        set: kochab_proto::SetAttrs {
+                            size: Some(2 * kochab_proto::CHUNK_BYTES + 350),
+                            ..Default::default()
+                        },
+                    },
+                );
+            }
             if let Some(f) = f.filter(|_| j == 0) {
                 run(
                     &mut e,
@@ -160,6 +188,11 @@ fn full_images(e: &mut Engine) -> (usize, Vec<BoxImage>) {
             .iter()
             .map(|&(d, b)| t.image_dentry_box(d, b)),
     );
+    imgs.extend(
+        set.layout_groups
+            .iter()
+            .flat_map(|&(id, g)| t.image_layout_group(id, g)),
+    );
     imgs.push(t.image_reclaims());
     (i, imgs)
 }
@@ -211,6 +244,7 @@ type Contents = (
     Vec<(InodeId, Inode)>,
     Vec<(InodeId, u64, Vec<u8>, InodeId)>,
     Vec<Reclaim>,
+    Vec<(InodeId, FileLayout)>,
 );
 
 fn contents(t: &Table) -> Contents {
@@ -223,7 +257,9 @@ fn contents(t: &Table) -> Contents {
         })
         .collect();
     entries.sort();
-    (inodes, entries, t.reclaims().copied().collect())
+    let mut layouts: Vec<_> = t.iter_layouts().map(|(id, l)| (id, l.clone())).collect();
+    layouts.sort_by_key(|l| l.0);
+    (inodes, entries, t.reclaims().copied().collect(), layouts)
 }
 
 /// Loads `bytes` as table `idx`'s only image into a fresh engine like `template`; then the
@@ -362,6 +398,29 @@ fn dentry_image(root: InodeId) -> impl Strategy<Value = DentryImage> {
     })
 }
 
+/// Chunk numbers: the first few, near the largest file's last chunk, or anything.
+fn chunk_no() -> impl Strategy<Value = u64> {
+    let last = kochab_proto::FILE_BYTES_MAX / kochab_proto::CHUNK_BYTES;
+    prop_oneof![4 => 0u64..4, 1 => last - 1..last + 2, 1 => any::<u64>()]
+}
+
+/// Slice refs, valid or not (empty, or leaving their chunk).
+fn slice_refs() -> impl Strategy<Value = Vec<SliceRef>> {
+    vec(
+        (
+            0u64..8,
+            any::<u32>(),
+            prop_oneof![0u32..5000, Just(u32::MAX)],
+        )
+            .prop_map(|(object, pos, len)| SliceRef {
+                object,
+                pos: pos % (5 << 20),
+                len,
+            }),
+        0..4,
+    )
+}
+
 fn box_image(root: InodeId) -> impl Strategy<Value = BoxImage> {
     let xattrs = vec(
         (vec(any::<u8>(), 0..8), vec(any::<u8>(), 0..8))
@@ -398,6 +457,18 @@ fn box_image(root: InodeId) -> impl Strategy<Value = BoxImage> {
             }
         ),
         any::<u64>().prop_map(|next| BoxImage::RegionNext { next }),
+        (
+            some_id(root),
+            chunk_no(),
+            chunk_no(),
+            vec((chunk_no(), slice_refs()), 0..4)
+        )
+            .prop_map(|(id, from, to, chunks)| BoxImage::Layout {
+                id,
+                from,
+                to,
+                chunks
+            }),
         vec((some_id(root), any::<u64>(), any::<u64>()), 0..4).prop_map(|v| BoxImage::Reclaims {
             entries: v
                 .into_iter()
@@ -468,6 +539,9 @@ fn mutation(root: InodeId) -> impl Strategy<Value = Mutation> {
             any::<u64>()
         )
             .prop_map(|(region, next)| Mutation::SetRegionNext { region, next }),
+        (some_id(root), chunk_no(), slice_refs())
+            .prop_map(|(id, chunk, refs)| Mutation::PutChunk { id, chunk, refs }),
+        (some_id(root), chunk_no()).prop_map(|(id, from)| Mutation::DropChunks { id, from }),
     ]
 }
 
@@ -515,6 +589,10 @@ fn undamaged_images_load_back_exactly() {
     let (idx, imgs) = full_images(&mut e);
     let bytes = frame(&encode(&imgs));
     let (lo, hi) = (e.tables()[idx].lo, e.tables()[idx].hi);
+    assert!(
+        e.tables()[idx].iter_layouts().count() >= 1,
+        "the sample has layouts"
+    );
     let (store, m) = store_with_image(lo, hi, &bytes);
     let mut t = Table::new(lo, hi);
     let boxes = load_table(&store, &mut t, &m).unwrap_or_else(|err| panic!("{err}"));

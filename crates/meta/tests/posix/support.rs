@@ -44,6 +44,9 @@ pub type EntryRow = (InodeId, u64, Vec<u8>, InodeId, FileKind);
 /// One inode's extended attributes, by name.
 pub type XattrRow = (InodeId, Vec<(Vec<u8>, Vec<u8>)>);
 
+/// One file's chunk layout: (chunk, refs) ascending.
+pub type LayoutRow = (InodeId, Vec<(u64, Vec<kochab_meta::SliceRef>)>);
+
 /// Everything an engine holds, in a comparable form.
 #[derive(Debug, PartialEq)]
 pub struct Snapshot {
@@ -52,6 +55,8 @@ pub struct Snapshot {
     pub xattrs: Vec<XattrRow>,
     /// Each table's recorded overflow-region allocation point.
     pub regions: Vec<(InodeId, Option<u64>)>,
+    /// Chunk layouts by file: (chunk, refs) ascending.
+    pub layouts: Vec<LayoutRow>,
 }
 
 pub fn snapshot(e: &Engine) -> Snapshot {
@@ -60,9 +65,14 @@ pub fn snapshot(e: &Engine) -> Snapshot {
         entries: Vec::new(),
         xattrs: Vec::new(),
         regions: Vec::new(),
+        layouts: Vec::new(),
     };
     for t in e.tables() {
         s.regions.push((t.lo, t.region_next()));
+        for (id, l) in t.iter_layouts() {
+            s.layouts
+                .push((id, l.iter().map(|(&c, r)| (c, r.clone())).collect()));
+        }
         for (id, inode) in t.iter_inodes() {
             s.inodes.push((id, inode.clone()));
             if let Some(x) = t.xattrs(id) {
@@ -78,6 +88,7 @@ pub fn snapshot(e: &Engine) -> Snapshot {
         }
     }
     s.entries.sort_by_key(|e| (e.0, e.1));
+    s.layouts.sort_by_key(|l| l.0);
     s
 }
 
