@@ -76,6 +76,11 @@ enum Command {
         #[command(subcommand)]
         cmd: admin::ServerCommand,
     },
+    /// The object store by itself (`kochab store bench`: its throughput from one client).
+    Store {
+        #[command(subcommand)]
+        cmd: store::StoreCommand,
+    },
     /// A small file-system shell over the native client.
     Fs {
         #[command(flatten)]
@@ -1061,6 +1066,12 @@ fn main() -> ExitCode {
         Command::Server { cmd } => {
             init_logging("warn");
             runtime(Some(1)).and_then(|rt| rt.block_on(admin::server(cmd)))
+        }
+        Command::Store { cmd } => {
+            init_logging("warn");
+            match cmd {
+                store::StoreCommand::Bench(args) => store::bench(&args),
+            }
         }
         Command::Fs { conn, cmd } => {
             init_logging("warn");

@@ -279,6 +279,51 @@ fn kochab(args: &[&str], env: &BTreeMap<String, String>) -> Output {
 }
 
 #[test]
+fn store_bench_measures_and_leaves_nothing_behind() {
+    let Some(rgw) = Rgw::get() else { return };
+    let location = rgw.location("store-bench");
+    let url = location.to_string();
+    let out = kochab(
+        &[
+            "store",
+            "bench",
+            "--store",
+            &url,
+            "--parallel",
+            "4",
+            "--size",
+            "256KiB",
+            "--total",
+            "2MiB",
+            "--json",
+        ],
+        &rgw.vars,
+    );
+    assert!(out.status.success());
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for phase in ["put", "get"] {
+        assert_eq!(r[phase]["objects"], 8, "{r}");
+        assert_eq!(r[phase]["bytes"], 2 << 20, "{r}");
+        assert!(r[phase]["mb_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert_eq!(r["parallel"], 4);
+    assert!(r["client"].as_str().unwrap().contains("ObjectStore"), "{r}");
+    // Its objects are gone, the self-test's probes too.
+    let s = rgw.store_at(&location);
+    assert!(s.list("store-bench").unwrap().is_empty());
+    assert!(s.list("kochab-selftest").unwrap().is_empty());
+    // Without a store, or with a size past its limit: refused before any request.
+    let out = kochab(&["store", "bench", "--total", "1MiB"], &rgw.vars);
+    assert!(!out.status.success());
+    let out = kochab(
+        &["store", "bench", "--store", &url, "--size", "1GiB"],
+        &rgw.vars,
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--size"));
+}
+
+#[test]
 fn kochab_commands_self_test_the_store_and_refuse_a_bad_engine() {
     let Some(rgw) = Rgw::get() else { return };
     let dir = tempfile::tempdir().unwrap();
