@@ -713,19 +713,47 @@ pub async fn compaction_loop(shared: Arc<Shared>) {
         return;
     };
     while let Some((id, generation, chunk)) = rx.recv().await {
-        if let Err(e) = compact(&shared, id, generation, chunk).await {
-            tracing::warn!(
-                "compaction of chunk {chunk} of {id:#x} (generation {generation:#x}) failed: \
-                 {e} (the next commit of it tries again)"
-            );
-        }
+        let raced = match compact(&shared, id, generation, chunk).await {
+            Ok(swapped) => !swapped,
+            Err(e) => {
+                tracing::warn!(
+                    "compaction of chunk {chunk} of {id:#x} (generation {generation:#x}) failed: \
+                     {e} (the next commit of it tries again)"
+                );
+                false
+            }
+        };
         shared.slice_work.compacting.lock().remove(&(id, chunk));
+        if raced {
+            // Commits landed while it ran (they found it queued and queued nothing): try
+            // again a little later, or the chunk could keep its refs until its next commit.
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(COMPACT_RETRY).await;
+                let refs = {
+                    let core = shared.core.lock();
+                    match core.engine.inode(id) {
+                        Some(i) if i.btime as u64 == generation => {
+                            core.engine.chunk_refs(id, chunk).len()
+                        }
+                        _ => 0,
+                    }
+                };
+                if refs > COMPACT_REFS_MAX {
+                    shared.slice_work.compact_later(id, generation, chunk);
+                }
+            });
+        }
     }
 }
 
+/// Wait before a compaction that lost a race with commits tries again: long enough for a
+/// burst of writes to the chunk to pass, short enough that its refs are merged soon after.
+const COMPACT_RETRY: Duration = Duration::from_millis(200);
+
 /// Compacts one chunk if it still holds more than [`COMPACT_REFS_MAX`] refs: reads what
 /// they resolve to, puts it as one object, and swaps it in if the refs are still the ones
-/// read (ESTALE otherwise: someone changed them, and their next commit queues it again).
+/// read. `Ok(false)`: they were not (commits raced with it; the caller tries again).
 /// The objects the swap dropped are deleted once it is durable. A crash at any point
 /// leaves either the old refs (and an orphan for the collector) or the new one.
 pub async fn compact(
@@ -733,17 +761,17 @@ pub async fn compact(
     id: InodeId,
     generation: u64,
     chunk: u64,
-) -> Result<(), FsError> {
+) -> Result<bool, FsError> {
     let expected = {
         let core = shared.core.lock();
         match core.engine.inode(id) {
             Some(i) if i.btime as u64 == generation => {}
-            _ => return Ok(()),
+            _ => return Ok(true),
         }
         core.engine.chunk_refs(id, chunk).to_vec()
     };
     if expected.len() <= COMPACT_REFS_MAX {
-        return Ok(());
+        return Ok(true);
     }
     let work = &shared.slice_work;
     let object = work.ids.next();
@@ -794,7 +822,7 @@ pub async fn compact(
     match swapped {
         Ok(()) => {
             work.chunks_compacted.fetch_add(1, Ordering::Relaxed);
-            Ok(())
+            Ok(true)
         }
         Err(e) => {
             // Never committed: nobody reads it, it can go now.
@@ -807,7 +835,7 @@ pub async fn compact(
             }
             drop(own);
             if e.errno == Errno::ESTALE {
-                Ok(())
+                Ok(false)
             } else {
                 Err(e)
             }
