@@ -823,6 +823,13 @@ async fn status(conn: ConnArgs, json: bool) -> Result<(), String> {
             "buffered"
         }
     );
+    let sl = &s.slices;
+    if *sl != Default::default() {
+        println!(
+            "slice objects: {} freed and deleted, {} orphans deleted in {} GC passes, {} chunks compacted",
+            sl.freed_deleted, sl.orphans_deleted, sl.gc_passes, sl.chunks_compacted
+        );
+    }
     println!(
         "{:<18} {:<18} {:<10} {:>10} {:>10} {:>12}",
         "table lo", "table hi", "region", "inodes", "entries", "ckpt LSN"

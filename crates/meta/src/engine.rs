@@ -116,6 +116,9 @@ pub struct Engine {
     /// the region's allocation point (see `alloc::REPLAY_LEAD_MAX`). Taken by the next
     /// allocation, whether it is used or not.
     pub want_id: Option<InodeId>,
+    /// Objects freed by operations whose reply has no room for them (truncations), for
+    /// the server to delete once the change is durable: (inode, generation, object).
+    pub(crate) freed_objects: Vec<(InodeId, u64, u64)>,
 }
 
 /// The id ranges of a new cluster's tables: the catch-all, too-deep and too-wide regions
@@ -180,6 +183,7 @@ impl Engine {
             member: false,
             last_not_hosted: None,
             want_id: None,
+            freed_objects: Vec::new(),
         })
     }
 
@@ -543,6 +547,18 @@ impl Engine {
                 }
                 self.tables[i].raise_region_next(*next)
             }
+            // Applied whether or not the inode is there: a replayed record may precede the
+            // removal that a checkpoint already holds (the removal's record follows it and
+            // drops the layout again).
+            Mutation::PutChunk { id, chunk, refs } => {
+                if *chunk >= crate::table::CHUNK_COUNT_MAX || refs.iter().any(|r| !r.is_valid()) {
+                    return Err(format!(
+                        "chunk {chunk} of {id:#x}: past the largest file or an invalid ref"
+                    ));
+                }
+                self.tables[i].put_chunk(*id, *chunk, refs.clone())
+            }
+            Mutation::DropChunks { id, from } => self.tables[i].drop_chunks(*id, *from),
         }
         Ok(())
     }
@@ -802,6 +818,7 @@ impl Engine {
             }
         }
         self.check_region_ids(&mut problems);
+        self.check_layouts(&mut problems);
         // Parent links lead to the root without a cycle.
         for t in &self.tables {
             for (id, inode) in t.iter_inodes() {

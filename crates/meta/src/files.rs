@@ -3,6 +3,7 @@
 //! first chunk is written, and the durable list of data to delete.
 
 use crate::engine::{Engine, Fail, OpResult};
+use crate::inode::Inode;
 use crate::mutation::Mutation;
 use crate::perm::check_access;
 use crate::table::Reclaim;
@@ -33,6 +34,21 @@ pub fn writes(flags: u32) -> bool {
         flags & open_flags::O_ACCMODE,
         open_flags::O_WRONLY | open_flags::O_RDWR
     )
+}
+
+/// What a write by `cred` that ended at byte `end` does to its inode: size, mtime and
+/// ctime, and (for a non-root writer) the setuid/setgid bits that any write clears.
+pub(crate) fn written(i: &mut Inode, cred: &Credentials, end: u64, now: TimeNs) {
+    i.size = i.size.max(end);
+    i.mtime = now;
+    i.ctime = now;
+    if !cred.is_root() {
+        i.mode &= !S_ISUID;
+        // setattr_should_drop_sgid: with group execute, or for a writer outside the group.
+        if i.mode & S_IXGRP != 0 || !cred.in_group(i.gid) {
+            i.mode &= !S_ISGID;
+        }
+    }
 }
 
 /// relatime sets an access time at least this old on the next read, as Linux does.
@@ -209,18 +225,8 @@ impl Engine {
         end: u64,
         now: TimeNs,
     ) -> OpResult<(Vec<Mutation>, Attr)> {
-        let inode = self.get(id)?;
-        let mut i = inode.clone();
-        i.size = i.size.max(end);
-        i.mtime = now;
-        i.ctime = now;
-        if !cred.is_root() {
-            i.mode &= !S_ISUID;
-            // setattr_should_drop_sgid: with group execute, or for a writer outside the group.
-            if i.mode & S_IXGRP != 0 || !cred.in_group(i.gid) {
-                i.mode &= !S_ISGID;
-            }
-        }
+        let mut i = self.get(id)?.clone();
+        written(&mut i, cred, end, now);
         let attr = i.attr(id);
         let muts = vec![Mutation::PutInode { id, inode: i }];
         self.apply_live(&muts);

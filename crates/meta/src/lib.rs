@@ -4,6 +4,7 @@
 //! - [`idpolicy`]: the child-closest id policy (id arithmetic); [`alloc`]: who gets which id.
 //! - [`table`]: one id range's inodes, entries and xattrs, in checkpoint boxes.
 //! - [`dir`]: a directory's entries in hash order, with stable readdir cookies.
+//! - [`layout`]: files' chunk layouts (slice refs) and their commits and truncations.
 //! - [`ops`]: the POSIX operations; [`perm`]: permission rules.
 //! - [`mutation`]: redo records, applied the same way live and on replay.
 
@@ -13,6 +14,7 @@ pub mod engine;
 pub mod files;
 pub mod idpolicy;
 pub mod inode;
+pub mod layout;
 pub mod mutation;
 pub mod name;
 pub mod ops;
@@ -22,6 +24,7 @@ pub mod table;
 pub use engine::{Engine, EngineConfig, Fail, initial_table_ranges, not_in_any_table};
 pub use idpolicy::{IdPolicy, IdPolicyConfig, Region};
 pub use inode::Inode;
+pub use kochab_proto::layout::SliceRef;
 pub use mutation::Mutation;
 pub use name::Name;
-pub use table::{BoxImage, BoxSet, Reclaim, Table};
+pub use table::{BoxImage, BoxSet, FileLayout, Reclaim, Table};

@@ -7,6 +7,7 @@
 use crate::idpolicy::Region;
 use crate::inode::Inode;
 use crate::name::Name;
+use kochab_proto::layout::SliceRef;
 use kochab_proto::{FileKind, InodeId};
 use serde::{Deserialize, Serialize};
 
@@ -55,6 +56,16 @@ pub enum Mutation {
     /// from the highest id present (one planted id would move it). Applied as a maximum:
     /// a high-water mark only rises, and replay stays idempotent.
     SetRegionNext { region: Region, next: u64 },
+    /// Chunk `chunk` of file `id` now has exactly `refs`, oldest first (none: no refs).
+    PutChunk {
+        id: InodeId,
+        chunk: u64,
+        refs: Vec<SliceRef>,
+    },
+    /// Every chunk of file `id` at or past `from` has no refs (a truncation: one record
+    /// however many chunks go, where a PutChunk each would pass a journal record's limit
+    /// for a huge file).
+    DropChunks { id: InodeId, from: u64 },
 }
 
 impl Mutation {
@@ -66,7 +77,9 @@ impl Mutation {
             | Mutation::SetXattr { id, .. }
             | Mutation::DropXattr { id, .. }
             | Mutation::PutReclaim { id, .. }
-            | Mutation::DropReclaim { id, .. } => *id,
+            | Mutation::DropReclaim { id, .. }
+            | Mutation::PutChunk { id, .. }
+            | Mutation::DropChunks { id, .. } => *id,
             Mutation::PutDentry { parent, .. } | Mutation::DropDentry { parent, .. } => *parent,
             Mutation::SetRegionNext { region, .. } => region.base(),
         }

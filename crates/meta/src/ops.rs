@@ -1078,11 +1078,21 @@ impl Engine {
             }
             _ => None,
         };
+        // A layout (object-store data) is trimmed here too; the reclaim entry above stays
+        // as on any store (the server decides what it means on its own).
+        let (layout_muts, freed) = match set.size {
+            Some(size) => self.trim_layout(id, size),
+            None => (Vec::new(), Vec::new()),
+        };
+        let generation = i.btime as u64;
         let attr = i.attr(id);
         let start = out.len();
         out.push(Mutation::PutInode { id, inode: i });
         out.extend(trim);
+        out.extend(layout_muts);
         self.apply_live(&out[start..]);
+        self.freed_objects
+            .extend(freed.into_iter().map(|o| (id, generation, o)));
         Ok(Reply::Attr(attr))
     }
 

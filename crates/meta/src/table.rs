@@ -1,5 +1,6 @@
 //! A table: every inode whose id lies in `[lo, hi)`, the entries of those that are
-//! directories, and their extended attributes. Inodes are grouped in boxes of 64
+//! directories, their extended attributes and the chunk layouts of their data (on an
+//! object store without positioned I/O, see `kochab_proto::layout`). Inodes are grouped in boxes of 64
 //! consecutive ids (the child-closest policy makes a directory's files consecutive, so boxes
 //! fill up) and the boxes changed since the last checkpoint are tracked, so checkpoints are
 //! incremental (the "dirty boxes" of Xing et al.).
@@ -7,7 +8,8 @@
 use crate::dir::{Dentry, DirEntries};
 use crate::inode::Inode;
 use crate::name::Name;
-use kochab_proto::{FileKind, InodeId};
+use kochab_proto::layout::SliceRef;
+use kochab_proto::{CHUNK_BYTES, FILE_BYTES_MAX, FileKind, InodeId};
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -18,6 +20,37 @@ const BOX_MASK: u64 = (1 << BOX_SHIFT) - 1;
 
 /// Extended attributes of one inode, by name.
 pub type Xattrs = BTreeMap<Vec<u8>, Vec<u8>>;
+
+/// A file's data layout: per chunk that has any, its refs, oldest first.
+pub type FileLayout = BTreeMap<u64, Vec<SliceRef>>;
+
+/// log2 of the chunks per layout group: the unit of dirty tracking and of checkpoint
+/// images for layouts. 1024 chunks are 4 GiB of a file, typically a few dozen KiB of
+/// refs, so appending to a huge file rewrites one group per checkpoint, not its whole
+/// layout (a 1 TiB file has 256 groups).
+pub const LAYOUT_GROUP_SHIFT: u32 = 10;
+/// Bytes of refs one layout image record aims at: a group holding more is cut into several
+/// records (each at least one whole chunk). Far below the checkpoint's box-image limit
+/// (16 MiB) so that even a chunk at its ref limit plus the rest of its record fits, and
+/// small enough that copying one under the core lock is short.
+pub const LAYOUT_RECORD_BYTES: usize = 1 << 20;
+/// Most postcard bytes one chunk costs in an image beside its refs (chunk number and
+/// count), and one ref (object, pos and len as varints): the estimate that cuts records.
+const LAYOUT_CHUNK_IMAGE_BYTES: usize = 15;
+const LAYOUT_REF_IMAGE_BYTES: usize = 20;
+/// Chunks a file may have: those that start below the largest file size.
+pub const CHUNK_COUNT_MAX: u64 = FILE_BYTES_MAX.div_ceil(CHUNK_BYTES);
+
+/// The layout group of chunk `chunk`.
+pub fn layout_group(chunk: u64) -> u64 {
+    chunk >> LAYOUT_GROUP_SHIFT
+}
+
+/// The chunks of layout group `group`.
+pub fn layout_group_chunks(group: u64) -> std::ops::Range<u64> {
+    let lo = group << LAYOUT_GROUP_SHIFT;
+    lo..lo.saturating_add(1 << LAYOUT_GROUP_SHIFT)
+}
 
 /// Up to 64 inodes with consecutive ids, stored densely.
 #[derive(Clone, Debug, Default)]
@@ -123,6 +156,16 @@ pub enum BoxImage {
     RegionNext {
         next: u64,
     },
+    /// Chunks `[from, to)` of file `id` have exactly these refs (ascending by chunk; a chunk
+    /// not listed has none). A layout group is written as one or more of these covering
+    /// the group's whole range, so loading a later image of the group replaces every
+    /// chunk of it, a layout that shrank or went included.
+    Layout {
+        id: InodeId,
+        from: u64,
+        to: u64,
+        chunks: Vec<(u64, Vec<SliceRef>)>,
+    },
 }
 
 /// Boxes to write in a checkpoint.
@@ -134,12 +177,15 @@ pub struct BoxSet {
     pub reclaims: bool,
     /// The region's allocation point moved.
     pub region_next: bool,
+    /// Layout groups `(file, group)` (see [`LAYOUT_GROUP_SHIFT`]).
+    pub layout_groups: Vec<(InodeId, u64)>,
 }
 
 impl BoxSet {
     pub fn len(&self) -> usize {
         self.inode_boxes.len()
             + self.dentry_boxes.len()
+            + self.layout_groups.len()
             + usize::from(self.reclaims)
             + usize::from(self.region_next)
     }
@@ -165,6 +211,10 @@ pub struct Table {
     /// never recorded, as in data written before it was; see `Engine::fill_region_next`).
     region_next: Option<u64>,
     dirty_region_next: bool,
+    /// Chunk layouts of regular files, kept beside their inodes (an inode's journal
+    /// record carries the whole inode and must stay small).
+    layouts: FxHashMap<InodeId, FileLayout>,
+    dirty_layouts: FxHashSet<(InodeId, u64)>,
     inodes: u64,
     dentries: u64,
     /// Journal records with a higher LSN are not yet in this table's checkpoint and are
@@ -195,6 +245,8 @@ impl Table {
             dirty_reclaims: false,
             region_next: None,
             dirty_region_next: false,
+            layouts: FxHashMap::default(),
+            dirty_layouts: FxHashSet::default(),
             inodes: 0,
             dentries: 0,
             replay_from: 0,
@@ -300,8 +352,9 @@ impl Table {
         self.dirty_boxes.insert(boxno);
     }
 
-    /// Removes an inode with its extended attributes and (empty) entry map.
+    /// Removes an inode with its extended attributes, layout and (empty) entry map.
     pub fn drop_inode(&mut self, id: InodeId) {
+        self.drop_chunks(id, 0);
         let boxno = id >> BOX_SHIFT;
         if let Some(b) = self.boxes.get_mut(&boxno) {
             if b.remove((id & BOX_MASK) as u32).is_some() {
@@ -359,6 +412,14 @@ impl Table {
             .filter(|&(d, _)| d >= at)
             .collect();
         self.dirty_dentries.retain(|&(d, _)| d < at);
+        upper.layouts = part(&mut self.layouts, |id| id >= at);
+        upper.dirty_layouts = self
+            .dirty_layouts
+            .iter()
+            .copied()
+            .filter(|&(id, _)| id >= at)
+            .collect();
+        self.dirty_layouts.retain(|&(id, _)| id < at);
         upper.reclaims = self.reclaims.split_off(&(at, 0));
         upper.dirty_reclaims = self.dirty_reclaims;
         for t in [&mut *self, &mut upper] {
@@ -430,6 +491,54 @@ impl Table {
         self.dirty_boxes.insert(id >> BOX_SHIFT);
     }
 
+    /// The layout of file `id`, if it has any refs.
+    pub fn layout(&self, id: InodeId) -> Option<&FileLayout> {
+        self.layouts.get(&id)
+    }
+
+    /// The refs of chunk `chunk` of file `id` (none if it has none).
+    pub fn chunk_refs(&self, id: InodeId, chunk: u64) -> &[SliceRef] {
+        self.layouts
+            .get(&id)
+            .and_then(|l| l.get(&chunk))
+            .map_or(&[], |r| r.as_slice())
+    }
+
+    /// Sets chunk `chunk` of file `id` to `refs` (none: the chunk has no refs).
+    pub fn put_chunk(&mut self, id: InodeId, chunk: u64, refs: Vec<SliceRef>) {
+        self.dirty_layouts.insert((id, layout_group(chunk)));
+        if refs.is_empty() {
+            if let Some(l) = self.layouts.get_mut(&id) {
+                l.remove(&chunk);
+                if l.is_empty() {
+                    self.layouts.remove(&id);
+                }
+            }
+        } else {
+            self.layouts.entry(id).or_default().insert(chunk, refs);
+        }
+    }
+
+    /// Drops the refs of every chunk at or past `from` of file `id`.
+    pub fn drop_chunks(&mut self, id: InodeId, from: u64) {
+        let Some(l) = self.layouts.get_mut(&id) else {
+            return;
+        };
+        let gone = l.split_off(&from);
+        let empty = l.is_empty();
+        for &chunk in gone.keys() {
+            self.dirty_layouts.insert((id, layout_group(chunk)));
+        }
+        if empty {
+            self.layouts.remove(&id);
+        }
+    }
+
+    /// Every file with a layout, and its layout (for invariant checks and tests).
+    pub fn iter_layouts(&self) -> impl Iterator<Item = (InodeId, &FileLayout)> + '_ {
+        self.layouts.iter().map(|(&id, l)| (id, l))
+    }
+
     /// Adds or widens a reclaim entry (a lower `from` wins: more data goes).
     pub fn put_reclaim(&mut self, r: Reclaim) {
         let e = self.reclaims.entry((r.id, r.generation)).or_insert(r);
@@ -486,9 +595,11 @@ impl Table {
             dentry_boxes: self.dirty_dentries.drain().collect(),
             reclaims: std::mem::take(&mut self.dirty_reclaims),
             region_next: std::mem::take(&mut self.dirty_region_next),
+            layout_groups: self.dirty_layouts.drain().collect(),
         };
         set.inode_boxes.sort_unstable();
         set.dentry_boxes.sort_unstable();
+        set.layout_groups.sort_unstable();
         set
     }
 
@@ -498,11 +609,12 @@ impl Table {
         self.dirty_dentries.extend(set.dentry_boxes.iter().copied());
         self.dirty_reclaims |= set.reclaims;
         self.dirty_region_next |= set.region_next;
+        self.dirty_layouts.extend(set.layout_groups.iter().copied());
     }
 
     /// Number of boxes changed since the last checkpoint.
     pub fn dirty_len(&self) -> usize {
-        self.dirty_boxes.len() + self.dirty_dentries.len()
+        self.dirty_boxes.len() + self.dirty_dentries.len() + self.dirty_layouts.len()
     }
 
     /// Every box that holds something: the contents of a full checkpoint.
@@ -512,11 +624,24 @@ impl Table {
             dentry_boxes.extend(e.boxes().into_iter().map(|b| (dir, b)));
         }
         dentry_boxes.sort_unstable();
+        let mut layout_groups: Vec<(InodeId, u64)> = Vec::new();
+        for (&id, l) in &self.layouts {
+            let mut last = None;
+            for &chunk in l.keys() {
+                let g = layout_group(chunk);
+                if last != Some(g) {
+                    layout_groups.push((id, g));
+                    last = Some(g);
+                }
+            }
+        }
+        layout_groups.sort_unstable();
         BoxSet {
             inode_boxes: self.boxes.keys().copied().collect(),
             dentry_boxes,
             reclaims: true,
             region_next: self.region_next.is_some(),
+            layout_groups,
         }
     }
 
@@ -587,10 +712,83 @@ impl Table {
         }
     }
 
+    /// The current layout of group `group` of file `id` as images: records of whole chunks,
+    /// each of about [`LAYOUT_RECORD_BYTES`] at most, that together cover the group's whole
+    /// chunk range (one empty record if the group has no refs any more).
+    pub fn image_layout_group(&self, id: InodeId, group: u64) -> Vec<BoxImage> {
+        let range = layout_group_chunks(group);
+        let mut out = Vec::new();
+        let mut from = range.start;
+        let mut chunks = Vec::new();
+        let mut bytes = 0;
+        if let Some(l) = self.layouts.get(&id) {
+            for (&chunk, refs) in l.range(range.clone()) {
+                let cost = LAYOUT_CHUNK_IMAGE_BYTES + refs.len() * LAYOUT_REF_IMAGE_BYTES;
+                if !chunks.is_empty() && bytes + cost > LAYOUT_RECORD_BYTES {
+                    out.push(BoxImage::Layout {
+                        id,
+                        from,
+                        to: chunk,
+                        chunks: std::mem::take(&mut chunks),
+                    });
+                    from = chunk;
+                    bytes = 0;
+                }
+                bytes += cost;
+                chunks.push((chunk, refs.clone()));
+            }
+        }
+        out.push(BoxImage::Layout {
+            id,
+            from,
+            to: range.end,
+            chunks,
+        });
+        out
+    }
+
     /// Replaces a box with its image (checkpoint load). Images of later checkpoints
     /// override earlier ones box by box. Rejects images that do not belong here.
     pub fn load_image(&mut self, img: BoxImage) -> Result<(), String> {
         match img {
+            BoxImage::Layout {
+                id,
+                from,
+                to,
+                chunks,
+            } => {
+                if !self.contains(id) {
+                    return Err(format!(
+                        "layout of {id:#x} outside table {:#x}..{:#x}",
+                        self.lo, self.hi
+                    ));
+                }
+                if from > to {
+                    return Err(format!("layout of {id:#x}: empty range {from}..{to}"));
+                }
+                let mut prev = None;
+                for (chunk, refs) in &chunks {
+                    if !(from..to).contains(chunk) || prev.is_some_and(|p| p >= *chunk) {
+                        return Err(format!(
+                            "layout of {id:#x}: chunk {chunk} out of order or outside {from}..{to}"
+                        ));
+                    }
+                    if *chunk >= CHUNK_COUNT_MAX || refs.iter().any(|r| !r.is_valid()) {
+                        return Err(format!(
+                            "layout of {id:#x}: chunk {chunk} past the largest file or with an invalid ref"
+                        ));
+                    }
+                    prev = Some(*chunk);
+                }
+                let l = self.layouts.entry(id).or_default();
+                let mut tail = l.split_off(&from);
+                let mut after = tail.split_off(&to);
+                l.append(&mut after);
+                l.extend(chunks.into_iter().filter(|(_, r)| !r.is_empty()));
+                if l.is_empty() {
+                    self.layouts.remove(&id);
+                }
+            }
             BoxImage::RegionNext { next } => {
                 if next != 0 {
                     self.raise_region_next(next);

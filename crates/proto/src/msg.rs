@@ -865,6 +865,23 @@ pub struct StatusReport {
     /// Where the metadata is durable: the data directory's own store, or a store on S3
     /// (its URL and endpoint, and what its engine's self-test found at start).
     pub store: String,
+    /// File data as slice objects (issue 31), since this process started.
+    pub slices: SliceCounters,
+}
+
+/// What a server did with slice objects since it started (all zero on a store the server
+/// writes in place).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SliceCounters {
+    /// Objects no ref named any more (overwritten, truncated, compacted), deleted once the
+    /// change that dropped them was durable.
+    pub freed_deleted: u64,
+    /// Objects never committed (orphans), found and deleted by the garbage collector.
+    pub orphans_deleted: u64,
+    /// Chunks compacted into one object.
+    pub chunks_compacted: u64,
+    /// Garbage-collection passes finished.
+    pub gc_passes: u64,
 }
 
 #[cfg(test)]

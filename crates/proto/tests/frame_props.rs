@@ -570,6 +570,12 @@ fn status_report() -> impl Strategy<Value = StatusReport> {
                 connections,
                 durable_mode,
                 store: format!("s3://b/p{epoch}"),
+                slices: SliceCounters {
+                    freed_deleted: rss_bytes,
+                    orphans_deleted: connections,
+                    chunks_compacted: journal_bytes,
+                    gc_passes: uptime_ms,
+                },
             },
         )
 }

@@ -23,18 +23,24 @@
 //! `kochab-server`); file data is immutable slice objects written by the server
 //! (`kochab-server`'s `data::slices`), read back by ranged GETs ([`ObjectStore::get_range`]).
 //!
+//! [`ObjectStore::presign`] hands out SigV4 presigned URLs of single objects (a GET, or a
+//! PUT that can only create: its signature covers `If-None-Match: *`), through which a
+//! client without the store's keys reads or writes file data itself (module `presign`).
+//!
 //! The store's trait is synchronous and is called from server code, some of it on tokio
 //! runtimes. Requests run on a small runtime owned by the store; a caller waits for the
 //! answer on a plain channel, which never enters a runtime (so no `block_on` inside one).
 
 mod config;
+mod presign;
 mod selftest;
 
 pub use config::{S3Location, S3Settings, VARIABLES, read_settings_file};
+pub use presign::PRESIGN_EXPIRY_MAX;
 pub use selftest::SelfTest;
 
 use bytes::Bytes;
-use kochab_store::{Capacity, Object, ObjectStore, validate_object_name};
+use kochab_store::{Capacity, Object, ObjectStore, Presign, validate_object_name};
 use object_store::aws::{AmazonS3Builder, S3ConditionalPut};
 use object_store::path::Path as Key;
 use object_store::{
@@ -78,6 +84,8 @@ pub const REPORTED_CAPACITY: u64 = 1 << 50;
 /// The objects of one bucket under one prefix, over the S3 API.
 pub struct S3Store {
     remote: Remote,
+    /// Signs presigned URLs; `None` over a store that is not reached by HTTP (tests).
+    presigner: Option<presign::Presigner>,
     handle: tokio::runtime::Handle,
     /// Dropped with `shutdown_background`: a store dropped on a runtime's thread must not
     /// block it (dropping a runtime there would panic).
@@ -143,11 +151,13 @@ impl S3Store {
                 format!("{location}: cannot set up the S3 client: {e}"),
             )
         })?;
-        S3Store::over(
+        let mut store = S3Store::over(
             Arc::new(s3),
             &location.prefix,
             &format!("{location} at {}", settings.endpoint_name()),
-        )
+        )?;
+        store.presigner = Some(presign::Presigner::open(location, settings)?);
+        Ok(store)
     }
 
     /// A store over any `object_store` implementation (tests use its in-memory one), with
@@ -176,6 +186,7 @@ impl S3Store {
                 },
                 name: name.into(),
             },
+            presigner: None,
             handle: runtime.handle().clone(),
             runtime: Some(runtime),
         })
@@ -602,6 +613,15 @@ impl ObjectStore for S3Store {
             }
             Ok(())
         })
+    }
+
+    /// A SigV4 presigned URL (query-string authentication) of the object, path style on
+    /// the store's endpoint, for at most [`PRESIGN_EXPIRY_MAX`]. A create-only PUT signs
+    /// [`Presign::headers`] (`If-None-Match: *`, a private ACL), which its sender must send
+    /// as they are.
+    fn presign(&self, name: &str, how: Presign, expires_in: Duration) -> Option<String> {
+        validate_object_name(name).ok()?;
+        Some(self.presigner.as_ref()?.url(name, how, expires_in))
     }
 
     fn exists(&self, name: &str) -> io::Result<bool> {

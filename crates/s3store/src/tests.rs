@@ -12,6 +12,7 @@ use object_store::{
     PutMultipartOptions, PutResult,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 fn over(inner: Arc<dyn object_store::ObjectStore>) -> S3Store {
     S3Store::over(inner, "cluster-a", "memory").unwrap()
@@ -362,4 +363,180 @@ fn ranged_gets_return_just_the_range() {
     assert_eq!(s.get_range("d/x", 4, 0).unwrap().unwrap(), b"");
     assert_eq!(s.get_range("d/none", 0, 4).unwrap(), None);
     assert_eq!(s.get_range("d/none", 0, 0).unwrap(), None);
+}
+
+#[test]
+fn stores_not_over_http_hand_out_no_urls() {
+    let (s, _) = store();
+    assert_eq!(
+        s.presign("d/x", Presign::Get, Duration::from_secs(60)),
+        None
+    );
+    let mem = kochab_store::MemStore::objects_only();
+    assert_eq!(
+        mem.presign("d/x", Presign::PutCreate, Duration::from_secs(60)),
+        None
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let local = kochab_store::LocalStore::open(dir.path()).unwrap();
+    assert_eq!(
+        local.presign("d/x", Presign::Get, Duration::from_secs(60)),
+        None
+    );
+}
+
+/// The store on the Ceph RGW that KOCHAB_S3_ENV names (`scripts/ceph-rgw.sh up`), under a
+/// prefix of its own; `None` (the test is skipped, with a message) without it, or with
+/// KOCHAB_S3_TESTS=0.
+fn rgw_store(test: &str) -> Option<S3Store> {
+    let env_file = match std::env::var_os("KOCHAB_S3_ENV") {
+        Some(f) if std::env::var("KOCHAB_S3_TESTS").as_deref() != Ok("0") => f,
+        _ => {
+            eprintln!(
+                "KOCHAB_S3_ENV is not set: skipping {test} against Ceph RGW \
+                 (run with KOCHAB_S3_ENV=$(scripts/ceph-rgw.sh up))"
+            );
+            return None;
+        }
+    };
+    let text = std::fs::read_to_string(&env_file).unwrap();
+    let bucket = text
+        .lines()
+        .find_map(|l| l.strip_prefix("export KOCHAB_S3_BUCKET="))
+        .expect("KOCHAB_S3_BUCKET in the env file");
+    let vars = read_settings_file(std::path::Path::new(&env_file)).unwrap();
+    let settings = S3Settings::from_vars(&vars).unwrap();
+    let tag = new_token().unwrap();
+    let location = S3Location::parse(&format!("s3://{bucket}/t/{test}-{tag}")).unwrap();
+    Some(S3Store::open(&location, &settings).unwrap())
+}
+
+/// One request to a presigned URL: status and body.
+fn send(
+    method: reqwest::Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (u16, Vec<u8>) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut req = reqwest::Client::new()
+            .request(method, url)
+            .timeout(Duration::from_secs(30));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let resp = req.body(body.to_vec()).send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.bytes().await.unwrap().to_vec())
+    })
+}
+
+/// What a create sends: `If-None-Match: *` and the private ACL.
+fn create() -> &'static [(&'static str, &'static str)] {
+    Presign::PutCreate.headers()
+}
+
+#[test]
+fn a_presigned_put_creates_once_and_never_overwrites() {
+    let Some(s) = rgw_store("presign-put") else {
+        return;
+    };
+    let minute = Duration::from_secs(60);
+    let url = s.presign("d/x", Presign::PutCreate, minute).unwrap();
+    assert!(
+        url.contains("X-Amz-SignedHeaders=host%3Bif-none-match%3Bx-amz-acl"),
+        "{url}"
+    );
+    let acl = ("x-amz-acl", "bucket-owner-full-control");
+
+    // Without If-None-Match, with another value, or without the ACL: refused, nothing
+    // written.
+    for (what, headers) in [
+        ("no header", vec![]),
+        ("no If-None-Match", vec![acl]),
+        (
+            "another If-None-Match",
+            vec![("If-None-Match", "\"abc\""), acl],
+        ),
+        ("no ACL", vec![("If-None-Match", "*")]),
+        (
+            "a public ACL",
+            vec![("If-None-Match", "*"), ("x-amz-acl", "public-read")],
+        ),
+    ] {
+        let (status, _) = send(reqwest::Method::PUT, &url, &headers, what.as_bytes());
+        assert_eq!(status, 403, "a PUT with {what}");
+    }
+    assert_eq!(s.get("d/x").unwrap(), None);
+
+    let (status, body) = send(reqwest::Method::PUT, &url, create(), b"first bytes");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(s.get("d/x").unwrap().unwrap(), b"first bytes");
+    // Only the store's owner reads it: not a request without a signature.
+    let unsigned = url.split_once('?').unwrap().0;
+    assert_eq!(send(reqwest::Method::GET, unsigned, &[], b"").0, 403);
+
+    // The same URL again: the object exists, the precondition fails.
+    let (status, _) = send(reqwest::Method::PUT, &url, create(), b"second");
+    assert_eq!(status, 412, "a second create through the same URL");
+    let (status, _) = send(reqwest::Method::PUT, &url, &[acl], b"third");
+    assert_eq!(status, 403, "an overwrite without If-None-Match");
+    assert_eq!(s.get("d/x").unwrap().unwrap(), b"first bytes");
+
+    // The URL names its object and its method: not another object, not a read.
+    let other = url.replacen("/d/x?", "/d/y?", 1);
+    let (status, _) = send(reqwest::Method::PUT, &other, create(), b"elsewhere");
+    assert_eq!(status, 403, "the URL of d/x used for d/y");
+    assert_eq!(s.get("d/y").unwrap(), None);
+    let (status, _) = send(reqwest::Method::GET, &url, &[], b"");
+    assert_eq!(status, 403, "a PUT URL used to read");
+    s.delete("d/x").unwrap();
+}
+
+#[test]
+fn a_presigned_get_reads_a_range() {
+    let Some(s) = rgw_store("presign-get") else {
+        return;
+    };
+    s.put("d/r", b"0123456789").unwrap();
+    let url = s
+        .presign("d/r", Presign::Get, Duration::from_secs(60))
+        .unwrap();
+    let (status, body) = send(reqwest::Method::GET, &url, &[("Range", "bytes=2-4")], b"");
+    assert_eq!((status, body.as_slice()), (206, &b"234"[..]));
+    let (status, body) = send(reqwest::Method::GET, &url, &[], b"");
+    assert_eq!((status, body.as_slice()), (200, &b"0123456789"[..]));
+    // Reading grants no write.
+    let (status, _) = send(reqwest::Method::PUT, &url, create(), b"over");
+    assert_eq!(status, 403, "a GET URL used to write");
+    assert_eq!(s.get("d/r").unwrap().unwrap(), b"0123456789");
+    // A missing object: 404, as to its owner.
+    let url = s
+        .presign("d/none", Presign::Get, Duration::from_secs(60))
+        .unwrap();
+    assert_eq!(send(reqwest::Method::GET, &url, &[], b"").0, 404);
+    s.delete("d/r").unwrap();
+}
+
+#[test]
+fn an_expired_url_is_refused() {
+    let Some(s) = rgw_store("presign-expired") else {
+        return;
+    };
+    s.put("d/e", b"old").unwrap();
+    let get = s
+        .presign("d/e", Presign::Get, Duration::from_secs(1))
+        .unwrap();
+    let put = s
+        .presign("d/n", Presign::PutCreate, Duration::from_secs(1))
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(send(reqwest::Method::GET, &get, &[], b"").0, 403);
+    assert_eq!(send(reqwest::Method::PUT, &put, create(), b"late").0, 403);
+    assert_eq!(s.get("d/n").unwrap(), None);
+    s.delete("d/e").unwrap();
 }

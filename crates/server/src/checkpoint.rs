@@ -29,7 +29,10 @@ use std::time::Instant;
 /// symlink target) with their extended attributes (at most `kochab_meta::ops::XATTR_TOTAL_MAX`
 /// = 128 KiB each): about 8.3 MiB; the test below checks it. A dentry box holds 1/1024 of a
 /// directory's names (a directory would need about 60 million long names to pass this); a
-/// box that does fails its checkpoint with an error, which is retried, never an abort.
+/// box that does fails its checkpoint with an error, which is retried, never an abort. A
+/// layout record holds about `kochab_meta::table::LAYOUT_RECORD_BYTES` (1 MiB), or one chunk
+/// of at most `kochab_meta::layout::CHUNK_REFS_MAX` refs (about 160 KiB): a huge file's
+/// layout is cut into many records (a test below checks a 1 TiB one).
 pub const BOX_IMAGE_BYTES_MAX: usize = 16 << 20;
 /// Boxes copied per lock acquisition: short enough that operations barely notice.
 const BOXES_PER_LOCK: usize = 256;
@@ -704,6 +707,9 @@ impl Checkpointer {
         let mut scratch = Vec::new();
         let mut inode_boxes = set.inode_boxes.iter();
         let mut dentry_boxes = set.dentry_boxes.iter();
+        let mut layout_groups = set.layout_groups.iter();
+        // A layout group may need several records (a huge group is cut to fit).
+        let mut pending: std::collections::VecDeque<BoxImage> = Default::default();
         let mut reclaims_left = set.reclaims;
         let mut region_next_left = set.region_next;
         loop {
@@ -726,10 +732,19 @@ impl Checkpointer {
                 };
                 let mut copied = 0;
                 while copied < BOXES_PER_LOCK {
-                    let img = if let Some(&b) = inode_boxes.next() {
+                    let img = if let Some(img) = pending.pop_front() {
+                        img
+                    } else if let Some(&b) = inode_boxes.next() {
                         t.image_inode_box(b)
                     } else if let Some(&(d, b)) = dentry_boxes.next() {
                         t.image_dentry_box(d, b)
+                    } else if let Some(&(id, g)) = layout_groups.next() {
+                        // A group's records are taken under one lock: they show one moment.
+                        pending.extend(t.image_layout_group(id, g));
+                        match pending.pop_front() {
+                            Some(img) => img,
+                            None => continue,
+                        }
                     } else if reclaims_left {
                         reclaims_left = false;
                         t.image_reclaims()

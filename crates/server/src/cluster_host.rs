@@ -1318,9 +1318,9 @@ fn cut_ranges(ranges: &mut Vec<(u64, u64)>, tables: impl IntoIterator<Item = (u6
 
 /// A request a connection task runs outside the batch: cluster operations of a member,
 /// and data operations (admitted first in a member).
-pub async fn task_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, u64) {
+pub async fn task_op(shared: Arc<Shared>, client: u64, key_id: u32, req: Request) -> (Reply, u64) {
     let Some(host) = shared.cluster.clone() else {
-        return crate::filesvc::data_op(shared, client, req).await;
+        return crate::filesvc::data_op(shared, client, key_id, req).await;
     };
     if req.op.is_cluster() {
         return (host.cluster_op(req.op).await, 0);
@@ -1337,7 +1337,7 @@ pub async fn task_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, 
             Err(Refusal::Borrow(_)) => return (host.not_ready(), 0),
         }
     };
-    let (reply, lsn) = crate::filesvc::data_op(shared.clone(), client, req).await;
+    let (reply, lsn) = crate::filesvc::data_op(shared.clone(), client, key_id, req).await;
     host.op_done(tables, lsn, shared.journal.durable_lsn());
     (reply, lsn)
 }

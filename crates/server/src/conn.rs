@@ -810,6 +810,8 @@ async fn read_loop(
 ) {
     let Identity { session, key, .. } = who;
     let client = session;
+    // Commit tokens are bound to the client key (see `slicesvc`).
+    let key_id = key.id;
     let tags = SessionTags::new(&shared.replay_key, session);
     // The admin key with no rule skips the screening (the single-server fast path).
     let screened = key.id != ADMIN_KEY_ID || key.policy != KeyPolicy::TRUSTED;
@@ -894,7 +896,8 @@ async fn read_loop(
                 // task, as a cluster operation's.
                 let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
                 shared.runtime.clone().spawn(async move {
-                    let (reply, lsn) = crate::cluster_host::task_op(shared, client, req).await;
+                    let (reply, lsn) =
+                        crate::cluster_host::task_op(shared, client, key_id, req).await;
                     let mut group = Replies::new(Instant::now(), 1);
                     group.add(rid, op, &reply, lsn);
                     let _ = send_replies(&tx, &backlog, group).await;
@@ -927,15 +930,18 @@ async fn read_loop(
                 return;
             };
             let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
-            // Writes only: a truncation, fallocate or fsync answers once durable.
-            let early = (req.mode == ReplyMode::Early && matches!(req.op, Op::Write { .. }))
-                .then(|| tags.write_tag(&req));
+            // Writes and commits of slices only: a truncation, fallocate or fsync answers
+            // once durable.
+            let early = (req.mode == ReplyMode::Early
+                && matches!(req.op, Op::Write { .. } | Op::CommitSlices { .. }))
+            .then(|| tags.write_tag(&req));
             // On the server's runtime: a data write or a cluster operation must not end
             // halfway with a client's runtime.
             shared.runtime.clone().spawn(async move {
                 let mut group = Replies::new(Instant::now(), 1);
                 let op = req.op.index() as u8;
-                let (reply, lsn) = crate::cluster_host::task_op(shared.clone(), client, req).await;
+                let (reply, lsn) =
+                    crate::cluster_host::task_op(shared.clone(), client, key_id, req).await;
                 // A write answered early leaves now, as an `Unsafe` frame with its LSN.
                 if let Some(tag) = early
                     && lsn > shared.journal.durable_lsn()

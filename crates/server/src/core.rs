@@ -480,6 +480,8 @@ pub struct Shared {
     pub replay_window: ReplayWindow,
     /// Tags early replies and checks replays (the same at every server of the cluster).
     pub replay_key: kochab_proto::auth::ReplayKey,
+    /// Grants, freed objects and compaction of file data as slice objects (`slicesvc`).
+    pub slice_work: crate::slicesvc::SliceWork,
 }
 
 /// How long a server recovered from a crash runs no change but replays: clients that hold
@@ -902,6 +904,7 @@ impl Shared {
             connections: self.connections.load(Ordering::Relaxed),
             durable_mode: self.durable_mode,
             store: self.store_description.clone(),
+            slices: self.slice_work.counters(),
         }
     }
 

@@ -34,7 +34,13 @@ const O_EXCL: u32 = 0o200;
 pub fn is_data_op(op: &Op) -> bool {
     matches!(
         op,
-        Op::Read { .. } | Op::Write { .. } | Op::Fsync { .. } | Op::Fallocate { .. }
+        Op::Read { .. }
+            | Op::Write { .. }
+            | Op::Fsync { .. }
+            | Op::Fallocate { .. }
+            | Op::DataGrant { .. }
+            | Op::CommitSlices { .. }
+            | Op::Layout { .. }
     ) || matches!(op, Op::SetAttr { set, .. } if set.size.is_some())
 }
 
@@ -251,7 +257,12 @@ impl Shared {
     }
 
     /// The open handle `handle` of `client`, checked for the access it needs.
-    fn handle(&self, client: u64, handle: u64, need_write: bool) -> Result<OpenFile, FsError> {
+    pub(crate) fn handle(
+        &self,
+        client: u64,
+        handle: u64,
+        need_write: bool,
+    ) -> Result<OpenFile, FsError> {
         let core = self.core.lock();
         let of = core.sessions.get(client, handle).ok_or_else(|| {
             fs_err!(
@@ -411,7 +422,7 @@ fn register(
 
 /// Runs storage work on the blocking pool; a storage error reaches the client as its errno
 /// (`Errno::of_io`: ENOSPC stays ENOSPC, not EIO).
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     what: &'static str,
     f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
 ) -> Result<T, FsError> {
@@ -422,14 +433,18 @@ async fn blocking<T: Send + 'static>(
     }
 }
 
-/// Runs one data operation; returns the reply and the LSN that must be durable first.
-pub async fn data_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, u64) {
+/// Runs one data operation of a session of client key `key_id`; returns the reply and the
+/// LSN that must be durable first.
+pub async fn data_op(shared: Arc<Shared>, client: u64, key_id: u32, req: Request) -> (Reply, u64) {
     // After a crash, as for the metadata changes (conn.rs): a new write, truncation or
     // fallocate waits out the replay window, so that a client's replayed write cannot
     // land after (and undo) a newer change to the same bytes.
     let replay = matches!(req.mode, ReplyMode::Replay { .. });
     if !replay
-        && !matches!(req.op, Op::Read { .. } | Op::Fsync { .. })
+        && !matches!(
+            req.op,
+            Op::Read { .. } | Op::Fsync { .. } | Op::DataGrant { .. } | Op::Layout { .. }
+        )
         && let Some(until) = shared.replay_window.until()
     {
         tokio::time::sleep_until(until.into()).await;
@@ -438,7 +453,9 @@ pub async fn data_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, 
     // appended to (a plain write needs nothing: overlapping writes of two clients land in
     // the order they reach the server, and a writer's own flush is made of plain writes).
     let sees = match req.op {
-        Op::Read { handle, .. } | Op::Fallocate { handle, .. } => Some(handle),
+        Op::Read { handle, .. } | Op::Fallocate { handle, .. } | Op::Layout { handle, .. } => {
+            Some(handle)
+        }
         Op::Write { handle, offset, .. } if offset == WRITE_AT_END => Some(handle),
         _ => None,
     };
@@ -455,7 +472,7 @@ pub async fn data_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, 
     if let Some(id) = seen {
         shared.wait_flushes(client, &[id]).await;
     }
-    match run_data_op(&shared, client, req).await {
+    match run_data_op(&shared, client, key_id, req).await {
         Ok(r) => r,
         Err(e) => (Reply::Error(e), 0),
     }
@@ -464,6 +481,7 @@ pub async fn data_op(shared: Arc<Shared>, client: u64, req: Request) -> (Reply, 
 async fn run_data_op(
     shared: &Arc<Shared>,
     client: u64,
+    key_id: u32,
     req: Request,
 ) -> Result<(Reply, u64), FsError> {
     match req.op {
@@ -476,12 +494,16 @@ async fn run_data_op(
             let of = shared.handle(client, handle, false)?;
             let (_file, file) = lock_file(shared, &of, false).await?;
             let size = file.size;
-            let data = shared.data.clone();
             let len = (len as usize).min(IO_MAX) as u32;
-            let bytes = blocking("read", move || {
-                data.read(of.id, of.generation, size, offset, len)
-            })
-            .await?;
+            let bytes = if shared.data.slices().is_some() {
+                crate::slicesvc::read(shared, &of, size, offset, len).await?
+            } else {
+                let data = shared.data.clone();
+                blocking("read", move || {
+                    data.read(of.id, of.generation, size, offset, len)
+                })
+                .await?
+            };
             let (observed, atime_set) = {
                 let mut core = shared.core.lock();
                 let set = core.engine.touch_atime(of.id, atime, now_ns());
@@ -505,6 +527,26 @@ async fn run_data_op(
             };
             write(shared, client, how, handle, offset, bytes).await
         }
+        Op::DataGrant { handle, objects } => {
+            crate::slicesvc::grant(shared, client, key_id, handle, objects).await
+        }
+        Op::CommitSlices {
+            handle,
+            slices,
+            end,
+        } => {
+            let how = WriteReq {
+                cred: &req.cred,
+                seq: req.seq,
+                mode: req.mode,
+            };
+            crate::slicesvc::commit(shared, client, key_id, how, handle, slices, end).await
+        }
+        Op::Layout {
+            handle,
+            first_chunk,
+            chunks,
+        } => crate::slicesvc::layout(shared, client, handle, first_chunk, chunks).await,
         Op::Fsync { handle, .. } => {
             let of = shared
                 .core
@@ -530,7 +572,10 @@ async fn run_data_op(
             let _file = shared.file_locks.exclusive(id).await;
             let reply = {
                 let mut core = shared.core.lock();
-                shared.execute_traced(&mut core, client, &req, now_ns())
+                let reply = shared.execute_traced(&mut core, client, &req, now_ns());
+                // The objects the cut dropped go once it is durable.
+                shared.take_freed(&mut core);
+                reply
             };
             shared.journal.flush_now();
             // This truncation's trim, and any other of the file's left pending.
@@ -550,7 +595,7 @@ async fn run_data_op(
 }
 
 /// The end of `[offset, offset + len)`, if it stays within the largest file size.
-fn end_within_limit(offset: u64, len: u64) -> Result<u64, FsError> {
+pub(crate) fn end_within_limit(offset: u64, len: u64) -> Result<u64, FsError> {
     offset
         .checked_add(len)
         .filter(|&e| e <= FILE_BYTES_MAX)
@@ -563,12 +608,12 @@ fn end_within_limit(offset: u64, len: u64) -> Result<u64, FsError> {
 }
 
 /// Who writes, and how the reply is wanted.
-struct WriteReq<'a> {
-    cred: &'a Credentials,
+pub(crate) struct WriteReq<'a> {
+    pub cred: &'a Credentials,
     /// The request's sequence number (0: none). An append has one, and so does a write
     /// answered early: a retry or a replay of one already done is answered, not run again.
-    seq: u64,
-    mode: ReplyMode,
+    pub seq: u64,
+    pub mode: ReplyMode,
 }
 
 /// A write at `offset`, or an append (`WRITE_AT_END`). Returns the reply and the LSN of
@@ -614,6 +659,15 @@ async fn write(
     }
     let offset = if append { file.size } else { offset };
     let end = end_within_limit(offset, bytes.len() as u64)?;
+    if shared.data.slices().is_some() {
+        let (attr, lsn) =
+            crate::slicesvc::write(shared, client, &how, &of, offset, end, bytes).await?;
+        if append && seq != 0 {
+            let mut core = shared.core.lock();
+            core.appended.insert((client, handle), (seq, attr.clone()));
+        }
+        return Ok((Reply::Attr(attr), if kept { lsn } else { 0 }));
+    }
     if !bytes.is_empty() {
         if !file.may_have_data {
             mark_data(shared, client, &of).await?;
@@ -654,7 +708,7 @@ async fn write(
 
 /// The reply to a write (sequence number `seq` of `client`) that already ran: its file's
 /// attributes now, and the LSN a reply that reports them waits for.
-fn write_done_before(shared: &Shared, client: u64, seq: u64) -> Option<(Reply, u64)> {
+pub(crate) fn write_done_before(shared: &Shared, client: u64, seq: u64) -> Option<(Reply, u64)> {
     let core = shared.core.lock();
     let id = core.replies.get(client, seq)??;
     let reply = match core.engine.inode(id) {
@@ -694,7 +748,13 @@ async fn fallocate(
     // Punching and zeroing delete or rewrite chunks: alone, like a truncation.
     let (_file, _) = lock_file(shared, &of, punch || zero_range).await?;
     let (id, generation) = (of.id, of.generation);
-    if punch || zero_range {
+    if (punch || zero_range) && shared.data.slices().is_some() {
+        let mut core = shared.core.lock();
+        current_generation(&core, &of)?;
+        crate::slicesvc::zero(shared, &mut core, client, cred, &of, offset, len)?;
+    } else if shared.data.slices().is_some() {
+        // Nothing to reserve in an object store, and no object to account for.
+    } else if punch || zero_range {
         // Only the chunks that exist are touched; holes in the range stay holes (they read
         // as zeros; a zeroed range's holes get no reservation).
         let data = shared.data.clone();
@@ -744,7 +804,7 @@ async fn fallocate(
 }
 
 /// What a data operation needs to know of its file, read when it takes the file's lock.
-struct FileState {
+pub(crate) struct FileState {
     size: u64,
     may_have_data: bool,
 }
@@ -756,7 +816,7 @@ struct FileState {
 /// truncation whose trim failed, or was cut short by a restart): the operation finishes
 /// the trim first, under the file's exclusive lock, so that bytes cut off never reappear
 /// and a late trim can never destroy a later write.
-async fn lock_file<'a>(
+pub(crate) async fn lock_file<'a>(
     shared: &'a Shared,
     of: &OpenFile,
     exclusive: bool,
@@ -807,10 +867,6 @@ async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), Fs
         let mut core = shared.core.lock();
         current_generation(&core, of)?;
         let muts = core.engine.mark_data(of.id).map_err(fail)?;
-        if !muts.is_empty() {
-            // Set just now, under the core lock: no write of this generation has run.
-            shared.data.created(of.id, of.generation);
-        }
         shared.journal_now(&mut core, client, &muts)
     };
     if lsn != 0 {
@@ -848,12 +904,16 @@ pub(crate) async fn delete_reclaimed(
         })
         .await?;
     }
+    for batch in plan.objects.chunks(DATA_BATCH_CHUNKS) {
+        let (data, batch) = (shared.data.clone(), batch.to_vec());
+        blocking("reclaim", move || data.delete_objects(&batch)).await?;
+    }
     let data = shared.data.clone();
     blocking("reclaim", move || data.end_reclaim(&r)).await?;
     Ok((!plan.chunks.is_empty()).then(|| crate::data::DataStore::durable_dir(&r)))
 }
 
-fn fail(f: kochab_meta::Fail) -> FsError {
+pub(crate) fn fail(f: kochab_meta::Fail) -> FsError {
     match f {
         kochab_meta::Fail::Fs(e) => e,
         kochab_meta::Fail::NotHosted(id) => kochab_meta::not_in_any_table(id),
@@ -861,7 +921,7 @@ fn fail(f: kochab_meta::Fail) -> FsError {
 }
 
 /// Checks that the handle's file is still the same generation (ids are reused).
-fn current_generation(core: &Core, of: &OpenFile) -> Result<(), FsError> {
+pub(crate) fn current_generation(core: &Core, of: &OpenFile) -> Result<(), FsError> {
     match core.engine.inode(of.id) {
         Some(i) if i.btime as u64 == of.generation => Ok(()),
         _ => Err(fs_err!(ESTALE, "the file of this handle is gone")),
@@ -903,7 +963,7 @@ mod tests {
     }
 
     async fn run(shared: &Arc<Shared>, op: Op) -> Reply {
-        data_op(shared.clone(), CLIENT, req(op)).await.0
+        data_op(shared.clone(), CLIENT, 0, req(op)).await.0
     }
 
     /// A server with one open file of two chunks of 7s; returns its id, generation and

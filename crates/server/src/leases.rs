@@ -115,7 +115,10 @@ impl Leases {
                 Mutation::PutInode { id, .. }
                 | Mutation::DropInode { id }
                 | Mutation::SetXattr { id, .. }
-                | Mutation::DropXattr { id, .. } => {
+                | Mutation::DropXattr { id, .. }
+                // A layout change (compaction's included) makes cached layouts stale.
+                | Mutation::PutChunk { id, .. }
+                | Mutation::DropChunks { id, .. } => {
                     (LeaseKey::Inode(*id), Invalidation::Inode { id: *id })
                 }
                 Mutation::PutReclaim { .. }

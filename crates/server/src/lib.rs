@@ -22,6 +22,8 @@ pub mod data;
 pub mod datadir;
 pub mod filelocks;
 pub mod filesvc;
+pub mod gc;
+pub mod grants;
 pub mod keys;
 pub mod leases;
 pub mod locks;
@@ -32,6 +34,8 @@ pub mod released;
 pub mod replycache;
 pub mod server;
 pub mod session;
+mod shim;
+pub mod slicesvc;
 pub use kochab_tls as tls;
 
 pub use datadir::{DataDir, KEY_FILE, read_key_file};

@@ -49,7 +49,6 @@ impl Shared {
                     format!("table {lo:016x} is not hosted"),
                 )
             })?;
-            self.data.forget_range(table.lo, table.hi);
             let (open_handles, open_counts) = core.take_open_handles(table.lo, table.hi);
             let handover = Handover {
                 open_counts,
@@ -238,9 +237,6 @@ impl Shared {
             let table = engine
                 .remove_table(m.lo)
                 .ok_or_else(|| io::Error::other("a loaded table went missing"))?;
-            // Another server may have written its files meanwhile: what is cached of their
-            // data here is listed again.
-            self.data.forget_range(m.lo, m.hi);
             core.engine
                 .insert_table(table)
                 .map_err(|e| io::Error::new(ErrorKind::AlreadyExists, e))?;

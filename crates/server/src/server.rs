@@ -114,6 +114,8 @@ pub struct RunningServer {
     maintenance: tokio::task::JoinHandle<()>,
     reclaimer: tokio::task::JoinHandle<()>,
     cleanup: tokio::task::JoinHandle<()>,
+    /// Deleter of freed slice objects, compactor, collector of orphans.
+    slice_tasks: [tokio::task::JoinHandle<()>; 3],
     checkpointer: Option<JoinHandle<()>>,
     stopper: Arc<Stopper>,
 }
@@ -360,6 +362,7 @@ async fn serve(
         incarnation: kochab_proto::auth::random_u64(),
         replay_window: Default::default(),
         replay_key: kochab_proto::auth::ReplayKey::derive(&dir.key),
+        slice_work: crate::slicesvc::SliceWork::new(&dir.key, dir.me.server, dir.me.epoch),
     });
     if dir.replay_window {
         tracing::info!(
@@ -375,6 +378,13 @@ async fn serve(
     let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
     let reclaimer = tokio::spawn(reclaim_loop(shared.clone()));
     let cleanup = tokio::spawn(cleanup_loop(shared.clone()));
+    // File data as slice objects: deletion of freed objects once durable, compaction, and
+    // the collector of orphans (each returns at once on a store without slices, or idles).
+    let slice_tasks = [
+        tokio::spawn(crate::slicesvc::freed_loop(shared.clone())),
+        tokio::spawn(crate::slicesvc::compaction_loop(shared.clone())),
+        tokio::spawn(crate::gc::gc_loop(shared.clone())),
+    ];
 
     let stopper = Arc::new(Stopper {
         stop: Mutex::new(false),
@@ -436,6 +446,7 @@ async fn serve(
         maintenance,
         reclaimer,
         cleanup,
+        slice_tasks,
         checkpointer: Some(checkpointer),
         stopper,
     })
@@ -745,6 +756,11 @@ impl RunningServer {
         // call in flight is short (`DATA_BATCH_CHUNKS`).
         self.reclaimer.abort();
         self.cleanup.abort();
+        // Freed objects still queued, and a compaction cut short, are orphans now: the
+        // collector of the next start deletes them.
+        for t in &self.slice_tasks {
+            t.abort();
+        }
         // Give connection tasks a moment to send what is durable.
         for _ in 0..50 {
             if self.shared.connections.load(Ordering::Relaxed) == 0 {

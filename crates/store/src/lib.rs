@@ -18,6 +18,7 @@ use std::io::{self, ErrorKind};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// An object opened for positioned reads and writes (journal segments, data chunks).
 pub trait Object: Send + Sync {
@@ -179,6 +180,47 @@ pub trait ObjectStore: Send + Sync {
     /// removes them concurrently: trimming a journal deletes many small objects at once.
     fn delete_many(&self, names: &[String]) -> io::Result<()> {
         names.iter().try_for_each(|n| self.delete(n))
+    }
+    /// A URL through which someone holding no credentials of the store may do `how` to
+    /// `name` until `expires_in` has passed (a store may shorten that to its own limit,
+    /// S3's being 7 days), or `None` if the store cannot hand out such URLs. A store the
+    /// server reaches on its own disk or memory (a local directory, the memory store, the
+    /// crash simulation's) cannot: the server moves file data itself there. `None` too for
+    /// a name that is not a valid object name.
+    fn presign(&self, _name: &str, _how: Presign, _expires_in: Duration) -> Option<String> {
+        None
+    }
+}
+
+/// What a presigned URL ([`ObjectStore::presign`]) lets its holder do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Presign {
+    /// Read the object: GET, with or without a `Range` header.
+    Get,
+    /// Create the object, never overwrite it: one PUT of the whole object that must carry
+    /// the [`Presign::headers`], `If-None-Match: *` among them. The signature covers them,
+    /// so a request without them (or with other values) is refused by the store, and a
+    /// PUT to a name that exists fails its precondition: the URL can make the object while
+    /// the name is free and cannot change it after.
+    PutCreate,
+}
+
+impl Presign {
+    /// Headers a request through such a URL must send, exactly as given (the URL's
+    /// signature covers them): for a create, `If-None-Match: *`, and the canned ACL
+    /// `bucket-owner-full-control`, which keeps the object the store owner's alone. Ceph
+    /// RGW applies an `x-amz-acl` header the signature does not cover, so without a signed
+    /// one the holder of a create URL could send `public-read` and make its object
+    /// readable by anyone without a signature; AWS buckets with ACLs disabled (their
+    /// default) accept this one ACL and no other.
+    pub fn headers(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Presign::Get => &[],
+            Presign::PutCreate => &[
+                ("if-none-match", "*"),
+                ("x-amz-acl", "bucket-owner-full-control"),
+            ],
+        }
     }
 }
 

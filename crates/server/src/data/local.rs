@@ -490,7 +490,10 @@ impl ChunkStore {
         }
         let chunks = self.listed_chunks(r.id, r.generation, delete_from, u64::MAX)?;
         self.forget(r.id, r.generation, delete_from..=u64::MAX);
-        Ok(ReclaimPlan { chunks })
+        Ok(ReclaimPlan {
+            chunks,
+            objects: Vec::new(),
+        })
     }
 
     /// Deletes some of a reclaim plan's chunks (callers bound each call).

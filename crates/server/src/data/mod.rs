@@ -4,9 +4,11 @@
 //!
 //! - [`local`]: a store with positioned I/O (the local directory, the embedded default)
 //!   keeps each chunk as one object written in place.
-//! - [`slices`]: a store of whole objects (S3) keeps each chunk as a sequence of immutable
-//!   slice objects, newest first where they overlap, so that file data lives in the shared
-//!   store and a file's next owner (another host) reads it.
+//! - [`slices`]: a store of whole objects (S3) keeps each chunk as a list of refs to
+//!   immutable slice objects in the metadata (the engine's layout), so that file data lives
+//!   in the shared store, a file's next owner (another host) reads it, and clients can move
+//!   it themselves. The data operations for it are in `filesvc`: they take the layout from
+//!   the engine and commit refs there; [`SliceStore`] moves the bytes.
 //!
 //! Missing chunks and bytes never written read as zeros in both.
 
@@ -66,9 +68,19 @@ pub(crate) fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, u64, u
 }
 
 /// What a reclaim entry deletes, once the chunk holding its cut is cut.
+#[derive(Default)]
 pub struct ReclaimPlan {
-    /// Chunks to delete, ascending.
+    /// Chunks to delete, ascending (chunks in place).
     pub chunks: Vec<u64>,
+    /// Slice objects to delete by name (a removed file's folder on S3).
+    pub objects: Vec<String>,
+}
+
+fn needs_layout(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("{what} of slice objects goes through the file's layout"),
+    )
 }
 
 /// Reads and writes file data in the layout the store calls for (see the module).
@@ -97,7 +109,7 @@ impl DataStore {
     ) -> io::Result<Vec<u64>> {
         match self {
             DataStore::Chunks(c) => c.existing_chunks(id, generation, span),
-            DataStore::Slices(s) => s.existing_chunks(id, generation, span),
+            DataStore::Slices(_) => Err(needs_layout("listing chunks")),
         }
     }
 
@@ -112,7 +124,7 @@ impl DataStore {
     ) -> io::Result<Vec<u8>> {
         match self {
             DataStore::Chunks(c) => c.read(id, generation, size, offset, len),
-            DataStore::Slices(s) => s.read(id, generation, size, offset, len),
+            DataStore::Slices(_) => Err(needs_layout("a read")),
         }
     }
 
@@ -121,24 +133,15 @@ impl DataStore {
     pub fn write(&self, id: InodeId, generation: u64, offset: u64, data: &[u8]) -> io::Result<()> {
         match self {
             DataStore::Chunks(c) => c.write(id, generation, offset, data),
-            DataStore::Slices(s) => s.write(id, generation, offset, data),
+            DataStore::Slices(_) => Err(needs_layout("a write")),
         }
     }
 
-    /// Tells the data store that the generation has no data yet: its "may have data" mark
-    /// was just set (under the core lock, before any write of it can run), so the first
-    /// write need not look for slices (one LIST saved per new file on S3).
-    pub fn created(&self, id: InodeId, generation: u64) {
-        if let DataStore::Slices(s) = self {
-            s.created(id, generation);
-        }
-    }
-
-    /// Forgets what is cached of the files of inodes `[lo, hi)` (a table that arrives may
-    /// have been written by another server meanwhile).
-    pub fn forget_range(&self, lo: InodeId, hi: InodeId) {
-        if let DataStore::Slices(s) = self {
-            s.forget_range(lo, hi);
+    /// The slice store, if file data is slice objects.
+    pub fn slices(&self) -> Option<&SliceStore> {
+        match self {
+            DataStore::Slices(s) => Some(s),
+            DataStore::Chunks(_) => None,
         }
     }
 
@@ -187,7 +190,7 @@ impl DataStore {
     ) -> io::Result<()> {
         match self {
             DataStore::Chunks(c) => c.zero(id, generation, offset, len, keep_allocated, chunks),
-            DataStore::Slices(s) => s.zero(id, generation, offset, len, chunks),
+            DataStore::Slices(_) => Err(needs_layout("zeroing")),
         }
     }
 
@@ -205,7 +208,10 @@ impl DataStore {
     pub fn reclaim_plan(&self, r: &Reclaim) -> io::Result<ReclaimPlan> {
         match self {
             DataStore::Chunks(c) => c.reclaim_plan(r),
-            DataStore::Slices(s) => s.reclaim_plan(r),
+            DataStore::Slices(s) => Ok(ReclaimPlan {
+                chunks: Vec::new(),
+                objects: s.reclaim_plan(r)?,
+            }),
         }
     }
 
@@ -213,7 +219,18 @@ impl DataStore {
     pub fn delete_chunks(&self, id: InodeId, generation: u64, chunks: &[u64]) -> io::Result<()> {
         match self {
             DataStore::Chunks(c) => c.delete_chunks(id, generation, chunks),
-            DataStore::Slices(s) => s.delete_chunks(id, generation, chunks),
+            DataStore::Slices(_) => {
+                let _ = (id, generation, chunks);
+                Err(needs_layout("deleting chunks"))
+            }
+        }
+    }
+
+    /// Deletes some of a reclaim plan's objects (callers bound each call).
+    pub fn delete_objects(&self, names: &[String]) -> io::Result<()> {
+        match self {
+            DataStore::Slices(s) => s.delete_objects(names),
+            DataStore::Chunks(_) => Ok(()),
         }
     }
 
@@ -243,7 +260,10 @@ impl DataStore {
     pub fn reclaim(&self, r: &Reclaim) -> io::Result<()> {
         match self {
             DataStore::Chunks(c) => c.reclaim(r),
-            DataStore::Slices(s) => s.reclaim(r),
+            DataStore::Slices(s) => {
+                s.delete_objects(&s.reclaim_plan(r)?)?;
+                s.end_reclaim(r)
+            }
         }
     }
 

@@ -1,0 +1,817 @@
+//! File data as slice objects on a store of whole objects (S3; issue 31): the operations
+//! that hand out capabilities and commit what clients put ([`Op::DataGrant`],
+//! [`Op::CommitSlices`], [`Op::Layout`]), the server's own reads and writes through the
+//! same layout and commit path (`Read`/`Write` RPCs of native clients), the deletion of
+//! objects no ref names any more once the change that dropped them is durable, and the
+//! compaction of chunks whose refs pile up. The garbage collector of objects never
+//! committed is in `gc`.
+//!
+//! Invariants:
+//! - An object becomes part of a file only through a journal record that commits its ref
+//!   (`Engine::commit_slices`); a reader (server or client) resolves a chunk's refs from
+//!   the engine, never from a listing, so an object that was put and never committed is
+//!   never read.
+//! - An object that a change dropped is deleted only once that change's record is durable
+//!   (a crash before leaves the refs as they were, naming it); a crash after the record and
+//!   before the delete leaves an orphan for the garbage collector.
+//! - An object the server itself is putting (a write's, a compaction's) is in `own_puts`
+//!   from before its PUT until its commit returned, so that the collector never counts it
+//!   as an orphan however slow the PUT.
+
+use crate::core::{Core, Shared, journal_entry, now_ns};
+use crate::data::slices::COMPACT_REFS_MAX;
+use crate::filesvc::{
+    WriteReq, blocking, current_generation, end_within_limit, fail, lock_file, write_done_before,
+};
+use crate::grants::{GRANT_OBJECTS_MAX, ObjectIds, grant_life, object_name, unix_now};
+use crate::session::OpenFile;
+#[allow(unused_imports)]
+use crate::shim::{Presign, StorePresign};
+use kochab_meta::Mutation;
+use kochab_proto::auth::{GrantKey, GrantTokenInput};
+use kochab_proto::layout::{ChunkLayout, CommittedSlice, Grant, GrantedObject, Layout, SliceRef};
+use kochab_proto::*;
+use parking_lot::Mutex;
+use rustc_hash::FxHashSet;
+use std::collections::BTreeMap;
+use std::io::ErrorKind;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::{Notify, mpsc};
+
+/// Objects one call of the deleter removes at most: the S3 store deletes a call's names
+/// concurrently, so this bounds the deletes in flight (and a call's duration) whatever
+/// the backlog.
+pub const DELETES_IN_FLIGHT_MAX: usize = 64;
+/// Attempts at a read whose objects were deleted under it (a compaction or an overwrite
+/// freed them after the read took the layout): each takes the layout again. Two in a row
+/// would need two compactions of the chunk within one read.
+const READ_TRIES_MAX: usize = 4;
+/// Attempts at a free object id for one slice the server writes: a collision needs two
+/// servers' 64-bit ids to meet, so a second attempt is already a curiosity.
+const PUT_TRIES_MAX: usize = 4;
+/// How often the deleter looks for objects freed by truncations (which the engine keeps
+/// until asked, see `Engine::take_freed_objects`) when nothing wakes it.
+const FREED_POLL: Duration = Duration::from_secs(1);
+/// Pause after a failed delete before the deleter tries again (the objects stay queued).
+const DELETE_RETRY: Duration = Duration::from_secs(2);
+
+/// What the server keeps for slice objects (present whatever the store; used on S3).
+pub struct SliceWork {
+    pub grant_key: GrantKey,
+    pub ids: ObjectIds,
+    /// Objects freed by a change, by the LSN of its record: deleted once it is durable.
+    freed: Mutex<BTreeMap<u64, Vec<String>>>,
+    freed_wake: Notify,
+    /// Objects the server is putting and has not committed yet (see the module).
+    own_puts: Mutex<FxHashSet<String>>,
+    /// Chunks waiting for compaction (inode, generation, chunk), each queued once.
+    compact_tx: mpsc::UnboundedSender<(InodeId, u64, u64)>,
+    compact_rx: Mutex<Option<mpsc::UnboundedReceiver<(InodeId, u64, u64)>>>,
+    compacting: Mutex<FxHashSet<(InodeId, u64)>>,
+    pub freed_deleted: AtomicU64,
+    pub orphans_deleted: AtomicU64,
+    pub chunks_compacted: AtomicU64,
+    pub gc_passes: AtomicU64,
+}
+
+impl SliceWork {
+    pub fn new(cluster_key: &auth::ClusterKey, server_id: u64, epoch: u64) -> SliceWork {
+        let (compact_tx, compact_rx) = mpsc::unbounded_channel();
+        SliceWork {
+            grant_key: GrantKey::derive(cluster_key),
+            ids: ObjectIds::new(server_id, epoch, auth::random_u64()),
+            freed: Default::default(),
+            freed_wake: Notify::new(),
+            own_puts: Default::default(),
+            compact_tx,
+            compact_rx: Mutex::new(Some(compact_rx)),
+            compacting: Default::default(),
+            freed_deleted: AtomicU64::new(0),
+            orphans_deleted: AtomicU64::new(0),
+            chunks_compacted: AtomicU64::new(0),
+            gc_passes: AtomicU64::new(0),
+        }
+    }
+
+    /// What `kochab status` shows.
+    pub fn counters(&self) -> SliceCounters {
+        SliceCounters {
+            freed_deleted: self.freed_deleted.load(Ordering::Relaxed),
+            orphans_deleted: self.orphans_deleted.load(Ordering::Relaxed),
+            chunks_compacted: self.chunks_compacted.load(Ordering::Relaxed),
+            gc_passes: self.gc_passes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Queues `objects` of a file generation for deletion once record `lsn` is durable.
+    pub fn free(&self, lsn: u64, id: InodeId, generation: u64, objects: &[u64]) {
+        let names: Vec<String> = objects
+            .iter()
+            .filter(|&&o| o != 0)
+            .map(|&o| object_name(id, generation, o))
+            .collect();
+        if names.is_empty() {
+            return;
+        }
+        self.freed.lock().entry(lsn).or_default().extend(names);
+        self.freed_wake.notify_one();
+    }
+
+    /// Up to `max` queued names whose record is durable.
+    fn take_durable(&self, durable: u64, max: usize) -> Vec<String> {
+        let mut q = self.freed.lock();
+        let mut out = Vec::new();
+        while out.len() < max {
+            let Some(mut e) = q.first_entry() else { break };
+            if *e.key() > durable {
+                break;
+            }
+            let v = e.get_mut();
+            let n = (max - out.len()).min(v.len());
+            out.extend(v.drain(..n));
+            if v.is_empty() {
+                e.remove();
+            }
+        }
+        out
+    }
+
+    /// True if the collector must leave `name` alone (the server is putting it).
+    pub fn is_own_put(&self, name: &str) -> bool {
+        self.own_puts.lock().contains(name)
+    }
+
+    /// Queues a chunk for compaction (once while queued).
+    fn compact_later(&self, id: InodeId, generation: u64, chunk: u64) {
+        if self.compacting.lock().insert((id, chunk)) {
+            let _ = self.compact_tx.send((id, generation, chunk));
+        }
+    }
+}
+
+/// Names the server is putting, out of the collector's sight until dropped (after the
+/// commit that made them refs, or that failed).
+struct OwnPuts<'a> {
+    work: &'a SliceWork,
+    names: Vec<String>,
+}
+
+impl<'a> OwnPuts<'a> {
+    fn new(work: &'a SliceWork) -> OwnPuts<'a> {
+        OwnPuts {
+            work,
+            names: Vec::new(),
+        }
+    }
+
+    fn add(&mut self, name: String) {
+        self.work.own_puts.lock().insert(name.clone());
+        self.names.push(name);
+    }
+}
+
+impl Drop for OwnPuts<'_> {
+    fn drop(&mut self) {
+        let mut own = self.work.own_puts.lock();
+        for n in &self.names {
+            own.remove(n);
+        }
+    }
+}
+
+fn slices_only(shared: &Shared, what: &str) -> Result<(), FsError> {
+    if shared.data.slices().is_none() {
+        return Err(fs_err!(
+            EOPNOTSUPP,
+            "{what}: this server's store keeps file data in place (the local directory); \
+             read and write through the server"
+        ));
+    }
+    Ok(())
+}
+
+fn presign(shared: &Shared, name: &str, how: Presign) -> Result<String, FsError> {
+    let store = shared
+        .data
+        .slices()
+        .ok_or_else(|| fs_err!(EOPNOTSUPP, "no object store for file data"))?
+        .store();
+    store.presign(name, how, grant_life()).ok_or_else(|| {
+        fs_err!(
+            EOPNOTSUPP,
+            "the object store cannot hand out presigned URLs; read and write through the \
+             server"
+        )
+    })
+}
+
+/// `DataGrant`: object ids with a PUT URL and a commit token each.
+pub(crate) async fn grant(
+    shared: &Arc<Shared>,
+    client: u64,
+    key_id: u32,
+    handle: u64,
+    objects: u32,
+) -> Result<(Reply, u64), FsError> {
+    let of = shared.handle(client, handle, true)?;
+    slices_only(shared, "DataGrant")?;
+    if objects == 0 || objects > GRANT_OBJECTS_MAX {
+        return Err(fs_err!(
+            EINVAL,
+            "a grant of {objects} objects; 1 to {GRANT_OBJECTS_MAX} per DataGrant"
+        ));
+    }
+    current_generation(&shared.core.lock(), &of)?;
+    let expires = unix_now() + grant_life().as_secs();
+    let work = &shared.slice_work;
+    let mut granted = Vec::with_capacity(objects as usize);
+    for _ in 0..objects {
+        let object = work.ids.next();
+        let put_url = presign(
+            shared,
+            &object_name(of.id, of.generation, object),
+            Presign::PutCreate,
+        )?;
+        let token = work.grant_key.token(&GrantTokenInput {
+            key_id,
+            id: of.id,
+            generation: of.generation,
+            object,
+            expires,
+        });
+        granted.push(GrantedObject {
+            object,
+            put_url,
+            token,
+        });
+    }
+    Ok((
+        Reply::Grant(Grant {
+            id: of.id,
+            generation: of.generation,
+            objects: granted,
+            expires,
+        }),
+        0,
+    ))
+}
+
+/// Checks a committed slice's shape (before its token: a malformed one is EINVAL).
+fn check_slice(s: &CommittedSlice) -> Result<(), FsError> {
+    if s.r.is_zeros() || !s.r.is_valid() {
+        return Err(fs_err!(
+            EINVAL,
+            "slice ref {:?} of chunk {} is empty, zeros or past its chunk",
+            s.r,
+            s.chunk
+        ));
+    }
+    let end = s
+        .chunk
+        .checked_mul(CHUNK_BYTES)
+        .and_then(|b| b.checked_add(u64::from(s.r.end())));
+    match end {
+        Some(e) if e <= FILE_BYTES_MAX => Ok(()),
+        _ => Err(fs_err!(
+            EFBIG,
+            "slice at chunk {} passes the largest file size {FILE_BYTES_MAX}",
+            s.chunk
+        )),
+    }
+}
+
+/// Verifies a slice's token for this session's key and the handle's file, and that its
+/// grant has not expired (by this server's clock, now).
+fn verify_token(
+    work: &SliceWork,
+    key_id: u32,
+    of: &OpenFile,
+    s: &CommittedSlice,
+    now: u64,
+) -> Result<(), FsError> {
+    let input = GrantTokenInput {
+        key_id,
+        id: of.id,
+        generation: of.generation,
+        object: s.r.object,
+        expires: s.expires,
+    };
+    if !work.grant_key.verify(&input, &s.token) {
+        return Err(fs_err!(
+            EACCES,
+            "object {:#x}: its commit token was not granted to this client key for this \
+             file",
+            s.r.object
+        ));
+    }
+    if s.expires < now {
+        return Err(fs_err!(
+            ETIMEDOUT,
+            "object {:#x}: its grant expired {} s ago; put the slice again under a new grant",
+            s.r.object,
+            now - s.expires
+        ));
+    }
+    Ok(())
+}
+
+/// `CommitSlices`: the client's slices become refs, in one record, as a write's.
+pub(crate) async fn commit(
+    shared: &Arc<Shared>,
+    client: u64,
+    key_id: u32,
+    how: WriteReq<'_>,
+    handle: u64,
+    slices: Vec<CommittedSlice>,
+    end: u64,
+) -> Result<(Reply, u64), FsError> {
+    let kept = how.mode != ReplyMode::Durable;
+    if kept
+        && how.seq != 0
+        && let Some(done) = write_done_before(shared, client, how.seq)
+    {
+        return Ok(done);
+    }
+    let of = shared.handle(client, handle, true)?;
+    slices_only(shared, "CommitSlices")?;
+    if slices.len() > COMMIT_SLICES_MAX {
+        return Err(fs_err!(
+            EINVAL,
+            "{} slices in one CommitSlices; at most {COMMIT_SLICES_MAX}",
+            slices.len()
+        ));
+    }
+    end_within_limit(end, 0)?;
+    for s in &slices {
+        check_slice(s)?;
+    }
+    let (_file, _) = lock_file(shared, &of, false).await?;
+    let work = &shared.slice_work;
+    let mut core = shared.core.lock();
+    current_generation(&core, &of)?;
+    // Verified under the core lock, right before the commit: a token that verifies here
+    // is committed at once, so the collector's wait past expiry is enough (see `gc`).
+    let now = unix_now();
+    for s in &slices {
+        verify_token(work, key_id, &of, s, now)?;
+    }
+    let refs: Vec<(u64, SliceRef)> = slices.iter().map(|s| (s.chunk, s.r)).collect();
+    let (muts, attr, freed) = core
+        .engine
+        .commit_slices(how.cred, of.id, &refs, end, now_ns())
+        .map_err(fail)?;
+    let lsn = journal_change(shared, &mut core, client, &how, of.id, &muts);
+    after_commit(shared, &core, &of, &refs, &freed, lsn);
+    Ok((Reply::Attr(attr), if kept { lsn } else { 0 }))
+}
+
+/// Journals a write-like change as a write does (answered early with its sequence number
+/// in the reply cache, or journaled and flushed now); returns its record's LSN (0: none).
+fn journal_change(
+    shared: &Shared,
+    core: &mut Core,
+    client: u64,
+    how: &WriteReq<'_>,
+    id: InodeId,
+    muts: &[Mutation],
+) -> u64 {
+    if how.mode != ReplyMode::Durable {
+        let lsn = journal_entry(&shared.journal, client, how.seq, 0, Some(id), muts);
+        core.journaled(client, muts, lsn);
+        if how.seq != 0 {
+            core.replies.insert(client, how.seq, Some(id));
+        }
+        lsn
+    } else {
+        shared.journal_now(core, client, muts)
+    }
+}
+
+/// After refs were committed by record `lsn`: the objects they hid are queued for deletion,
+/// and chunks with too many refs for compaction.
+fn after_commit(
+    shared: &Shared,
+    core: &Core,
+    of: &OpenFile,
+    refs: &[(u64, SliceRef)],
+    freed: &[u64],
+    lsn: u64,
+) {
+    let work = &shared.slice_work;
+    // No record (nothing changed): what was freed is free now.
+    let lsn = if lsn == 0 {
+        shared.journal.last_lsn()
+    } else {
+        lsn
+    };
+    work.free(lsn, of.id, of.generation, freed);
+    let mut last = None;
+    for &(chunk, _) in refs {
+        if last == Some(chunk) {
+            continue;
+        }
+        last = Some(chunk);
+        if core.engine.chunk_refs(of.id, chunk).len() > COMPACT_REFS_MAX {
+            work.compact_later(of.id, of.generation, chunk);
+        }
+    }
+}
+
+/// `Layout`: the refs of the chunks asked for, with a GET URL per data ref.
+pub(crate) async fn layout(
+    shared: &Arc<Shared>,
+    client: u64,
+    handle: u64,
+    first_chunk: u64,
+    chunks: u32,
+) -> Result<(Reply, u64), FsError> {
+    let of = shared.handle(client, handle, false)?;
+    slices_only(shared, "Layout")?;
+    let chunks = chunks.min(LAYOUT_CHUNKS_MAX);
+    let (_file, _) = lock_file(shared, &of, false).await?;
+    let (size, refs, observed) = {
+        let core = shared.core.lock();
+        current_generation(&core, &of)?;
+        let size = core.engine.inode(of.id).map_or(0, |i| i.size);
+        let span = first_chunk..first_chunk.saturating_add(u64::from(chunks));
+        (size, core.engine.layout(of.id, span), core.observed(of.id))
+    };
+    let expires = unix_now() + grant_life().as_secs();
+    let mut out = Vec::with_capacity(refs.len());
+    for (chunk, refs) in refs {
+        let mut get_urls = Vec::with_capacity(refs.len());
+        for r in &refs {
+            get_urls.push(if r.is_zeros() {
+                String::new()
+            } else {
+                presign(
+                    shared,
+                    &object_name(of.id, of.generation, r.object),
+                    Presign::Get,
+                )?
+            });
+        }
+        out.push(ChunkLayout {
+            chunk,
+            refs,
+            get_urls,
+        });
+    }
+    Ok((
+        Reply::Layout(Layout {
+            id: of.id,
+            generation: of.generation,
+            size,
+            chunks: out,
+            expires,
+        }),
+        observed,
+    ))
+}
+
+/// The server's own read of `[offset, offset + len)` (cut at `size`) through the layout.
+pub(crate) async fn read(
+    shared: &Arc<Shared>,
+    of: &OpenFile,
+    size: u64,
+    offset: u64,
+    len: u32,
+) -> Result<Vec<u8>, FsError> {
+    if offset >= size || len == 0 {
+        return Ok(Vec::new());
+    }
+    let len = u64::from(len).min(size - offset);
+    let (sh, of) = (shared.clone(), *of);
+    blocking("read", move || {
+        let span = crate::data::chunk_span(offset, len);
+        let span = *span.start()..span.end().saturating_add(1);
+        let slices = sh
+            .data
+            .slices()
+            .ok_or_else(|| std::io::Error::other("no slice store"))?;
+        for attempt in 1..=READ_TRIES_MAX {
+            let layout = sh.core.lock().engine.layout(of.id, span.clone());
+            match slices.read(of.id, of.generation, &layout, offset, len) {
+                // Freed under this read (a compaction, a newer write): the layout again.
+                Err(e) if e.kind() == ErrorKind::NotFound && attempt < READ_TRIES_MAX => {}
+                r => return r,
+            }
+        }
+        unreachable!("the last attempt returns")
+    })
+    .await
+}
+
+/// The server's own write: one object per chunk touched, put now; the caller commits the
+/// refs returned while holding the guard.
+async fn put_write<'a>(
+    shared: &'a Arc<Shared>,
+    of: &OpenFile,
+    offset: u64,
+    bytes: Vec<u8>,
+) -> Result<(Vec<(u64, SliceRef)>, OwnPuts<'a>), FsError> {
+    let work = &shared.slice_work;
+    let mut own = OwnPuts::new(work);
+    let mut refs = Vec::new();
+    let mut at = 0;
+    let mut planned = Vec::new();
+    for (chunk, within, n) in crate::data::pieces(offset, bytes.len() as u64) {
+        let object = work.ids.next();
+        own.add(object_name(of.id, of.generation, object));
+        let r = SliceRef {
+            object,
+            pos: within as u32,
+            len: n as u32,
+        };
+        planned.push((chunk, r, at));
+        refs.push((chunk, r));
+        at += n;
+    }
+    let (sh, of) = (shared.clone(), *of);
+    let taken = blocking("write", move || {
+        let slices = sh
+            .data
+            .slices()
+            .ok_or_else(|| std::io::Error::other("no slice store"))?;
+        let put = |&(chunk, r, at): &(u64, SliceRef, usize)| -> std::io::Result<Option<u64>> {
+            let data = &bytes[at..at + r.len as usize];
+            let mut r = r;
+            for attempt in 1..=PUT_TRIES_MAX {
+                match slices.put(of.id, of.generation, chunk, &r, data) {
+                    Ok(()) => return Ok((attempt > 1).then_some(r.object)),
+                    Err(e) if e.kind() == ErrorKind::AlreadyExists && attempt < PUT_TRIES_MAX => {
+                        r.object = sh.slice_work.ids.next();
+                        sh.slice_work.own_puts.lock().insert(object_name(
+                            of.id,
+                            of.generation,
+                            r.object,
+                        ));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            unreachable!("the last attempt returns")
+        };
+        // A write touches at most two chunks (IO_MAX is one chunk): both at once.
+        let results: Vec<std::io::Result<Option<u64>>> = if planned.len() <= 1 {
+            planned.iter().map(put).collect()
+        } else {
+            std::thread::scope(|sc| {
+                let hs: Vec<_> = planned.iter().map(|p| sc.spawn(move || put(p))).collect();
+                hs.into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err(std::io::Error::other("a slice put panicked")))
+                    })
+                    .collect()
+            })
+        };
+        results.into_iter().collect::<std::io::Result<Vec<_>>>()
+    })
+    .await?;
+    // Objects retaken after a collision: the refs name the ids that were created (and the
+    // guard releases them with the others).
+    for ((_, r), retaken) in refs.iter_mut().zip(taken) {
+        if let Some(object) = retaken {
+            r.object = object;
+            own.names.push(object_name(of.id, of.generation, object));
+        }
+    }
+    Ok((refs, own))
+}
+
+/// The server's own write on slices: puts, then commits as [`commit`] does (the caller
+/// holds the file's data lock). Returns the reply and its record's LSN.
+pub(crate) async fn write(
+    shared: &Arc<Shared>,
+    client: u64,
+    how: &WriteReq<'_>,
+    of: &OpenFile,
+    offset: u64,
+    end: u64,
+    bytes: Vec<u8>,
+) -> Result<(Attr, u64), FsError> {
+    let (refs, _own) = if bytes.is_empty() {
+        (Vec::new(), OwnPuts::new(&shared.slice_work))
+    } else {
+        put_write(shared, of, offset, bytes).await?
+    };
+    let mut core = shared.core.lock();
+    current_generation(&core, of)?;
+    let (muts, attr, freed) = core
+        .engine
+        .commit_slices(how.cred, of.id, &refs, end, now_ns())
+        .map_err(fail)?;
+    let lsn = journal_change(shared, &mut core, client, how, of.id, &muts);
+    after_commit(shared, &core, of, &refs, &freed, lsn);
+    Ok((attr, lsn))
+}
+
+/// Punching a hole or zeroing a range on slices: a zeros ref over the part of each chunk
+/// in the range that holds refs, committed (the caller holds the file's exclusive lock).
+pub(crate) fn zero(
+    shared: &Shared,
+    core: &mut Core,
+    client: u64,
+    cred: &Credentials,
+    of: &OpenFile,
+    offset: u64,
+    len: u64,
+) -> Result<(), FsError> {
+    let end = offset.saturating_add(len);
+    let span = crate::data::chunk_span(offset, len);
+    let span = *span.start()..span.end().saturating_add(1);
+    let mut zeros = Vec::new();
+    for (chunk, refs) in core.engine.layout(of.id, span) {
+        let lo = chunk * CHUNK_BYTES;
+        let from = (offset.max(lo) - lo) as u32;
+        let to = (end.min(lo + CHUNK_BYTES) - lo) as u32;
+        // Past the last byte any ref covers, the chunk reads as zeros already.
+        let covered = refs.iter().map(SliceRef::end).max().unwrap_or(0);
+        let to = to.min(covered);
+        if from < to {
+            zeros.push((
+                chunk,
+                SliceRef {
+                    object: 0,
+                    pos: from,
+                    len: to - from,
+                },
+            ));
+        }
+    }
+    for batch in zeros.chunks(COMMIT_SLICES_MAX) {
+        let (muts, _, freed) = core
+            .engine
+            .commit_slices(cred, of.id, batch, 0, now_ns())
+            .map_err(fail)?;
+        let lsn = shared.journal_now(core, client, &muts);
+        after_commit(shared, core, of, batch, &freed, lsn);
+    }
+    Ok(())
+}
+
+impl Shared {
+    /// Queues the objects the engine freed outside a commit (truncations) for deletion once
+    /// what freed them is durable (journaled by now, under the core lock held here).
+    pub(crate) fn take_freed(&self, core: &mut Core) {
+        let freed = core.engine.take_freed_objects();
+        if freed.is_empty() {
+            return;
+        }
+        let lsn = self.journal.last_lsn();
+        for (id, generation, object) in freed {
+            self.slice_work.free(lsn, id, generation, &[object]);
+        }
+    }
+}
+
+/// Deletes freed objects once their records are durable, at most
+/// [`DELETES_IN_FLIGHT_MAX`] at a time.
+pub async fn freed_loop(shared: Arc<Shared>) {
+    let mut durable = shared.journal.subscribe();
+    let work = &shared.slice_work;
+    loop {
+        shared.take_freed(&mut shared.core.lock());
+        let batch = work.take_durable(shared.journal.durable_lsn(), DELETES_IN_FLIGHT_MAX);
+        if batch.is_empty() {
+            tokio::select! {
+                r = durable.changed() => if r.is_err() { return },
+                _ = work.freed_wake.notified() => {}
+                _ = tokio::time::sleep(FREED_POLL) => {}
+            }
+            continue;
+        }
+        let Some(slices) = shared.data.slices() else {
+            continue;
+        };
+        let store = slices.store().clone();
+        let names = batch.clone();
+        let n = batch.len() as u64;
+        match tokio::task::spawn_blocking(move || store.delete_many(&names)).await {
+            Ok(Ok(())) => {
+                work.freed_deleted.fetch_add(n, Ordering::Relaxed);
+            }
+            failed => {
+                let why = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    Err(e) => e.to_string(),
+                    Ok(Ok(())) => String::new(),
+                };
+                tracing::warn!("cannot delete {n} freed slice objects: {why} (will retry)");
+                work.freed.lock().entry(0).or_default().extend(batch);
+                tokio::time::sleep(DELETE_RETRY).await;
+            }
+        }
+    }
+}
+
+/// Compacts the chunks queued by commits (see [`compact`]).
+pub async fn compaction_loop(shared: Arc<Shared>) {
+    let Some(mut rx) = shared.slice_work.compact_rx.lock().take() else {
+        return;
+    };
+    while let Some((id, generation, chunk)) = rx.recv().await {
+        if let Err(e) = compact(&shared, id, generation, chunk).await {
+            tracing::warn!(
+                "compaction of chunk {chunk} of {id:#x} (generation {generation:#x}) failed: \
+                 {e} (the next commit of it tries again)"
+            );
+        }
+        shared.slice_work.compacting.lock().remove(&(id, chunk));
+    }
+}
+
+/// Compacts one chunk if it still holds more than [`COMPACT_REFS_MAX`] refs: reads what
+/// they resolve to, puts it as one object, and swaps it in if the refs are still the ones
+/// read (ESTALE otherwise: someone changed them, and their next commit queues it again).
+/// The objects the swap dropped are deleted once it is durable. A crash at any point
+/// leaves either the old refs (and an orphan for the collector) or the new one.
+pub async fn compact(
+    shared: &Arc<Shared>,
+    id: InodeId,
+    generation: u64,
+    chunk: u64,
+) -> Result<(), FsError> {
+    let expected = {
+        let core = shared.core.lock();
+        match core.engine.inode(id) {
+            Some(i) if i.btime as u64 == generation => {}
+            _ => return Ok(()),
+        }
+        core.engine.chunk_refs(id, chunk).to_vec()
+    };
+    if expected.len() <= COMPACT_REFS_MAX {
+        return Ok(());
+    }
+    let work = &shared.slice_work;
+    let object = work.ids.next();
+    let mut own = OwnPuts::new(work);
+    own.add(object_name(id, generation, object));
+    let (sh, refs) = (shared.clone(), expected.clone());
+    let merged = blocking("compaction", move || {
+        let slices = sh
+            .data
+            .slices()
+            .ok_or_else(|| std::io::Error::other("no slice store"))?;
+        match slices.read_chunk(id, generation, chunk, &refs)? {
+            None => Ok(None),
+            Some((pos, bytes)) => {
+                let r = SliceRef {
+                    object,
+                    pos,
+                    len: bytes.len() as u32,
+                };
+                slices.put(id, generation, chunk, &r, &bytes)?;
+                Ok(Some(r))
+            }
+        }
+    })
+    .await?;
+    let swapped = {
+        let mut core = shared.core.lock();
+        match core.engine.inode(id) {
+            Some(i) if i.btime as u64 == generation => {
+                let new: Vec<SliceRef> = merged.into_iter().collect();
+                match core.engine.replace_chunk(id, chunk, &expected, new) {
+                    Ok((muts, freed)) => {
+                        let lsn = shared.journal_now(&mut core, 0, &muts);
+                        let lsn = if lsn == 0 {
+                            shared.journal.last_lsn()
+                        } else {
+                            lsn
+                        };
+                        work.free(lsn, id, generation, &freed);
+                        Ok(())
+                    }
+                    Err(f) => Err(fail(f)),
+                }
+            }
+            _ => Err(fs_err!(ESTALE, "the file is gone")),
+        }
+    };
+    match swapped {
+        Ok(()) => {
+            work.chunks_compacted.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        Err(e) => {
+            // Never committed: nobody reads it, it can go now.
+            if merged.is_some() {
+                let store = shared.data.slices().map(|s| s.store().clone());
+                let name = object_name(id, generation, object);
+                if let Some(store) = store {
+                    let _ = tokio::task::spawn_blocking(move || store.delete(&name)).await;
+                }
+            }
+            drop(own);
+            if e.errno == Errno::ESTALE {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        }
+    }
+}
