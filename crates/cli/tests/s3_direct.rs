@@ -185,8 +185,14 @@ fn http(method: &str, url: &str, headers: &[(&str, String)], body: &[u8]) -> (u1
     (status, out)
 }
 
+/// A PUT with the headers a create-only URL signs (`If-None-Match: *` among them).
 fn put_create(url: &str, body: &[u8]) -> u16 {
-    http("PUT", url, &[("If-None-Match", "*".into())], body).0
+    let headers: Vec<(&str, String)> = kochab_store::Presign::PutCreate
+        .headers()
+        .iter()
+        .map(|(k, v)| (*k, v.to_string()))
+        .collect();
+    http("PUT", url, &headers, body).0
 }
 
 async fn grant(c: &Client, handle: u64, objects: u32) -> Grant {
@@ -200,14 +206,16 @@ async fn grant(c: &Client, handle: u64, objects: u32) -> Grant {
     }
 }
 
-async fn commit(
-    c: &Client,
-    handle: u64,
-    slices: Vec<CommittedSlice>,
-    end: u64,
-) -> FsResult<Attr> {
+async fn commit(c: &Client, handle: u64, slices: Vec<CommittedSlice>, end: u64) -> FsResult<Attr> {
     match c
-        .call(&root(), Op::CommitSlices { handle, slices, end })
+        .call(
+            &root(),
+            Op::CommitSlices {
+                handle,
+                slices,
+                end,
+            },
+        )
         .await?
     {
         Reply::Attr(a) => Ok(a),
@@ -304,28 +312,76 @@ fn clients_put_commit_and_read_slices_by_capability() {
         assert_eq!(attr.size, 200_100);
         let mut want = vec![0u8; 100];
         want.extend_from_slice(&data);
-        let (_, bh) = b.create_open(&root(), b.root(), b"f", 0o644, O_RDONLY).await.unwrap();
+        let (_, bh) = b
+            .create_open(&root(), b.root(), b"f", 0o644, O_RDONLY)
+            .await
+            .unwrap();
         let l = layout(&b, bh).await;
         assert_eq!(l.size, 200_100);
-        assert_eq!(read_by_layout(&l, l.size), want, "read through the layout's URLs");
-        assert_eq!(b.read(&root(), bh, 0, 300_000).await.unwrap(), want, "through Read");
+        assert_eq!(
+            read_by_layout(&l, l.size),
+            want,
+            "read through the layout's URLs"
+        );
+        assert_eq!(
+            b.read(&root(), bh, 0, 300_000).await.unwrap(),
+            want,
+            "through Read"
+        );
         // A handle open for reading gets no grant.
-        assert_eq!(errno(b.call(&root(), Op::DataGrant { handle: bh, objects: 1 }).await), Errno::EBADF);
+        assert_eq!(
+            errno(
+                b.call(
+                    &root(),
+                    Op::DataGrant {
+                        handle: bh,
+                        objects: 1
+                    }
+                )
+                .await
+            ),
+            Errno::EBADF
+        );
 
         // (b) A granted URL creates its object once; without the header the signature
         // fails.
         let o = &g.objects[1];
-        let r1 = SliceRef { object: o.object, pos: 0, len: 10 };
-        assert_ne!(http("PUT", &o.put_url, &[], &encode_slice(0, &r1, &[1; 10])).0, 200);
+        let r1 = SliceRef {
+            object: o.object,
+            pos: 0,
+            len: 10,
+        };
+        assert_ne!(
+            http("PUT", &o.put_url, &[], &encode_slice(0, &r1, &[1; 10])).0,
+            200
+        );
         assert_eq!(put_create(&o.put_url, &encode_slice(0, &r1, &[1; 10])), 200);
-        assert_eq!(put_create(&o.put_url, &encode_slice(0, &r1, &[2; 10])), 412, "a second PUT");
+        assert_eq!(
+            put_create(&o.put_url, &encode_slice(0, &r1, &[2; 10])),
+            412,
+            "a second PUT"
+        );
         // A token of another file is refused.
         let (_, f2h) = create(&a, "f2").await;
-        let stolen = CommittedSlice { chunk: 0, r: r1, token: o.token.clone(), expires: g.expires };
-        assert_eq!(errno(commit(&a, f2h, vec![stolen.clone()], 10).await), Errno::EACCES);
+        let stolen = CommittedSlice {
+            chunk: 0,
+            r: r1,
+            token: o.token.clone(),
+            expires: g.expires,
+        };
+        assert_eq!(
+            errno(commit(&a, f2h, vec![stolen.clone()], 10).await),
+            Errno::EACCES
+        );
         // So is a token granted to another client key.
         let (id, key) = match a
-            .call(&root(), Op::KeyAdd { policy: KeyPolicy::TRUSTED, note: "other".into() })
+            .call(
+                &root(),
+                Op::KeyAdd {
+                    policy: KeyPolicy::TRUSTED,
+                    note: "other".into(),
+                },
+            )
             .await
             .unwrap()
         {
@@ -333,11 +389,20 @@ fn clients_put_commit_and_read_slices_by_capability() {
             other => panic!("key add: {other:?}"),
         };
         let other = client(server.addr, ClientKey { id, key }).await;
-        let (_, oh) = other.create_open(&root(), other.root(), b"f", 0o644, O_RDWR).await.unwrap();
-        assert_eq!(errno(commit(&other, oh, vec![stolen.clone()], 10).await), Errno::EACCES);
+        let (_, oh) = other
+            .create_open(&root(), other.root(), b"f", 0o644, O_RDWR)
+            .await
+            .unwrap();
+        assert_eq!(
+            errno(commit(&other, oh, vec![stolen.clone()], 10).await),
+            Errno::EACCES
+        );
         // And an expired one (grants live 2 s here).
         tokio::time::sleep(Duration::from_millis(3200)).await;
-        assert_eq!(errno(commit(&a, fh, vec![stolen.clone()], 10).await), Errno::ETIMEDOUT);
+        assert_eq!(
+            errno(commit(&a, fh, vec![stolen.clone()], 10).await),
+            Errno::ETIMEDOUT
+        );
 
         // (c) Neither object put and not committed is visible, and the collector deletes
         // them (the committed one stays).
@@ -349,7 +414,11 @@ fn clients_put_commit_and_read_slices_by_capability() {
         let _never = put_slice(&g2, 0, 0, 0, &[9u8; 50]);
         assert_eq!(st.objects(f.id, f.generation).len(), 3);
         st.wait_objects(f.id, f.generation, 1, "orphans collected");
-        assert_eq!(b.read(&root(), bh, 0, 300_000).await.unwrap(), want, "the committed data stays");
+        assert_eq!(
+            b.read(&root(), bh, 0, 300_000).await.unwrap(),
+            want,
+            "the committed data stays"
+        );
         let counters = a.status().await.unwrap().slices;
         assert!(counters.orphans_deleted >= 2, "{counters:?}");
 
@@ -365,8 +434,22 @@ fn clients_put_commit_and_read_slices_by_capability() {
         commit(&a, fh, vec![s], 0).await.unwrap();
         want[1000..2000].fill(5);
         assert_eq!(st.objects(f.id, f.generation).len(), 2);
-        a.setattr(&root(), f.id, SetAttrs { size: Some(0), ..Default::default() }).await.unwrap();
-        st.wait_objects(f.id, f.generation, 0, "a truncation to 0 frees every object");
+        a.setattr(
+            &root(),
+            f.id,
+            SetAttrs {
+                size: Some(0),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        st.wait_objects(
+            f.id,
+            f.generation,
+            0,
+            "a truncation to 0 frees every object",
+        );
         assert!(b.read(&root(), bh, 0, 10).await.unwrap().is_empty());
         let counters = a.status().await.unwrap().slices;
         assert!(counters.freed_deleted >= 3, "{counters:?}");
@@ -376,7 +459,9 @@ fn clients_put_commit_and_read_slices_by_capability() {
 
 #[test]
 fn a_slice_put_before_a_server_sigkill_is_never_visible_and_is_collected() {
-    let Some(st) = setup("kill-commit") else { return };
+    let Some(st) = setup("kill-commit") else {
+        return;
+    };
     let mut server = st.up();
     let (f, committed) = common::runtime().block_on(async {
         let a = client(server.addr, ClientKey::admin(server.key)).await;
@@ -394,11 +479,19 @@ fn a_slice_put_before_a_server_sigkill_is_never_visible_and_is_collected() {
     let server = st.up();
     common::runtime().block_on(async {
         let a = client(server.addr, ClientKey::admin(server.key)).await;
-        let (_, h) = a.create_open(&root(), a.root(), b"f", 0o644, O_RDONLY).await.unwrap();
+        let (_, h) = a
+            .create_open(&root(), a.root(), b"f", 0o644, O_RDONLY)
+            .await
+            .unwrap();
         let l = layout(&a, h).await;
         assert_eq!(l.chunks[0].refs.len(), 1);
         assert_eq!(a.read(&root(), h, 0, 100).await.unwrap(), committed);
-        st.wait_objects(f.id, f.generation, 1, "the uncommitted object collected after restart");
+        st.wait_objects(
+            f.id,
+            f.generation,
+            1,
+            "the uncommitted object collected after restart",
+        );
         assert_eq!(a.read(&root(), h, 0, 100).await.unwrap(), committed);
     });
     drop(server);
@@ -426,11 +519,14 @@ fn compaction_bounds_refs_and_a_sigkill_during_it_loses_and_doubles_nothing() {
             let (f, h) = if round == 0 {
                 create(&a, "c").await
             } else {
-                a.create_open(&root(), a.root(), b"c", 0o644, O_RDWR).await.unwrap()
+                a.create_open(&root(), a.root(), b"c", 0o644, O_RDWR)
+                    .await
+                    .unwrap()
             };
             for _ in 0..40 {
                 let off = rng.below(200_000) as usize;
-                let d = rng.bytes(1 + rng.below(20_000) as usize);
+                let n = 1 + rng.below(20_000) as usize;
+                let d = rng.bytes(n);
                 a.write(&root(), h, off as u64, d.clone()).await.unwrap();
                 model_write(&mut model, off, &d);
             }
@@ -449,7 +545,10 @@ fn compaction_bounds_refs_and_a_sigkill_during_it_loses_and_doubles_nothing() {
                 assert!(Instant::now() < deadline, "{refs} refs stay in the chunk");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            let got = a.read(&root(), h, 0, model.len() as u32 + 10).await.unwrap();
+            let got = a
+                .read(&root(), h, 0, model.len() as u32 + 10)
+                .await
+                .unwrap();
             assert_eq!(got, model, "after compaction");
             let c = a.status().await.unwrap().slices;
             assert!(c.chunks_compacted >= 1, "{c:?}");
@@ -461,8 +560,14 @@ fn compaction_bounds_refs_and_a_sigkill_during_it_loses_and_doubles_nothing() {
             server = st.up();
             common::runtime().block_on(async {
                 let a = client(server.addr, ClientKey::admin(server.key)).await;
-                let (_, h) = a.create_open(&root(), a.root(), b"c", 0o644, O_RDONLY).await.unwrap();
-                let got = a.read(&root(), h, 0, model.len() as u32 + 10).await.unwrap();
+                let (_, h) = a
+                    .create_open(&root(), a.root(), b"c", 0o644, O_RDONLY)
+                    .await
+                    .unwrap();
+                let got = a
+                    .read(&root(), h, 0, model.len() as u32 + 10)
+                    .await
+                    .unwrap();
                 assert_eq!(got, model, "after a SIGKILL in round {round}");
             });
         }
@@ -471,10 +576,18 @@ fn compaction_bounds_refs_and_a_sigkill_during_it_loses_and_doubles_nothing() {
     // never ran) is collected: the folder ends with the objects the refs name.
     common::runtime().block_on(async {
         let a = client(server.addr, ClientKey::admin(server.key)).await;
-        let (_, h) = a.create_open(&root(), a.root(), b"c", 0o644, O_RDONLY).await.unwrap();
+        let (_, h) = a
+            .create_open(&root(), a.root(), b"c", 0o644, O_RDONLY)
+            .await
+            .unwrap();
         let refs = layout(&a, h).await.chunks[0].refs.len();
         st.wait_objects(id.0, id.1, refs, "only referenced objects left");
-        assert_eq!(a.read(&root(), h, 0, model.len() as u32 + 10).await.unwrap(), model);
+        assert_eq!(
+            a.read(&root(), h, 0, model.len() as u32 + 10)
+                .await
+                .unwrap(),
+            model
+        );
     });
     drop(server);
 }

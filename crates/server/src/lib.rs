@@ -34,7 +34,6 @@ pub mod released;
 pub mod replycache;
 pub mod server;
 pub mod session;
-mod shim;
 pub mod slicesvc;
 pub use kochab_tls as tls;
 

@@ -25,12 +25,11 @@ use crate::filesvc::{
 };
 use crate::grants::{GRANT_OBJECTS_MAX, ObjectIds, grant_life, object_name, unix_now};
 use crate::session::OpenFile;
-#[allow(unused_imports)]
-use crate::shim::{Presign, StorePresign};
 use kochab_meta::Mutation;
 use kochab_proto::auth::{GrantKey, GrantTokenInput};
 use kochab_proto::layout::{ChunkLayout, CommittedSlice, Grant, GrantedObject, Layout, SliceRef};
 use kochab_proto::*;
+use kochab_store::Presign;
 use parking_lot::Mutex;
 use rustc_hash::FxHashSet;
 use std::collections::BTreeMap;
