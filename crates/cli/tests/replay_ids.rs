@@ -485,7 +485,7 @@ fn move_evenly(server: &ServerProc, lo: &str, to: u64) {
                     t["owner"].as_u64() == Some(to)
                         && t["lo"]
                             .as_str()
-                            .is_some_and(|l| ('4'..='7').contains(&l.as_bytes()[0].into()))
+                            .is_some_and(|l| ('4'..='7').contains(&char::from(l.as_bytes()[0])))
                 })
             })
             .and_then(|t| t["lo"].as_str())

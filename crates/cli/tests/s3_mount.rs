@@ -172,6 +172,7 @@ fn a_mount_on_s3_puts_and_gets_file_data_itself() {
 
     let io = c.server_io() - io_before;
     let moved = 2 * BIG as u64;
+    eprintln!("server rchar+wchar: {io} bytes for {moved} written (and read again)");
     assert!(
         io * 100 < moved,
         "the server read and wrote {io} bytes for {moved} bytes written and read again"
@@ -262,6 +263,7 @@ fn a_killed_mount_leaves_fsynced_data_and_only_committed_slices() {
     // Commits go in write order: what is there is a prefix of what was written, and
     // nothing put but not committed shows.
     let torn = fs::read(b.mnt.join("torn")).unwrap();
+    eprintln!("the killed writer's file: {} bytes committed", torn.len());
     assert!(torn.len() <= BIG, "torn: {} bytes", torn.len());
     same(&torn, &want[..torn.len()], "the killed writer's file");
 }

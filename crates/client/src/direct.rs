@@ -26,6 +26,13 @@ const RETRIES: u32 = 4;
 const BACKOFF: Duration = Duration::from_millis(200);
 /// Idle connections kept per store host: as many as PUTs and GETs a mount runs at once.
 const IDLE_PER_HOST: usize = 64;
+/// The headers a create URL's signature covers, which its PUT must send as they are (see
+/// `kochab_store::Presign::headers`; a test checks they agree): the conditional create,
+/// and the ACL that keeps the object the store owner's.
+pub const CREATE_HEADERS: &[(&str, &str)] = &[
+    ("if-none-match", "*"),
+    ("x-amz-acl", "bucket-owner-full-control"),
+];
 
 /// Why a direct PUT or GET did not succeed.
 #[derive(Debug)]
@@ -69,13 +76,15 @@ impl DirectIo {
     }
 
     /// Creates the object of `url` (a presigned PUT) with `body`, only if no object has
-    /// that name (`If-None-Match: *`, which the URL's signature covers).
+    /// that name (`If-None-Match: *`, which the URL's signature covers, as it does the
+    /// rest of [`CREATE_HEADERS`]).
     pub async fn put_new(&self, url: &str, body: bytes::Bytes) -> Result<(), DirectError> {
         self.run("PUT of a slice", || {
-            self.http
-                .put(url)
-                .header(reqwest::header::IF_NONE_MATCH, "*")
-                .body(body.clone())
+            let mut put = self.http.put(url);
+            for (name, value) in CREATE_HEADERS {
+                put = put.header(*name, *value);
+            }
+            put.body(body.clone())
         })
         .await
         .map(drop)
@@ -151,5 +160,16 @@ impl DirectIo {
             wait *= 2;
             tries += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_create_sends_the_headers_its_url_signs() {
+        assert_eq!(
+            super::CREATE_HEADERS,
+            kochab_store::Presign::PutCreate.headers()
+        );
     }
 }

@@ -206,7 +206,7 @@ impl DirectReads {
                         "the object store refuses the slices of file {id:#x} even with a fresh layout"
                     )));
                 }
-                Err(ReadErr::Fs(e)) if e.errno == kochab_proto::Errno::EOPNOTSUPP => {
+                Err(ReadErr::Fs(e)) if crate::writebehind::through_servers(&e) => {
                     self.mode.learn::<()>(&Err(e));
                     return None;
                 }
@@ -288,7 +288,9 @@ impl DirectReads {
                     .await?;
                 self.mode.learn(&Ok::<(), FsError>(()));
                 let life = l.expires.saturating_sub(now);
-                let use_until = l.expires - LAYOUT_MARGIN_SECS.min(life / 3);
+                // At least this read: a clock behind the server's is answered by the
+                // store refusing the URLs (a refetch), not by refusing to try them.
+                let use_until = (l.expires - LAYOUT_MARGIN_SECS.min(life / 3)).max(now + 1);
                 Ok::<_, FsError>(Arc::new((l, use_until)))
             })
             .await?

@@ -87,16 +87,22 @@ const MODE_UNKNOWN: u8 = 0;
 const MODE_DIRECT: u8 = 1;
 const MODE_THROUGH: u8 = 2;
 
+/// Whether `e` says the servers serve file data themselves: EOPNOTSUPP (a store they
+/// write in place), or ENOSYS (a server from before direct I/O, which knows no such op).
+pub fn through_servers(e: &FsError) -> bool {
+    matches!(e.errno, Errno::EOPNOTSUPP | Errno::ENOSYS)
+}
+
 impl DirectMode {
     /// False once the servers said they serve the data themselves (EOPNOTSUPP).
     pub fn may_be_direct(&self) -> bool {
         self.0.load(Ordering::Relaxed) != MODE_THROUGH
     }
 
-    /// The servers answered a direct operation: EOPNOTSUPP means never again.
+    /// The servers answered a direct operation: EOPNOTSUPP (or ENOSYS) means never again.
     pub fn learn<T>(&self, r: &Result<T, FsError>) {
         match r {
-            Err(e) if e.errno == Errno::EOPNOTSUPP => {
+            Err(e) if through_servers(e) => {
                 if self.0.swap(MODE_THROUGH, Ordering::Relaxed) != MODE_THROUGH {
                     tracing::info!("the servers write file data themselves: writing through");
                 }
@@ -466,7 +472,10 @@ impl WriteBehind {
             let r = wb.put_slice(id, handle, &cred, start, bytes).await;
             let (done, error) = match r {
                 Ok(done) => (done, None),
-                Err(e) => (None, Some(e)),
+                Err(e) => {
+                    tracing::warn!("a slice of {id:#x} at {start} was not written: {e}");
+                    (None, Some(e))
+                }
             };
             {
                 let mut inodes = wb.inodes.lock();
@@ -534,7 +543,7 @@ impl WriteBehind {
             self.mode.learn(&granted);
             let (object, expires) = match granted {
                 Ok(g) => g,
-                Err(e) if e.errno == Errno::EOPNOTSUPP => {
+                Err(e) if through_servers(&e) => {
                     self.client.write(cred, handle, start, bytes).await?;
                     return Ok(None);
                 }
@@ -692,6 +701,7 @@ impl WriteBehind {
                     p.in_flight -= n;
                     p.committing = false;
                     if let Err(e) = r {
+                        tracing::warn!("a commit of {n} slices of {id:#x} failed: {e}");
                         wb.grants.lock().remove(&id);
                         if p.error.is_none() {
                             p.error = Some(e);
