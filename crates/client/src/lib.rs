@@ -9,6 +9,7 @@ mod closes;
 pub mod complete;
 pub mod conn;
 pub mod dircache;
+pub mod direct;
 mod pool;
 pub mod replay;
 pub mod routing;
@@ -66,6 +67,10 @@ fn outside_replay() -> bool {
 /// Times a handle operation reopens its handle where the server does not know it (each a
 /// server restart or a table move while the operation is retried) before it fails.
 const REOPEN_TRIES: u32 = 8;
+/// Handles whose lost commits are remembered at most until reported: one per handle that
+/// wrote through a lost server, so a few; the bound only keeps a client that never
+/// closes from growing without end (past it the loss is still logged).
+const LOST_COMMITS_MAX: usize = 1 << 16;
 
 /// Attempts of a request a single server answers WRONG_SERVER before the client asks it
 /// for a map (it became one of many).
@@ -268,6 +273,10 @@ struct Inner {
     lease: Duration,
     /// Closes waiting to go to their servers together (see `closes`).
     closes: closes::Gathered<Handle>,
+    /// Per handle, the first commit of slices answered early whose replay failed for good
+    /// (its server was lost and the new one refused it, e.g. its token had expired): the
+    /// data is lost, and the next fsync or close of the handle says so.
+    lost_commits: Mutex<rustc_hash::FxHashMap<u64, FsError>>,
 }
 
 /// What a client that holds leases is told to drop; answered when the
@@ -494,6 +503,7 @@ impl Client {
             early,
             replaying: tokio::sync::Mutex::new(()),
             closes: Default::default(),
+            lost_commits: Mutex::new(Default::default()),
         });
         tokio::spawn(replayer(Arc::downgrade(&inner)));
         Ok(Client { inner })
@@ -1670,6 +1680,84 @@ impl Client {
         as_attr(self.with_handle_seq(cred, handle, op, seq).await?)
     }
 
+    /// Capabilities to create `objects` slice objects of the handle's file straight in
+    /// the object store. EOPNOTSUPP: the store is one the servers write themselves (write
+    /// through [`Client::write`]).
+    pub async fn data_grant(
+        &self,
+        cred: &Credentials,
+        handle: u64,
+        objects: u32,
+    ) -> FsResult<kochab_proto::layout::Grant> {
+        match self
+            .with_handle(cred, handle, Op::DataGrant { handle, objects })
+            .await?
+        {
+            Reply::Grant(g) => Ok(g),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Commits slices put under granted names, in the order given, and makes the size at
+    /// least `end`; returns the attributes after it. Sent as a write is: with early
+    /// replies it has a sequence number, is kept until durable and replayed if its server
+    /// is lost first (exactly once, through the reply cache). A replay refused for good
+    /// is reported by [`Client::take_lost_commit`].
+    pub async fn commit_slices(
+        &self,
+        cred: &Credentials,
+        handle: u64,
+        slices: Vec<kochab_proto::layout::CommittedSlice>,
+        end: u64,
+    ) -> FsResult<Attr> {
+        let op = Op::CommitSlices {
+            handle,
+            slices,
+            end,
+        };
+        if !self.inner.config.early_replies {
+            return as_attr(self.with_handle(cred, handle, op).await?);
+        }
+        let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        self.inner.in_flight.lock().insert(seq);
+        let _done = InFlight {
+            inner: &self.inner,
+            seq,
+        };
+        as_attr(self.with_handle_seq(cred, handle, op, seq).await?)
+    }
+
+    /// The refs of chunks `[first_chunk, first_chunk + chunks)` of the handle's file and
+    /// URLs to get their objects. EOPNOTSUPP: read through [`Client::read`].
+    pub async fn layout(
+        &self,
+        cred: &Credentials,
+        handle: u64,
+        first_chunk: u64,
+        chunks: u32,
+    ) -> FsResult<kochab_proto::layout::Layout> {
+        let op = Op::Layout {
+            handle,
+            first_chunk,
+            chunks,
+        };
+        match self.with_handle(cred, handle, op).await? {
+            Reply::Layout(l) => Ok(l),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The error of a commit of slices through `handle` that was answered early and then
+    /// lost with its server and refused at its replay (reported once).
+    pub fn take_lost_commit(&self, handle: u64) -> Option<FsError> {
+        self.inner.lost_commits.lock().remove(&handle)
+    }
+
+    /// Whether [`Client::take_lost_commit`] has something to report for `handle`.
+    pub fn has_lost_commit(&self, handle: u64) -> bool {
+        self.inner.lost_commits.lock().contains_key(&handle)
+    }
+
     pub async fn fsync(&self, cred: &Credentials, handle: u64, datasync: bool) -> FsResult<()> {
         as_empty(
             self.with_handle(cred, handle, Op::Fsync { handle, datasync })
@@ -1914,6 +2002,14 @@ impl Client {
                     return false;
                 }
                 Err(err) => {
+                    if let Op::CommitSlices { handle, .. } = &e.req.op {
+                        let mut lost = self.inner.lost_commits.lock();
+                        if lost.len() < LOST_COMMITS_MAX {
+                            lost.entry(*handle).or_insert_with(|| {
+                                fs_err!(EIO, "written data was lost: its commit failed at its replay after a server loss ({err})")
+                            });
+                        }
+                    }
                     tracing::warn!(
                         "replay of an acknowledged {} failed: {err}",
                         kochab_proto::OP_NAMES

@@ -23,6 +23,7 @@
 mod coherence;
 mod creds;
 mod dir_opens;
+mod directread;
 mod interrupts;
 mod known;
 mod listing;
@@ -145,6 +146,8 @@ struct Inner {
     dir_opens: dir_opens::DirOpens,
     /// Writes gathered in the mount before they are sent.
     wb: Arc<writebehind::WriteBehind>,
+    /// Reads straight from the object store (see `directread`).
+    reads: Arc<directread::DirectReads>,
     /// How long the servers' leases last (zero: no leases, the TTLs of `config` apply).
     lease: Duration,
     /// Names handed to the kernel with a TTL, per directory (see `coherence`).
@@ -278,8 +281,24 @@ impl KochabFs {
             config.atime = AtimeRule::Never;
         }
         let root = client.root();
-        let wb = writebehind::WriteBehind::new(client.clone(), rt.clone());
+        let mode = Arc::new(writebehind::DirectMode::default());
+        let direct = match kochab_client::direct::DirectIo::new() {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::warn!("{e}: file data goes through the servers");
+                None
+            }
+        };
+        let reads =
+            directread::DirectReads::new(client.clone(), direct.clone(), mode.clone(), rt.clone());
+        let wb = writebehind::WriteBehind::new(client.clone(), rt.clone(), mode, direct);
         wb.start_ager();
+        let dropper = Arc::downgrade(&reads);
+        wb.set_commit_hook(Arc::new(move |id| {
+            if let Some(reads) = dropper.upgrade() {
+                reads.drop_file(id);
+            }
+        }));
         let lease = client.lease();
         let inner = Arc::new(Inner {
             lease,
@@ -288,6 +307,7 @@ impl KochabFs {
             bare: Mutex::new(FxHashMap::default()),
             known: Mutex::new(known::KnownNames::default()),
             wb,
+            reads,
             client,
             rt,
             root,
@@ -425,6 +445,7 @@ fn start_callbacks(inner: &Arc<Inner>) {
                 };
                 inner.not_bare(&list);
                 inner.known.lock().called_back(&list);
+                inner.reads.called_back(&list);
                 if list.contains(&Invalidation::Everything) {
                     // A lost connection: its server forgot which writers it called back.
                     inner.wb.write_through(None, inner.lease * 2);
@@ -596,6 +617,9 @@ impl Inner {
 
     fn file_attr(&self, a: &Attr) -> FileAttr {
         self.known.lock().shows(a);
+        if a.kind() == Some(FileKind::File) {
+            self.reads.seen_attr(a.id, a.mtime, a.size);
+        }
         FileAttr {
             ino: self.ino(a.id),
             size: a.size,
@@ -650,6 +674,7 @@ impl Inner {
     /// The kernel's picture of `ino` may change without a reply showing it.
     fn changed(&self, ino: INodeNo) {
         self.known.lock().changed(self.id(ino));
+        self.reads.drop_file(self.id(ino));
     }
 
     /// Forgets the files callbacks name: another client may have given them attributes.
@@ -1259,6 +1284,8 @@ impl Filesystem for KochabFs {
             // The kernel sets the size it caches to zero itself.
             self.inner.changed(ino);
         }
+        // Close-to-open: a new open reads the layout the file has now.
+        self.inner.reads.drop_file(self.inner.id(ino));
         self.spawn(req, move |fs, cred| async move {
             match fs.client.open(&cred, fs.id(ino), flags as u32).await {
                 Ok((a, handle)) => {
@@ -1282,7 +1309,13 @@ impl Filesystem for KochabFs {
         reply: ReplyData,
     ) {
         self.spawn(req, move |fs, cred| async move {
-            fs.wb.settle(fs.id(ino)).await;
+            let id = fs.id(ino);
+            fs.wb.settle(id).await;
+            match fs.reads.read(&cred, id, fh.0, offset, size).await {
+                Some(Ok(b)) => return reply.data(&b),
+                Some(Err(e)) => return reply.error(errno(&e)),
+                None => {}
+            }
             let rule = fs.config.atime;
             match fs.client.read_atime(&cred, fh.0, offset, size, rule).await {
                 Ok((b, atime_set)) => {
@@ -1349,6 +1382,8 @@ impl Filesystem for KochabFs {
             } else {
                 fs.client.write(&cred, fh.0, offset, data).await
             };
+            // The servers wrote it (S3: as slices of their own): a layout kept is old now.
+            fs.reads.drop_file(id);
             match written {
                 Ok(a) => {
                     let killed =
@@ -1394,11 +1429,16 @@ impl Filesystem for KochabFs {
         // reports what went wrong with writes held back in the mount.
         let id = self.inner.id(ino);
         let locked = self.inner.locked.lock().contains(&id);
-        if !locked && !self.inner.wb.pending(id) {
+        let lost = self.inner.client.has_lost_commit(fh.0);
+        if !locked && !lost && !self.inner.wb.pending(id) {
             return reply.ok();
         }
         self.spawn(req, move |fs, cred| async move {
             let written = fs.wb.flush(id).await;
+            let written = match fs.client.take_lost_commit(fh.0) {
+                Some(e) => written.and(Err(e)),
+                None => written,
+            };
             let r = if locked {
                 let r = fs.client.release_locks(&cred, fh.0, lock_owner.0).await;
                 fs.unlocked.notify_waiters();
@@ -1425,6 +1465,7 @@ impl Filesystem for KochabFs {
         // wait for it (`closes_done`).
         let id = self.inner.id(ino);
         self.inner.closed(id, fh.0);
+        self.inner.reads.closed(fh.0);
         let locked = self.inner.locked.lock().contains(&id);
         if !locked && !self.inner.wb.pending(id) {
             // Nothing to report and nobody waiting for the close (no locks, no writes held
@@ -1486,6 +1527,11 @@ impl Filesystem for KochabFs {
             let r = match r {
                 Ok(()) => fs.client.wait_durable().await,
                 e => e,
+            };
+            // Slices committed early whose replay after a server loss was refused.
+            let r = match fs.client.take_lost_commit(fh.0) {
+                Some(e) => r.and(Err(e)),
+                None => r,
             };
             fs.empty(reply, r);
         });
