@@ -143,18 +143,25 @@ fn file_data_on_rgw_survives_a_sigkill_and_a_new_local_directory() {
     f.sync_all().unwrap();
     drop(f);
     assert_eq!(fs::read(mnt_b.join("tiny")).unwrap(), b"Jello");
-    // Deleting a file deletes its slices (in the background, once the unlink is durable).
+    // Deleting a file deletes its slices (in the background, once the unlink is durable):
+    // big's folder of slices goes, and only big is removed, so the folder that goes is its.
+    let before = slice_folders(&s3);
     fs::remove_file(mnt_b.join("big")).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
-        let left = count_slices(&s3);
-        // big had at least 10 (1 MiB writes), the rewrite of tiny added one.
-        if left + 9 <= slices + 1 {
+        let after = slice_folders(&s3);
+        let gone: Vec<_> = before.keys().filter(|f| !after.contains_key(*f)).collect();
+        if let [folder] = gone[..] {
+            assert!(before[folder] >= 1, "{folder} held no slices");
             break;
         }
         assert!(
+            gone.len() <= 1,
+            "folders of files not removed went: {gone:?}"
+        );
+        assert!(
             std::time::Instant::now() < deadline,
-            "{left} slices left of {slices} + 1 after the unlink"
+            "big's slices are still there after the unlink: {after:?}"
         );
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
@@ -171,4 +178,19 @@ fn count_slices(s3: &S3Store) -> usize {
         .filter(|f| f.ends_with(".s"))
         .map(|f| s3.list(&f).unwrap().len())
         .sum()
+}
+
+/// Each folder of slices (one per file generation) and the objects in it.
+fn slice_folders(s3: &S3Store) -> std::collections::BTreeMap<String, usize> {
+    s3.list("data")
+        .unwrap()
+        .iter()
+        .flat_map(|shard| s3.list(shard).unwrap())
+        .filter(|f| f.ends_with(".s"))
+        .map(|f| {
+            let n = s3.list(&f).unwrap().len();
+            (f, n)
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect()
 }

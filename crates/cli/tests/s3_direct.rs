@@ -12,6 +12,7 @@
 
 mod common;
 
+use common::s3::rgw_location;
 use common::{Rng, ServerProc};
 use kochab_client::{Client, ClientConfig};
 use kochab_proto::auth::ClientKey;
@@ -23,31 +24,6 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// The env file of the RGW and a prefix of this run's own in its bucket (`None`: skipped).
-fn rgw_location(test: &str) -> Option<(PathBuf, S3Location)> {
-    if std::env::var("KOCHAB_S3_TESTS").as_deref() == Ok("0") {
-        eprintln!("KOCHAB_S3_TESTS=0: skipping the tests against Ceph RGW");
-        return None;
-    }
-    let env_file = PathBuf::from(std::env::var("KOCHAB_S3_ENV").unwrap_or_else(|_| {
-        panic!(
-            "this test needs a Ceph RGW: run it with KOCHAB_S3_ENV=$(scripts/ceph-rgw.sh up), \
-             or skip it with KOCHAB_S3_TESTS=0"
-        )
-    }));
-    let text = std::fs::read_to_string(&env_file).unwrap();
-    let bucket = text
-        .lines()
-        .find_map(|l| l.strip_prefix("export KOCHAB_S3_BUCKET="))
-        .expect("KOCHAB_S3_BUCKET in the env file")
-        .to_string();
-    let mut b = [0u8; 6];
-    getrandom::fill(&mut b).unwrap();
-    let tag: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    let location = S3Location::parse(&format!("s3://{bucket}/t/{test}-{tag}")).unwrap();
-    Some((env_file, location))
-}
 
 /// Grants of 2 s and a GC pass every second: expiry and collection within a test's time.
 const TEST_ENV: &[(&str, &str)] = &[("KOCHAB_GRANT_SECS", "2"), ("KOCHAB_SLICE_GC_SECS", "1")];

@@ -10,8 +10,9 @@
 
 mod common;
 
+use common::s3::rgw_location;
 use common::{MountProc, Rng, ServerProc, process_tree};
-use kochab_s3store::{S3Location, S3Settings, S3Store};
+use kochab_s3store::{S3Settings, S3Store};
 use kochab_store::ObjectStore;
 use std::fs;
 use std::io::Write;
@@ -22,31 +23,6 @@ use std::time::{Duration, Instant};
 
 /// Bytes of each big file: 16 chunks.
 const BIG: usize = 64 << 20;
-
-/// The env file of the RGW and a prefix of this run's own in its bucket (`None`: skipped).
-fn rgw_location(test: &str) -> Option<(PathBuf, S3Location)> {
-    if std::env::var("KOCHAB_S3_TESTS").as_deref() == Ok("0") {
-        eprintln!("KOCHAB_S3_TESTS=0: skipping the tests against Ceph RGW");
-        return None;
-    }
-    let env_file = PathBuf::from(std::env::var("KOCHAB_S3_ENV").unwrap_or_else(|_| {
-        panic!(
-            "this test needs a Ceph RGW: run it with KOCHAB_S3_ENV=$(scripts/ceph-rgw.sh up), \
-             or skip it with KOCHAB_S3_TESTS=0"
-        )
-    }));
-    let text = fs::read_to_string(&env_file).unwrap();
-    let bucket = text
-        .lines()
-        .find_map(|l| l.strip_prefix("export KOCHAB_S3_BUCKET="))
-        .expect("KOCHAB_S3_BUCKET in the env file")
-        .to_string();
-    let mut b = [0u8; 6];
-    getrandom::fill(&mut b).unwrap();
-    let tag: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    let location = S3Location::parse(&format!("s3://{bucket}/t/{test}-{tag}")).unwrap();
-    Some((env_file, location))
-}
 
 /// A server over the store (no mount in its process) and what the tests need of it.
 struct S3Cluster {

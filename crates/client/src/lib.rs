@@ -1650,16 +1650,7 @@ impl Client {
             offset,
             data,
         };
-        if !self.inner.config.early_replies {
-            return as_attr(self.with_handle(cred, handle, op).await?);
-        }
-        let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
-        self.inner.in_flight.lock().insert(seq);
-        let _done = InFlight {
-            inner: &self.inner,
-            seq,
-        };
-        as_attr(self.with_handle_seq(cred, handle, op, seq).await?)
+        self.kept_handle_op(cred, handle, op).await
     }
 
     /// Appends `data` at the end of the file as its server finds it (O_APPEND), with no
@@ -1715,6 +1706,13 @@ impl Client {
             slices,
             end,
         };
+        self.kept_handle_op(cred, handle, op).await
+    }
+
+    /// Sends a handle operation that changes the file (a write, a commit of slices): with
+    /// early replies it gets a sequence number, so that it is kept until durable and a
+    /// retry or replay is answered by the server's reply cache, never run twice.
+    async fn kept_handle_op(&self, cred: &Credentials, handle: u64, op: Op) -> FsResult<Attr> {
         if !self.inner.config.early_replies {
             return as_attr(self.with_handle(cred, handle, op).await?);
         }
