@@ -77,7 +77,7 @@ impl Engine {
 
     /// Commits slices written to file `id`: each `(chunk, ref)` becomes its chunk's newest
     /// ref, in the order given (`push_slice`, which drops the older refs it wholly hides),
-    /// the size becomes at least `end` and the end of every ref, mtime and ctime `now`,
+    /// the size becomes at least `end` and the end of every data ref, mtime and ctime `now`,
     /// setuid/setgid are cleared as a write clears them, and the file is marked as having
     /// data, all in one set of mutations: the inode, then one `PutChunk` per chunk touched.
     /// Returns them, the new attributes and the objects no ref names any more (to delete
@@ -112,7 +112,11 @@ impl Engine {
                     "slice ref {r:?} of chunk {chunk} lies past the largest file size"
                 ));
             };
-            size = size.max(e);
+            // Zeros past the end need no size to show them: a punched or zeroed range
+            // (fallocate with KEEP_SIZE) leaves the size as it was.
+            if !r.is_zeros() {
+                size = size.max(e);
+            }
         }
         let mut touched: BTreeMap<u64, Vec<SliceRef>> = BTreeMap::new();
         let mut freed = Vec::new();
@@ -335,6 +339,22 @@ mod tests {
             other => panic!("{other:?}"),
         };
         (e, id, log)
+    }
+
+    #[test]
+    fn zeros_past_the_end_leave_the_size_as_it_was() {
+        let (mut e, id, _) = with_file();
+        let cred = Credentials::root();
+        e.commit_slices(&cred, id, &[(0, r(7, 0, 7751))], 7751, 1)
+            .unwrap_or_else(|f| panic!("{f:?}"));
+        let (_, attr, _) = e
+            .commit_slices(&cred, id, &[(0, r(0, 4263, 6530))], 6476, 2)
+            .unwrap_or_else(|f| panic!("{f:?}"));
+        assert_eq!(attr.size, 7751, "a zeros ref past the end grows nothing");
+        let (_, attr, _) = e
+            .commit_slices(&cred, id, &[(0, r(8, 9000, 10))], 0, 3)
+            .unwrap_or_else(|f| panic!("{f:?}"));
+        assert_eq!(attr.size, 9010, "a data ref past the end does");
     }
 
     fn user() -> Credentials {
