@@ -455,10 +455,7 @@ fn a_slice_put_before_a_server_sigkill_is_never_visible_and_is_collected() {
     let server = st.up();
     common::runtime().block_on(async {
         let a = client(server.addr, ClientKey::admin(server.key)).await;
-        let (_, h) = a
-            .create_open(&root(), a.root(), b"f", 0o644, O_RDONLY)
-            .await
-            .unwrap();
+        let h = open_for_reading(&a, b"f").await;
         let l = layout(&a, h).await;
         assert_eq!(l.chunks[0].refs.len(), 1);
         assert_eq!(a.read(&root(), h, 0, 100).await.unwrap(), committed);
@@ -536,10 +533,7 @@ fn compaction_bounds_refs_and_a_sigkill_during_it_loses_and_doubles_nothing() {
             server = st.up();
             common::runtime().block_on(async {
                 let a = client(server.addr, ClientKey::admin(server.key)).await;
-                let (_, h) = a
-                    .create_open(&root(), a.root(), b"c", 0o644, O_RDONLY)
-                    .await
-                    .unwrap();
+                let h = open_for_reading(&a, b"c").await;
                 let got = a
                     .read(&root(), h, 0, model.len() as u32 + 10)
                     .await
@@ -552,10 +546,7 @@ fn compaction_bounds_refs_and_a_sigkill_during_it_loses_and_doubles_nothing() {
     // never ran) is collected: the folder ends with the objects the refs name.
     common::runtime().block_on(async {
         let a = client(server.addr, ClientKey::admin(server.key)).await;
-        let (_, h) = a
-            .create_open(&root(), a.root(), b"c", 0o644, O_RDONLY)
-            .await
-            .unwrap();
+        let h = open_for_reading(&a, b"c").await;
         let refs = layout(&a, h).await.chunks[0].refs.len();
         st.wait_objects(id.0, id.1, refs, "only referenced objects left");
         assert_eq!(
@@ -566,4 +557,13 @@ fn compaction_bounds_refs_and_a_sigkill_during_it_loses_and_doubles_nothing() {
         );
     });
     drop(server);
+}
+
+/// A handle for reading the file `name` under the root, which exists.
+async fn open_for_reading(a: &Client, name: &[u8]) -> u64 {
+    let (_, h) = a
+        .create_open(&root(), a.root(), name, 0o644, O_RDONLY)
+        .await
+        .unwrap();
+    h
 }
