@@ -13,6 +13,9 @@
 # with N servers over the same data, and the coordinator spreads the tables before the
 # measured run.
 #
+# It also prints the servers' CPU per create: user+system time of every server process
+# (/proc/PID/stat, all threads) read around the create phase, divided by the creates.
+#
 # Usage: bench/scaling.sh [ROUNDS] [SERVER_COUNTS...]   (default: 3 rounds of 1 2 4 8)
 # Env: CPU_SHARE (0.1), CLIENTS (64), ITEMS_PER_SERVER (40000), KOCHAB_BIN, PORT (7600),
 #      MODES ("unique shared"), SERVER_THREADS (1: worker threads per server; a server held to a tenth of a CPU
@@ -44,6 +47,18 @@ mkdir -p "$CG"
 period=100000
 quota=$(python3 -c "print(int($period*$CPU_SHARE))")
 
+server_pids() {  # server_pids DATA: the metadata server processes of the cluster on DATA
+  pgrep -f -- "mds --id .* --data $1\$|mds --id .* --data $1 "
+}
+cpu_ticks() {  # cpu_ticks PID...: user+system clock ticks of those processes, all threads
+  local t=0 pid f
+  for pid in "$@"; do
+    f=$(cut -d')' -f2- "/proc/$pid/stat")
+    t=$((t + $(echo "$f" | awk '{print $12 + $13}')))
+  done
+  echo "$t"
+}
+
 start() {  # start DATA N [nocap]
   local d=$1 n=$2 nocap=${3:-}
   cluster_up "$d" "$n"
@@ -51,7 +66,7 @@ start() {  # start DATA N [nocap]
   cluster_wait_spread "$d" "$n"
   # Cap each server process in its own group.
   local i=0 pid
-  for pid in $(pgrep -f -- "mds --id .* --data $d\$|mds --id .* --data $d "); do
+  for pid in $(server_pids "$d"); do
     mkdir -p "$CG/s$i"
     echo $period >"$CG/s$i/cpu.cfs_period_us"
     echo "$quota" >"$CG/s$i/cpu.cfs_quota_us"
@@ -74,8 +89,19 @@ for r in $(seq "$ROUNDS"); do
       cluster_down
       start "$d" "$n"
       items=$((PER * n))
-      j=$("$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
-            --items $items "${flag[@]}" --phases create,stat --json)
+      # Creates and stats in two invocations (names are deterministic), so the servers'
+      # CPU can be read around the create phase alone.
+      pids=$(server_pids "$d")
+      cpu0=$(cpu_ticks $pids)
+      jc=$("$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
+            --items $items "${flag[@]}" --phases create --json)
+      cpu1=$(cpu_ticks $pids)
+      js=$("$BIN" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --clients "$CLIENTS" \
+            --items $items "${flag[@]}" --phases stat --json)
+      j=$(python3 -c 'import json,sys
+c=json.loads(sys.argv[1]); s=json.loads(sys.argv[2]); hz=int(sys.argv[4])
+c["create"]["server_cpu_us_per_op"]=(int(sys.argv[3])*1e6/hz)/int(sys.argv[5])
+c.update(s); print(json.dumps(c))' "$jc" "$js" $((cpu1 - cpu0)) "$(getconf CLK_TCK)" $items)
       restarts=$(grep -c "exited" "$tmp/log" || true)
       cluster_down
       echo "$n $mode $r $restarts $j" | tee -a "$tmp/results"
@@ -87,11 +113,14 @@ done
 python3 - "$tmp/results" <<'PY'
 import json, sys, statistics as st
 rows = {}
+cpu = {}
 for line in open(sys.argv[1]):
     n, mode, r, restarts, rest = line.split(' ', 4)
     d = json.loads(rest)
     for ph, v in d.items():
         rows.setdefault((mode, ph, int(n)), []).append(v['ops_per_sec'])
+        if 'server_cpu_us_per_op' in v:
+            cpu.setdefault((mode, int(n)), []).append(v['server_cpu_us_per_op'])
 print(f"{'workload':<8} {'phase':<7} {'servers':>7} {'ops/s (median)':>15} {'vs 1 server':>12}  runs")
 for mode in ('unique', 'shared'):
     for ph in ('create', 'stat'):
@@ -102,4 +131,14 @@ for mode in ('unique', 'shared'):
             base = base or (m if n == 1 else None)
             ratio = f"{m / base:.2f}x" if base else "-"
             print(f"{mode:<8} {ph:<7} {n:>7} {m:>15.0f} {ratio:>12}  {' '.join(f'{x:.0f}' for x in v)}")
+print()
+print(f"{'workload':<8} {'servers':>7} {'server CPU us per create (median)':>34} {'vs 1 server':>12}  runs")
+for mode in ('unique', 'shared'):
+    base = None
+    for n in sorted({k[1] for k in cpu if k[0] == mode}):
+        v = cpu[(mode, n)]
+        m = st.median(v)
+        base = base or (m if n == 1 else None)
+        ratio = f"{m / base:.2f}x" if base else "-"
+        print(f"{mode:<8} {n:>7} {m:>34.2f} {ratio:>12}  {' '.join(f'{x:.2f}' for x in v)}")
 PY
