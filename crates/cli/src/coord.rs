@@ -105,7 +105,7 @@ fn parse_peers(peers: &[String]) -> Result<BTreeMap<ReplicaId, SocketAddr>, Stri
 }
 
 /// The tables of a new cluster: the id ranges every metadata server's engine is cut into.
-fn initial_tables() -> Result<Vec<(TableId, u64)>, String> {
+fn initial_tables() -> Result<Vec<(TableId, u64)>, kochab_meta::ConfigError> {
     let config = kochab_meta::EngineConfig::with_key([0, 0]);
     let policy = kochab_meta::IdPolicy::new(config.id_policy.clone())?;
     let ranges = kochab_meta::initial_table_ranges(&policy, config.primary_tables)?;

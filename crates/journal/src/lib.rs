@@ -18,8 +18,8 @@ mod uploads;
 pub mod writer;
 
 pub use recover::{
-    Cut, Damage, Inspection, RecoveryError, RecoveryReport, Repair, SegmentSummary, inspect,
-    recover, recover_range, repair_accept_loss,
+    Cut, Damage, Inspection, RecoveryError, RecoveryReport, Repair, ReplayRefused, SegmentSummary,
+    inspect, recover, recover_range, repair_accept_loss,
 };
 pub use segment::{JournalId, seal};
 pub use writer::{Journal, JournalObserver, JournalOptions};

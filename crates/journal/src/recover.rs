@@ -38,37 +38,20 @@ pub struct RecoveryReport {
     pub cut: Option<Cut>,
 }
 
+/// Why the caller refused a record it was given to replay (its own error type, boxed).
+pub type ReplayRefused = Box<dyn std::error::Error + Send + Sync>;
+
 /// Recovery could not produce a consistent state.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum RecoveryError {
-    Io(std::io::Error),
+    #[error("journal I/O error: {0}")]
+    Io(#[from] std::io::Error),
     /// Records the checkpoints need are gone or damaged before the tail.
+    #[error("journal damaged: {0}")]
     Damaged(String),
     /// The caller refused a record.
-    Apply {
-        lsn: u64,
-        error: String,
-    },
-}
-
-impl fmt::Display for RecoveryError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RecoveryError::Io(e) => write!(f, "journal I/O error: {e}"),
-            RecoveryError::Damaged(s) => write!(f, "journal damaged: {s}"),
-            RecoveryError::Apply { lsn, error } => {
-                write!(f, "cannot replay journal record {lsn}: {error}")
-            }
-        }
-    }
-}
-
-impl std::error::Error for RecoveryError {}
-
-impl From<std::io::Error> for RecoveryError {
-    fn from(e: std::io::Error) -> Self {
-        RecoveryError::Io(e)
-    }
+    #[error("cannot replay journal record {lsn}: {error}")]
+    Apply { lsn: u64, error: ReplayRefused },
 }
 
 /// Where the journal stops being one valid chain of records.
@@ -139,7 +122,7 @@ struct Walked {
 }
 
 /// What recovery hands each record to: `(lsn, payload)`, or why the record is refused.
-type Apply<'a> = dyn FnMut(u64, &[u8]) -> Result<(), String> + 'a;
+type Apply<'a> = dyn FnMut(u64, &[u8]) -> Result<(), ReplayRefused> + 'a;
 
 impl Walked {
     fn new(segments: u64) -> Walked {
@@ -414,7 +397,7 @@ pub fn recover(
     store: &dyn ObjectStore,
     id: JournalId,
     replay_after: u64,
-    apply: impl FnMut(u64, &[u8]) -> Result<(), String>,
+    apply: impl FnMut(u64, &[u8]) -> Result<(), ReplayRefused>,
 ) -> Result<RecoveryReport, RecoveryError> {
     recover_range(store, id, replay_after, None, apply)
 }
@@ -427,7 +410,7 @@ pub fn recover_range(
     id: JournalId,
     replay_after: u64,
     until: Option<u64>,
-    mut apply: impl FnMut(u64, &[u8]) -> Result<(), String>,
+    mut apply: impl FnMut(u64, &[u8]) -> Result<(), ReplayRefused>,
 ) -> Result<RecoveryReport, RecoveryError> {
     let w = walk(store, id, replay_after, until, &mut apply)?;
     if let Some(first) = w.first_lsn

@@ -70,10 +70,10 @@ fn run(seed: u64) {
         let mut next = 1u64;
         let report = recover(&img, id, 0, |lsn, p| {
             if lsn != next {
-                return Err(format!("record {lsn} handed out after {}", next - 1));
+                return Err(format!("record {lsn} handed out after {}", next - 1).into());
             }
             if p != payload(lsn).as_slice() {
-                return Err(format!("record {lsn} has other bytes than appended"));
+                return Err(format!("record {lsn} has other bytes than appended").into());
             }
             next += 1;
             Ok(())

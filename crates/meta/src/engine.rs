@@ -6,6 +6,7 @@
 //! failed check never leaves half an operation behind.
 
 use crate::dir::Dentry;
+use crate::error::{ApplyError, ConfigError, TableError};
 use crate::idpolicy::{CATCHALL_FIRST, IdPolicy, IdPolicyConfig, Region};
 use crate::inode::Inode;
 use crate::mutation::Mutation;
@@ -126,20 +127,20 @@ pub struct Engine {
 pub fn initial_table_ranges(
     policy: &IdPolicy,
     primary_tables: u32,
-) -> Result<Vec<(InodeId, InodeId)>, String> {
+) -> Result<Vec<(InodeId, InodeId)>, ConfigError> {
     let slots = policy.primary.slot_max(0) + 1;
     let n = primary_tables as u64;
     if n == 0 || !n.is_power_of_two() || n > slots {
-        return Err(format!(
+        return Err(ConfigError(format!(
             "primary_tables must be a power of two between 1 and {slots}"
-        ));
+        )));
     }
     let root = policy.root();
     let step_slots = slots / n;
     let slot_span = policy
         .primary
         .child_dir(root, 1)
-        .ok_or("primary layout has no top-level slot")?
+        .ok_or_else(|| ConfigError("primary layout has no top-level slot".into()))?
         - root;
     let mut ranges = vec![(Region::CatchAll.base(), Region::CatchAll.end())];
     for i in 0..n {
@@ -158,16 +159,16 @@ pub fn initial_table_ranges(
 
 impl Engine {
     /// An engine hosting the given (empty) tables.
-    pub fn new(config: EngineConfig, ranges: &[(InodeId, InodeId)]) -> Result<Engine, String> {
+    pub fn new(config: EngineConfig, ranges: &[(InodeId, InodeId)]) -> Result<Engine, ConfigError> {
         let policy = IdPolicy::new(config.id_policy.clone())?;
         let mut tables: Vec<Table> = ranges.iter().map(|&(lo, hi)| Table::new(lo, hi)).collect();
         tables.sort_by_key(|t| t.lo);
         for w in tables.windows(2) {
             if w[0].hi > w[1].lo {
-                return Err(format!(
+                return Err(ConfigError(format!(
                     "tables {:#x}.. and {:#x}.. overlap",
                     w[0].lo, w[1].lo
-                ));
+                )));
             }
         }
         Ok(Engine {
@@ -188,7 +189,7 @@ impl Engine {
     }
 
     /// An engine hosting every table of a new cluster.
-    pub fn new_cluster(config: EngineConfig) -> Result<Engine, String> {
+    pub fn new_cluster(config: EngineConfig) -> Result<Engine, ConfigError> {
         let policy = IdPolicy::new(config.id_policy.clone())?;
         let ranges = initial_table_ranges(&policy, config.primary_tables)?;
         Engine::new(config, &ranges)
@@ -242,15 +243,15 @@ impl Engine {
     /// Starts hosting `table` (loaded from its checkpoint and journal): it must not overlap
     /// a hosted one. Its region allocator comes with it (only one never recorded is
     /// derived, see [`Engine::fill_region_next`]).
-    pub fn insert_table(&mut self, table: Table) -> Result<(), String> {
+    pub fn insert_table(&mut self, table: Table) -> Result<(), TableError> {
         let i = self.tables.partition_point(|t| t.lo < table.lo);
         let overlaps_prev = i > 0 && self.tables[i - 1].hi > table.lo;
         let overlaps_next = i < self.tables.len() && self.tables[i].lo < table.hi;
         if overlaps_prev || overlaps_next {
-            return Err(format!(
-                "table {:#x}..{:#x} overlaps a hosted table",
-                table.lo, table.hi
-            ));
+            return Err(TableError::Overlaps {
+                lo: table.lo,
+                hi: table.hi,
+            });
         }
         self.departed
             .retain(|&(lo, hi)| hi <= table.lo || lo >= table.hi);
@@ -261,12 +262,12 @@ impl Engine {
 
     /// Splits the hosted table that starts at `lo` at `at` (see [`Table::split_off`]); both
     /// halves stay hosted here. Returns the new table's id (`at`).
-    pub fn split_table(&mut self, lo: InodeId, at: InodeId) -> Result<InodeId, String> {
+    pub fn split_table(&mut self, lo: InodeId, at: InodeId) -> Result<InodeId, TableError> {
         let i = self
             .tables
             .iter()
             .position(|t| t.lo == lo)
-            .ok_or_else(|| format!("no hosted table starts at {lo:#x}"))?;
+            .ok_or(TableError::NotHosted { lo })?;
         let upper = self.tables[i].split_off(at)?;
         self.tables.insert(i + 1, upper);
         Ok(at)
@@ -278,22 +279,22 @@ impl Engine {
     /// side, the coarsest level wins, then the one nearest the median; failing that, the
     /// most even one. Only primary-region tables split: the overflow regions' id counters
     /// assume one table per region.
-    pub fn split_point(&self, lo: InodeId) -> Result<InodeId, String> {
+    pub fn split_point(&self, lo: InodeId) -> Result<InodeId, TableError> {
         let t = self
             .tables
             .iter()
             .find(|t| t.lo == lo)
-            .ok_or_else(|| format!("no hosted table starts at {lo:#x}"))?;
+            .ok_or(TableError::NotHosted { lo })?;
         if Region::of(t.lo) != Region::Primary || t.hi > Region::Primary.end() {
-            return Err(format!(
-                "table {lo:#x} is in the {} region; only subtree (primary) tables are split",
-                Region::of(t.lo).label()
-            ));
+            return Err(TableError::NotSubtree {
+                lo,
+                region: Region::of(t.lo).label(),
+            });
         }
         let layout = self
             .policy
             .tree_layout(t.lo)
-            .ok_or_else(|| format!("table {lo:#x} has no tree layout"))?;
+            .ok_or(TableError::NoTreeLayout { lo })?;
         let spans: Vec<u64> = (0..layout.levels()).map(|l| layout.slot_span(l)).collect();
         let boxes: Vec<(u64, u64)> = t.box_counts().collect();
         let total: u64 = boxes.iter().map(|b| b.1).sum();
@@ -318,11 +319,8 @@ impl Engine {
                 best = Some((key, at));
             }
         }
-        best.map(|(_, at)| at).ok_or_else(|| {
-            format!(
-                "table {lo:#x} has no subtree boundary between its {total} inodes                  (they are one directory's files)"
-            )
-        })
+        best.map(|(_, at)| at)
+            .ok_or(TableError::NoBoundary { lo, inodes: total })
     }
 
     /// True if `id` lies in a table this engine gave away.
@@ -372,7 +370,7 @@ impl Engine {
 
     /// Rehashes the directories loaded from format-1 checkpoint images (64-bit hashes)
     /// before the journal is replayed on top; returns how many entries moved.
-    pub fn rehash_legacy_dentries(&mut self) -> Result<u64, String> {
+    pub fn rehash_legacy_dentries(&mut self) -> Result<u64, TableError> {
         let key = self.config.name_hash_key;
         let mut moved = 0;
         for t in self.tables_mut() {
@@ -491,19 +489,17 @@ impl Engine {
     }
 
     /// Applies one mutation to the table that holds its key.
-    pub fn apply(&mut self, m: &Mutation) -> Result<(), String> {
+    pub fn apply(&mut self, m: &Mutation) -> Result<(), ApplyError> {
         let key = m.table_key();
-        let i = self
-            .table_index(key)
-            .ok_or_else(|| format!("mutation for {key:#x}, whose table is not hosted"))?;
+        let i = self.table_index(key).ok_or(ApplyError::NotHosted { key })?;
         match m {
             // Every stored inode has a type (operations create none without), so that
             // `Inode::kind` never has to guess; a record that says otherwise is damage.
             Mutation::PutInode { inode, .. } if FileKind::from_mode(inode.mode).is_none() => {
-                return Err(format!(
-                    "inode {key:#x} with mode {:o}, which names no file type",
-                    inode.mode
-                ));
+                return Err(ApplyError::NoFileType {
+                    id: key,
+                    mode: inode.mode,
+                });
             }
             Mutation::PutInode { id, inode } => self.tables[i].put_inode(*id, inode.clone()),
             Mutation::DropInode { id } => self.tables[i].drop_inode(*id),
@@ -520,7 +516,10 @@ impl Engine {
                     kind: *kind,
                 };
                 if !self.tables[i].put_dentry(*parent, hash, d) {
-                    return Err(format!("hash bucket of {name:?} in {parent:#x} is full"));
+                    return Err(ApplyError::BucketFull {
+                        parent: *parent,
+                        name: format!("{name:?}"),
+                    });
                 }
             }
             Mutation::DropDentry { parent, name } => {
@@ -543,7 +542,7 @@ impl Engine {
             }
             Mutation::SetRegionNext { region, next } => {
                 if *region == Region::Primary {
-                    return Err("an allocation point for the primary region, which has none".into());
+                    return Err(ApplyError::PrimaryRegionNext);
                 }
                 self.tables[i].raise_region_next(*next)
             }
@@ -552,9 +551,10 @@ impl Engine {
             // drops the layout again).
             Mutation::PutChunk { id, chunk, refs } => {
                 if *chunk >= crate::table::CHUNK_COUNT_MAX || refs.iter().any(|r| !r.is_valid()) {
-                    return Err(format!(
-                        "chunk {chunk} of {id:#x}: past the largest file or an invalid ref"
-                    ));
+                    return Err(ApplyError::BadChunk {
+                        id: *id,
+                        chunk: *chunk,
+                    });
                 }
                 self.tables[i].put_chunk(*id, *chunk, refs.clone())
             }
@@ -565,7 +565,7 @@ impl Engine {
 
     /// Replays the mutations of the journal record with sequence number `lsn`, skipping
     /// tables whose checkpoint already covers it and tables not hosted here.
-    pub fn replay(&mut self, lsn: u64, muts: &[Mutation]) -> Result<(), String> {
+    pub fn replay(&mut self, lsn: u64, muts: &[Mutation]) -> Result<(), ApplyError> {
         for m in muts {
             match self.table_index(m.table_key()) {
                 Some(i)

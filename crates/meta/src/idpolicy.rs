@@ -13,6 +13,7 @@
 //! The allocation state machine lives in the engine (it needs the tables); this module only
 //! computes ids.
 
+use crate::error::ConfigError;
 use kochab_proto::InodeId;
 use serde::{Deserialize, Serialize};
 
@@ -106,27 +107,27 @@ pub struct Layout {
 }
 
 impl Layout {
-    fn new(region: Region, slots: &[u8]) -> Result<Layout, String> {
+    fn new(region: Region, slots: &[u8]) -> Result<Layout, ConfigError> {
         if slots.is_empty() {
-            return Err(format!(
+            return Err(ConfigError(format!(
                 "{} region needs at least one directory slot",
                 region.label()
-            ));
+            )));
         }
         let total: u32 = slots.iter().map(|&b| b as u32).sum();
         if slots.iter().any(|&b| b == 0 || b > 32) {
-            return Err(format!(
+            return Err(ConfigError(format!(
                 "{} slot widths must be 1..=32 bits",
                 region.label()
-            ));
+            )));
         }
         // A file segment narrower than 8 bits overflows after 255 files: useless.
         if total + 8 > REGION_SHIFT {
-            return Err(format!(
+            return Err(ConfigError(format!(
                 "{} slots use {total} bits; at most {} allowed",
                 region.label(),
                 REGION_SHIFT - 8
-            ));
+            )));
         }
         let mut shifts = Vec::with_capacity(slots.len());
         let mut used = 0;
@@ -230,7 +231,7 @@ pub struct IdPolicy {
 
 impl IdPolicy {
     /// Checks the widths and precomputes shifts.
-    pub fn new(config: IdPolicyConfig) -> Result<IdPolicy, String> {
+    pub fn new(config: IdPolicyConfig) -> Result<IdPolicy, ConfigError> {
         let primary = Layout::new(Region::Primary, &config.primary_slots)?;
         let deep = Layout::new(Region::TooDeep, &config.deep_slots)?;
         let wide = Layout::new(Region::TooWide, &[config.wide_dir_bits])?;

@@ -7,10 +7,12 @@
 //! - [`layout`]: files' chunk layouts (slice refs) and their commits and truncations.
 //! - [`ops`]: the POSIX operations; [`perm`]: permission rules.
 //! - [`mutation`]: redo records, applied the same way live and on replay.
+//! - [`error`]: what applying, replaying, loading or re-cutting tables can refuse.
 
 pub mod alloc;
 pub mod dir;
 pub mod engine;
+pub mod error;
 pub mod files;
 pub mod idpolicy;
 pub mod inode;
@@ -22,6 +24,7 @@ pub mod perm;
 pub mod table;
 
 pub use engine::{Engine, EngineConfig, Fail, initial_table_ranges, not_in_any_table};
+pub use error::{ApplyError, ConfigError, ImageError, TableError};
 pub use idpolicy::{IdPolicy, IdPolicyConfig, Region};
 pub use inode::Inode;
 pub use kochab_proto::layout::SliceRef;

@@ -6,6 +6,7 @@
 //! incremental (the "dirty boxes" of Xing et al.).
 
 use crate::dir::{Dentry, DirEntries};
+use crate::error::{ImageError, TableError};
 use crate::inode::Inode;
 use crate::name::Name;
 use kochab_proto::layout::SliceRef;
@@ -259,15 +260,15 @@ impl Table {
     /// Moves the directories of format-1 images in, each entry at the cookie of its name's
     /// new hash, and asks for a full checkpoint (which replaces every old image). Returns
     /// how many entries moved.
-    pub fn rehash_legacy(&mut self, hash: impl Fn(&[u8]) -> u64) -> Result<u64, String> {
+    pub fn rehash_legacy(&mut self, hash: impl Fn(&[u8]) -> u64) -> Result<u64, TableError> {
         let mut moved = 0;
         for (dir, old) in std::mem::take(&mut self.legacy_dirs) {
             let e = self.dirs.entry(dir).or_default();
             for (_, d) in old.iter() {
                 let h = hash(d.name.as_bytes());
-                if e.insert(h, d.clone()).map_err(|_| {
-                    format!("directory {dir:#x}: too many names share one hash bucket")
-                })? {
+                if e.insert(h, d.clone())
+                    .map_err(|_| TableError::BucketOverflow { dir })?
+                {
                     self.dentries += 1;
                 }
                 self.dirty_dentries.insert((dir, crate::dir::box_of(h)));
@@ -375,12 +376,13 @@ impl Table {
     /// `[lo, at)` and the returned one holds `[at, hi)`, each with its inodes, entries
     /// (they live with their parent's id), xattrs, reclaims and dirty state. Both need a
     /// full checkpoint next: their old images hold both halves.
-    pub fn split_off(&mut self, at: InodeId) -> Result<Table, String> {
+    pub fn split_off(&mut self, at: InodeId) -> Result<Table, TableError> {
         if at <= self.lo || at >= self.hi || at & BOX_MASK != 0 {
-            return Err(format!(
-                "cannot split {:#x}..{:#x} at {at:#x}: not a box boundary inside the range",
-                self.lo, self.hi
-            ));
+            return Err(TableError::NotABoxBoundary {
+                lo: self.lo,
+                hi: self.hi,
+                at,
+            });
         }
         let mut upper = Table::new(at, self.hi);
         self.hi = at;
@@ -749,7 +751,7 @@ impl Table {
 
     /// Replaces a box with its image (checkpoint load). Images of later checkpoints
     /// override earlier ones box by box. Rejects images that do not belong here.
-    pub fn load_image(&mut self, img: BoxImage) -> Result<(), String> {
+    pub fn load_image(&mut self, img: BoxImage) -> Result<(), ImageError> {
         match img {
             BoxImage::Layout {
                 id,
@@ -758,25 +760,27 @@ impl Table {
                 chunks,
             } => {
                 if !self.contains(id) {
-                    return Err(format!(
+                    return Err(ImageError(format!(
                         "layout of {id:#x} outside table {:#x}..{:#x}",
                         self.lo, self.hi
-                    ));
+                    )));
                 }
                 if from > to {
-                    return Err(format!("layout of {id:#x}: empty range {from}..{to}"));
+                    return Err(ImageError(format!(
+                        "layout of {id:#x}: empty range {from}..{to}"
+                    )));
                 }
                 let mut prev = None;
                 for (chunk, refs) in &chunks {
                     if !(from..to).contains(chunk) || prev.is_some_and(|p| p >= *chunk) {
-                        return Err(format!(
+                        return Err(ImageError(format!(
                             "layout of {id:#x}: chunk {chunk} out of order or outside {from}..{to}"
-                        ));
+                        )));
                     }
                     if *chunk >= CHUNK_COUNT_MAX || refs.iter().any(|r| !r.is_valid()) {
-                        return Err(format!(
+                        return Err(ImageError(format!(
                             "layout of {id:#x}: chunk {chunk} past the largest file or with an invalid ref"
-                        ));
+                        )));
                     }
                     prev = Some(*chunk);
                 }
@@ -798,10 +802,10 @@ impl Table {
                 self.reclaims.clear();
                 for r in entries {
                     if !self.contains(r.id) {
-                        return Err(format!(
+                        return Err(ImageError(format!(
                             "reclaim of {:#x} outside table {:#x}..{:#x}",
                             r.id, self.lo, self.hi
-                        ));
+                        )));
                     }
                     self.reclaims.insert((r.id, r.generation), r);
                 }
@@ -809,12 +813,12 @@ impl Table {
             BoxImage::Inodes { boxno, inodes } => {
                 let lo = boxno
                     .checked_shl(BOX_SHIFT)
-                    .ok_or("inode box number out of range")?;
+                    .ok_or_else(|| ImageError("inode box number out of range".into()))?;
                 if !self.contains(lo) {
-                    return Err(format!(
+                    return Err(ImageError(format!(
                         "inode box {boxno:#x} outside table {:#x}..{:#x}",
                         self.lo, self.hi
-                    ));
+                    )));
                 }
                 if let Some(old) = self.boxes.remove(&boxno) {
                     self.inodes -= old.inodes.len() as u64;
@@ -825,14 +829,14 @@ impl Table {
                 let mut b = InodeBox::default();
                 for img in inodes {
                     if img.slot >= 64 {
-                        return Err(format!("inode slot {} out of range", img.slot));
+                        return Err(ImageError(format!("inode slot {} out of range", img.slot)));
                     }
                     let id = lo | img.slot as u64;
                     if FileKind::from_mode(img.inode.mode).is_none() {
-                        return Err(format!(
+                        return Err(ImageError(format!(
                             "inode {id:#x} has mode {:o}, no file type",
                             img.inode.mode
-                        ));
+                        )));
                     }
                     if !img.xattrs.is_empty() {
                         let x = self.xattrs.entry(id).or_default();
@@ -854,19 +858,19 @@ impl Table {
                 entries,
             } => {
                 if !self.contains(dir) {
-                    return Err(format!(
+                    return Err(ImageError(format!(
                         "entries of {dir:#x} outside table {:#x}..{:#x}",
                         self.lo, self.hi
-                    ));
+                    )));
                 }
                 let e = self.legacy_dirs.entry(dir).or_default();
                 e.clear_legacy_box(boxno);
                 for img in entries {
                     if (img.cookie >> crate::dir::LEGACY_DENTRY_BOX_SHIFT) as u16 != boxno {
-                        return Err(format!(
+                        return Err(ImageError(format!(
                             "entry cookie {:#x} outside box {boxno}",
                             img.cookie
-                        ));
+                        )));
                     }
                     e.insert_at(
                         img.cookie,
@@ -887,20 +891,20 @@ impl Table {
                 entries,
             } => {
                 if !self.contains(dir) {
-                    return Err(format!(
+                    return Err(ImageError(format!(
                         "entries of {dir:#x} outside table {:#x}..{:#x}",
                         self.lo, self.hi
-                    ));
+                    )));
                 }
                 let e = self.dirs.entry(dir).or_default();
                 let before = e.len();
                 e.clear_box(boxno);
                 for img in entries {
                     if (img.cookie >> crate::dir::DENTRY_BOX_SHIFT) as u16 != boxno {
-                        return Err(format!(
+                        return Err(ImageError(format!(
                             "entry cookie {:#x} outside box {boxno}",
                             img.cookie
-                        ));
+                        )));
                     }
                     e.insert_at(
                         img.cookie,

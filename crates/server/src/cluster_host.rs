@@ -20,17 +20,20 @@
 //!   [`borrowed_op`] once the coordinator has moved them all here (BORROW); the last
 //!   operation using the borrow returns them (RETURN).
 
-use crate::checkpoint::read_manifest_by_id;
-use crate::core::{Core, Parked, Shared};
+use crate::core::{Core, Member, Parked, Refusal, Shared};
 use crate::keys::KeyStore;
+use crate::manifest::read_manifest_by_id;
+use kochab_cluster::host::borrows::{BORROW_WAIT_MS, Borrows, Granted, Join};
+use kochab_cluster::host::load::{self, ClaimRefused, LoadCounter, LoadPlan};
+use kochab_cluster::host::{ends::Ends, ranges::Ranges};
 use kochab_cluster::participant::{Action, Admit, Participant, ParticipantConfig, SplitOutcome};
 use kochab_cluster::state::CoordState;
-use kochab_coord::{ClientConfig, CoordClient};
+use kochab_coord::{ClientConfig, CoordClient, CoordError};
 use kochab_journal::JournalId;
 use kochab_proto::auth::{ADMIN_KEY_ID, ClusterKey, KeyId, seal_client_key};
 use kochab_proto::cluster::{
     BorrowId, Control, ControlBody, ControlReply, CoordCommand, CoordReply, DelegationMap,
-    Incarnation, MapVersion, SealedKey, ServerId, TableId, TableLoad,
+    Incarnation, MapVersion, SealedKey, ServerId, TableId,
 };
 use kochab_proto::*;
 use parking_lot::Mutex;
@@ -62,13 +65,79 @@ const KEY_PROPOSE_BUDGET: Duration = Duration::from_secs(5);
 /// How often a key change is checked for being settled while `kochab key` waits.
 const KEYS_SETTLE_POLL: Duration = Duration::from_millis(50);
 
-/// How long an operation waits for its borrow before the client is told to ask again (the
-/// borrow stays queued; granted after everyone left, it is returned at once).
-const BORROW_WAIT: Duration = Duration::from_secs(10);
-/// New operations join a granted borrow for this long; after it, they wait for the next
-/// one, so a steady stream of them cannot keep other servers' borrows of those tables
-/// waiting for ever.
-const BORROW_JOIN_MS: u64 = 200;
+/// How long an operation waits for its borrow before the client is told to ask again.
+const BORROW_WAIT: Duration = Duration::from_millis(BORROW_WAIT_MS);
+
+/// Why the host could not do what its participant or a caller asked.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// A manifest refuses the load: the table's owner is not fenced, or an earlier load of
+    /// this incarnation stopped half-way.
+    #[error(transparent)]
+    Claim(#[from] ClaimRefused),
+    /// A table's manifest could not be read from the store.
+    #[error("table {table:016x}: {source}")]
+    Manifest {
+        /// The table's first id.
+        table: u64,
+        /// What the store said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A table of the map has no manifest in the store.
+    #[error("table {0:016x} has no manifest in the store")]
+    NoManifest(u64),
+    /// The store or the journal failed (adding, recovering, splitting, releasing a table).
+    #[error(transparent)]
+    Store(#[from] std::io::Error),
+    /// The coordinator did not answer, or refused.
+    #[error(transparent)]
+    Coord(#[from] CoordError),
+    /// The coordinator answered a key import with something else than success.
+    #[error("the key import was refused: {0}")]
+    ImportRefused(String),
+    /// The data directory's key file could not be read.
+    #[error("{0}")]
+    KeysFile(#[source] std::io::Error),
+    /// The system gave no random bytes.
+    #[error("no randomness: {0}")]
+    NoRandomness(getrandom::Error),
+    /// A key change is not settled yet: what it still waits for.
+    #[error("{0}")]
+    Unsettled(String),
+    /// The host is not attached to its server yet.
+    #[error("the server is still starting")]
+    Starting,
+    /// A blocking task carrying out an action panicked or was cancelled.
+    #[error("{what} task failed: {source}")]
+    Task {
+        /// The action: load, split or drop.
+        what: &'static str,
+        /// How the task ended.
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+impl HostError {
+    /// The errno a reply that carries this error names.
+    pub fn errno(&self) -> Errno {
+        match self {
+            HostError::Claim(_) => Errno::EBUSY,
+            HostError::Manifest { source, .. } | HostError::KeysFile(source) => {
+                Errno::of_io(source)
+            }
+            HostError::Store(e) => Errno::of_io(e),
+            HostError::Coord(e) => Errno(e.errno()),
+            HostError::Unsettled(_) => Errno::ETIMEDOUT,
+            HostError::Starting => Errno::EAGAIN,
+            HostError::NoManifest(_)
+            | HostError::ImportRefused(_)
+            | HostError::NoRandomness(_)
+            | HostError::Task { .. } => Errno::EIO,
+        }
+    }
+}
 
 /// Milliseconds from a clock the host reads (monotonic in production, injected in tests).
 pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
@@ -97,16 +166,6 @@ pub struct HostConfig {
     /// The data directory whose key file (`keys.json` of a single server) the cluster
     /// takes, if it has no keys yet (the first member to register proposes it).
     pub import_keys_from: Option<PathBuf>,
-}
-
-/// One borrow of this incarnation and the operations waiting for it or running under it.
-struct BorrowSlot {
-    tables: Vec<TableId>,
-    /// When the coordinator granted it (host clock), once it has.
-    granted_ms: Option<u64>,
-    users: usize,
-    /// Told `true` when it is granted, `false` when it is refused.
-    waiters: Vec<oneshot::Sender<bool>>,
 }
 
 /// One operation's use of a granted borrow: dropping it ends the use, and the last user
@@ -140,19 +199,20 @@ pub struct ClusterHost {
     clock: Clock,
     /// How ids map to tables: the cluster's tables at start, cut further by every split
     /// this server makes or sees in the map.
-    ranges: parking_lot::RwLock<Vec<(u64, u64)>>,
+    ranges: parking_lot::RwLock<Ranges>,
     me: OnceLock<JournalId>,
     map: Mutex<MapCache>,
     /// One map read at a time; later callers use its result.
     refreshing: tokio::sync::Mutex<()>,
     actions: mpsc::UnboundedSender<Action>,
     control_replies: broadcast::Sender<ControlReply>,
-    /// Admitted operations waiting for their record to be durable: lsn -> their tables.
-    ends: Mutex<BTreeMap<u64, Vec<Vec<TableId>>>>,
+    /// Admitted operations waiting for their record to be durable: their tables.
+    ends: Mutex<Ends<Vec<TableId>>>,
     shared: OnceLock<Weak<Shared>>,
     fenced: watch::Sender<Option<String>>,
-    /// This incarnation's borrows that operations wait for or run under.
-    borrows: Mutex<BTreeMap<BorrowId, BorrowSlot>>,
+    /// This incarnation's borrows that operations wait for or run under (each waiter is
+    /// told `true` when granted, `false` when refused).
+    borrows: Mutex<Borrows<oneshot::Sender<bool>>>,
     /// The cluster key and this server's copy of the coordinator's client keys.
     keys: Arc<KeyStore>,
     /// Key commands and the reads that wait for them to settle, apart from the clients
@@ -162,9 +222,8 @@ pub struct ClusterHost {
     lease_ms: u64,
     /// A read of the state showed the keys imported (or added): nothing to import.
     keys_imported: AtomicBool,
-    /// Operations admitted per table (by the table they were routed by) since the last
-    /// load report.
-    admitted: Mutex<BTreeMap<TableId, u64>>,
+    /// Operations admitted per table since the last load report.
+    admitted: Mutex<LoadCounter>,
 }
 
 /// True if `r` answers the control `c` (the driver matches replies to what it sent).
@@ -182,12 +241,6 @@ pub fn answers(c: &Control, r: &ControlReply) -> bool {
         ) => t == table,
         _ => false,
     }
-}
-
-/// The table of `ranges` (sorted by `lo`) that holds `id`.
-pub fn table_of(ranges: &[(u64, u64)], id: InodeId) -> Option<TableId> {
-    let i = ranges.partition_point(|&(lo, _)| lo <= id);
-    (i > 0 && id < ranges[i - 1].1).then(|| TableId(ranges[i - 1].0))
 }
 
 /// The inodes an operation touches: by id, through a handle of this client, and those the
@@ -213,22 +266,12 @@ fn op_ids(core: &Core, client: u64, op: &Op) -> Vec<InodeId> {
     ids
 }
 
-/// Why an operation does not run now.
-pub enum Refusal {
-    /// Answer this.
-    Reply(Box<Reply>),
-    /// The first table is here, these others are not: borrow them all (the set, the first
-    /// included, is what the operation needs), then run it.
-    Borrow(Vec<TableId>),
-}
-
 impl ClusterHost {
     /// Registers a new incarnation of `cfg.server` with the coordinator (a random nonce)
     /// and keeps its lease from then on. Fails if the coordinator does not answer within
     /// 30 s or refuses.
     pub async fn register(cfg: HostConfig) -> std::io::Result<Arc<ClusterHost>> {
-        let mut ranges = cfg.ranges.clone();
-        ranges.sort_unstable();
+        let ranges = Ranges::new(cfg.ranges.clone());
         let client = |budget: Duration| {
             let mut c = ClientConfig::new(cfg.coord.clone(), cfg.key);
             c.budget = budget;
@@ -279,11 +322,11 @@ impl ClusterHost {
             refreshing: tokio::sync::Mutex::new(()),
             actions: tx,
             control_replies: broadcast::channel(64).0,
-            ends: Mutex::new(BTreeMap::new()),
+            ends: Mutex::new(Ends::new()),
             shared: OnceLock::new(),
             fenced: watch::channel(None).0,
-            borrows: Mutex::new(BTreeMap::new()),
-            admitted: Mutex::new(BTreeMap::new()),
+            borrows: Mutex::new(Borrows::new()),
+            admitted: Mutex::new(LoadCounter::default()),
             keys: Arc::new(KeyStore::for_cluster(cfg.key)),
             keys_client: client(KEY_PROPOSE_BUDGET),
             lease_ms,
@@ -344,20 +387,17 @@ impl ClusterHost {
     /// unless it failed), after giving a cluster without keys those of `import`'s key file,
     /// and tells the coordinator this incarnation holds them (it serves nobody yet, so no
     /// connection of a revoked key can be open here).
-    async fn join_keys(self: &Arc<Self>, import: Option<&Path>) -> Result<(), String> {
+    async fn join_keys(self: &Arc<Self>, import: Option<&Path>) -> Result<(), HostError> {
         if !self.keys_imported.load(Ordering::Acquire) {
-            let read = self.keys_client.read_state().await;
-            let (state, _) = read.map_err(|e| e.to_string())?;
+            let (state, _) = self.keys_client.read_state().await?;
             self.learn(&state);
             if !state.keys.imported {
                 let cmd = import_command(&self.keys.admin().key, import)?;
-                match self.keys_client.propose(cmd).await {
-                    Ok(CoordReply::Ok | CoordReply::Stale(_)) => {}
-                    Ok(other) => return Err(format!("the key import was refused: {other:?}")),
-                    Err(e) => return Err(e.to_string()),
+                match self.keys_client.propose(cmd).await? {
+                    CoordReply::Ok | CoordReply::Stale(_) => {}
+                    other => return Err(HostError::ImportRefused(format!("{other:?}"))),
                 }
-                let read = self.keys_client.read_state().await;
-                self.learn(&read.map_err(|e| e.to_string())?.0);
+                self.learn(&self.keys_client.read_state().await?.0);
             }
         }
         let version = self.keys.version();
@@ -397,7 +437,7 @@ impl ClusterHost {
     /// Resolves with the reason once this incarnation is fenced: it serves and
     /// acknowledges nothing more; its process should exit (a new one is a new incarnation).
     pub fn fenced(&self) -> impl std::future::Future<Output = String> + Send + 'static {
-        crate::server::first_reason(self.fenced.subscribe())
+        crate::stop_reason::first_reason(self.fenced.subscribe())
     }
 
     /// Connects the host to the server it runs in (once).
@@ -443,7 +483,7 @@ impl ClusterHost {
         let mut tables = Vec::new();
         let ranges = self.ranges.read();
         for id in op_ids(core, client, op) {
-            let Some(t) = table_of(&ranges, id) else {
+            let Some(t) = ranges.table_of(id) else {
                 return refuse(Reply::Error(kochab_meta::not_in_any_table(id)));
             };
             if !tables.contains(&t) {
@@ -457,7 +497,7 @@ impl ClusterHost {
         let admit = self.p.lock().admit(&tables, self.now());
         match admit {
             Admit::Ok => {
-                *self.admitted.lock().entry(tables[0]).or_default() += 1;
+                self.admitted.lock().admitted(tables[0]);
                 Ok(tables)
             }
             Admit::WrongServer { map_version, owner } => {
@@ -512,7 +552,7 @@ impl ClusterHost {
             } => match engine
                 .last_not_hosted
                 .take()
-                .and_then(|id| table_of(&self.ranges.read(), id))
+                .and_then(|id| self.ranges.read().table_of(id))
             {
                 Some(t) if !admitted.is_empty() && !admitted.contains(&t) => {
                     let mut tables = admitted.to_vec();
@@ -531,23 +571,15 @@ impl ClusterHost {
         if tables.is_empty() {
             return;
         }
-        if lsn <= durable {
+        let now = self.ends.lock().done(lsn, durable, tables);
+        if let Some(tables) = now {
             let acts = self.p.lock().end_op(&tables);
             self.push(acts);
-        } else {
-            self.ends.lock().entry(lsn).or_default().push(tables);
         }
     }
 
     fn flush_ends(&self, durable: u64) {
-        let done: Vec<Vec<TableId>> = {
-            let mut ends = self.ends.lock();
-            let later = ends.split_off(&(durable + 1));
-            std::mem::replace(&mut *ends, later)
-                .into_values()
-                .flatten()
-                .collect()
-        };
+        let done = self.ends.lock().durable(durable);
         if done.is_empty() {
             return;
         }
@@ -586,13 +618,13 @@ impl ClusterHost {
     }
 
     /// Reads the map from the coordinator unless another caller just did.
-    async fn refresh_map(&self) -> Result<(), String> {
+    async fn refresh_map(&self) -> Result<(), HostError> {
         let asked = Instant::now();
         let _one = self.refreshing.lock().await;
         if self.map.lock().fetched.is_some_and(|t| t >= asked) {
             return Ok(());
         }
-        let (state, _) = self.reader.read_state().await.map_err(|e| e.to_string())?;
+        let (state, _) = self.reader.read_state().await?;
         self.learn(&state);
         self.map.lock().fetched = Some(Instant::now());
         Ok(())
@@ -605,7 +637,7 @@ impl ClusterHost {
             let mut cache = self.map.lock();
             if state.map.version >= cache.map.version {
                 let tables = state.map.tables.iter().map(|(t, p)| (t.0, p.hi));
-                cut_ranges(&mut self.ranges.write(), tables);
+                self.ranges.write().cut(tables);
                 cache.map = state.map.clone();
             }
         }
@@ -741,10 +773,10 @@ impl ClusterHost {
         }
         let (_, version) = self.key_command(CoordCommand::KeyRevoke { id }).await?;
         self.keys_settle(version).await.map_err(|why| {
-            fs_err!(
-                ETIMEDOUT,
+            let msg = format!(
                 "key {id} is revoked for good, but not every server has confirmed it yet ({why})"
-            )
+            );
+            FsError::new(why.errno(), msg)
         })
     }
 
@@ -784,7 +816,7 @@ impl ClusterHost {
     /// Waits until key version `version` is settled (every live server applied it, and no
     /// fenced one can still serve), at most as long as that can take with a server that
     /// has to be fenced first. `Err`: what it still waited for.
-    async fn keys_settle(&self, version: u64) -> Result<(), String> {
+    async fn keys_settle(&self, version: u64) -> Result<(), HostError> {
         let bound = kochab_cluster::keys::settle_bound_ms(self.lease_ms);
         let deadline = Instant::now() + Duration::from_millis(bound);
         loop {
@@ -799,7 +831,7 @@ impl ClusterHost {
                 Err(e) => format!("the coordinator did not answer: {e}"),
             };
             if Instant::now() >= deadline {
-                return Err(why);
+                return Err(HostError::Unsettled(why));
             }
             tokio::time::sleep(KEYS_SETTLE_POLL).await;
         }
@@ -834,14 +866,20 @@ impl ClusterHost {
                             let (t, e) = (tables.clone(), epochs.clone());
                             tokio::task::spawn_blocking(move || load(&shared, me, &t, &his, &e))
                                 .await
-                                .unwrap_or_else(|e| Err(format!("load task failed: {e}")))
+                                .unwrap_or_else(|source| {
+                                    Err(HostError::Task {
+                                        what: "load",
+                                        source,
+                                    })
+                                })
                         }
-                        None => Err("the server is still starting".to_string()),
+                        None => Err(HostError::Starting),
                     };
                     match &result {
                         Err(e) => tracing::warn!("cannot load tables {tables:x?}: {e}"),
                         Ok(splits) => host.cut(splits.iter().map(|(t, at)| (t.0, *at))),
                     }
+                    let result = result.map_err(|e| e.to_string());
                     let acts = host.p.lock().loaded(&tables, result);
                     host.push(acts);
                 });
@@ -851,11 +889,16 @@ impl ClusterHost {
                 tokio::spawn(async move {
                     let result = match host.shared.get().and_then(Weak::upgrade) {
                         Some(shared) => tokio::task::spawn_blocking(move || {
-                            shared.split_table(table.0, at).map_err(|e| e.to_string())
+                            shared.split_table(table.0, at).map_err(HostError::Store)
                         })
                         .await
-                        .unwrap_or_else(|e| Err(format!("split task failed: {e}"))),
-                        None => Err("the server is still starting".to_string()),
+                        .unwrap_or_else(|source| {
+                            Err(HostError::Task {
+                                what: "split",
+                                source,
+                            })
+                        }),
+                        None => Err(HostError::Starting),
                     };
                     let outcome = match result {
                         Ok(Ok(at)) => {
@@ -864,11 +907,11 @@ impl ClusterHost {
                         }
                         Ok(Err(why)) => {
                             tracing::info!("table {:016x} not split: {why}", table.0);
-                            Ok(SplitOutcome::Refused(why))
+                            Ok(SplitOutcome::Refused(why.to_string()))
                         }
                         Err(e) => {
                             tracing::error!("split of table {:016x} failed: {e}", table.0);
-                            Err(e)
+                            Err(e.to_string())
                         }
                     };
                     let acts = host.p.lock().split_done(table, outcome);
@@ -880,15 +923,21 @@ impl ClusterHost {
                 tokio::spawn(async move {
                     let result = match host.shared.get().and_then(Weak::upgrade) {
                         Some(shared) => tokio::task::spawn_blocking(move || {
-                            shared.drop_table(table.0).map_err(|e| e.to_string())
+                            shared.drop_table(table.0).map_err(HostError::Store)
                         })
                         .await
-                        .unwrap_or_else(|e| Err(format!("drop task failed: {e}"))),
-                        None => Err("the server is still starting".to_string()),
+                        .unwrap_or_else(|source| {
+                            Err(HostError::Task {
+                                what: "drop",
+                                source,
+                            })
+                        }),
+                        None => Err(HostError::Starting),
                     };
                     if let Err(e) = &result {
                         tracing::error!("cannot release table {:016x}: {e}", table.0);
                     }
+                    let result = result.map_err(|e| e.to_string());
                     let acts = host.p.lock().checkpointed(table, result);
                     host.push(acts);
                 });
@@ -896,10 +945,8 @@ impl ClusterHost {
             Action::RunBorrowed { id } => self.borrow_granted(id),
             Action::BorrowFailed { id } => {
                 tracing::debug!("borrow {id:?} refused");
-                if let Some(slot) = self.borrows.lock().remove(&id) {
-                    for w in slot.waiters {
-                        let _ = w.send(false);
-                    }
+                for w in self.borrows.lock().failed(id) {
+                    let _ = w.send(false);
                 }
             }
             Action::Fence => {
@@ -920,13 +967,7 @@ impl ClusterHost {
 impl ClusterHost {
     /// Records splits `(table, at)`: ids from `at` on belong to the new table.
     fn cut(&self, splits: impl IntoIterator<Item = (u64, u64)>) {
-        let mut ranges = self.ranges.write();
-        for (lo, at) in splits {
-            let Some(&(_, hi)) = ranges.iter().find(|r| r.0 == lo) else {
-                continue;
-            };
-            cut_ranges(&mut ranges, [(lo, at), (at, hi)]);
-        }
+        self.ranges.write().split(splits);
     }
 
     /// Tells the coordinator each held table's load: operations admitted since the last
@@ -935,24 +976,18 @@ impl ClusterHost {
         let Some(shared) = self.shared.get().and_then(Weak::upgrade) else {
             return;
         };
-        let mut ops = std::mem::take(&mut *self.admitted.lock());
+        let ops = std::mem::take(&mut *self.admitted.lock());
         let held = self.tables();
-        let loads: Vec<TableLoad> = {
+        let loads = {
             let core = shared.core.lock();
-            core.engine
-                .tables()
-                .iter()
-                .map(|t| TableId(t.lo))
-                .filter(|t| held.contains(t))
-                .map(|t| TableLoad {
-                    table: t,
-                    ops: ops.remove(&t).unwrap_or(0),
-                    inodes: core
-                        .engine
-                        .table_index(t.0)
-                        .map_or(0, |i| core.engine.tables()[i].inode_count()),
-                })
-                .collect()
+            let loaded = core.engine.tables().iter().map(|t| {
+                let inodes = core
+                    .engine
+                    .table_index(t.lo)
+                    .map_or(0, |i| core.engine.tables()[i].inode_count());
+                (TableId(t.lo), inodes)
+            });
+            ops.report(loaded, &held)
         };
         if loads.is_empty() {
             return;
@@ -971,37 +1006,21 @@ impl ClusterHost {
         let (tx, rx) = oneshot::channel();
         let (id, acts) = {
             let mut slots = self.borrows.lock();
-            let joined = slots.iter_mut().find(|(_, s)| {
-                s.granted_ms.is_none_or(|g| now < g + BORROW_JOIN_MS)
-                    && tables.iter().all(|t| s.tables.contains(t))
-            });
-            match joined {
-                Some((id, slot)) => {
-                    slot.users += 1;
-                    if slot.granted_ms.is_some() {
-                        return Ok(BorrowUse {
-                            host: self.clone(),
-                            id: *id,
-                        });
-                    }
-                    slot.waiters.push(tx);
-                    (*id, Vec::new())
+            match slots.join(tables, now, tx) {
+                Join::Run { id, .. } => {
+                    return Ok(BorrowUse {
+                        host: self.clone(),
+                        id,
+                    });
                 }
-                None => {
+                Join::Wait(id) => (id, Vec::new()),
+                Join::Ask(tx) => {
                     let (id, acts) = self.p.lock().borrow(tables, now);
                     let Some(id) = id else {
                         drop(slots);
                         return Err(self.not_ready());
                     };
-                    slots.insert(
-                        id,
-                        BorrowSlot {
-                            tables: tables.to_vec(),
-                            granted_ms: None,
-                            users: 1,
-                            waiters: vec![tx],
-                        },
-                    );
+                    slots.asked(id, tables, tx);
                     (id, acts)
                 }
             }
@@ -1019,14 +1038,8 @@ impl ClusterHost {
     }
 
     fn leave_borrow(&self, id: BorrowId) {
-        let mut slots = self.borrows.lock();
-        let Some(slot) = slots.get_mut(&id) else {
-            return;
-        };
-        slot.users = slot.users.saturating_sub(1);
-        if slot.users == 0 && slot.granted_ms.is_some() {
-            slots.remove(&id);
-            drop(slots);
+        let last = self.borrows.lock().leave(id);
+        if last {
             let acts = self.p.lock().borrow_done(id, self.now());
             self.push(acts);
         }
@@ -1036,17 +1049,14 @@ impl ClusterHost {
     /// return it at once if none waits any more.
     fn borrow_granted(&self, id: BorrowId) {
         let now = self.now();
-        let mut slots = self.borrows.lock();
-        match slots.get_mut(&id) {
-            Some(slot) if slot.users > 0 => {
-                slot.granted_ms = Some(now);
-                for w in slot.waiters.drain(..) {
+        let granted = self.borrows.lock().granted(id, now);
+        match granted {
+            Granted::Run(waiters) => {
+                for w in waiters {
                     let _ = w.send(true);
                 }
             }
-            _ => {
-                slots.remove(&id);
-                drop(slots);
+            Granted::Return => {
                 let acts = self.p.lock().borrow_done(id, now);
                 self.push(acts);
             }
@@ -1098,7 +1108,7 @@ async fn borrowed_op(
     mut tables: Vec<TableId>,
     mut flushed: bool,
 ) -> (Reply, u64) {
-    let Some(host) = shared.cluster.clone() else {
+    let Some(host) = shared.cluster_host() else {
         return (
             Reply::Error(fs_err!(EIO, "a borrow on a server that is no member")),
             0,
@@ -1206,69 +1216,36 @@ fn load(
     tables: &[TableId],
     his: &BTreeMap<u64, u64>,
     epochs: &[Incarnation],
-) -> Result<Vec<(TableId, u64)>, String> {
-    let mut fresh = Vec::new();
-    let mut fenced: BTreeMap<JournalId, Vec<(u64, Option<u64>)>> = BTreeMap::new();
+) -> Result<Vec<(TableId, u64)>, HostError> {
+    let owner = |server, epoch| load::Owner { server, epoch };
+    let mut plan = LoadPlan::new(owner(me.server, me.epoch), epochs);
     for t in tables {
         let lo = t.0;
         let m = read_manifest_by_id(shared.store.as_ref(), lo)
-            .map_err(|e| format!("table {lo:016x}: {e}"))?
-            .ok_or_else(|| format!("table {lo:016x} has no manifest in the store"))?;
-        match m.owner {
-            None => fresh.push(lo),
-            Some(o) if (o.server, o.epoch) == (me.server, me.epoch) => {
-                let hosted = shared
-                    .core
-                    .lock()
-                    .engine
-                    .tables()
-                    .iter()
-                    .any(|x| x.lo == lo);
-                if !hosted {
-                    return Err(format!(
-                        "table {lo:016x}'s manifest names this incarnation ({me}) but it is \
-                         not loaded: an earlier load failed half-way"
-                    ));
-                }
-            }
-            Some(o) => {
-                let dead = epochs
-                    .iter()
-                    .any(|i| u64::from(i.server.0) == o.server && i.epoch.0 > o.epoch);
-                if !dead {
-                    return Err(format!(
-                        "table {lo:016x} is owned by server {} at epoch {}, which is not \
-                         fenced",
-                        o.server, o.epoch
-                    ));
-                }
-                fenced
-                    .entry(JournalId {
-                        server: o.server,
-                        epoch: o.epoch,
-                    })
-                    .or_default()
-                    .push((lo, his.get(&lo).copied()));
-            }
-        }
+            .map_err(|source| HostError::Manifest { table: lo, source })?
+            .ok_or(HostError::NoManifest(lo))?;
+        let hosted = || {
+            let core = shared.core.lock();
+            core.engine.tables().iter().any(|x| x.lo == lo)
+        };
+        plan.claim(*t, m.owner.map(|o| owner(o.server, o.epoch)), hosted)?;
     }
     let mut splits = Vec::new();
-    for lo in fresh {
-        splits.extend(
-            shared
-                .add_table_to(lo, his.get(&lo).copied())
-                .map_err(|e| e.to_string())?,
-        );
+    for t in plan.fresh() {
+        splits.extend(shared.add_table_to(t.0, his.get(&t.0).copied())?);
     }
-    let recovered_any = !fenced.is_empty();
-    for (journal, tables) in fenced {
-        splits.extend(
-            shared
-                .recover_tables_to(&tables, journal)
-                .map_err(|e| e.to_string())?,
-        );
+    for (o, tables) in plan.recover() {
+        let journal = JournalId {
+            server: o.server,
+            epoch: o.epoch,
+        };
+        let tables: Vec<(u64, Option<u64>)> = tables
+            .iter()
+            .map(|t| (t.0, his.get(&t.0).copied()))
+            .collect();
+        splits.extend(shared.recover_tables_to(&tables, journal)?);
     }
-    if recovered_any {
+    if !plan.recover().is_empty() {
         // The crashed server's clients replay what it acknowledged early and lost.
         shared.replay_window.open();
     }
@@ -1280,15 +1257,15 @@ fn load(
 
 /// The import of data directory `dir`'s key file (none: no keys), each secret sealed
 /// under `cluster_key` with a nonce of its own.
-fn import_command(cluster_key: &ClusterKey, dir: Option<&Path>) -> Result<CoordCommand, String> {
+fn import_command(cluster_key: &ClusterKey, dir: Option<&Path>) -> Result<CoordCommand, HostError> {
     let (next_id, file) = match dir {
-        Some(d) => crate::keys::read_keys_file(d).map_err(|e| e.to_string())?,
+        Some(d) => crate::keys::read_keys_file(d).map_err(HostError::KeysFile)?,
         None => (1, Vec::new()),
     };
     let mut keys = Vec::with_capacity(file.len());
     for k in file {
         let mut nonce = [0u8; kochab_proto::auth::SEAL_NONCE_BYTES];
-        getrandom::fill(&mut nonce).map_err(|e| format!("no randomness: {e}"))?;
+        getrandom::fill(&mut nonce).map_err(HostError::NoRandomness)?;
         let sealed = SealedKey {
             nonce,
             sealed: seal_client_key(cluster_key, &nonce, &k.key),
@@ -1301,25 +1278,10 @@ fn import_command(cluster_key: &ClusterKey, dir: Option<&Path>) -> Result<CoordC
     Ok(CoordCommand::KeysImport { next_id, keys })
 }
 
-/// Cuts `ranges` (sorted, disjoint) so that each of `tables` (`(lo, hi)`, from a map or
-/// a split) starts and ends a range, where it lies inside one: ranges only get finer.
-fn cut_ranges(ranges: &mut Vec<(u64, u64)>, tables: impl IntoIterator<Item = (u64, u64)>) {
-    for (lo, hi) in tables {
-        for point in [lo, hi] {
-            let i = ranges.partition_point(|r| r.0 <= point);
-            if i > 0 && ranges[i - 1].0 < point && point < ranges[i - 1].1 {
-                let end = ranges[i - 1].1;
-                ranges[i - 1].1 = point;
-                ranges.insert(i, (point, end));
-            }
-        }
-    }
-}
-
 /// A request a connection task runs outside the batch: cluster operations of a member,
 /// and data operations (admitted first in a member).
 pub async fn task_op(shared: Arc<Shared>, client: u64, key_id: u32, req: Request) -> (Reply, u64) {
-    let Some(host) = shared.cluster.clone() else {
+    let Some(host) = shared.cluster_host() else {
         return crate::filesvc::data_op(shared, client, key_id, req).await;
     };
     if req.op.is_cluster() {
@@ -1348,23 +1310,45 @@ impl Shared {
     pub fn may_ack(&self) -> bool {
         self.cluster.as_ref().is_none_or(|h| h.can_ack())
     }
+
+    /// The cluster host of a member (the one [`Member`] there is).
+    pub fn cluster_host(&self) -> Option<Arc<ClusterHost>> {
+        let member: Arc<dyn std::any::Any + Send + Sync> = self.cluster.clone()?;
+        member.downcast().ok()
+    }
+}
+
+impl Member for ClusterHost {
+    fn admit_op(&self, core: &Core, client: u64, op: &Op) -> Result<Vec<TableId>, Refusal> {
+        ClusterHost::admit_op(self, core, client, op)
+    }
+
+    fn fix_reply(
+        &self,
+        engine: &mut kochab_meta::Engine,
+        admitted: &[TableId],
+        reply: Reply,
+    ) -> Result<Reply, Refusal> {
+        ClusterHost::fix_reply(self, engine, admitted, reply)
+    }
+
+    fn op_done(&self, tables: Vec<TableId>, lsn: u64, durable: u64) {
+        ClusterHost::op_done(self, tables, lsn, durable)
+    }
+
+    fn can_ack(&self) -> bool {
+        ClusterHost::can_ack(self)
+    }
+
+    fn coord_addrs(&self) -> Vec<String> {
+        self.coord_addrs.clone()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use kochab_proto::cluster::{BorrowId, Epoch};
-
-    #[test]
-    fn ids_map_to_the_table_whose_range_holds_them() {
-        let ranges = [(10, 20), (20, 30), (50, 60)];
-        assert_eq!(table_of(&ranges, 9), None);
-        assert_eq!(table_of(&ranges, 10), Some(TableId(10)));
-        assert_eq!(table_of(&ranges, 29), Some(TableId(20)));
-        assert_eq!(table_of(&ranges, 30), None);
-        assert_eq!(table_of(&ranges, 55), Some(TableId(50)));
-        assert_eq!(table_of(&ranges, u64::MAX), None);
-    }
 
     #[test]
     fn a_control_is_answered_only_by_its_own_reply() {

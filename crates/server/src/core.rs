@@ -5,7 +5,6 @@
 //! journal order is execution order. Replies wait until the journal is durable up to the
 //! last LSN the batch could have observed: nothing a client sees can be lost in a crash.
 
-use crate::cluster_host::Refusal;
 use crate::data::DataStore;
 use crate::leases::{Answered, Callbacks, Expired, Flushes, LeaseKey, Leases, Leasing, Urgency};
 use crate::locks::LockTable;
@@ -435,6 +434,38 @@ pub enum Parked {
     Flush(Vec<u64>),
 }
 
+/// Why an operation does not run now.
+pub enum Refusal {
+    /// Answer this.
+    Reply(Box<Reply>),
+    /// The first table is here, these others are not: borrow them all (the set, the first
+    /// included, is what the operation needs), then run it.
+    Borrow(Vec<TableId>),
+}
+
+/// A member's admission, as the batch sees it (`cluster_host::ClusterHost` is the one
+/// there is): the core asks it before and after each operation and never names the
+/// cluster host's type, so the host can use the core without the two importing each other.
+pub trait Member: std::any::Any + Send + Sync {
+    /// Admission of one operation (the caller holds the core lock). `Ok`: run it, then call
+    /// [`Member::op_done`] with the tables returned; `Err`: answer or park instead.
+    fn admit_op(&self, core: &Core, client: u64, op: &Op) -> Result<Vec<TableId>, Refusal>;
+    /// Turns an engine's WRONG_SERVER found while the operation ran into a borrow of that
+    /// table too (an admitted operation) or the name of its owner.
+    fn fix_reply(
+        &self,
+        engine: &mut Engine,
+        admitted: &[TableId],
+        reply: Reply,
+    ) -> Result<Reply, Refusal>;
+    /// An admitted operation ran; its reply leaves once `lsn` is durable (`durable` is now).
+    fn op_done(&self, tables: Vec<TableId>, lsn: u64, durable: u64);
+    /// False once the member's lease is over: it acknowledges nothing more.
+    fn can_ack(&self) -> bool;
+    /// The coordinator replicas' addresses (for `kochab status`).
+    fn coord_addrs(&self) -> Vec<String>;
+}
+
 /// Everything the connection tasks, the checkpointer and the admin paths share.
 pub struct Shared {
     pub core: Mutex<Core>,
@@ -463,16 +494,16 @@ pub struct Shared {
     pub cleanup_wake: tokio::sync::Notify,
     /// The manifests of the hosted tables; held for a whole checkpoint round, and by a
     /// table's drop or add.
-    pub checkpointer: Mutex<crate::checkpoint::Checkpointer>,
+    pub checkpointer: Mutex<crate::manifest::Checkpointer>,
     /// Tables this member released lately, for a quick load when they come back.
     pub released: Mutex<crate::released::ReleasedTables>,
     /// The cluster key and the client keys, with their policies.
     pub keys: Arc<crate::keys::KeyStore>,
     /// Rate limit of the warnings about malformed frames (any peer can cause them).
-    pub bad_frame_log: crate::conn::LogLimiter,
+    pub bad_frame_log: crate::loglimit::LogLimiter,
     /// The participant of a member under the coordinator; `None` for the single server of
     /// `kochab up`, which hosts every table and admits everything.
-    pub cluster: Option<Arc<crate::cluster_host::ClusterHost>>,
+    pub cluster: Option<Arc<dyn Member>>,
     /// Random per process, sent in the welcome: a client that finds another after losing
     /// its connection replays what this process acknowledged early.
     pub incarnation: u64,
@@ -481,7 +512,7 @@ pub struct Shared {
     /// Tags early replies and checks replays (the same at every server of the cluster).
     pub replay_key: kochab_proto::auth::ReplayKey,
     /// Grants, freed objects and compaction of file data as slice objects (`slicesvc`).
-    pub slice_work: crate::slicesvc::SliceWork,
+    pub slice_work: crate::slicework::SliceWork,
 }
 
 /// How long a server recovered from a crash runs no change but replays: clients that hold
@@ -890,7 +921,7 @@ impl Shared {
             coordinators: self
                 .cluster
                 .as_ref()
-                .map(|h| h.coord_addrs.clone())
+                .map(|h| h.coord_addrs())
                 .unwrap_or_default(),
             uptime_ms: self.started.elapsed().as_millis() as u64,
             tables,

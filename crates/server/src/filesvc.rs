@@ -9,21 +9,20 @@
 
 use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
 use crate::data::chunk_batches;
-use crate::filelocks::FileGuard;
+use crate::fileaccess::{
+    DATA_BATCH_CHUNKS, WriteReq, blocking, current_generation, end_within_limit, fail, lock_file,
+    run_reclaim, write_done_before,
+};
 use crate::leases::Urgency;
 use crate::session::{OpenFile, Registered};
+use kochab_meta::Mutation;
 use kochab_meta::files::{open_flags, reads, writes};
-use kochab_meta::{Mutation, Reclaim};
 use kochab_proto::*;
 use std::sync::Arc;
 use std::time::Instant;
 
 /// Largest read or write in one request (a FUSE request is at most 1 MiB).
 pub const IO_MAX: usize = 4 << 20;
-/// Chunks one blocking call of a long data operation (a reclaim's deletions, a fallocate's
-/// reservations) handles: a few to tens of milliseconds of work, so that shutdown and the
-/// blocking pool never wait long for one call, however large the file.
-pub const DATA_BATCH_CHUNKS: usize = 256;
 /// fallocate(2) modes served.
 const FALLOC_FL_KEEP_SIZE: u32 = 0x01;
 const FALLOC_FL_PUNCH_HOLE: u32 = 0x02;
@@ -420,19 +419,6 @@ fn register(
     }
 }
 
-/// Runs storage work on the blocking pool; a storage error reaches the client as its errno
-/// (`Errno::of_io`: ENOSPC stays ENOSPC, not EIO).
-pub(crate) async fn blocking<T: Send + 'static>(
-    what: &'static str,
-    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
-) -> Result<T, FsError> {
-    match tokio::task::spawn_blocking(f).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(FsError::from_io(what, &e)),
-        Err(e) => Err(fs_err!(EIO, "{what}: the I/O task failed: {e}")),
-    }
-}
-
 /// Runs one data operation of a session of client key `key_id`; returns the reply and the
 /// LSN that must be durable first.
 pub async fn data_op(shared: Arc<Shared>, client: u64, key_id: u32, req: Request) -> (Reply, u64) {
@@ -594,28 +580,6 @@ async fn run_data_op(
     }
 }
 
-/// The end of `[offset, offset + len)`, if it stays within the largest file size.
-pub(crate) fn end_within_limit(offset: u64, len: u64) -> Result<u64, FsError> {
-    offset
-        .checked_add(len)
-        .filter(|&e| e <= FILE_BYTES_MAX)
-        .ok_or_else(|| {
-            fs_err!(
-                EFBIG,
-                "range at {offset} of {len} bytes passes the largest file size {FILE_BYTES_MAX}"
-            )
-        })
-}
-
-/// Who writes, and how the reply is wanted.
-pub(crate) struct WriteReq<'a> {
-    pub cred: &'a Credentials,
-    /// The request's sequence number (0: none). An append has one, and so does a write
-    /// answered early: a retry or a replay of one already done is answered, not run again.
-    pub seq: u64,
-    pub mode: ReplyMode,
-}
-
 /// A write at `offset`, or an append (`WRITE_AT_END`). Returns the reply and the LSN of
 /// its record for a write answered early or replayed (the mount keeps it until durable and
 /// replays it if the server is lost first); 0 for a durable-mode client, whose write is
@@ -706,19 +670,6 @@ async fn write(
     Ok((Reply::Attr(attr), lsn))
 }
 
-/// The reply to a write (sequence number `seq` of `client`) that already ran: its file's
-/// attributes now, and the LSN a reply that reports them waits for.
-pub(crate) fn write_done_before(shared: &Shared, client: u64, seq: u64) -> Option<(Reply, u64)> {
-    let core = shared.core.lock();
-    let id = core.replies.get(client, seq)??;
-    let reply = match core.engine.inode(id) {
-        Some(i) => Reply::Attr(i.attr(id)),
-        // The write was done; its file has no name left since (nor data to show).
-        None => Reply::Attr(Attr::new(id, mode::S_IFREG, 0)),
-    };
-    Some((reply, core.observed(id)))
-}
-
 #[allow(clippy::too_many_arguments)]
 async fn fallocate(
     shared: &Arc<Shared>,
@@ -803,63 +754,6 @@ async fn fallocate(
     Ok((Reply::Empty, lsn))
 }
 
-/// What a data operation needs to know of its file, read when it takes the file's lock.
-pub(crate) struct FileState {
-    size: u64,
-    may_have_data: bool,
-}
-
-/// Takes the data lock of an open file (shared, or `exclusive`), checks that the handle's
-/// file generation still exists, and returns its state.
-///
-/// Rule: no data operation runs while its file generation has a pending trim (a
-/// truncation whose trim failed, or was cut short by a restart): the operation finishes
-/// the trim first, under the file's exclusive lock, so that bytes cut off never reappear
-/// and a late trim can never destroy a later write.
-pub(crate) async fn lock_file<'a>(
-    shared: &'a Shared,
-    of: &OpenFile,
-    exclusive: bool,
-) -> Result<(FileGuard<'a>, FileState), FsError> {
-    let mut guard = if exclusive {
-        shared.file_locks.exclusive(of.id).await
-    } else {
-        shared.file_locks.shared(of.id).await
-    };
-    // A pending trim seen under a shared lock is finished under the exclusive one, and no
-    // new one can appear while that is held: three rounds always suffice.
-    for _ in 0..3 {
-        let (state, pending) = {
-            let core = shared.core.lock();
-            current_generation(&core, of)?;
-            let state = core.engine.inode(of.id).map_or(
-                FileState {
-                    size: 0,
-                    may_have_data: false,
-                },
-                |i| FileState {
-                    size: i.size,
-                    may_have_data: i.may_have_data,
-                },
-            );
-            (state, core.engine.reclaim_of(of.id, of.generation))
-        };
-        match pending {
-            None => return Ok((guard, state)),
-            Some(r) if guard.is_exclusive() => run_reclaim(shared, r).await?,
-            Some(_) => {
-                drop(guard);
-                guard = shared.file_locks.exclusive(of.id).await;
-            }
-        }
-    }
-    Err(fs_err!(
-        EIO,
-        "the pending trim of inode {:#x} did not finish",
-        of.id
-    ))
-}
-
 /// Makes the file's "may have data" mark durable before its first chunk object exists,
 /// so that deleting the file can never miss an object (a no-op once the mark is set).
 async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), FsError> {
@@ -873,59 +767,6 @@ async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), Fs
         wait_durable(shared, lsn).await?;
     }
     Ok(())
-}
-
-/// Deletes a reclaim entry's data and journals the entry as done, its deletions durable
-/// first. The caller holds the file's exclusive lock if the file generation still exists.
-pub(crate) async fn run_reclaim(shared: &Shared, r: Reclaim) -> Result<(), FsError> {
-    if let Some(dir) = delete_reclaimed(shared, r).await? {
-        let data = shared.data.clone();
-        blocking("reclaim", move || data.sync_dirs([&dir])).await?;
-    }
-    let mut core = shared.core.lock();
-    let muts = core.engine.finish_reclaim(&r);
-    shared.journal_now(&mut core, 0, &muts);
-    Ok(())
-}
-
-/// Deletes a reclaim entry's data in bounded blocking calls (one listing of the file's
-/// folder, then at most `DATA_BATCH_CHUNKS` deletions per call); returns the folder to sync
-/// before the entry is journaled as done, if anything was deleted.
-pub(crate) async fn delete_reclaimed(
-    shared: &Shared,
-    r: Reclaim,
-) -> Result<Option<String>, FsError> {
-    let data = shared.data.clone();
-    let plan = blocking("reclaim", move || data.reclaim_plan(&r)).await?;
-    for batch in plan.chunks.chunks(DATA_BATCH_CHUNKS) {
-        let (data, batch) = (shared.data.clone(), batch.to_vec());
-        blocking("reclaim", move || {
-            data.delete_chunks(r.id, r.generation, &batch)
-        })
-        .await?;
-    }
-    for batch in plan.objects.chunks(DATA_BATCH_CHUNKS) {
-        let (data, batch) = (shared.data.clone(), batch.to_vec());
-        blocking("reclaim", move || data.delete_objects(&batch)).await?;
-    }
-    let data = shared.data.clone();
-    blocking("reclaim", move || data.end_reclaim(&r)).await?;
-    Ok((!plan.chunks.is_empty()).then(|| crate::data::DataStore::durable_dir(&r)))
-}
-
-pub(crate) fn fail(f: kochab_meta::Fail) -> FsError {
-    match f {
-        kochab_meta::Fail::Fs(e) => e,
-        kochab_meta::Fail::NotHosted(id) => kochab_meta::not_in_any_table(id),
-    }
-}
-
-/// Checks that the handle's file is still the same generation (ids are reused).
-pub(crate) fn current_generation(core: &Core, of: &OpenFile) -> Result<(), FsError> {
-    match core.engine.inode(of.id) {
-        Some(i) if i.btime as u64 == of.generation => Ok(()),
-        _ => Err(fs_err!(ESTALE, "the file of this handle is gone")),
-    }
 }
 
 async fn wait_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {

@@ -15,9 +15,9 @@
 //! is taking that lock: after it, none is half-applied; their replies wait for durability,
 //! which the drop waits for too before it releases the table.
 
-use crate::checkpoint::{Handover, Manifest, manifests_covering};
 use crate::core::Shared;
 use crate::leases::Urgency;
+use crate::manifest::{Handover, Manifest, manifests_covering};
 use kochab_journal::JournalId;
 use std::io::{self, ErrorKind};
 use std::time::{Duration, Instant};
@@ -128,7 +128,11 @@ impl Shared {
     /// Splits the hosted, drained table `lo` (see [`crate::checkpoint::Checkpointer::split`]).
     /// `Ok(Err)`: not split, nothing changed. `Err`: the store failed part-way; the
     /// journal is stopped, as this incarnation must not go on.
-    pub fn split_table(&self, lo: u64, at: Option<u64>) -> io::Result<Result<u64, String>> {
+    pub fn split_table(
+        &self,
+        lo: u64,
+        at: Option<u64>,
+    ) -> io::Result<Result<u64, crate::checkpoint::SplitRefused>> {
         let started = std::time::Instant::now();
         let result = self.checkpointer.lock().split(self, lo, at);
         match &result {

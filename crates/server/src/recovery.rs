@@ -6,11 +6,9 @@
 //! check and the explicit repair (`kochab fsck --data DIR [--repair --accept-loss]`) of a
 //! stopped server's directory whose journal is damaged.
 
-use crate::checkpoint::{
-    JournalPos, Manifest, Owner, load_table, manifests_covering, swap_manifest,
-};
 use crate::core::JournalEntry;
 use crate::datadir::{ClusterMeta, DataDir, DataDirLock};
+use crate::manifest::{JournalPos, Manifest, Owner, load_table, manifests_covering, swap_manifest};
 use crate::replycache::ReplyCache;
 use kochab_journal::{JournalId, RecoveryError, RecoveryReport};
 use kochab_meta::{Engine, EngineConfig};

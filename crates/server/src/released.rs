@@ -8,7 +8,7 @@
 //! exactly what a load from the store would build. Anything else (a full image written
 //! meanwhile, a copy too old) falls back to the store.
 
-use crate::checkpoint::ImageRef;
+use crate::manifest::ImageRef;
 use kochab_meta::Table;
 use std::collections::VecDeque;
 

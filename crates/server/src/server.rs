@@ -358,11 +358,14 @@ async fn serve(
         released: Default::default(),
         keys,
         bad_frame_log: Default::default(),
-        cluster: dir.cluster.clone(),
+        cluster: dir
+            .cluster
+            .clone()
+            .map(|h| -> Arc<dyn crate::core::Member> { h }),
         incarnation: kochab_proto::auth::random_u64(),
         replay_window: Default::default(),
         replay_key: kochab_proto::auth::ReplayKey::derive(&dir.key),
-        slice_work: crate::slicesvc::SliceWork::new(&dir.key, dir.me.server, dir.me.epoch),
+        slice_work: crate::slicework::SliceWork::new(&dir.key, dir.me.server, dir.me.epoch),
     });
     if dir.replay_window {
         tracing::info!(
@@ -634,10 +637,10 @@ async fn reclaim_pass(shared: &Shared, batch: Vec<kochab_meta::Reclaim>) -> bool
         // Finished or changed meanwhile (by a truncation): the entry as it is now.
         let Some(entry) = entry else { continue };
         let result = if live {
-            crate::filesvc::run_reclaim(shared, entry).await
+            crate::fileaccess::run_reclaim(shared, entry).await
         } else {
             drop(file);
-            crate::filesvc::delete_reclaimed(shared, entry)
+            crate::fileaccess::delete_reclaimed(shared, entry)
                 .await
                 .map(|dir| {
                     dirs.extend(dir);
@@ -740,7 +743,7 @@ impl RunningServer {
     /// owner should shut it down and exit with an error (fail-stop: a server that cannot
     /// make operations durable must not look alive).
     pub fn journal_failure(&self) -> impl std::future::Future<Output = String> + Send + 'static {
-        first_reason(self.shared.journal.subscribe_failure())
+        crate::stop_reason::first_reason(self.shared.journal.subscribe_failure())
     }
 
     /// Stops accepting, closes connections, takes a final checkpoint (so the next start
@@ -779,19 +782,6 @@ impl RunningServer {
             if let Err(e) = std::fs::write(&marker, b"") {
                 tracing::warn!("cannot write {}: {e}", marker.display());
             }
-        }
-    }
-}
-
-/// Resolves with the first reason `rx` carries (now or later); never, if its sender goes
-/// without one.
-pub(crate) async fn first_reason(mut rx: watch::Receiver<Option<String>>) -> String {
-    loop {
-        if let Some(why) = rx.borrow_and_update().clone() {
-            return why;
-        }
-        if rx.changed().await.is_err() {
-            std::future::pending::<()>().await;
         }
     }
 }

@@ -20,24 +20,21 @@
 
 use crate::core::{Core, Shared, journal_entry, now_ns};
 use crate::data::slices::COMPACT_REFS_MAX;
-use crate::filesvc::{
+use crate::fileaccess::{
     WriteReq, blocking, current_generation, end_within_limit, fail, lock_file, write_done_before,
 };
-use crate::grants::{GRANT_OBJECTS_MAX, ObjectIds, grant_life, object_name, unix_now};
+use crate::grants::{GRANT_OBJECTS_MAX, grant_life, object_name, unix_now};
 use crate::session::OpenFile;
+use crate::slicework::{OwnPuts, SliceWork};
 use kochab_meta::Mutation;
-use kochab_proto::auth::{GrantKey, GrantTokenInput};
+use kochab_proto::auth::GrantTokenInput;
 use kochab_proto::layout::{ChunkLayout, CommittedSlice, Grant, GrantedObject, Layout, SliceRef};
 use kochab_proto::*;
 use kochab_store::Presign;
-use parking_lot::Mutex;
-use rustc_hash::FxHashSet;
-use std::collections::BTreeMap;
 use std::io::ErrorKind;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
-use tokio::sync::{Notify, mpsc};
 
 /// Objects one call of the deleter removes at most: the S3 store deletes a call's names
 /// concurrently, so this bounds the deletes in flight (and a call's duration) whatever
@@ -55,130 +52,6 @@ const PUT_TRIES_MAX: usize = 4;
 const FREED_POLL: Duration = Duration::from_secs(1);
 /// Pause after a failed delete before the deleter tries again (the objects stay queued).
 const DELETE_RETRY: Duration = Duration::from_secs(2);
-
-/// What the server keeps for slice objects (present whatever the store; used on S3).
-pub struct SliceWork {
-    pub grant_key: GrantKey,
-    pub ids: ObjectIds,
-    /// Objects freed by a change, by the LSN of its record: deleted once it is durable.
-    freed: Mutex<BTreeMap<u64, Vec<String>>>,
-    freed_wake: Notify,
-    /// Objects the server is putting and has not committed yet (see the module).
-    own_puts: Mutex<FxHashSet<String>>,
-    /// Chunks waiting for compaction (inode, generation, chunk), each queued once.
-    compact_tx: mpsc::UnboundedSender<(InodeId, u64, u64)>,
-    compact_rx: Mutex<Option<mpsc::UnboundedReceiver<(InodeId, u64, u64)>>>,
-    compacting: Mutex<FxHashSet<(InodeId, u64)>>,
-    pub freed_deleted: AtomicU64,
-    pub orphans_deleted: AtomicU64,
-    pub chunks_compacted: AtomicU64,
-    pub gc_passes: AtomicU64,
-}
-
-impl SliceWork {
-    pub fn new(cluster_key: &auth::ClusterKey, server_id: u64, epoch: u64) -> SliceWork {
-        let (compact_tx, compact_rx) = mpsc::unbounded_channel();
-        SliceWork {
-            grant_key: GrantKey::derive(cluster_key),
-            ids: ObjectIds::new(server_id, epoch, auth::random_u64()),
-            freed: Default::default(),
-            freed_wake: Notify::new(),
-            own_puts: Default::default(),
-            compact_tx,
-            compact_rx: Mutex::new(Some(compact_rx)),
-            compacting: Default::default(),
-            freed_deleted: AtomicU64::new(0),
-            orphans_deleted: AtomicU64::new(0),
-            chunks_compacted: AtomicU64::new(0),
-            gc_passes: AtomicU64::new(0),
-        }
-    }
-
-    /// What `kochab status` shows.
-    pub fn counters(&self) -> SliceCounters {
-        SliceCounters {
-            freed_deleted: self.freed_deleted.load(Ordering::Relaxed),
-            orphans_deleted: self.orphans_deleted.load(Ordering::Relaxed),
-            chunks_compacted: self.chunks_compacted.load(Ordering::Relaxed),
-            gc_passes: self.gc_passes.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Queues `objects` of a file generation for deletion once record `lsn` is durable.
-    pub fn free(&self, lsn: u64, id: InodeId, generation: u64, objects: &[u64]) {
-        let names: Vec<String> = objects
-            .iter()
-            .filter(|&&o| o != 0)
-            .map(|&o| object_name(id, generation, o))
-            .collect();
-        if names.is_empty() {
-            return;
-        }
-        self.freed.lock().entry(lsn).or_default().extend(names);
-        self.freed_wake.notify_one();
-    }
-
-    /// Up to `max` queued names whose record is durable.
-    fn take_durable(&self, durable: u64, max: usize) -> Vec<String> {
-        let mut q = self.freed.lock();
-        let mut out = Vec::new();
-        while out.len() < max {
-            let Some(mut e) = q.first_entry() else { break };
-            if *e.key() > durable {
-                break;
-            }
-            let v = e.get_mut();
-            let n = (max - out.len()).min(v.len());
-            out.extend(v.drain(..n));
-            if v.is_empty() {
-                e.remove();
-            }
-        }
-        out
-    }
-
-    /// True if the collector must leave `name` alone (the server is putting it).
-    pub fn is_own_put(&self, name: &str) -> bool {
-        self.own_puts.lock().contains(name)
-    }
-
-    /// Queues a chunk for compaction (once while queued).
-    fn compact_later(&self, id: InodeId, generation: u64, chunk: u64) {
-        if self.compacting.lock().insert((id, chunk)) {
-            let _ = self.compact_tx.send((id, generation, chunk));
-        }
-    }
-}
-
-/// Names the server is putting, out of the collector's sight until dropped (after the
-/// commit that made them refs, or that failed).
-struct OwnPuts<'a> {
-    work: &'a SliceWork,
-    names: Vec<String>,
-}
-
-impl<'a> OwnPuts<'a> {
-    fn new(work: &'a SliceWork) -> OwnPuts<'a> {
-        OwnPuts {
-            work,
-            names: Vec::new(),
-        }
-    }
-
-    fn add(&mut self, name: String) {
-        self.work.own_puts.lock().insert(name.clone());
-        self.names.push(name);
-    }
-}
-
-impl Drop for OwnPuts<'_> {
-    fn drop(&mut self) {
-        let mut own = self.work.own_puts.lock();
-        for n in &self.names {
-            own.remove(n);
-        }
-    }
-}
 
 fn slices_only(shared: &Shared, what: &str) -> Result<(), FsError> {
     if shared.data.slices().is_none() {
@@ -542,11 +415,8 @@ async fn put_write<'a>(
                     Ok(()) => return Ok((attempt > 1).then_some(r.object)),
                     Err(e) if e.kind() == ErrorKind::AlreadyExists && attempt < PUT_TRIES_MAX => {
                         r.object = sh.slice_work.ids.next();
-                        sh.slice_work.own_puts.lock().insert(object_name(
-                            of.id,
-                            of.generation,
-                            r.object,
-                        ));
+                        sh.slice_work
+                            .note_own_put(object_name(of.id, of.generation, r.object));
                     }
                     Err(e) => return Err(e),
                 }
@@ -575,7 +445,7 @@ async fn put_write<'a>(
     for ((_, r), retaken) in refs.iter_mut().zip(taken) {
         if let Some(object) = retaken {
             r.object = object;
-            own.names.push(object_name(of.id, of.generation, object));
+            own.adopt(object_name(of.id, of.generation, object));
         }
     }
     Ok((refs, own))
@@ -678,7 +548,7 @@ pub async fn freed_loop(shared: Arc<Shared>) {
         if batch.is_empty() {
             tokio::select! {
                 r = durable.changed() => if r.is_err() { return },
-                _ = work.freed_wake.notified() => {}
+                _ = work.freed_wake().notified() => {}
                 _ = tokio::time::sleep(FREED_POLL) => {}
             }
             continue;
@@ -700,7 +570,7 @@ pub async fn freed_loop(shared: Arc<Shared>) {
                     Ok(Ok(())) => String::new(),
                 };
                 tracing::warn!("cannot delete {n} freed slice objects: {why} (will retry)");
-                work.freed.lock().entry(0).or_default().extend(batch);
+                work.requeue(batch);
                 tokio::time::sleep(DELETE_RETRY).await;
             }
         }
@@ -709,7 +579,7 @@ pub async fn freed_loop(shared: Arc<Shared>) {
 
 /// Compacts the chunks queued by commits (see [`compact`]).
 pub async fn compaction_loop(shared: Arc<Shared>) {
-    let Some(mut rx) = shared.slice_work.compact_rx.lock().take() else {
+    let Some(mut rx) = shared.slice_work.take_compact_rx() else {
         return;
     };
     while let Some((id, generation, chunk)) = rx.recv().await {
@@ -723,7 +593,7 @@ pub async fn compaction_loop(shared: Arc<Shared>) {
                 false
             }
         };
-        shared.slice_work.compacting.lock().remove(&(id, chunk));
+        shared.slice_work.compacted(id, chunk);
         if raced {
             // Commits landed while it ran (they found it queued and queued nothing): try
             // again a little later, or the chunk could keep its refs until its next commit.
