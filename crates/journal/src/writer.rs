@@ -49,12 +49,17 @@ pub struct JournalOptions {
     /// "buffered" mode: a crash of the machine (not of the process) may lose acknowledged
     /// operations.
     pub fsync: bool,
+    /// Longest a record waits for its flush when nobody asked for it (see [`LAZY_FLUSH`],
+    /// the default). A deterministic simulation sets it very large, so that records are
+    /// flushed only when it asks ([`Journal::flush_now`], [`Journal::wait_durable`]).
+    pub lazy_flush: std::time::Duration,
 }
 
 /// Longest a record waits for its flush when nobody has asked for it ([`Journal::flush_now`]
-/// or a waiter): records answered early (the mount's default) are flushed in groups at
-/// least this far apart instead of one flush per operation of a lone writer. It bounds what
-/// a crash of a server and its clients together can lose.
+/// or a waiter), by default ([`JournalOptions::lazy_flush`]): records answered early (the
+/// mount's default) are flushed in groups at least this far apart instead of one flush per
+/// operation of a lone writer. It bounds what a crash of a server and its clients together
+/// can lose.
 pub const LAZY_FLUSH: std::time::Duration = std::time::Duration::from_millis(5);
 
 impl Default for JournalOptions {
@@ -63,6 +68,7 @@ impl Default for JournalOptions {
         JournalOptions {
             segment_bytes: 32 << 20,
             fsync: true,
+            lazy_flush: LAZY_FLUSH,
         }
     }
 }
@@ -339,7 +345,7 @@ impl Journal {
         let lsn = st.next_lsn;
         st.next_lsn += 1;
         if st.pending_since.is_none() {
-            // The flusher starts its clock (it flushes within `LAZY_FLUSH` unasked).
+            // The flusher starts its clock (it flushes within `lazy_flush` unasked).
             st.pending_since = Some(Instant::now());
             self.shared.wake_flusher.notify_one();
         }
@@ -384,7 +390,7 @@ impl Journal {
         self.shared.record_limit()
     }
 
-    /// Flushes what is appended at once (someone waits for it), not within `LAZY_FLUSH`.
+    /// Flushes what is appended at once (someone waits for it), not within `lazy_flush`.
     pub fn flush_now(&self) {
         self.shared.state.lock().urgent = true;
         self.shared.wake_flusher.notify_one();
@@ -793,6 +799,7 @@ fn flusher_loop(shared: Arc<Shared>, mut sink: Sink, observer: Option<Arc<dyn Jo
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .map(std::time::Duration::from_millis);
+    let lazy = shared.options.lazy_flush;
     loop {
         let (last, records, waited) = {
             let mut st = shared.state.lock();
@@ -805,8 +812,8 @@ fn flusher_loop(shared: Arc<Shared>, mut sink: Sink, observer: Option<Arc<dyn Jo
                     _ if st.active.is_empty() => shared.wake_flusher.wait(&mut st),
                     // Every PUT slot is taken: the group grows until one returns.
                     _ if !sink.has_room() => shared.wake_flusher.wait(&mut st),
-                    Some(a) if !st.urgent && a < LAZY_FLUSH => {
-                        shared.wake_flusher.wait_for(&mut st, LAZY_FLUSH - a);
+                    Some(a) if !st.urgent && a < lazy => {
+                        shared.wake_flusher.wait_for(&mut st, lazy - a);
                     }
                     _ => break,
                 }

@@ -18,6 +18,7 @@ fn small() -> JournalOptions {
     JournalOptions {
         segment_bytes: 1 << 16,
         fsync: true,
+        ..JournalOptions::default()
     }
 }
 
@@ -486,6 +487,7 @@ fn a_sealed_journal_acknowledges_nothing_its_reader_did_not_see() {
         let opts = JournalOptions {
             segment_bytes: 4 << 20,
             fsync: true,
+            ..JournalOptions::default()
         };
         let a = Arc::new(Journal::start(s.clone(), old, 1, opts.clone(), None).unwrap());
         let b = Arc::new(Journal::start(s.clone(), new, 1, opts, None).unwrap());
@@ -529,5 +531,37 @@ fn a_sealed_journal_acknowledges_nothing_its_reader_did_not_see() {
         assert!(!b.failed());
         // A sealed journal cannot be started again.
         assert!(Journal::start(s.clone(), old, 99, small(), None).is_err());
+    }
+}
+
+#[test]
+fn a_long_lazy_flush_leaves_records_unflushed_until_asked() {
+    let (_d, s) = store();
+    let opts = JournalOptions {
+        lazy_flush: std::time::Duration::from_secs(1 << 30),
+        ..small()
+    };
+    let j = Journal::start(s, J, 1, opts, None).unwrap();
+    let lsn = j.append_deferred(|b| b.extend_from_slice(b"early"));
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(j.durable_lsn(), 0, "nobody asked: nothing flushed");
+    j.flush_now();
+    assert!(j.wait_durable(lsn));
+    assert_eq!(j.durable_lsn(), lsn);
+}
+
+#[test]
+fn a_short_lazy_flush_flushes_unasked() {
+    let (_d, s) = store();
+    let opts = JournalOptions {
+        lazy_flush: std::time::Duration::from_millis(1),
+        ..small()
+    };
+    let j = Journal::start(s, J, 1, opts, None).unwrap();
+    let lsn = j.append_deferred(|b| b.extend_from_slice(b"early"));
+    let t0 = std::time::Instant::now();
+    while j.durable_lsn() < lsn {
+        assert!(t0.elapsed().as_secs() < 10, "never flushed");
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }

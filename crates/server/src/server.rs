@@ -295,6 +295,7 @@ async fn serve(
     let options = JournalOptions {
         segment_bytes: config.segment_bytes.max(SEGMENT_BYTES_MIN),
         fsync: config.fsync,
+        ..JournalOptions::default()
     };
     let journal = Journal::start(
         dir.store.clone(),
