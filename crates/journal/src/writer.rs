@@ -13,7 +13,16 @@
 //! (Two flushers with overlapping writes were measured too: equal throughput on this
 //! machine, where every direct write costs a VM exit, and each flush then needs padding.)
 //!
-//! Fencing: after each durable write and before publishing it, the flusher checks that the
+//! Who writes: records someone waits for are written by the committer task
+//! ([`Journal::committer`]) where a server runs one on a runtime of one worker thread:
+//! on that thread, after every ready batch appended, so a group commit costs no thread
+//! hand-off and no wake-up (a capped server paid more CPU for those than for the
+//! operations once batches were shallow, issue 32). The flusher thread writes the rest:
+//! records answered early, after `lazy_flush`; those of callers that wait on a thread
+//! ([`Journal::wait_durable`]); all of them where no committer runs. Whoever writes holds
+//! the segment writer, so group commits go one at a time, in LSN order.
+//!
+//! Fencing: after each durable write and before publishing it, the writer checks that the
 //! journal's seal object does not exist (one stat(2) per group commit, a few microseconds,
 //! no extra fsync). A sealer creates the seal and only then reads the journal, so a record
 //! made durable before the seal existed is seen by that reader, and one made durable after
@@ -90,13 +99,34 @@ struct State {
     shutdown: bool,
     /// Someone waits for the records in `active`: flush them at once.
     urgent: bool,
+    /// A thread blocks until they are durable ([`Journal::wait_durable`]): the flusher
+    /// thread writes them at once, even while the committer task runs (which may be
+    /// waiting for that very thread).
+    flusher_asked: bool,
     /// When the first record of `active` was appended.
     pending_since: Option<Instant>,
+    /// The flusher thread waits without a timeout: the next record must wake it (it starts
+    /// the `lazy_flush` clock). While records keep coming it waits with a timeout instead,
+    /// so that appenders need not wake it once per batch.
+    flusher_asleep: bool,
+    /// The committer task runs: awaited records are its to write. Under this lock, so
+    /// that a record is never asked of one that has just stopped or not yet started.
+    committer_running: bool,
 }
 
 struct Shared {
     state: Mutex<State>,
     wake_flusher: Condvar,
+    /// The segment being written, for a journal in segments. Whoever holds it commits: the
+    /// flusher thread, or the committer task ([`Journal::committer`]). So group commits
+    /// are written one at a time, in LSN order.
+    writer: Option<Mutex<SegmentSink>>,
+    /// Test hook: `KOCHAB_JOURNAL_DELAY_MS` holds every flush that long (a slow disk), so
+    /// crash tests find acknowledged early replies that are not durable yet. Such flushes
+    /// are left to the flusher thread.
+    delay: Option<std::time::Duration>,
+    /// Wakes the committer task ([`Journal::committer`]), while it runs.
+    committer_wake: tokio::sync::Notify,
     durable: AtomicU64,
     durable_lock: Mutex<()>,
     durable_cv: Condvar,
@@ -142,6 +172,45 @@ impl Shared {
         (room as usize).min(MAX_RECORD_BYTES)
     }
 
+    /// True if someone waits for records that are not written yet.
+    fn awaited(&self) -> bool {
+        let st = self.state.lock();
+        st.urgent && !st.active.is_empty() && !self.failed.load(Ordering::Acquire)
+    }
+
+    /// One group commit into the segments, by the holder of `writer`: takes every record
+    /// appended so far (the idle buffer becomes the active one), writes them durably,
+    /// checks the seal and publishes them. False if there was nothing to write or the
+    /// journal failed.
+    fn commit_segments(&self, w: &mut SegmentSink) -> bool {
+        let (last, records, waited) = {
+            let mut st = self.state.lock();
+            st.urgent = false;
+            st.flusher_asked = false;
+            if st.active.is_empty() || self.failed.load(Ordering::Acquire) {
+                return false;
+            }
+            std::mem::swap(&mut st.active, &mut w.flushing);
+            let waited = st
+                .pending_since
+                .take()
+                .map_or(0.0, |t| t.elapsed().as_secs_f64());
+            (
+                st.active_last,
+                std::mem::take(&mut st.active_records),
+                waited,
+            )
+        };
+        let flushing = std::mem::take(&mut w.flushing);
+        let ok = w.commit(self, &flushing, last, records, waited);
+        w.flushing = flushing;
+        w.flushing.clear();
+        if w.flushing.capacity() > 64 << 20 {
+            w.flushing.shrink_to(1 << 20);
+        }
+        ok
+    }
+
     /// Every record up to `lsn` is durable: tell threads and tasks.
     fn publish(&self, lsn: u64) {
         self.durable.store(lsn, Ordering::Release);
@@ -176,14 +245,6 @@ pub struct Journal {
     uploads: Option<Arc<Uploads>>,
 }
 
-/// Where the flusher's group commits go.
-enum Sink {
-    /// Segments written in place (a store with positioned I/O).
-    Segments(Box<SegmentSink>),
-    /// Immutable objects, several PUTs in flight (a store of whole objects).
-    Objects(Arc<Uploads>),
-}
-
 /// The segment being filled and what writing it needs.
 struct SegmentSink {
     seg: Segment,
@@ -191,6 +252,9 @@ struct SegmentSink {
     staging: Vec<u8>,
     /// The preparation of the zero-filled spare segment.
     spare: Option<JoinHandle<()>>,
+    /// The records being written (the idle buffer of the two).
+    flushing: Vec<u8>,
+    observer: Option<Arc<dyn JournalObserver>>,
 }
 
 /// The segment being filled, as the flusher sees it.
@@ -258,6 +322,20 @@ impl Journal {
             let bytes = kept.iter().map(|k| k.bytes).sum();
             (n, bytes, None, Some((next_seq, kept, marker)))
         };
+        let writer = segment.map(|(seg, aligned)| {
+            Mutex::new(SegmentSink {
+                seg,
+                aligned,
+                staging: Vec::with_capacity(1 << 20),
+                spare: Some(prepare_spare(store.clone(), id, options.segment_bytes)),
+                flushing: Vec::with_capacity(1 << 20),
+                observer: observer.clone(),
+            })
+        });
+        let delay = std::env::var("KOCHAB_JOURNAL_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(std::time::Duration::from_millis);
         let (durable_tx, _) = watch::channel(next_lsn - 1);
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -267,9 +345,15 @@ impl Journal {
                 next_lsn,
                 shutdown: false,
                 urgent: false,
+                flusher_asked: false,
                 pending_since: None,
+                flusher_asleep: false,
+                committer_running: false,
             }),
             wake_flusher: Condvar::new(),
+            writer,
+            delay,
+            committer_wake: tokio::sync::Notify::new(),
             durable: AtomicU64::new(next_lsn - 1),
             durable_lock: Mutex::new(()),
             durable_cv: Condvar::new(),
@@ -283,39 +367,26 @@ impl Journal {
             id,
             seal_name: id.seal_name(),
         });
-        let (sink, uploads) = match (segment, objects) {
-            (Some((seg, aligned)), _) => {
-                let spare = prepare_spare(
-                    shared.store.clone(),
-                    shared.id,
-                    shared.options.segment_bytes,
-                );
-                let sink = SegmentSink {
-                    seg,
-                    aligned,
-                    staging: Vec::with_capacity(1 << 20),
-                    spare: Some(spare),
-                };
-                (Sink::Segments(Box::new(sink)), None)
-            }
-            (None, Some((next_seq, kept, marker))) => {
-                let u = Uploads::start(
-                    shared.store.clone(),
-                    id,
-                    next_seq,
-                    kept,
-                    marker,
-                    shared.clone(),
-                    observer.clone(),
-                )?;
-                (Sink::Objects(u.clone()), Some(u))
-            }
-            (None, None) => unreachable!("one sink or the other"),
+        let uploads = match objects {
+            Some((next_seq, kept, marker)) => Some(Uploads::start(
+                shared.store.clone(),
+                id,
+                next_seq,
+                kept,
+                marker,
+                shared.clone(),
+                observer,
+            )?),
+            None => None,
         };
-        let s = shared.clone();
+        assert!(
+            shared.writer.is_some() != uploads.is_some(),
+            "a journal is in segments or in objects"
+        );
+        let (s, u) = (shared.clone(), uploads.clone());
         let flusher = std::thread::Builder::new()
             .name("journal-flush".into())
-            .spawn(move || flusher_loop(s, sink, observer))?;
+            .spawn(move || flusher_loop(s, u))?;
         Ok(Journal {
             shared,
             flusher: Mutex::new(Some(flusher)),
@@ -345,9 +416,13 @@ impl Journal {
         let lsn = st.next_lsn;
         st.next_lsn += 1;
         if st.pending_since.is_none() {
-            // The flusher starts its clock (it flushes within `lazy_flush` unasked).
+            // The flusher's clock starts (it flushes within `lazy_flush` unasked). Awake,
+            // it looks at the clock within `lazy_flush` anyway: no wake-up needed.
             st.pending_since = Some(Instant::now());
-            self.shared.wake_flusher.notify_one();
+            if st.flusher_asleep {
+                st.flusher_asleep = false;
+                self.shared.wake_flusher.notify_one();
+            }
         }
         if self.failed() {
             // Nothing will be written any more: buffering would only grow memory.
@@ -390,10 +465,39 @@ impl Journal {
         self.shared.record_limit()
     }
 
-    /// Flushes what is appended at once (someone waits for it), not within `lazy_flush`.
+    /// Flushes what is appended at once (someone waits for it), not within `lazy_flush`:
+    /// the committer task writes it if one runs ([`Journal::committer`]), else the flusher
+    /// thread. A server calls it after each batch of operations: the committer, woken on
+    /// the same thread, runs once every other ready batch appended too, and one durable
+    /// write covers them all.
     pub fn flush_now(&self) {
-        self.shared.state.lock().urgent = true;
-        self.shared.wake_flusher.notify_one();
+        let running = {
+            let mut st = self.shared.state.lock();
+            st.urgent = true;
+            st.committer_running
+        };
+        if running {
+            self.shared.committer_wake.notify_one();
+        } else {
+            self.shared.wake_flusher.notify_one();
+        }
+    }
+
+    /// The committer task, to spawn on the runtime whose tasks append (a server's): on a
+    /// runtime of one worker thread it writes what [`Journal::flush_now`] asks for on
+    /// that thread, once every task ready to run there had its turn (one durable write
+    /// for every batch that ran), so a group commit costs no hand-off to the flusher
+    /// thread and no wake-up of it or of the worker. The thread blocks for the write (a
+    /// fraction of a millisecond); it has nothing else ready to run by then, and what
+    /// becomes ready meanwhile goes in the next write. It ends when the journal stops.
+    ///
+    /// With several worker threads it ends at once: the flusher thread writes while the
+    /// workers run batches, and a write on a worker holds up the tasks queued behind it
+    /// (measured with an uncapped server of two workers: half the creates per second). So
+    /// it does for a journal as objects (each group is a PUT) and under
+    /// `KOCHAB_JOURNAL_DELAY_MS`.
+    pub fn committer(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        committer_loop(self.shared.clone())
     }
 
     /// Appends a record carrying `payload`.
@@ -435,7 +539,10 @@ impl Journal {
     /// Blocks until `lsn` is durable. False if the journal failed first.
     pub fn wait_durable(&self, lsn: u64) -> bool {
         if self.durable_lsn() < lsn {
-            self.flush_now();
+            let mut st = self.shared.state.lock();
+            st.urgent = true;
+            st.flusher_asked = true;
+            self.shared.wake_flusher.notify_one();
         }
         let mut g = self.shared.durable_lock.lock();
         loop {
@@ -500,10 +607,11 @@ impl Journal {
         Ok(removed)
     }
 
-    /// Writes everything appended so far and stops the flusher.
+    /// Writes everything appended so far and stops the flusher (and the committer).
     pub fn shutdown(&self) {
         self.shared.state.lock().shutdown = true;
         self.shared.wake_flusher.notify_all();
+        self.shared.committer_wake.notify_one();
         if let Some(h) = self.flusher.lock().take() {
             let _ = h.join();
         }
@@ -664,29 +772,6 @@ fn existing_objects(store: &dyn ObjectStore, id: JournalId) -> io::Result<(u64, 
     Ok((listing.first_gap(), kept, marker))
 }
 
-impl Sink {
-    /// True if the next group may be cut now (as objects: a PUT slot is free).
-    fn has_room(&self) -> bool {
-        match self {
-            Sink::Segments(_) => true,
-            Sink::Objects(u) => u.has_room(),
-        }
-    }
-
-    /// Stops after the last group: waits for the spare's preparation, or for the PUTs in
-    /// flight.
-    fn finish(self) {
-        match self {
-            Sink::Segments(mut s) => {
-                if let Some(h) = s.spare.take() {
-                    let _ = h.join();
-                }
-            }
-            Sink::Objects(u) => u.finish(),
-        }
-    }
-}
-
 impl SegmentSink {
     /// Writes `records` durably into the segments (rolling over as they fill), checks the
     /// seal and publishes `last` as durable. False if the journal failed.
@@ -697,7 +782,6 @@ impl SegmentSink {
         last: u64,
         count: u64,
         waited: f64,
-        observer: Option<&Arc<dyn JournalObserver>>,
     ) -> bool {
         let seg_bytes = shared.options.segment_bytes;
         let started = Instant::now();
@@ -780,7 +864,7 @@ impl SegmentSink {
                 return false;
             }
         }
-        if let Some(o) = observer {
+        if let Some(o) = &self.observer {
             o.on_commit(count, written, started.elapsed().as_secs_f64(), waited);
         }
         shared
@@ -791,17 +875,71 @@ impl SegmentSink {
     }
 }
 
-fn flusher_loop(shared: Arc<Shared>, mut sink: Sink, observer: Option<Arc<dyn JournalObserver>>) {
-    let mut flushing: Vec<u8> = Vec::with_capacity(1 << 20);
-    // Test hook: `KOCHAB_JOURNAL_DELAY_MS` holds every flush that long (a slow disk), so
-    // crash tests find acknowledged early replies that are not durable yet.
-    let delay = std::env::var("KOCHAB_JOURNAL_DELAY_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map(std::time::Duration::from_millis);
-    let lazy = shared.options.lazy_flush;
+/// See [`Journal::committer`].
+async fn committer_loop(shared: Arc<Shared>) {
+    let Some(writer) = shared.writer.as_ref() else {
+        return;
+    };
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    if shared.delay.is_some() || workers != 1 {
+        return;
+    }
+    shared.state.lock().committer_running = true;
+    // However this task ends (the journal stops, or the runtime drops it), the flusher
+    // thread takes over what is awaited.
+    let _stop = CommitterStop(&shared);
     loop {
-        let (last, records, waited) = {
+        if shared.state.lock().shutdown || shared.failed.load(Ordering::Acquire) {
+            return;
+        }
+        while shared.awaited() {
+            // Every task ready to run on this thread (batches of other connections)
+            // appends first; those that become ready during the write go in the next.
+            behind_ready_tasks().await;
+            shared.commit_segments(&mut writer.lock());
+        }
+        shared.committer_wake.notified().await;
+    }
+}
+
+/// Lets every task already queued on this thread run first: the caller goes to the back
+/// of the run queue. (`tokio::task::yield_now` waits for the thread to run out of tasks or
+/// for its next look at the I/O driver, which on a busy server delays every commit.)
+async fn behind_ready_tasks() {
+    let mut queued = false;
+    std::future::poll_fn(|cx| {
+        if queued {
+            return std::task::Poll::Ready(());
+        }
+        queued = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await
+}
+
+/// Ends the committer: the flusher thread takes over.
+struct CommitterStop<'a>(&'a Arc<Shared>);
+
+impl Drop for CommitterStop<'_> {
+    fn drop(&mut self) {
+        let shared = self.0;
+        shared.state.lock().committer_running = false;
+        shared.wake_flusher.notify_one();
+    }
+}
+
+/// The flusher thread: writes records the committer task does not (those answered early)
+/// within `lazy_flush` of the first, or at once when asked ([`Journal::flush_now`]); all
+/// of them where no committer runs; for a journal as objects, every group.
+fn flusher_loop(shared: Arc<Shared>, uploads: Option<Arc<Uploads>>) {
+    let mut flushing: Vec<u8> = Vec::new();
+    let lazy = shared.options.lazy_flush;
+    let has_room = || uploads.as_ref().is_none_or(|u| u.has_room());
+    // `next_lsn` when the flusher last found nothing to write.
+    let mut seen = 0u64;
+    loop {
+        {
             let mut st = shared.state.lock();
             loop {
                 if st.shutdown || shared.failed.load(Ordering::Acquire) {
@@ -809,16 +947,32 @@ fn flusher_loop(shared: Arc<Shared>, mut sink: Sink, observer: Option<Arc<dyn Jo
                 }
                 let age = st.pending_since.map(|t| t.elapsed());
                 match age {
-                    _ if st.active.is_empty() => shared.wake_flusher.wait(&mut st),
+                    // Nothing to write (or others wrote it): watch for one `lazy_flush` while
+                    // records keep coming, then sleep until the next one.
+                    _ if st.active.is_empty() && st.next_lsn == seen => {
+                        st.flusher_asleep = true;
+                        shared.wake_flusher.wait(&mut st);
+                        st.flusher_asleep = false;
+                    }
+                    _ if st.active.is_empty() => {
+                        seen = st.next_lsn;
+                        shared.wake_flusher.wait_for(&mut st, lazy);
+                    }
                     // Every PUT slot is taken: the group grows until one returns.
-                    _ if !sink.has_room() => shared.wake_flusher.wait(&mut st),
-                    Some(a) if !st.urgent && a < lazy => {
+                    _ if !has_room() => shared.wake_flusher.wait(&mut st),
+                    // Awaited records are the committer's, while it runs; should it not
+                    // write them within `lazy_flush`, this thread does.
+                    Some(a)
+                        if !st.flusher_asked
+                            && (!st.urgent || st.committer_running)
+                            && a < lazy =>
+                    {
                         shared.wake_flusher.wait_for(&mut st, lazy - a);
                     }
                     _ => break,
                 }
             }
-            if let Some(d) = delay {
+            if let Some(d) = shared.delay {
                 drop(st);
                 std::thread::sleep(d);
                 st = shared.state.lock();
@@ -826,34 +980,39 @@ fn flusher_loop(shared: Arc<Shared>, mut sink: Sink, observer: Option<Arc<dyn Jo
             if st.active.is_empty() || shared.failed.load(Ordering::Acquire) {
                 break;
             }
-            std::mem::swap(&mut st.active, &mut flushing);
-            st.urgent = false;
-            let waited = st
-                .pending_since
-                .take()
-                .map_or(0.0, |t| t.elapsed().as_secs_f64());
-            (
-                st.active_last,
-                std::mem::take(&mut st.active_records),
-                waited,
-            )
-        };
-        let ok = match &mut sink {
-            Sink::Segments(s) => {
-                s.commit(&shared, &flushing, last, records, waited, observer.as_ref())
-            }
-            Sink::Objects(u) => {
-                u.submit(&flushing, waited);
-                true
-            }
-        };
-        if !ok {
-            break;
         }
-        flushing.clear();
-        if flushing.capacity() > 64 << 20 {
-            flushing.shrink_to(1 << 20);
+        match (&shared.writer, &uploads) {
+            (Some(writer), _) => {
+                shared.commit_segments(&mut writer.lock());
+            }
+            (None, Some(u)) => {
+                let waited = {
+                    let mut st = shared.state.lock();
+                    std::mem::swap(&mut st.active, &mut flushing);
+                    st.urgent = false;
+                    st.flusher_asked = false;
+                    st.active_records = 0;
+                    st.pending_since
+                        .take()
+                        .map_or(0.0, |t| t.elapsed().as_secs_f64())
+                };
+                u.submit(&flushing, waited);
+                flushing.clear();
+                if flushing.capacity() > 64 << 20 {
+                    flushing.shrink_to(1 << 20);
+                }
+            }
+            (None, None) => unreachable!("a journal is in segments or in objects"),
         }
     }
-    sink.finish();
+    // Stops after the last group: waits for the spare's preparation, or for the PUTs in
+    // flight.
+    if let Some(writer) = &shared.writer
+        && let Some(h) = writer.lock().spare.take()
+    {
+        let _ = h.join();
+    }
+    if let Some(u) = uploads {
+        u.finish();
+    }
 }

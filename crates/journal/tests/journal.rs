@@ -565,3 +565,99 @@ fn a_short_lazy_flush_flushes_unasked() {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
+
+/// Appenders on a runtime with one worker (the committer task writes on it, as in a
+/// capped server) or two (the committer leaves the writes to the flusher thread): what
+/// `flush_now` asks for becomes durable, across segment rollovers, and nothing is lost
+/// or reordered.
+fn committer_writes_what_flush_now_asks_for(workers: usize) {
+    let (_d, s) = store();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .unwrap();
+    // Nothing unasked: only the committer, or the flusher thread in its stead, writes.
+    let opts = JournalOptions {
+        lazy_flush: std::time::Duration::from_secs(1 << 30),
+        ..small()
+    };
+    let j = Arc::new(Journal::start(s.clone(), J, 1, opts, None).unwrap());
+    rt.block_on(async {
+        let committer = tokio::spawn(j.committer());
+        let mut tasks = Vec::new();
+        for t in 0..8u64 {
+            let j = j.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut durable = j.subscribe();
+                for i in 0..250u64 {
+                    let lsn = j.append_deferred(|b| b.extend_from_slice(&payload(t * 1000 + i)));
+                    j.flush_now();
+                    while *durable.borrow_and_update() < lsn {
+                        durable.changed().await.unwrap();
+                    }
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        j.shutdown();
+        committer.await.unwrap();
+    });
+    assert!(
+        list_segments(s.as_ref(), J).unwrap().len() >= 2,
+        "rolled over"
+    );
+    let (got, rep) = collect(s.as_ref(), 0);
+    assert_eq!(rep.last_lsn, 2000);
+    assert!(rep.cut.is_none());
+    let lsns: Vec<u64> = got.iter().map(|(l, _)| *l).collect();
+    assert_eq!(lsns, (1..=2000).collect::<Vec<_>>());
+    let mut payloads: Vec<Vec<u8>> = got.into_iter().map(|(_, p)| p).collect();
+    let mut want: Vec<Vec<u8>> = (0..8u64)
+        .flat_map(|t| (0..250u64).map(move |i| payload(t * 1000 + i)))
+        .collect();
+    payloads.sort();
+    want.sort();
+    assert_eq!(payloads, want);
+}
+
+#[test]
+fn the_committer_task_writes_on_a_single_worker() {
+    committer_writes_what_flush_now_asks_for(1);
+}
+
+#[test]
+fn the_flusher_writes_for_several_workers() {
+    committer_writes_what_flush_now_asks_for(2);
+}
+
+/// A thread that blocks for durability on the runtime's only worker, where the committer
+/// would write: the flusher thread writes for it.
+#[test]
+fn wait_durable_on_the_committers_thread_does_not_wait_for_the_committer() {
+    let (_d, s) = store();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let opts = JournalOptions {
+        lazy_flush: std::time::Duration::from_secs(1 << 30),
+        ..small()
+    };
+    let j = Arc::new(Journal::start(s, J, 1, opts, None).unwrap());
+    rt.block_on(async {
+        tokio::spawn(j.committer());
+        tokio::task::yield_now().await;
+        let j2 = j.clone();
+        let ok = tokio::spawn(async move {
+            let lsn = j2.append_deferred(|b| b.extend_from_slice(b"blocking"));
+            j2.flush_now();
+            j2.wait_durable(lsn)
+        });
+        assert!(ok.await.unwrap());
+        j.shutdown();
+    });
+}

@@ -379,6 +379,9 @@ async fn serve(
     if let Some(host) = &dir.cluster {
         host.attach(&shared);
     }
+    // Group commits written from this runtime's own threads (io_uring), not handed to the
+    // flusher thread (see `Journal::committer`).
+    tokio::spawn(shared.journal.committer());
     let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
     let reclaimer = tokio::spawn(reclaim_loop(shared.clone()));
     let cleanup = tokio::spawn(cleanup_loop(shared.clone()));
