@@ -19,6 +19,8 @@ use kochab_proto::cluster::{
 };
 
 use crate::driver::{Driver, DriverAction, DriverConfig};
+use crate::host::borrows::{Borrows, Granted, Join};
+use crate::host::ends::Ends;
 use crate::participant::{Action, Admit, Break, Participant, ParticipantConfig};
 use crate::router::{Retry, Route, Router};
 use crate::state::CoordState;
@@ -230,26 +232,49 @@ struct SimServer {
     paused_until: u64,
     mem: BTreeMap<TableId, Vec<OpId>>,
     next_lsn: u64,
+    /// Admitted and not run yet, with the borrow each runs under.
     admitted: Vec<(Op, Option<BorrowId>)>,
-    executed: Vec<(Op, Option<BorrowId>)>,
-    waiting: BTreeMap<BorrowId, Vec<Op>>,
-    running: BTreeMap<BorrowId, usize>,
+    /// The borrows operations wait for or run under: the real server's bookkeeping.
+    borrows: Borrows<Op>,
+    /// Ran, and wait for their journal record to be durable (the real server's too).
+    ends: Ends<Op>,
 }
 
 impl SimServer {
+    fn new(id: ServerId, p: Participant) -> SimServer {
+        SimServer {
+            id,
+            p: Some(p),
+            paused_until: 0,
+            mem: BTreeMap::new(),
+            next_lsn: 0,
+            admitted: Vec::new(),
+            borrows: Borrows::new(),
+            ends: Ends::new(),
+        }
+    }
+
     fn reset(&mut self) {
         self.p = None;
         self.mem.clear();
         self.admitted.clear();
-        self.executed.clear();
-        self.waiting.clear();
-        self.running.clear();
+        self.borrows = Borrows::new();
+        self.ends.clear();
     }
 
     fn busy_with(&self, op: OpId) -> bool {
         self.admitted.iter().any(|(o, _)| o.id == op)
-            || self.executed.iter().any(|(o, _)| o.id == op)
-            || self.waiting.values().flatten().any(|o| o.id == op)
+            || self.ends.iter().any(|o| o.id == op)
+            || self.borrows.waiters().any(|o| o.id == op)
+    }
+
+    /// True while an admitted operation on `t` has not ended.
+    fn busy_on(&self, t: TableId) -> bool {
+        self.admitted
+            .iter()
+            .map(|(o, _)| o)
+            .chain(self.ends.iter())
+            .any(|o| o.tables.contains(&t))
     }
 }
 
@@ -383,21 +408,12 @@ impl World {
             broken: cfg.broken,
         };
         let servers = (0..cfg.servers)
-            .map(|i| SimServer {
-                id: ServerId(i as u32),
-                p: Some(Participant::new(
-                    ServerId(i as u32),
-                    format!("s{i}"),
-                    rng.next_u64(),
-                    pcfg,
-                )),
-                paused_until: 0,
-                mem: BTreeMap::new(),
-                next_lsn: 0,
-                admitted: Vec::new(),
-                executed: Vec::new(),
-                waiting: BTreeMap::new(),
-                running: BTreeMap::new(),
+            .map(|i| {
+                let id = ServerId(i as u32);
+                SimServer::new(
+                    id,
+                    Participant::new(id, format!("s{i}"), rng.next_u64(), pcfg),
+                )
             })
             .collect();
         let mut next_op = 0;
@@ -750,16 +766,62 @@ impl World {
                 self.send(Node::Server(i), from, m);
             }
             Admit::NotReady => self.send(Node::Server(i), from, Msg::ClientRetry(op.id)),
+            // Join a borrow of the same tables, as the real server does, or ask for one.
             Admit::NeedBorrow => {
-                let (id, acts) = p.borrow(&op.tables, now);
-                if let Some(id) = id {
-                    self.stats.borrows += 1;
-                    s.waiting.entry(id).or_default().push(op);
+                let tables = op.tables.clone();
+                match s.borrows.join(&tables, now, op) {
+                    Join::Run { id, waiter } => return self.run_borrowed(i, id, waiter),
+                    Join::Wait(_) => {}
+                    Join::Ask(op) => {
+                        let (id, acts) = p.borrow(&tables, now);
+                        match id {
+                            Some(id) => {
+                                self.stats.borrows += 1;
+                                s.borrows.asked(id, &tables, op);
+                            }
+                            None => self.send(Node::Server(i), from, Msg::ClientRetry(op.id)),
+                        }
+                        self.actions(i, acts)?;
+                    }
                 }
-                self.actions(i, acts)?;
             }
         }
         Ok(())
+    }
+
+    /// `op` runs under granted borrow `id`: admitted again now that the tables are here,
+    /// else told to ask again; either way it leaves the borrow once it ran.
+    fn run_borrowed(&mut self, i: usize, id: BorrowId, op: Op) -> Result<(), String> {
+        let local = self.local(i);
+        let (me, client) = (Node::Server(i), Node::Client(op.client));
+        let s = &mut self.servers[i];
+        if already_applied(s, &op, local) {
+            self.send(me, client, Msg::ClientOk(op.id));
+            return self.leave_borrow(i, id);
+        }
+        let Some(p) = s.p.as_mut() else {
+            return Ok(());
+        };
+        if p.admit(&op.tables, local) == Admit::Ok {
+            s.admitted.push((op, Some(id)));
+            return Ok(());
+        }
+        self.send(me, client, Msg::ClientRetry(op.id));
+        self.leave_borrow(i, id)
+    }
+
+    /// One operation is done with borrow `id`; the last one returns it.
+    fn leave_borrow(&mut self, i: usize, id: BorrowId) -> Result<(), String> {
+        let local = self.local(i);
+        let s = &mut self.servers[i];
+        if !s.borrows.leave(id) {
+            return Ok(());
+        }
+        let acts = match s.p.as_mut() {
+            Some(p) => p.borrow_done(id, local),
+            None => Vec::new(),
+        };
+        self.actions(i, acts)
     }
 
     fn server_tick(&mut self, i: usize) -> Result<(), String> {
@@ -776,8 +838,11 @@ impl World {
         let (Some(inc), true) = (p.incarnation(), p.can_ack(now)) else {
             return Ok(());
         };
-        // Execute some admitted operations: apply in memory, append to the journal.
+        // Execute some admitted operations: apply in memory, append to the journal. Like
+        // the real server's, an operation leaves its borrow once it ran and ends (and may
+        // complete a drain) once its record is durable.
         let admitted = std::mem::take(&mut s.admitted);
+        let mut left = Vec::new();
         for (op, b) in admitted {
             if self.rng.chance(500) {
                 s.admitted.push((op, b));
@@ -795,10 +860,15 @@ impl World {
                 tables: op.tables.clone(),
             };
             self.store.append(inc, rec);
-            s.executed.push((op, b));
+            s.ends.wait(s.next_lsn, op);
+            left.extend(b);
         }
+        for b in left {
+            self.leave_borrow(i, b)?;
+        }
+        let s = &mut self.servers[i];
         // Group commit: one sync acknowledges every executed operation.
-        if s.executed.is_empty() || !self.rng.chance(500) {
+        if s.ends.is_empty() || !self.rng.chance(500) {
             return Ok(());
         }
         self.dirty = true;
@@ -806,9 +876,9 @@ impl World {
             let _ = e;
             return self.fenced(i);
         }
-        let done = std::mem::take(&mut s.executed);
+        let done = s.ends.durable(s.next_lsn);
         let mut acts = Vec::new();
-        for (op, b) in done {
+        for op in done {
             let Some(p) = s.p.as_mut() else { break };
             if p.can_ack(now) {
                 self.acked.insert(op.id, op.tables.clone());
@@ -825,15 +895,6 @@ impl World {
                 );
             }
             acts.extend(p.end_op(&op.tables));
-            if let Some(b) = b
-                && let Some(n) = s.running.get_mut(&b)
-            {
-                *n -= 1;
-                if *n == 0 {
-                    s.running.remove(&b);
-                    acts.extend(p.borrow_done(b, now));
-                }
-            }
         }
         self.actions(i, acts)
     }
@@ -873,39 +934,24 @@ impl World {
                     self.actions(i, acts)?;
                 }
                 Action::RunBorrowed { id } => {
-                    let ops = self.servers[i].waiting.remove(&id).unwrap_or_default();
-                    let mut n = 0;
                     let local = self.local(i);
-                    for op in ops {
-                        let s = &mut self.servers[i];
-                        if already_applied(s, &op, local) {
-                            let c = Node::Client(op.client);
-                            self.send(me, c, Msg::ClientOk(op.id));
-                            continue;
+                    match self.servers[i].borrows.granted(id, local) {
+                        Granted::Run(ops) => {
+                            for op in ops {
+                                self.run_borrowed(i, id, op)?;
+                            }
                         }
-                        let s = &mut self.servers[i];
-                        let Some(p) = s.p.as_mut() else { break };
-                        if p.admit(&op.tables, local) == Admit::Ok {
-                            s.admitted.push((op, Some(id)));
-                            n += 1;
-                        } else {
-                            let c = Node::Client(op.client);
-                            self.send(me, c, Msg::ClientRetry(op.id));
+                        Granted::Return => {
+                            let acts = match self.servers[i].p.as_mut() {
+                                Some(p) => p.borrow_done(id, local),
+                                None => Vec::new(),
+                            };
+                            self.actions(i, acts)?;
                         }
-                    }
-                    if n == 0 {
-                        let acts = match self.servers[i].p.as_mut() {
-                            Some(p) => p.borrow_done(id, local),
-                            None => Vec::new(),
-                        };
-                        self.actions(i, acts)?;
-                    } else {
-                        self.servers[i].running.insert(id, n);
                     }
                 }
                 Action::BorrowFailed { id } => {
-                    let ops = self.servers[i].waiting.remove(&id).unwrap_or_default();
-                    for op in ops {
+                    for op in self.servers[i].borrows.failed(id) {
                         self.send(me, Node::Client(op.client), Msg::ClientRetry(op.id));
                     }
                 }
@@ -1123,12 +1169,7 @@ impl World {
                 if s.paused_until > now || !p.can_ack(local) {
                     continue;
                 }
-                let busy = s
-                    .admitted
-                    .iter()
-                    .chain(s.executed.iter())
-                    .any(|(o, _)| o.tables.contains(&t));
-                if p.serves(t, local) || busy {
+                if p.serves(t, local) || s.busy_on(t) {
                     who.push(s.id.0);
                 }
             }
