@@ -21,6 +21,7 @@ use kochab_proto::cluster::{
 use crate::driver::{Driver, DriverAction, DriverConfig};
 use crate::host::borrows::{Borrows, Granted, Join};
 use crate::host::ends::Ends;
+use crate::host::load::{Claim, LoadPlan, Owner};
 use crate::participant::{Action, Admit, Break, Participant, ParticipantConfig};
 use crate::router::{Retry, Route, Router};
 use crate::state::CoordState;
@@ -160,17 +161,19 @@ impl SimStore {
             return Vec::new();
         };
         let mut ops = m.ops.clone();
-        if let Some((j, from)) = m.replay
-            && let Some(jr) = self.journals.get(&j)
-        {
-            ops.extend(
-                jr.durable
-                    .iter()
-                    .filter(|r| r.lsn >= from && r.tables.contains(&t))
-                    .map(|r| r.op),
-            );
+        if let Some((j, from)) = m.replay {
+            ops.extend(self.replay(j, from, t));
         }
         ops
+    }
+
+    /// The operations on `t` in `j`'s durable journal from record `from` on.
+    fn replay(&self, j: Incarnation, from: u64, t: TableId) -> impl Iterator<Item = OpId> {
+        let records = self.journals.get(&j).map_or(&[][..], |jr| &jr.durable[..]);
+        records
+            .iter()
+            .filter(move |r| r.lsn >= from && r.tables.contains(&t))
+            .map(|r| r.op)
     }
 }
 
@@ -973,7 +976,8 @@ impl World {
     }
 
     /// ADD / recovery: read each manifest, seal and replay a fenced journal it names,
-    /// write a manifest naming this incarnation.
+    /// write a manifest naming this incarnation. What each table takes is the real
+    /// server's decision ([`LoadPlan`]).
     fn load(&mut self, i: usize, tables: &[TableId], epochs: &[Incarnation]) -> Result<(), String> {
         let s = &self.servers[i];
         let me =
@@ -982,41 +986,33 @@ impl World {
                 .ok_or("not live")?;
         // First check every table, writing nothing: a load that fails half-way would leave
         // manifests naming a server that does not serve them.
-        let mut plan = Vec::new();
+        let mut plan = LoadPlan::new(Owner::from(me), epochs);
+        let mut claims = Vec::new();
         for t in tables {
             let m = self.store.manifests.get(t).cloned();
-            if let Some((j, _)) = m.as_ref().and_then(|m| m.replay)
-                && j != me
-            {
-                let current = epochs
-                    .iter()
-                    .find(|e| e.server == j.server)
-                    .map(|e| e.epoch);
-                if current.is_none_or(|c| j.epoch >= c) {
-                    return Err(format!("{:#x} is still owned by live {j:?}", t.0));
-                }
-            }
-            plan.push((*t, m));
+            let owner = m
+                .as_ref()
+                .and_then(|m| m.replay)
+                .map(|(j, _)| Owner::from(j));
+            let claim = plan
+                .claim(*t, owner, || s.mem.contains_key(t))
+                .map_err(|e| e.to_string())?;
+            claims.push((*t, m, claim));
         }
         let mut loaded = Vec::new();
-        for (t, m) in plan {
-            let mut ops = Vec::new();
-            if let Some(m) = &m {
-                ops = m.ops.clone();
-                // A manifest naming this incarnation is from an earlier try of this load.
-                if let Some((j, from)) = m.replay {
-                    if j != me && self.cfg.broken != Some(Break::Fencing) {
-                        self.store.seal(j);
-                    }
-                    if let Some(jr) = self.store.journals.get(&j) {
-                        ops.extend(
-                            jr.durable
-                                .iter()
-                                .filter(|r| r.lsn >= from && r.tables.contains(&t))
-                                .map(|r| r.op),
-                        );
-                    }
+        for (t, m, claim) in claims {
+            if claim == Claim::Earlier {
+                continue;
+            }
+            let version = m.as_ref().map(|m| m.version);
+            let mut ops = m.as_ref().map(|m| m.ops.clone()).unwrap_or_default();
+            if let Claim::Recover(_) = claim
+                && let Some((j, from)) = m.and_then(|m| m.replay)
+            {
+                if self.cfg.broken != Some(Break::Fencing) {
+                    self.store.seal(j);
                 }
+                ops.extend(self.store.replay(j, from, t));
             }
             let new = Manifest {
                 version: 0,
@@ -1024,7 +1020,7 @@ impl World {
                 ops: ops.clone(),
                 replay: Some((me, self.servers[i].next_lsn + 1)),
             };
-            self.store.cas_manifest(t, m.map(|m| m.version), new, me)?;
+            self.store.cas_manifest(t, version, new, me)?;
             self.dirty = true;
             loaded.push((t, ops));
         }
