@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use kochab_proto::cluster::{
     BorrowId, Control, ControlReply, CoordCommand, CoordReply, DelegationMap, Incarnation,
-    ServerId, ServerRequest, TableId,
+    MapVersion, ServerId, ServerRequest, TableId,
 };
 
 use crate::driver::{Driver, DriverAction, DriverConfig};
@@ -23,7 +23,7 @@ use crate::host::borrows::{Borrows, Granted, Join};
 use crate::host::ends::Ends;
 use crate::host::load::{Claim, LoadPlan, Owner};
 use crate::participant::{Action, Admit, Break, Participant, ParticipantConfig};
-use crate::router::{Retry, Route, Router};
+use crate::router::{Retries, Retry, RetryPolicy, Route, Router};
 use crate::state::CoordState;
 
 /// splitmix64: small, fast, and the same on every machine.
@@ -209,7 +209,6 @@ enum Msg {
     ClientWrong {
         op: OpId,
         table: TableId,
-        version: kochab_proto::cluster::MapVersion,
         owner: Option<ServerId>,
     },
     ClientRetry(OpId),
@@ -292,13 +291,35 @@ fn already_applied(s: &SimServer, op: &Op, now: u64) -> bool {
         .any(|t| p.serves(*t, now) && s.mem.get(t).is_some_and(|v| v.contains(&op.id)))
 }
 
+/// How long a simulated client waits for the answer to one attempt before it counts as
+/// unanswered (the real client's `request_timeout`, scaled to the simulated network's
+/// 1-40 ms delays).
+const ATTEMPT_TIMEOUT_MS: u64 = 300;
+
+/// How long a simulated client waits for a map it asked for before it routes again.
+const FETCH_TIMEOUT_MS: u64 = 100;
+
+/// A client's operation in progress, retried as the real client retries a request.
 struct Current {
     op: Op,
-    started: u64,
+    retries: Retries,
     next_try: u64,
-    attempts: u32,
-    /// Sent to this server and not answered yet.
-    sent_to: Option<ServerId>,
+    /// The attempt awaiting an answer: its server and the map version it was routed by.
+    sent: Option<(ServerId, MapVersion)>,
+    /// A map was asked for since the last failure.
+    fetched: bool,
+}
+
+impl Current {
+    fn new(op: Op, now: u64) -> Current {
+        Current {
+            op,
+            retries: Retries::new(RetryPolicy::default()),
+            next_try: now,
+            sent: None,
+            fetched: false,
+        }
+    }
 }
 
 struct SimClient {
@@ -724,7 +745,7 @@ impl World {
                 }
             }
             Node::Server(i) => self.server_msg(i, from, msg)?,
-            Node::Client(c) => self.client_msg(c, msg),
+            Node::Client(c) => self.client_msg(c, from, msg)?,
         }
         Ok(())
     }
@@ -759,11 +780,10 @@ impl World {
         };
         match p.admit(&op.tables, now) {
             Admit::Ok => s.admitted.push((op, None)),
-            Admit::WrongServer { map_version, owner } => {
+            Admit::WrongServer { owner, .. } => {
                 let m = Msg::ClientWrong {
                     op: op.id,
                     table: op.tables[0],
-                    version: map_version,
                     owner,
                 };
                 self.send(Node::Server(i), from, m);
@@ -1051,6 +1071,8 @@ impl World {
         self.store.cas_manifest(t, Some(version), new, me)
     }
 
+    /// Client `c`'s next attempt, when it is due: the last one went unanswered (the route
+    /// is stale), or route the operation and send it, or fetch a map.
     fn client_tick(&mut self, c: usize) -> Result<(), String> {
         let now = self.now;
         let cl = &mut self.clients[c];
@@ -1058,13 +1080,7 @@ impl World {
             let Some(op) = cl.ops.pop_front() else {
                 return Ok(());
             };
-            cl.cur = Some(Current {
-                op,
-                started: now,
-                next_try: now,
-                attempts: 0,
-                sent_to: None,
-            });
+            cl.cur = Some(Current::new(op, now));
         }
         let Some(cur) = cl.cur.as_mut() else {
             return Ok(());
@@ -1072,84 +1088,107 @@ impl World {
         if now < cur.next_try {
             return Ok(());
         }
-        if let Retry::GiveUp = cl.router.retry(cur.started, now, cur.attempts) {
-            // A storm of faults may outlast one retry budget (a client-visible error, which
-            // the application retries); after the faults stop it must not happen.
-            if cur.started >= self.cfg.fault_end_ms {
-                return Err(format!("client {c} gave up on op {}", cur.op.id));
-            }
-            self.stats.client_errors += 1;
-            cur.started = now;
-            cur.attempts = 0;
+        let table = cur.op.tables[0];
+        if let Some((_, routed_by)) = cur.sent.take() {
+            cl.router.on_unreachable(Some(table), routed_by);
+            return self.client_failed(c);
         }
-        if cur.attempts > 0 && cur.sent_to.is_some() {
-            cl.router.on_timeout(cur.op.tables[0]);
-        }
-        cur.sent_to = None;
-        cur.attempts += 1;
-        let op = cur.op.clone();
-        match cl.router.route(op.tables[0]) {
+        let routed_by = cl.router.map_version();
+        match cl.router.route(table) {
             Route::Server { id, .. } => {
-                cur.next_try = now + 300;
-                cur.sent_to = Some(id);
-                self.send(
-                    Node::Client(c),
-                    Node::Server(id.0 as usize),
-                    Msg::ClientOp(op),
-                );
+                cur.next_try = now + ATTEMPT_TIMEOUT_MS;
+                cur.sent = Some((id, routed_by));
+                let op = cur.op.clone();
+                let to = Node::Server(id.0 as usize);
+                self.send(Node::Client(c), to, Msg::ClientOp(op));
             }
-            Route::FetchMap { .. } => {
-                cur.next_try = now + 100;
+            Route::FetchMap { .. } if !cur.fetched => {
+                cur.fetched = true;
+                cur.next_try = now + FETCH_TIMEOUT_MS;
                 self.send(Node::Client(c), Node::Coord, Msg::GetMap);
+            }
+            // The map fetched since the last failure did not place the table, or never came.
+            Route::FetchMap { .. } => return self.client_failed(c),
+        }
+        Ok(())
+    }
+
+    /// Client `c`'s attempt failed: pause as the retry policy says, or give up.
+    fn client_failed(&mut self, c: usize) -> Result<(), String> {
+        let now = self.now;
+        let Some(cur) = self.clients[c].cur.as_mut() else {
+            return Ok(());
+        };
+        cur.sent = None;
+        cur.fetched = false;
+        match cur.retries.failed(now) {
+            Retry::After { delay_ms } => cur.next_try = now + delay_ms,
+            Retry::GiveUp => {
+                // A storm of faults may outlast one retry budget (a client-visible error,
+                // which the application retries); after the faults stop it must not happen.
+                if cur
+                    .retries
+                    .since_ms()
+                    .is_some_and(|t| t >= self.cfg.fault_end_ms)
+                {
+                    return Err(format!("client {c} gave up on op {}", cur.op.id));
+                }
+                self.stats.client_errors += 1;
+                cur.retries = Retries::new(RetryPolicy::default());
+                cur.next_try = now;
             }
         }
         Ok(())
     }
 
-    fn client_msg(&mut self, c: usize, msg: Msg) {
+    /// An answer reached client `c` from `from`. A server's answer counts only for the
+    /// attempt that awaits it (a late duplicate of an earlier one does not), except a
+    /// success, which ends the operation whichever attempt it answers.
+    fn client_msg(&mut self, c: usize, from: Node, msg: Msg) -> Result<(), String> {
         let now = self.now;
         let cl = &mut self.clients[c];
-        let delay =
-            |cl: &SimClient, cur: &Current| match cl.router.retry(cur.started, now, cur.attempts) {
-                Retry::After { delay_ms } => now + delay_ms,
-                Retry::GiveUp => now,
-            };
+        let awaited = |cur: &Current, op: OpId| match cur.sent {
+            Some((s, routed_by)) if cur.op.id == op && from == Node::Server(s.0 as usize) => {
+                Some((s, routed_by))
+            }
+            _ => None,
+        };
         match msg {
             Msg::Map(m) => {
                 cl.router.on_map(m);
-                if let Some(cur) = cl.cur.as_mut() {
+                if let Some(cur) = cl.cur.as_mut()
+                    && cur.fetched
+                    && cur.sent.is_none()
+                {
                     cur.next_try = now;
                 }
             }
             Msg::ClientOk(op) if cl.cur.as_ref().is_some_and(|c| c.op.id == op) => {
                 cl.cur = None;
             }
-            Msg::ClientWrong {
-                op,
-                table,
-                version,
-                owner,
-            } => {
-                cl.router.on_wrong_server(table, version, owner);
-                if let Some(cur) = cl.cur.as_ref().filter(|c| c.op.id == op) {
-                    let t = delay(cl, cur);
-                    if let Some(cur) = cl.cur.as_mut() {
-                        cur.next_try = t;
-                        cur.sent_to = None;
-                    }
+            Msg::ClientWrong { op, table, owner } => {
+                let Some(cur) = cl.cur.as_mut() else {
+                    return Ok(());
+                };
+                let Some((server, routed_by)) = awaited(cur, op) else {
+                    return Ok(());
+                };
+                cl.router
+                    .on_wrong_server(Some(table), routed_by, owner, None);
+                // Named a new owner elsewhere: go there at once, a few times.
+                if owner.is_some_and(|o| o != server) && cur.retries.follow_hint() {
+                    cur.sent = None;
+                    cur.next_try = now;
+                    return Ok(());
                 }
+                return self.client_failed(c);
             }
-            Msg::ClientRetry(op) => {
-                if let Some(cur) = cl.cur.as_ref().filter(|c| c.op.id == op) {
-                    let t = delay(cl, cur);
-                    if let Some(cur) = cl.cur.as_mut() {
-                        cur.next_try = t;
-                        cur.sent_to = None;
-                    }
-                }
+            Msg::ClientRetry(op) if cl.cur.as_ref().and_then(|cur| awaited(cur, op)).is_some() => {
+                return self.client_failed(c);
             }
             _ => {}
         }
+        Ok(())
     }
 
     /// The invariants, after every step.
