@@ -21,7 +21,7 @@ use kochab_proto::cluster::{
 use crate::driver::{Driver, DriverAction, DriverConfig};
 use crate::host::borrows::{Borrows, Granted, Join};
 use crate::host::ends::Ends;
-use crate::host::load::{Claim, LoadPlan, Owner};
+use crate::host::load::{Claim, LOAD_REPORT_EVERY_MS, LoadCounter, LoadPlan, Owner};
 use crate::participant::{Action, Admit, Break, Participant, ParticipantConfig};
 use crate::router::{Retries, Retry, RetryPolicy, Route, Router};
 use crate::state::CoordState;
@@ -240,6 +240,10 @@ struct SimServer {
     borrows: Borrows<Op>,
     /// Ran, and wait for their journal record to be durable (the real server's too).
     ends: Ends<Op>,
+    /// Operations admitted per table since the last load report, and when that was (host
+    /// clock).
+    load: LoadCounter,
+    last_load_ms: u64,
 }
 
 impl SimServer {
@@ -253,6 +257,8 @@ impl SimServer {
             admitted: Vec::new(),
             borrows: Borrows::new(),
             ends: Ends::new(),
+            load: LoadCounter::default(),
+            last_load_ms: 0,
         }
     }
 
@@ -262,6 +268,7 @@ impl SimServer {
         self.admitted.clear();
         self.borrows = Borrows::new();
         self.ends.clear();
+        self.load = LoadCounter::default();
     }
 
     fn busy_with(&self, op: OpId) -> bool {
@@ -689,10 +696,12 @@ impl World {
 
     fn restart(&mut self, i: usize) {
         let nonce = self.rng.next_u64();
+        let local = self.local(i);
         let s = &mut self.servers[i];
         if s.p.is_none() {
             s.reset();
             s.p = Some(Participant::new(s.id, format!("s{i}"), nonce, self.pcfg));
+            s.last_load_ms = local;
         }
     }
 
@@ -779,7 +788,10 @@ impl World {
             return Ok(());
         };
         match p.admit(&op.tables, now) {
-            Admit::Ok => s.admitted.push((op, None)),
+            Admit::Ok => {
+                s.load.admitted(op.tables[0]);
+                s.admitted.push((op, None));
+            }
             Admit::WrongServer { owner, .. } => {
                 let m = Msg::ClientWrong {
                     op: op.id,
@@ -826,6 +838,7 @@ impl World {
             return Ok(());
         };
         if p.admit(&op.tables, local) == Admit::Ok {
+            s.load.admitted(op.tables[0]);
             s.admitted.push((op, Some(id)));
             return Ok(());
         }
@@ -854,6 +867,7 @@ impl World {
         };
         let acts = p.tick(now);
         self.actions(i, acts)?;
+        self.report_load(i)?;
         let s = &mut self.servers[i];
         let Some(p) = s.p.as_ref() else {
             return Ok(());
@@ -919,6 +933,27 @@ impl World {
             }
             acts.extend(p.end_op(&op.tables));
         }
+        self.actions(i, acts)
+    }
+
+    /// Every [`LOAD_REPORT_EVERY_MS`], as the real server does: each held table's
+    /// operations admitted since the last report and its size (its operations here).
+    fn report_load(&mut self, i: usize) -> Result<(), String> {
+        let now = self.local(i);
+        let s = &mut self.servers[i];
+        let Some(p) = s.p.as_mut() else {
+            return Ok(());
+        };
+        if now < s.last_load_ms.saturating_add(LOAD_REPORT_EVERY_MS) {
+            return Ok(());
+        }
+        s.last_load_ms = now;
+        let sizes = s.mem.iter().map(|(t, ops)| (*t, ops.len() as u64));
+        let loads = std::mem::take(&mut s.load).report(sizes, &p.tables());
+        if loads.is_empty() {
+            return Ok(());
+        }
+        let acts = p.report_load(loads);
         self.actions(i, acts)
     }
 
