@@ -211,7 +211,6 @@ enum Msg {
         table: TableId,
         owner: Option<ServerId>,
     },
-    ClientRetry(OpId),
     GetMap,
     Map(DelegationMap),
 }
@@ -305,6 +304,17 @@ const ATTEMPT_TIMEOUT_MS: u64 = 300;
 
 /// How long a simulated client waits for a map it asked for before it routes again.
 const FETCH_TIMEOUT_MS: u64 = 100;
+
+/// "Not now, ask again" (a table loading, a lease being renewed, a borrow refused or
+/// moved on), told as the real server tells it: WrongServer without a hint, so the client
+/// fetches the map again before it retries.
+fn not_ready(op: &Op) -> Msg {
+    Msg::ClientWrong {
+        op: op.id,
+        table: op.tables[0],
+        owner: None,
+    }
+}
 
 /// A client's operation in progress, retried as the real client retries a request.
 struct Current {
@@ -800,7 +810,7 @@ impl World {
                 };
                 self.send(Node::Server(i), from, m);
             }
-            Admit::NotReady => self.send(Node::Server(i), from, Msg::ClientRetry(op.id)),
+            Admit::NotReady => self.send(Node::Server(i), from, not_ready(&op)),
             // Join a borrow of the same tables, as the real server does, or ask for one.
             Admit::NeedBorrow => {
                 let tables = op.tables.clone();
@@ -814,7 +824,7 @@ impl World {
                                 self.stats.borrows += 1;
                                 s.borrows.asked(id, &tables, op);
                             }
-                            None => self.send(Node::Server(i), from, Msg::ClientRetry(op.id)),
+                            None => self.send(Node::Server(i), from, not_ready(&op)),
                         }
                         self.actions(i, acts)?;
                     }
@@ -842,7 +852,7 @@ impl World {
             s.admitted.push((op, Some(id)));
             return Ok(());
         }
-        self.send(me, client, Msg::ClientRetry(op.id));
+        self.send(me, client, not_ready(&op));
         self.leave_borrow(i, id)
     }
 
@@ -1010,7 +1020,7 @@ impl World {
                 }
                 Action::BorrowFailed { id } => {
                     for op in self.servers[i].borrows.failed(id) {
-                        self.send(me, Node::Client(op.client), Msg::ClientRetry(op.id));
+                        self.send(me, Node::Client(op.client), not_ready(&op));
                     }
                 }
                 Action::Fence => return self.fenced(i),
@@ -1216,9 +1226,6 @@ impl World {
                     cur.next_try = now;
                     return Ok(());
                 }
-                return self.client_failed(c);
-            }
-            Msg::ClientRetry(op) if cl.cur.as_ref().and_then(|cur| awaited(cur, op)).is_some() => {
                 return self.client_failed(c);
             }
             _ => {}
