@@ -824,24 +824,20 @@ impl Client {
         let budget_ms = self.inner.config.retry_budget.as_millis() as u64;
         let mut retries = Retries::new(RetryPolicy::cluster(budget_ms));
         let started = Instant::now();
-        let mut fetched = false;
         let mut stale_retried = false;
         loop {
             let step = self.inner.routing.lock().step(target);
             let err = match step {
-                Step::Fetch { entry } if !fetched => {
+                // One fetch between two failures (`Retries::fetch`).
+                Step::Fetch { entry } if retries.fetch() => {
                     // One fetch at a time: after a move, every request in flight finds the
                     // map dropped, and one GetMap answers them all.
                     let _one = self.inner.fetching.lock().await;
                     if self.inner.routing.lock().routes(target) {
-                        fetched = true;
                         continue;
                     }
                     match self.fetch_map(&entry).await {
-                        Ok(()) => {
-                            fetched = true;
-                            continue;
-                        }
+                        Ok(()) => continue,
                         Err(Outcome::Refused(e)) => return Err(e),
                         Err(Outcome::Error(e) | Outcome::Unreachable(e)) => e,
                         Err(_) => fs_err!(EPROTO, "{entry} answered GetMap with no map"),
@@ -910,7 +906,6 @@ impl Client {
                     }
                 }
             };
-            fetched = false;
             let next = retries.failed(started.elapsed().as_millis() as u64);
             tracing::debug!(
                 "{} of inode {target:#x}: failure {} ({err}); {next:?}",

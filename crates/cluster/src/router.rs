@@ -113,6 +113,8 @@ pub struct Retries {
     since_ms: Option<u64>,
     failures: u32,
     followed: u32,
+    /// A map was fetched for it since its last failure.
+    fetched: bool,
 }
 
 impl Retries {
@@ -123,6 +125,7 @@ impl Retries {
             since_ms: None,
             failures: 0,
             followed: 0,
+            fetched: false,
         }
     }
 
@@ -138,6 +141,7 @@ impl Retries {
     pub fn failed(&mut self, now_ms: u64) -> Retry {
         let since = *self.since_ms.get_or_insert(now_ms);
         self.failures = self.failures.saturating_add(1);
+        self.fetched = false;
         self.policy
             .after(now_ms.saturating_sub(since), self.failures)
     }
@@ -151,6 +155,19 @@ impl Retries {
         }
         self.followed += 1;
         true
+    }
+
+    /// The cached map cannot route the request: true if it fetches one now, false if one
+    /// was fetched since its last failure and did not help (a failure: call
+    /// [`Retries::failed`]). One fetch per failure, so a map that never places the
+    /// request's table costs pauses, and the budget ends it.
+    pub fn fetch(&mut self) -> bool {
+        !std::mem::replace(&mut self.fetched, true)
+    }
+
+    /// True if a map was fetched since the last failure.
+    pub fn fetched(&self) -> bool {
+        self.fetched
     }
 
     /// When the budget started to run (none before the first failure, unless given).
@@ -477,5 +494,18 @@ mod tests {
         }
         assert!(!r.follow_hint());
         assert_eq!(r.failures(), 0, "following a hint is no failure");
+    }
+
+    #[test]
+    fn a_map_is_fetched_once_between_two_failures() {
+        let mut r = Retries::new(RetryPolicy::default());
+        assert!(!r.fetched());
+        assert!(r.fetch());
+        assert!(r.fetched());
+        assert!(!r.fetch(), "the fetched map did not help: a failure");
+        assert_eq!(r.failures(), 0);
+        r.failed(0);
+        assert!(!r.fetched());
+        assert!(r.fetch());
     }
 }

@@ -323,8 +323,6 @@ struct Current {
     next_try: u64,
     /// The attempt awaiting an answer: its server and the map version it was routed by.
     sent: Option<(ServerId, MapVersion)>,
-    /// A map was asked for since the last failure.
-    fetched: bool,
 }
 
 impl Current {
@@ -334,7 +332,6 @@ impl Current {
             retries: Retries::new(RetryPolicy::default()),
             next_try: now,
             sent: None,
-            fetched: false,
         }
     }
 }
@@ -1147,8 +1144,7 @@ impl World {
                 let to = Node::Server(id.0 as usize);
                 self.send(Node::Client(c), to, Msg::ClientOp(op));
             }
-            Route::FetchMap { .. } if !cur.fetched => {
-                cur.fetched = true;
+            Route::FetchMap { .. } if cur.retries.fetch() => {
                 cur.next_try = now + FETCH_TIMEOUT_MS;
                 self.send(Node::Client(c), Node::Coord, Msg::GetMap);
             }
@@ -1165,7 +1161,6 @@ impl World {
             return Ok(());
         };
         cur.sent = None;
-        cur.fetched = false;
         match cur.retries.failed(now) {
             Retry::After { delay_ms } => cur.next_try = now + delay_ms,
             Retry::GiveUp => {
@@ -1202,7 +1197,7 @@ impl World {
             Msg::Map(m) => {
                 cl.router.on_map(m);
                 if let Some(cur) = cl.cur.as_mut()
-                    && cur.fetched
+                    && cur.retries.fetched()
                     && cur.sent.is_none()
                 {
                     cur.next_try = now;
