@@ -276,13 +276,10 @@ impl SimServer {
             || self.borrows.waiters().any(|o| o.id == op)
     }
 
-    /// True while an admitted operation on `t` has not ended.
-    fn busy_on(&self, t: TableId) -> bool {
-        self.admitted
-            .iter()
-            .map(|(o, _)| o)
-            .chain(self.ends.iter())
-            .any(|o| o.tables.contains(&t))
+    /// The tables of admitted operations that have not ended (some more than once).
+    fn busy_tables(&self) -> Vec<TableId> {
+        let ops = self.admitted.iter().map(|(o, _)| o).chain(self.ends.iter());
+        ops.flat_map(|o| o.tables.iter().copied()).collect()
     }
 }
 
@@ -1231,21 +1228,24 @@ impl World {
     /// The invariants, after every step.
     fn check(&mut self) -> Result<(), String> {
         let now = self.now;
-        // No two servers serve one table at any instant.
+        // No two servers serve one table at any instant: the servers that could act now,
+        // each with its clock and the tables of its operations not ended yet.
+        let mut active = Vec::new();
+        for (i, s) in self.servers.iter().enumerate() {
+            let Some(p) = s.p.as_ref() else { continue };
+            let local = self.local(i);
+            if s.paused_until > now || !p.can_ack(local) {
+                continue;
+            }
+            active.push((s.id.0, p, local, s.busy_tables()));
+        }
         for k in 0..self.cfg.tables as u64 {
             let t = TableId(k << 20);
-            let mut who = Vec::new();
-            for (i, s) in self.servers.iter().enumerate() {
-                let Some(p) = s.p.as_ref() else { continue };
-                let local = self.local(i);
-                if s.paused_until > now || !p.can_ack(local) {
-                    continue;
-                }
-                if p.serves(t, local) || s.busy_on(t) {
-                    who.push(s.id.0);
-                }
-            }
-            if who.len() > 1 {
+            let serving = |(_, p, local, busy): &&(u32, &Participant, u64, Vec<TableId>)| {
+                p.serves(t, *local) || busy.contains(&t)
+            };
+            if active.iter().filter(serving).nth(1).is_some() {
+                let who: Vec<u32> = active.iter().filter(serving).map(|a| a.0).collect();
                 return Err(format!(
                     "table {:#x} served by servers {who:?} at once",
                     t.0
