@@ -6,6 +6,12 @@
 //! in-memory object store that loses unsynced writes on a crash and offers the conditional
 //! writes fencing relies on.
 //!
+//! What runs is the real code, not a model of it: the coordinator's state and driver, each
+//! server's participant and its host's bookkeeping ([`crate::host`]: borrow slots and
+//! joins, operations ending once their record is durable, the load decision for each
+//! table, load reports), and each client's router and retry policy
+//! ([`crate::router::Retries`]). Only the engine, the journal and the store are models.
+//!
 //! After every step it checks: no two servers serve one table at any instant, every
 //! acknowledged operation is in the durable state exactly once, the coordinator's own
 //! invariants, and that no manifest was ever taken over from a journal still writable.
