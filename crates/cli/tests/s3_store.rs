@@ -425,6 +425,7 @@ fn the_journal_runs_over_the_s3_store_in_memory() {
     let opts = JournalOptions {
         segment_bytes: 1 << 20,
         fsync: true,
+        ..Default::default()
     };
     let j = Arc::new(Journal::start(s.clone(), old, 1, opts.clone(), None).unwrap());
     assert!(j.as_objects());

@@ -31,6 +31,7 @@ use crate::segment::{
     self, BLOCK, JournalId, SEGMENT_DATA_START, SEGMENT_HEADER_BYTES, encode_header, segment_name,
 };
 use crate::uploads::{Acks, Kept, Uploads};
+use kochab_breaks::{Break, Breaks};
 use kochab_store::{AlignedBuf, Object, ObjectStore};
 use parking_lot::{Condvar, Mutex};
 use std::io;
@@ -49,6 +50,12 @@ pub struct JournalOptions {
     /// "buffered" mode: a crash of the machine (not of the process) may lose acknowledged
     /// operations.
     pub fsync: bool,
+    /// Longest a record waits for its flush when nobody asked for one (see [`LAZY_FLUSH`],
+    /// the default). A deterministic simulation sets it beyond its run, so that records
+    /// become durable only when it asks ([`Journal::flush_now`], [`Journal::wait_durable`]).
+    pub lazy_flush: std::time::Duration,
+    /// Deliberate bugs switched on (only a simulation sets any).
+    pub breaks: Breaks,
 }
 
 /// Longest a record waits for its flush when nobody has asked for it ([`Journal::flush_now`]
@@ -63,6 +70,8 @@ impl Default for JournalOptions {
         JournalOptions {
             segment_bytes: 32 << 20,
             fsync: true,
+            lazy_flush: LAZY_FLUSH,
+            breaks: Breaks::NONE,
         }
     }
 }
@@ -386,7 +395,15 @@ impl Journal {
 
     /// Flushes what is appended at once (someone waits for it), not within `LAZY_FLUSH`.
     pub fn flush_now(&self) {
-        self.shared.state.lock().urgent = true;
+        let mut st = self.shared.state.lock();
+        // Nothing waits in the active buffer (what was asked for is being written): a
+        // flag left set would make the next lone record, which nobody waits for, skip its
+        // lazy wait.
+        if st.active.is_empty() {
+            return;
+        }
+        st.urgent = true;
+        drop(st);
         self.shared.wake_flusher.notify_one();
     }
 
@@ -760,7 +777,11 @@ impl SegmentSink {
         }
         // Durable, but not yet acknowledged: only if nobody has sealed the journal since
         // (see the module comment for why this order makes fencing exact).
-        match shared.store.exists(&shared.seal_name) {
+        let sealed = match shared.options.breaks.has(Break::Fencing) {
+            true => Ok(false),
+            false => shared.store.exists(&shared.seal_name),
+        };
+        match sealed {
             Ok(false) => {}
             Ok(true) => {
                 shared.fail(format!(
@@ -805,8 +826,9 @@ fn flusher_loop(shared: Arc<Shared>, mut sink: Sink, observer: Option<Arc<dyn Jo
                     _ if st.active.is_empty() => shared.wake_flusher.wait(&mut st),
                     // Every PUT slot is taken: the group grows until one returns.
                     _ if !sink.has_room() => shared.wake_flusher.wait(&mut st),
-                    Some(a) if !st.urgent && a < LAZY_FLUSH => {
-                        shared.wake_flusher.wait_for(&mut st, LAZY_FLUSH - a);
+                    Some(a) if !st.urgent && a < shared.options.lazy_flush => {
+                        let left = shared.options.lazy_flush - a;
+                        shared.wake_flusher.wait_for(&mut st, left);
                     }
                     _ => break,
                 }

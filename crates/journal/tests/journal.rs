@@ -18,6 +18,7 @@ fn small() -> JournalOptions {
     JournalOptions {
         segment_bytes: 1 << 16,
         fsync: true,
+        ..Default::default()
     }
 }
 
@@ -486,6 +487,7 @@ fn a_sealed_journal_acknowledges_nothing_its_reader_did_not_see() {
         let opts = JournalOptions {
             segment_bytes: 4 << 20,
             fsync: true,
+            ..Default::default()
         };
         let a = Arc::new(Journal::start(s.clone(), old, 1, opts.clone(), None).unwrap());
         let b = Arc::new(Journal::start(s.clone(), new, 1, opts, None).unwrap());

@@ -22,6 +22,7 @@ fn opts() -> JournalOptions {
     JournalOptions {
         segment_bytes: 1 << 20,
         fsync: true,
+        ..Default::default()
     }
 }
 
@@ -88,6 +89,7 @@ fn a_large_group_commit_is_cut_into_objects_of_whole_records() {
     let big_records = JournalOptions {
         segment_bytes: 8 << 20,
         fsync: true,
+        ..Default::default()
     };
     let j = Journal::start(Arc::new(s.clone()), J, 1, big_records, None).unwrap();
     let big = vec![9u8; 3 << 20];

@@ -47,6 +47,7 @@ fn run(seed: u64) {
     let options = JournalOptions {
         segment_bytes: 64 << 10,
         fsync: true,
+        ..Default::default()
     };
     let journal = kochab_journal::Journal::start(Arc::new(store.clone()), id, 1, options, None)
         .expect("journal");
