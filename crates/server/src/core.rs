@@ -875,7 +875,10 @@ impl Shared {
         // one inode) is journaled too, as a record without mutations: its reply-cache
         // entry must outlive a crash as any other's, or a replay of its early reply would
         // run it again on a namespace that later changes moved on.
-        let noop_change = cached && muts.is_empty() && !matches!(reply, Reply::Error(_));
+        // (Only a success: an error or WRONG_SERVER ran nothing, and a member reruns the
+        // latter once it borrowed the tables, which a cached outcome would answer instead.)
+        let noop_change =
+            cached && muts.is_empty() && matches!(reply, Reply::Empty | Reply::Entry(_));
         if !muts.is_empty() || noop_change {
             let outcome = outcome_of(&reply);
             let lsn = journal_entry(
