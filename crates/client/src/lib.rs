@@ -17,7 +17,7 @@ pub use kochab_tls as tls;
 
 use conn::{ConnError, ConnEvents};
 use dircache::DirCache;
-use kochab_cluster::router::Retry;
+use kochab_cluster::router::{Retries, Retry, RetryPolicy};
 use kochab_proto::auth::ClientKey;
 use kochab_proto::cluster::DelegationMap;
 use kochab_proto::*;
@@ -35,9 +35,6 @@ pub use pool::set_lane;
 
 /// Most symlinks followed while resolving one path (Linux's limit).
 pub const SYMLINK_FOLLOW_MAX: u32 = 40;
-
-/// WrongServer replies naming a new owner that one request follows without a pause.
-const FOLLOW_AT_ONCE: u32 = 3;
 
 /// Requests answered early and not yet durable that one client keeps at most; a client
 /// at the limit waits for durability reports before it sends more (a slow journal slows
@@ -442,7 +439,10 @@ impl Client {
             kochab_cluster::router::RETRY_BUDGET_MS,
         ));
         let started = Instant::now();
-        let mut pause = Duration::from_millis(50);
+        let mut retries = Retries::since(
+            routing::restart_policy(budget.as_millis() as u64, u32::MAX),
+            0,
+        );
         let (addr, conn) = 'found: loop {
             let mut last = fs_err!(ENOTCONN, "no server address given");
             for e in config.entry_addrs() {
@@ -453,11 +453,12 @@ impl Client {
                     Err(e) => return Err(e),
                 }
             }
-            if started.elapsed() >= budget {
-                return Err(last);
+            match retries.failed(started.elapsed().as_millis() as u64) {
+                Retry::GiveUp => return Err(last),
+                Retry::After { delay_ms } => {
+                    tokio::time::sleep(Duration::from_millis(delay_ms)).await
+                }
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(800));
         };
         let probe = tokio::time::timeout(
             config.request_timeout,
@@ -468,17 +469,16 @@ impl Client {
             Ok(Ok(Reply::Map(m))) if !m.tables.is_empty() => Some(m),
             _ => None,
         };
-        let budget = config.retry_budget.as_millis() as u64;
         let entries = config.entry_addrs();
         let routing = match (config.map.clone(), served) {
             (Some(given), served) => {
-                let mut r = Routing::cluster(entries, given, budget);
+                let mut r = Routing::cluster(entries, given);
                 if let Some(m) = served {
                     r.on_map(m);
                 }
                 r
             }
-            (None, Some(m)) => Routing::cluster(entries, m, budget),
+            (None, Some(m)) => Routing::cluster(entries, m),
             (None, None) => Routing::Single { addr: addr.clone() },
         };
         early.complete.lock().set_lease(conn.lease);
@@ -734,8 +734,7 @@ impl Client {
         }
         let cfg = &self.inner.config;
         let entries = cfg.entry_addrs();
-        let budget = cfg.retry_budget.as_millis() as u64;
-        *self.inner.routing.lock() = Routing::cluster(entries, m, budget);
+        *self.inner.routing.lock() = Routing::cluster(entries, m);
         true
     }
 
@@ -753,63 +752,63 @@ impl Client {
         let cfg = &self.inner.config;
         let mut last_err = fs_err!(ETIMEDOUT, "no attempt made");
         let mut wrong_server = false;
-        let mut first_failure: Option<Instant> = None;
-        for attempt in 0..cfg.attempts.max(1) {
-            if let Some(failed) = first_failure {
-                if failed.elapsed() >= cfg.retry_budget {
-                    break;
-                }
-                // 50, 100, 200 ... 800 ms: soon after a restarted server listens again,
-                // without a storm of connection attempts while it does not.
-                let pause = Duration::from_millis(50 << (attempt - 1).min(4));
-                tokio::time::sleep(pause).await;
+        let budget_ms = cfg.retry_budget.as_millis() as u64;
+        let mut retries = Retries::new(routing::restart_policy(budget_ms, cfg.attempts));
+        let started = Instant::now();
+        let mut pause = None;
+        loop {
+            if let Some(delay_ms) = pause.take() {
+                tokio::time::sleep(Duration::from_millis(delay_ms)).await;
                 if outside_replay() && self.inner.early.log.lock().has_suspects() {
                     Box::pin(self.replay_lost()).await;
                 }
             }
             let conn = match self.inner.pool.conn(addr).await {
-                Ok(c) => c,
+                Ok(c) => Some(c),
                 Err(e) if e.errno == Errno::ENOTCONN => {
                     wrong_server = false;
                     last_err = e;
-                    first_failure.get_or_insert_with(Instant::now);
-                    continue;
+                    None
                 }
                 Err(e) => return Err(SingleError::Other(e)),
             };
-            self.replays_first(addr, &conn).await;
-            match tokio::time::timeout(cfg.request_timeout, conn.call_answer(req)).await {
-                Ok(Ok((Reply::Error(e), _))) => return Err(SingleError::Other(e)),
-                Ok(Ok((Reply::WrongServer { map_version, .. }, _))) => {
-                    wrong_server = true;
-                    last_err = fs_err!(
-                        ESTALE,
-                        "server does not serve this table (map version {map_version})"
-                    );
-                    // Not a server down: a few quick tries, then the caller learns the map.
-                    if attempt >= WRONG_SERVER_TRIES {
-                        break;
+            if let Some(conn) = conn {
+                self.replays_first(addr, &conn).await;
+                match tokio::time::timeout(cfg.request_timeout, conn.call_answer(req)).await {
+                    Ok(Ok((Reply::Error(e), _))) => return Err(SingleError::Other(e)),
+                    Ok(Ok((Reply::WrongServer { map_version, .. }, _))) => {
+                        wrong_server = true;
+                        last_err = fs_err!(
+                            ESTALE,
+                            "server does not serve this table (map version {map_version})"
+                        );
+                        // Not a server down: a few quick tries, then the caller learns the
+                        // map.
+                        if retries.failures() >= WRONG_SERVER_TRIES {
+                            break;
+                        }
                     }
-                    first_failure.get_or_insert_with(Instant::now);
+                    Ok(Ok((reply, lsn))) => {
+                        self.note_answer(&conn, addr, req, target, &reply, lsn);
+                        return Ok(reply);
+                    }
+                    // A single server that says goodbye stops for good (its journal failed:
+                    // fail-stop, the client is told EIO) or refuses this client's key.
+                    Ok(Err(ConnError::Refused(e))) => return Err(SingleError::Other(e)),
+                    Ok(Err(ConnError::Lost(why))) => {
+                        wrong_server = false;
+                        last_err = fs_err!(ENOTCONN, "connection lost: {why}");
+                    }
+                    Err(_) => {
+                        wrong_server = false;
+                        conn.mark_dead();
+                        last_err = fs_err!(ETIMEDOUT, "no reply within {:?}", cfg.request_timeout);
+                    }
                 }
-                Ok(Ok((reply, lsn))) => {
-                    self.note_answer(&conn, addr, req, target, &reply, lsn);
-                    return Ok(reply);
-                }
-                // A single server that says goodbye stops for good (its journal failed:
-                // fail-stop, the client is told EIO) or refuses this client's key.
-                Ok(Err(ConnError::Refused(e))) => return Err(SingleError::Other(e)),
-                Ok(Err(ConnError::Lost(why))) => {
-                    wrong_server = false;
-                    last_err = fs_err!(ENOTCONN, "connection lost: {why}");
-                    first_failure.get_or_insert_with(Instant::now);
-                }
-                Err(_) => {
-                    wrong_server = false;
-                    conn.mark_dead();
-                    last_err = fs_err!(ETIMEDOUT, "no reply within {:?}", cfg.request_timeout);
-                    first_failure.get_or_insert_with(Instant::now);
-                }
+            }
+            match retries.failed(started.elapsed().as_millis() as u64) {
+                Retry::GiveUp => break,
+                Retry::After { delay_ms } => pause = Some(delay_ms),
             }
         }
         Err(if wrong_server {
@@ -822,27 +821,23 @@ impl Client {
     /// Many servers: route by the map, follow WrongServer, refetch the map when a server
     /// cannot be reached, and keep retrying for the retry budget (which covers a failover).
     async fn send_routed(&self, req: &mut Request, target: InodeId) -> FsResult<(Reply, Arc<str>)> {
-        let mut attempts = 0u32;
-        let mut first_failure: Option<Instant> = None;
-        let mut fetched = false;
+        let budget_ms = self.inner.config.retry_budget.as_millis() as u64;
+        let mut retries = Retries::new(RetryPolicy::cluster(budget_ms));
+        let started = Instant::now();
         let mut stale_retried = false;
-        let mut followed = 0u32;
         loop {
             let step = self.inner.routing.lock().step(target);
             let err = match step {
-                Step::Fetch { entry } if !fetched => {
+                // One fetch between two failures (`Retries::fetch`).
+                Step::Fetch { entry } if retries.fetch() => {
                     // One fetch at a time: after a move, every request in flight finds the
                     // map dropped, and one GetMap answers them all.
                     let _one = self.inner.fetching.lock().await;
                     if self.inner.routing.lock().routes(target) {
-                        fetched = true;
                         continue;
                     }
                     match self.fetch_map(&entry).await {
-                        Ok(()) => {
-                            fetched = true;
-                            continue;
-                        }
+                        Ok(()) => continue,
                         Err(Outcome::Refused(e)) => return Err(e),
                         Err(Outcome::Error(e) | Outcome::Unreachable(e)) => e,
                         Err(_) => fs_err!(EPROTO, "{entry} answered GetMap with no map"),
@@ -867,7 +862,7 @@ impl Client {
                             stale_retried = true;
                             let routed_by = req.map_version;
                             let mut r = self.inner.routing.lock();
-                            r.on_wrong_server(table, routed_by, 0, None, None);
+                            r.on_wrong_server(table, routed_by, None, None);
                             continue;
                         }
                         Outcome::Error(e) | Outcome::Refused(e) => {
@@ -887,17 +882,14 @@ impl Client {
                             self.inner.routing.lock().on_wrong_server(
                                 table,
                                 req.map_version,
-                                map_version,
                                 owner,
                                 hint.clone(),
                             );
                             // A server that names the table's new owner: go there at once
                             // (a few times per request, so two servers that each name the
                             // other cannot keep a request bouncing without a pause).
-                            if hint.as_deref().is_some_and(|h| h != &*addr)
-                                && followed < FOLLOW_AT_ONCE
+                            if hint.as_deref().is_some_and(|h| h != &*addr) && retries.follow_hint()
                             {
-                                followed += 1;
                                 continue;
                             }
                             fs_err!(
@@ -914,13 +906,11 @@ impl Client {
                     }
                 }
             };
-            fetched = false;
-            let started = *first_failure.get_or_insert_with(Instant::now);
-            let failed_for = started.elapsed().as_millis() as u64;
-            let next = self.inner.routing.lock().retry(failed_for, attempts);
+            let next = retries.failed(started.elapsed().as_millis() as u64);
             tracing::debug!(
-                "{} of inode {target:#x}: attempt {attempts} failed ({err}); {next:?}",
-                req.op.name()
+                "{} of inode {target:#x}: failure {} ({err}); {next:?}",
+                req.op.name(),
+                retries.failures()
             );
             match next {
                 Retry::GiveUp => return Err(err),
@@ -928,7 +918,6 @@ impl Client {
                     tokio::time::sleep(Duration::from_millis(delay_ms)).await
                 }
             }
-            attempts = attempts.saturating_add(1);
         }
     }
 

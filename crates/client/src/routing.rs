@@ -2,19 +2,34 @@
 //! server of the table that holds the inode the request names, or, against a server that
 //! hands out no map (a single server), everything to that server as before.
 //!
-//! Pure: no I/O and no clock; the client's request loop feeds it what happened.
+//! Pure: no I/O and no clock; the client's request loop feeds it what happened. How long
+//! to pause between attempts and when to give up is `kochab_cluster`'s retry policy (the
+//! simulation's clients run it too); this module only names the client's policies.
 
-use kochab_cluster::router::{Retry, Route, Router};
+use kochab_cluster::router::{RetryPolicy, Route, Router};
 use kochab_proto::InodeId;
 use kochab_proto::cluster::{DelegationMap, MapVersion, ServerId, TableId};
 use std::sync::Arc;
 
-/// Longest pause between two attempts of one request in a cluster. The router's backoff
-/// grows to a second, which is right for an overloaded server but, during a failover
-/// (WrongServer, a refused connection, a table not yet loaded), adds up to that second
-/// after the new owner already serves: a failover is over within a few hundred ms of the
-/// map changing, and a retry every ~150 ms per waiting request is no load on a server.
-pub const RETRY_PAUSE_MAX_MS: u64 = 150;
+/// First pause before a server that cannot be reached (a single server restarting, or no
+/// entry answering at connect) is tried again; it doubles up to
+/// [`RESTART_PAUSE_MAX_MS`]: soon after a restarted server listens again, without a storm
+/// of connection attempts while it does not.
+pub const RESTART_PAUSE_MIN_MS: u64 = 50;
+
+/// Longest pause before a server that cannot be reached is tried again.
+pub const RESTART_PAUSE_MAX_MS: u64 = 800;
+
+/// The retries of a request to one server that may be restarting (or of the entries at
+/// connect): for `budget_ms`, at most `attempts_max` attempts (the first included).
+pub fn restart_policy(budget_ms: u64, attempts_max: u32) -> RetryPolicy {
+    RetryPolicy {
+        budget_ms,
+        pause_min_ms: RESTART_PAUSE_MIN_MS,
+        pause_max_ms: RESTART_PAUSE_MAX_MS,
+        attempts_max: attempts_max.max(1),
+    }
+}
 
 /// Where the next attempt of a request goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,8 +58,8 @@ pub enum Routing {
 impl Routing {
     /// Routing by `map`, fetching newer maps from `entries` (and from the servers of any
     /// map seen).
-    pub fn cluster(entries: Vec<String>, map: DelegationMap, budget_ms: u64) -> Routing {
-        let mut r = Router::new(entries).with_budget(budget_ms);
+    pub fn cluster(entries: Vec<String>, map: DelegationMap) -> Routing {
+        let mut r = Router::new(entries);
         r.learn_entries(map.servers.values());
         r.on_map(map);
         Routing::Cluster(r)
@@ -133,56 +148,26 @@ impl Routing {
     }
 
     /// A server does not serve `table` (now) to a request routed by map `routed_by`:
-    /// follow its hint, else drop the map. A map newer than `routed_by` is kept (another
-    /// request already fetched it after the move).
+    /// follow its hint (`owner`, and its address if it named one), else drop the map. A
+    /// map newer than `routed_by` is kept (another request already fetched it after the
+    /// move).
     pub fn on_wrong_server(
         &mut self,
         table: Option<TableId>,
         routed_by: u64,
-        map_version: u64,
         owner: Option<ServerId>,
         addr: Option<String>,
     ) {
-        let Routing::Cluster(r) = self else {
-            return;
-        };
-        if r.map_version().0 > routed_by {
-            return;
-        }
-        if let (Some(o), Some(a)) = (owner, addr) {
-            r.learn_server(o, a);
-        }
-        match table {
-            Some(t) => r.on_wrong_server(t, MapVersion(map_version), owner),
-            // Routed without a table (the map did not cover the inode): the map is no help.
-            None => r.forget_map(),
+        if let Routing::Cluster(r) = self {
+            r.on_wrong_server(table, MapVersion(routed_by), owner, addr);
         }
     }
 
     /// The server of `table` could not be reached, dropped the connection or did not
     /// answer in time: it may be dead and its tables recovered elsewhere.
     pub fn on_unreachable(&mut self, table: Option<TableId>, routed_by: u64) {
-        if let Routing::Cluster(r) = self
-            && r.map_version().0 <= routed_by
-        {
-            match table {
-                Some(t) => r.on_timeout(t),
-                None => r.forget_map(),
-            }
-        }
-    }
-
-    /// After a failed attempt `failed_for_ms` after the first failure of this request,
-    /// with `attempts` made since: the pause before the next, or give up.
-    pub fn retry(&self, failed_for_ms: u64, attempts: u32) -> Retry {
-        match self {
-            Routing::Single { .. } => Retry::GiveUp,
-            Routing::Cluster(r) => match r.retry(0, failed_for_ms, attempts) {
-                Retry::After { delay_ms } => Retry::After {
-                    delay_ms: delay_ms.min(RETRY_PAUSE_MAX_MS),
-                },
-                Retry::GiveUp => Retry::GiveUp,
-            },
+        if let Routing::Cluster(r) = self {
+            r.on_unreachable(table, MapVersion(routed_by));
         }
     }
 }
@@ -190,6 +175,7 @@ impl Routing {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kochab_cluster::router::{RETRY_PAUSE_MAX_MS, Retries, Retry};
     use kochab_proto::cluster::{Epoch, Placement};
 
     fn map(version: u64, owners: &[(u64, u64, u32)]) -> DelegationMap {
@@ -230,23 +216,25 @@ mod tests {
                 map_version: 0
             }
         );
-        r.on_wrong_server(None, 0, 3, None, None);
+        r.on_wrong_server(None, 0, None, None);
         r.on_unreachable(None, 0);
         assert_eq!(sent_to(&r.step(1)), Some("s:1"));
-        assert_eq!(
-            r.retry(0, 0),
-            Retry::GiveUp,
-            "single mode keeps its own retries"
-        );
+        // Single mode retries with the pauses of a restarting server, within its budget
+        // and attempts.
+        let mut retries = Retries::new(restart_policy(1_000, 3));
+        assert_eq!(retries.failed(0), Retry::After { delay_ms: 50 });
+        assert_eq!(retries.failed(10), Retry::After { delay_ms: 100 });
+        assert_eq!(retries.failed(20), Retry::GiveUp, "three attempts made");
+        let p = restart_policy(1_000, u32::MAX);
+        assert_eq!(p.after(999, 5), Retry::After { delay_ms: 800 });
+        assert_eq!(p.after(999, 50), Retry::After { delay_ms: 800 });
+        assert_eq!(p.after(1_000, 1), Retry::GiveUp);
+        assert_eq!(restart_policy(0, 0).attempts_max, 1, "at least one attempt");
     }
 
     #[test]
     fn requests_go_to_the_owner_of_their_inodes_table_with_the_maps_version() {
-        let mut r = Routing::cluster(
-            vec!["e:9".into()],
-            map(4, &[(0, 100, 1), (100, 200, 2)]),
-            15_000,
-        );
+        let mut r = Routing::cluster(vec!["e:9".into()], map(4, &[(0, 100, 1), (100, 200, 2)]));
         assert!(r.is_cluster());
         assert_eq!(
             r.step(150),
@@ -264,21 +252,15 @@ mod tests {
 
     #[test]
     fn wrong_server_hints_are_followed_and_otherwise_the_map_is_fetched_again() {
-        let mut r = Routing::cluster(vec!["e:9".into()], map(4, &[(0, 100, 1)]), 15_000);
+        let mut r = Routing::cluster(vec!["e:9".into()], map(4, &[(0, 100, 1)]));
         // The hint names a server the map does not list, with its address.
         // A WrongServer to a request routed by an older map changes nothing.
-        r.on_wrong_server(Some(TableId(0)), 3, 5, None, None);
+        r.on_wrong_server(Some(TableId(0)), 3, None, None);
         assert_eq!(sent_to(&r.step(7)), Some("a:1"));
-        r.on_wrong_server(
-            Some(TableId(0)),
-            4,
-            5,
-            Some(ServerId(3)),
-            Some("c:3".into()),
-        );
+        r.on_wrong_server(Some(TableId(0)), 4, Some(ServerId(3)), Some("c:3".into()));
         assert_eq!(sent_to(&r.step(7)), Some("c:3"));
         // No hint: the map is dropped; entries and every server seen are fetch sources.
-        r.on_wrong_server(Some(TableId(0)), 4, 6, None, None);
+        r.on_wrong_server(Some(TableId(0)), 4, None, None);
         let mut fetched = std::collections::BTreeSet::new();
         for _ in 0..4 {
             match r.step(7) {
@@ -300,19 +282,21 @@ mod tests {
 
     #[test]
     fn an_unreachable_owner_drops_the_map_and_the_budget_covers_a_failover() {
-        let mut r = Routing::cluster(vec!["e:9".into()], map(4, &[(0, 100, 1)]), 15_000);
+        let mut r = Routing::cluster(vec!["e:9".into()], map(4, &[(0, 100, 1)]));
         r.on_unreachable(Some(TableId(0)), 3);
         assert_eq!(sent_to(&r.step(7)), Some("a:1"), "routed by an older map");
         r.on_unreachable(Some(TableId(0)), 4);
         assert!(matches!(r.step(7), Step::Fetch { .. }));
-        assert_eq!(r.retry(5_000, 3), Retry::After { delay_ms: 16 });
+        // The client's policy in a cluster (`Client::send_routed`), by failures so far.
+        let p = RetryPolicy::cluster(15_000);
+        assert_eq!(p.after(5_000, 4), Retry::After { delay_ms: 16 });
         // Capped: a retry soon after the new owner serves, not a second later.
         assert_eq!(
-            r.retry(14_999, 20),
+            p.after(14_999, 21),
             Retry::After {
                 delay_ms: RETRY_PAUSE_MAX_MS
             }
         );
-        assert_eq!(r.retry(15_000, 20), Retry::GiveUp);
+        assert_eq!(p.after(15_000, 21), Retry::GiveUp);
     }
 }

@@ -1,7 +1,7 @@
 //! Kochab's scale-out protocols as pure state machines (events in, actions out; the caller
 //! owns sockets, disks and clocks): the coordinator's replicated state ([`state`], with
 //! the cluster's client keys in [`keys`]), the leader's driver ([`driver`]), the metadata server's side ([`participant`]) and its host's bookkeeping ([`host`]), client
-//! routing ([`router`]) and a seeded whole-cluster simulation ([`sim`]).
+//! routing and its retry policy ([`router`]) and a seeded whole-cluster simulation ([`sim`]).
 
 pub mod balance;
 pub mod driver;

@@ -6,6 +6,12 @@
 //! in-memory object store that loses unsynced writes on a crash and offers the conditional
 //! writes fencing relies on.
 //!
+//! What runs is the real code, not a model of it: the coordinator's state and driver, each
+//! server's participant and its host's bookkeeping ([`crate::host`]: borrow slots and
+//! joins, operations ending once their record is durable, the load decision for each
+//! table, load reports), and each client's router and retry policy
+//! ([`crate::router::Retries`]). Only the engine, the journal and the store are models.
+//!
 //! After every step it checks: no two servers serve one table at any instant, every
 //! acknowledged operation is in the durable state exactly once, the coordinator's own
 //! invariants, and that no manifest was ever taken over from a journal still writable.
@@ -15,12 +21,15 @@ use std::collections::{BTreeMap, VecDeque};
 
 use kochab_proto::cluster::{
     BorrowId, Control, ControlReply, CoordCommand, CoordReply, DelegationMap, Incarnation,
-    ServerId, ServerRequest, TableId,
+    MapVersion, ServerId, ServerRequest, TableId,
 };
 
 use crate::driver::{Driver, DriverAction, DriverConfig};
+use crate::host::borrows::{Borrows, Granted, Join};
+use crate::host::ends::Ends;
+use crate::host::load::{Claim, LOAD_REPORT_EVERY_MS, LoadCounter, LoadPlan, Owner};
 use crate::participant::{Action, Admit, Break, Participant, ParticipantConfig};
-use crate::router::{Retry, Route, Router};
+use crate::router::{Retries, Retry, RetryPolicy, Route, Router};
 use crate::state::CoordState;
 
 /// splitmix64: small, fast, and the same on every machine.
@@ -158,17 +167,19 @@ impl SimStore {
             return Vec::new();
         };
         let mut ops = m.ops.clone();
-        if let Some((j, from)) = m.replay
-            && let Some(jr) = self.journals.get(&j)
-        {
-            ops.extend(
-                jr.durable
-                    .iter()
-                    .filter(|r| r.lsn >= from && r.tables.contains(&t))
-                    .map(|r| r.op),
-            );
+        if let Some((j, from)) = m.replay {
+            ops.extend(self.replay(j, from, t));
         }
         ops
+    }
+
+    /// The operations on `t` in `j`'s durable journal from record `from` on.
+    fn replay(&self, j: Incarnation, from: u64, t: TableId) -> impl Iterator<Item = OpId> {
+        let records = self.journals.get(&j).map_or(&[][..], |jr| &jr.durable[..]);
+        records
+            .iter()
+            .filter(move |r| r.lsn >= from && r.tables.contains(&t))
+            .map(|r| r.op)
     }
 }
 
@@ -204,10 +215,8 @@ enum Msg {
     ClientWrong {
         op: OpId,
         table: TableId,
-        version: kochab_proto::cluster::MapVersion,
         owner: Option<ServerId>,
     },
-    ClientRetry(OpId),
     GetMap,
     Map(DelegationMap),
 }
@@ -230,26 +239,53 @@ struct SimServer {
     paused_until: u64,
     mem: BTreeMap<TableId, Vec<OpId>>,
     next_lsn: u64,
+    /// Admitted and not run yet, with the borrow each runs under.
     admitted: Vec<(Op, Option<BorrowId>)>,
-    executed: Vec<(Op, Option<BorrowId>)>,
-    waiting: BTreeMap<BorrowId, Vec<Op>>,
-    running: BTreeMap<BorrowId, usize>,
+    /// The borrows operations wait for or run under: the real server's bookkeeping.
+    borrows: Borrows<Op>,
+    /// Ran, and wait for their journal record to be durable (the real server's too).
+    ends: Ends<Op>,
+    /// Operations admitted per table since the last load report, and when that was (host
+    /// clock).
+    load: LoadCounter,
+    last_load_ms: u64,
 }
 
 impl SimServer {
+    fn new(id: ServerId, p: Participant) -> SimServer {
+        SimServer {
+            id,
+            p: Some(p),
+            paused_until: 0,
+            mem: BTreeMap::new(),
+            next_lsn: 0,
+            admitted: Vec::new(),
+            borrows: Borrows::new(),
+            ends: Ends::new(),
+            load: LoadCounter::default(),
+            last_load_ms: 0,
+        }
+    }
+
     fn reset(&mut self) {
         self.p = None;
         self.mem.clear();
         self.admitted.clear();
-        self.executed.clear();
-        self.waiting.clear();
-        self.running.clear();
+        self.borrows = Borrows::new();
+        self.ends.clear();
+        self.load = LoadCounter::default();
     }
 
     fn busy_with(&self, op: OpId) -> bool {
         self.admitted.iter().any(|(o, _)| o.id == op)
-            || self.executed.iter().any(|(o, _)| o.id == op)
-            || self.waiting.values().flatten().any(|o| o.id == op)
+            || self.ends.iter().any(|o| o.id == op)
+            || self.borrows.waiters().any(|o| o.id == op)
+    }
+
+    /// The tables of admitted operations that have not ended (some more than once).
+    fn busy_tables(&self) -> Vec<TableId> {
+        let ops = self.admitted.iter().map(|(o, _)| o).chain(self.ends.iter());
+        ops.flat_map(|o| o.tables.iter().copied()).collect()
     }
 }
 
@@ -264,13 +300,43 @@ fn already_applied(s: &SimServer, op: &Op, now: u64) -> bool {
         .any(|t| p.serves(*t, now) && s.mem.get(t).is_some_and(|v| v.contains(&op.id)))
 }
 
+/// How long a simulated client waits for the answer to one attempt before it counts as
+/// unanswered (the real client's `request_timeout`, scaled to the simulated network's
+/// 1-40 ms delays).
+const ATTEMPT_TIMEOUT_MS: u64 = 300;
+
+/// How long a simulated client waits for a map it asked for before it routes again.
+const FETCH_TIMEOUT_MS: u64 = 100;
+
+/// "Not now, ask again" (a table loading, a lease being renewed, a borrow refused or
+/// moved on), told as the real server tells it: WrongServer without a hint, so the client
+/// fetches the map again before it retries.
+fn not_ready(op: &Op) -> Msg {
+    Msg::ClientWrong {
+        op: op.id,
+        table: op.tables[0],
+        owner: None,
+    }
+}
+
+/// A client's operation in progress, retried as the real client retries a request.
 struct Current {
     op: Op,
-    started: u64,
+    retries: Retries,
     next_try: u64,
-    attempts: u32,
-    /// Sent to this server and not answered yet.
-    sent_to: Option<ServerId>,
+    /// The attempt awaiting an answer: its server and the map version it was routed by.
+    sent: Option<(ServerId, MapVersion)>,
+}
+
+impl Current {
+    fn new(op: Op, now: u64) -> Current {
+        Current {
+            op,
+            retries: Retries::new(RetryPolicy::default()),
+            next_try: now,
+            sent: None,
+        }
+    }
 }
 
 struct SimClient {
@@ -383,21 +449,12 @@ impl World {
             broken: cfg.broken,
         };
         let servers = (0..cfg.servers)
-            .map(|i| SimServer {
-                id: ServerId(i as u32),
-                p: Some(Participant::new(
-                    ServerId(i as u32),
-                    format!("s{i}"),
-                    rng.next_u64(),
-                    pcfg,
-                )),
-                paused_until: 0,
-                mem: BTreeMap::new(),
-                next_lsn: 0,
-                admitted: Vec::new(),
-                executed: Vec::new(),
-                waiting: BTreeMap::new(),
-                running: BTreeMap::new(),
+            .map(|i| {
+                let id = ServerId(i as u32);
+                SimServer::new(
+                    id,
+                    Participant::new(id, format!("s{i}"), rng.next_u64(), pcfg),
+                )
             })
             .collect();
         let mut next_op = 0;
@@ -649,10 +706,12 @@ impl World {
 
     fn restart(&mut self, i: usize) {
         let nonce = self.rng.next_u64();
+        let local = self.local(i);
         let s = &mut self.servers[i];
         if s.p.is_none() {
             s.reset();
             s.p = Some(Participant::new(s.id, format!("s{i}"), nonce, self.pcfg));
+            s.last_load_ms = local;
         }
     }
 
@@ -705,7 +764,7 @@ impl World {
                 }
             }
             Node::Server(i) => self.server_msg(i, from, msg)?,
-            Node::Client(c) => self.client_msg(c, msg),
+            Node::Client(c) => self.client_msg(c, from, msg)?,
         }
         Ok(())
     }
@@ -739,27 +798,76 @@ impl World {
             return Ok(());
         };
         match p.admit(&op.tables, now) {
-            Admit::Ok => s.admitted.push((op, None)),
-            Admit::WrongServer { map_version, owner } => {
+            Admit::Ok => {
+                s.load.admitted(op.tables[0]);
+                s.admitted.push((op, None));
+            }
+            Admit::WrongServer { owner, .. } => {
                 let m = Msg::ClientWrong {
                     op: op.id,
                     table: op.tables[0],
-                    version: map_version,
                     owner,
                 };
                 self.send(Node::Server(i), from, m);
             }
-            Admit::NotReady => self.send(Node::Server(i), from, Msg::ClientRetry(op.id)),
+            Admit::NotReady => self.send(Node::Server(i), from, not_ready(&op)),
+            // Join a borrow of the same tables, as the real server does, or ask for one.
             Admit::NeedBorrow => {
-                let (id, acts) = p.borrow(&op.tables, now);
-                if let Some(id) = id {
-                    self.stats.borrows += 1;
-                    s.waiting.entry(id).or_default().push(op);
+                let tables = op.tables.clone();
+                match s.borrows.join(&tables, now, op) {
+                    Join::Run { id, waiter } => return self.run_borrowed(i, id, waiter),
+                    Join::Wait(_) => {}
+                    Join::Ask(op) => {
+                        let (id, acts) = p.borrow(&tables, now);
+                        match id {
+                            Some(id) => {
+                                self.stats.borrows += 1;
+                                s.borrows.asked(id, &tables, op);
+                            }
+                            None => self.send(Node::Server(i), from, not_ready(&op)),
+                        }
+                        self.actions(i, acts)?;
+                    }
                 }
-                self.actions(i, acts)?;
             }
         }
         Ok(())
+    }
+
+    /// `op` runs under granted borrow `id`: admitted again now that the tables are here,
+    /// else told to ask again; either way it leaves the borrow once it ran.
+    fn run_borrowed(&mut self, i: usize, id: BorrowId, op: Op) -> Result<(), String> {
+        let local = self.local(i);
+        let (me, client) = (Node::Server(i), Node::Client(op.client));
+        let s = &mut self.servers[i];
+        if already_applied(s, &op, local) {
+            self.send(me, client, Msg::ClientOk(op.id));
+            return self.leave_borrow(i, id);
+        }
+        let Some(p) = s.p.as_mut() else {
+            return Ok(());
+        };
+        if p.admit(&op.tables, local) == Admit::Ok {
+            s.load.admitted(op.tables[0]);
+            s.admitted.push((op, Some(id)));
+            return Ok(());
+        }
+        self.send(me, client, not_ready(&op));
+        self.leave_borrow(i, id)
+    }
+
+    /// One operation is done with borrow `id`; the last one returns it.
+    fn leave_borrow(&mut self, i: usize, id: BorrowId) -> Result<(), String> {
+        let local = self.local(i);
+        let s = &mut self.servers[i];
+        if !s.borrows.leave(id) {
+            return Ok(());
+        }
+        let acts = match s.p.as_mut() {
+            Some(p) => p.borrow_done(id, local),
+            None => Vec::new(),
+        };
+        self.actions(i, acts)
     }
 
     fn server_tick(&mut self, i: usize) -> Result<(), String> {
@@ -769,6 +877,7 @@ impl World {
         };
         let acts = p.tick(now);
         self.actions(i, acts)?;
+        self.report_load(i)?;
         let s = &mut self.servers[i];
         let Some(p) = s.p.as_ref() else {
             return Ok(());
@@ -776,8 +885,11 @@ impl World {
         let (Some(inc), true) = (p.incarnation(), p.can_ack(now)) else {
             return Ok(());
         };
-        // Execute some admitted operations: apply in memory, append to the journal.
+        // Execute some admitted operations: apply in memory, append to the journal. Like
+        // the real server's, an operation leaves its borrow once it ran and ends (and may
+        // complete a drain) once its record is durable.
         let admitted = std::mem::take(&mut s.admitted);
+        let mut left = Vec::new();
         for (op, b) in admitted {
             if self.rng.chance(500) {
                 s.admitted.push((op, b));
@@ -795,10 +907,15 @@ impl World {
                 tables: op.tables.clone(),
             };
             self.store.append(inc, rec);
-            s.executed.push((op, b));
+            s.ends.wait(s.next_lsn, op);
+            left.extend(b);
         }
+        for b in left {
+            self.leave_borrow(i, b)?;
+        }
+        let s = &mut self.servers[i];
         // Group commit: one sync acknowledges every executed operation.
-        if s.executed.is_empty() || !self.rng.chance(500) {
+        if s.ends.is_empty() || !self.rng.chance(500) {
             return Ok(());
         }
         self.dirty = true;
@@ -806,9 +923,9 @@ impl World {
             let _ = e;
             return self.fenced(i);
         }
-        let done = std::mem::take(&mut s.executed);
+        let done = s.ends.durable(s.next_lsn);
         let mut acts = Vec::new();
-        for (op, b) in done {
+        for op in done {
             let Some(p) = s.p.as_mut() else { break };
             if p.can_ack(now) {
                 self.acked.insert(op.id, op.tables.clone());
@@ -825,16 +942,28 @@ impl World {
                 );
             }
             acts.extend(p.end_op(&op.tables));
-            if let Some(b) = b
-                && let Some(n) = s.running.get_mut(&b)
-            {
-                *n -= 1;
-                if *n == 0 {
-                    s.running.remove(&b);
-                    acts.extend(p.borrow_done(b, now));
-                }
-            }
         }
+        self.actions(i, acts)
+    }
+
+    /// Every [`LOAD_REPORT_EVERY_MS`], as the real server does: each held table's
+    /// operations admitted since the last report and its size (its operations here).
+    fn report_load(&mut self, i: usize) -> Result<(), String> {
+        let now = self.local(i);
+        let s = &mut self.servers[i];
+        let Some(p) = s.p.as_mut() else {
+            return Ok(());
+        };
+        if now < s.last_load_ms.saturating_add(LOAD_REPORT_EVERY_MS) {
+            return Ok(());
+        }
+        s.last_load_ms = now;
+        let sizes = s.mem.iter().map(|(t, ops)| (*t, ops.len() as u64));
+        let loads = std::mem::take(&mut s.load).report(sizes, &p.tables());
+        if loads.is_empty() {
+            return Ok(());
+        }
+        let acts = p.report_load(loads);
         self.actions(i, acts)
     }
 
@@ -873,40 +1002,25 @@ impl World {
                     self.actions(i, acts)?;
                 }
                 Action::RunBorrowed { id } => {
-                    let ops = self.servers[i].waiting.remove(&id).unwrap_or_default();
-                    let mut n = 0;
                     let local = self.local(i);
-                    for op in ops {
-                        let s = &mut self.servers[i];
-                        if already_applied(s, &op, local) {
-                            let c = Node::Client(op.client);
-                            self.send(me, c, Msg::ClientOk(op.id));
-                            continue;
+                    match self.servers[i].borrows.granted(id, local) {
+                        Granted::Run(ops) => {
+                            for op in ops {
+                                self.run_borrowed(i, id, op)?;
+                            }
                         }
-                        let s = &mut self.servers[i];
-                        let Some(p) = s.p.as_mut() else { break };
-                        if p.admit(&op.tables, local) == Admit::Ok {
-                            s.admitted.push((op, Some(id)));
-                            n += 1;
-                        } else {
-                            let c = Node::Client(op.client);
-                            self.send(me, c, Msg::ClientRetry(op.id));
+                        Granted::Return => {
+                            let acts = match self.servers[i].p.as_mut() {
+                                Some(p) => p.borrow_done(id, local),
+                                None => Vec::new(),
+                            };
+                            self.actions(i, acts)?;
                         }
-                    }
-                    if n == 0 {
-                        let acts = match self.servers[i].p.as_mut() {
-                            Some(p) => p.borrow_done(id, local),
-                            None => Vec::new(),
-                        };
-                        self.actions(i, acts)?;
-                    } else {
-                        self.servers[i].running.insert(id, n);
                     }
                 }
                 Action::BorrowFailed { id } => {
-                    let ops = self.servers[i].waiting.remove(&id).unwrap_or_default();
-                    for op in ops {
-                        self.send(me, Node::Client(op.client), Msg::ClientRetry(op.id));
+                    for op in self.servers[i].borrows.failed(id) {
+                        self.send(me, Node::Client(op.client), not_ready(&op));
                     }
                 }
                 Action::Fence => return self.fenced(i),
@@ -927,7 +1041,8 @@ impl World {
     }
 
     /// ADD / recovery: read each manifest, seal and replay a fenced journal it names,
-    /// write a manifest naming this incarnation.
+    /// write a manifest naming this incarnation. What each table takes is the real
+    /// server's decision ([`LoadPlan`]).
     fn load(&mut self, i: usize, tables: &[TableId], epochs: &[Incarnation]) -> Result<(), String> {
         let s = &self.servers[i];
         let me =
@@ -936,41 +1051,33 @@ impl World {
                 .ok_or("not live")?;
         // First check every table, writing nothing: a load that fails half-way would leave
         // manifests naming a server that does not serve them.
-        let mut plan = Vec::new();
+        let mut plan = LoadPlan::new(Owner::from(me), epochs);
+        let mut claims = Vec::new();
         for t in tables {
             let m = self.store.manifests.get(t).cloned();
-            if let Some((j, _)) = m.as_ref().and_then(|m| m.replay)
-                && j != me
-            {
-                let current = epochs
-                    .iter()
-                    .find(|e| e.server == j.server)
-                    .map(|e| e.epoch);
-                if current.is_none_or(|c| j.epoch >= c) {
-                    return Err(format!("{:#x} is still owned by live {j:?}", t.0));
-                }
-            }
-            plan.push((*t, m));
+            let owner = m
+                .as_ref()
+                .and_then(|m| m.replay)
+                .map(|(j, _)| Owner::from(j));
+            let claim = plan
+                .claim(*t, owner, || s.mem.contains_key(t))
+                .map_err(|e| e.to_string())?;
+            claims.push((*t, m, claim));
         }
         let mut loaded = Vec::new();
-        for (t, m) in plan {
-            let mut ops = Vec::new();
-            if let Some(m) = &m {
-                ops = m.ops.clone();
-                // A manifest naming this incarnation is from an earlier try of this load.
-                if let Some((j, from)) = m.replay {
-                    if j != me && self.cfg.broken != Some(Break::Fencing) {
-                        self.store.seal(j);
-                    }
-                    if let Some(jr) = self.store.journals.get(&j) {
-                        ops.extend(
-                            jr.durable
-                                .iter()
-                                .filter(|r| r.lsn >= from && r.tables.contains(&t))
-                                .map(|r| r.op),
-                        );
-                    }
+        for (t, m, claim) in claims {
+            if claim == Claim::Earlier {
+                continue;
+            }
+            let version = m.as_ref().map(|m| m.version);
+            let mut ops = m.as_ref().map(|m| m.ops.clone()).unwrap_or_default();
+            if let Claim::Recover(_) = claim
+                && let Some((j, from)) = m.and_then(|m| m.replay)
+            {
+                if self.cfg.broken != Some(Break::Fencing) {
+                    self.store.seal(j);
                 }
+                ops.extend(self.store.replay(j, from, t));
             }
             let new = Manifest {
                 version: 0,
@@ -978,7 +1085,7 @@ impl World {
                 ops: ops.clone(),
                 replay: Some((me, self.servers[i].next_lsn + 1)),
             };
-            self.store.cas_manifest(t, m.map(|m| m.version), new, me)?;
+            self.store.cas_manifest(t, version, new, me)?;
             self.dirty = true;
             loaded.push((t, ops));
         }
@@ -1009,6 +1116,8 @@ impl World {
         self.store.cas_manifest(t, Some(version), new, me)
     }
 
+    /// Client `c`'s next attempt, when it is due: the last one went unanswered (the route
+    /// is stale), or route the operation and send it, or fetch a map.
     fn client_tick(&mut self, c: usize) -> Result<(), String> {
         let now = self.now;
         let cl = &mut self.clients[c];
@@ -1016,13 +1125,7 @@ impl World {
             let Some(op) = cl.ops.pop_front() else {
                 return Ok(());
             };
-            cl.cur = Some(Current {
-                op,
-                started: now,
-                next_try: now,
-                attempts: 0,
-                sent_to: None,
-            });
+            cl.cur = Some(Current::new(op, now));
         }
         let Some(cur) = cl.cur.as_mut() else {
             return Ok(());
@@ -1030,109 +1133,125 @@ impl World {
         if now < cur.next_try {
             return Ok(());
         }
-        if let Retry::GiveUp = cl.router.retry(cur.started, now, cur.attempts) {
-            // A storm of faults may outlast one retry budget (a client-visible error, which
-            // the application retries); after the faults stop it must not happen.
-            if cur.started >= self.cfg.fault_end_ms {
-                return Err(format!("client {c} gave up on op {}", cur.op.id));
-            }
-            self.stats.client_errors += 1;
-            cur.started = now;
-            cur.attempts = 0;
+        let table = cur.op.tables[0];
+        if let Some((_, routed_by)) = cur.sent.take() {
+            cl.router.on_unreachable(Some(table), routed_by);
+            return self.client_failed(c);
         }
-        if cur.attempts > 0 && cur.sent_to.is_some() {
-            cl.router.on_timeout(cur.op.tables[0]);
-        }
-        cur.sent_to = None;
-        cur.attempts += 1;
-        let op = cur.op.clone();
-        match cl.router.route(op.tables[0]) {
+        let routed_by = cl.router.map_version();
+        match cl.router.route(table) {
             Route::Server { id, .. } => {
-                cur.next_try = now + 300;
-                cur.sent_to = Some(id);
-                self.send(
-                    Node::Client(c),
-                    Node::Server(id.0 as usize),
-                    Msg::ClientOp(op),
-                );
+                cur.next_try = now + ATTEMPT_TIMEOUT_MS;
+                cur.sent = Some((id, routed_by));
+                let op = cur.op.clone();
+                let to = Node::Server(id.0 as usize);
+                self.send(Node::Client(c), to, Msg::ClientOp(op));
             }
-            Route::FetchMap { .. } => {
-                cur.next_try = now + 100;
+            Route::FetchMap { .. } if cur.retries.fetch() => {
+                cur.next_try = now + FETCH_TIMEOUT_MS;
                 self.send(Node::Client(c), Node::Coord, Msg::GetMap);
+            }
+            // The map fetched since the last failure did not place the table, or never came.
+            Route::FetchMap { .. } => return self.client_failed(c),
+        }
+        Ok(())
+    }
+
+    /// Client `c`'s attempt failed: pause as the retry policy says, or give up.
+    fn client_failed(&mut self, c: usize) -> Result<(), String> {
+        let now = self.now;
+        let Some(cur) = self.clients[c].cur.as_mut() else {
+            return Ok(());
+        };
+        cur.sent = None;
+        match cur.retries.failed(now) {
+            Retry::After { delay_ms } => cur.next_try = now + delay_ms,
+            Retry::GiveUp => {
+                // A storm of faults may outlast one retry budget (a client-visible error,
+                // which the application retries); after the faults stop it must not happen.
+                if cur
+                    .retries
+                    .since_ms()
+                    .is_some_and(|t| t >= self.cfg.fault_end_ms)
+                {
+                    return Err(format!("client {c} gave up on op {}", cur.op.id));
+                }
+                self.stats.client_errors += 1;
+                cur.retries = Retries::new(RetryPolicy::default());
+                cur.next_try = now;
             }
         }
         Ok(())
     }
 
-    fn client_msg(&mut self, c: usize, msg: Msg) {
+    /// An answer reached client `c` from `from`. A server's answer counts only for the
+    /// attempt that awaits it (a late duplicate of an earlier one does not), except a
+    /// success, which ends the operation whichever attempt it answers.
+    fn client_msg(&mut self, c: usize, from: Node, msg: Msg) -> Result<(), String> {
         let now = self.now;
         let cl = &mut self.clients[c];
-        let delay =
-            |cl: &SimClient, cur: &Current| match cl.router.retry(cur.started, now, cur.attempts) {
-                Retry::After { delay_ms } => now + delay_ms,
-                Retry::GiveUp => now,
-            };
+        let awaited = |cur: &Current, op: OpId| match cur.sent {
+            Some((s, routed_by)) if cur.op.id == op && from == Node::Server(s.0 as usize) => {
+                Some((s, routed_by))
+            }
+            _ => None,
+        };
         match msg {
             Msg::Map(m) => {
                 cl.router.on_map(m);
-                if let Some(cur) = cl.cur.as_mut() {
+                if let Some(cur) = cl.cur.as_mut()
+                    && cur.retries.fetched()
+                    && cur.sent.is_none()
+                {
                     cur.next_try = now;
                 }
             }
             Msg::ClientOk(op) if cl.cur.as_ref().is_some_and(|c| c.op.id == op) => {
                 cl.cur = None;
             }
-            Msg::ClientWrong {
-                op,
-                table,
-                version,
-                owner,
-            } => {
-                cl.router.on_wrong_server(table, version, owner);
-                if let Some(cur) = cl.cur.as_ref().filter(|c| c.op.id == op) {
-                    let t = delay(cl, cur);
-                    if let Some(cur) = cl.cur.as_mut() {
-                        cur.next_try = t;
-                        cur.sent_to = None;
-                    }
+            Msg::ClientWrong { op, table, owner } => {
+                let Some(cur) = cl.cur.as_mut() else {
+                    return Ok(());
+                };
+                let Some((server, routed_by)) = awaited(cur, op) else {
+                    return Ok(());
+                };
+                cl.router
+                    .on_wrong_server(Some(table), routed_by, owner, None);
+                // Named a new owner elsewhere: go there at once, a few times.
+                if owner.is_some_and(|o| o != server) && cur.retries.follow_hint() {
+                    cur.sent = None;
+                    cur.next_try = now;
+                    return Ok(());
                 }
-            }
-            Msg::ClientRetry(op) => {
-                if let Some(cur) = cl.cur.as_ref().filter(|c| c.op.id == op) {
-                    let t = delay(cl, cur);
-                    if let Some(cur) = cl.cur.as_mut() {
-                        cur.next_try = t;
-                        cur.sent_to = None;
-                    }
-                }
+                return self.client_failed(c);
             }
             _ => {}
         }
+        Ok(())
     }
 
     /// The invariants, after every step.
     fn check(&mut self) -> Result<(), String> {
         let now = self.now;
-        // No two servers serve one table at any instant.
+        // No two servers serve one table at any instant: the servers that could act now,
+        // each with its clock and the tables of its operations not ended yet.
+        let mut active = Vec::new();
+        for (i, s) in self.servers.iter().enumerate() {
+            let Some(p) = s.p.as_ref() else { continue };
+            let local = self.local(i);
+            if s.paused_until > now || !p.can_ack(local) {
+                continue;
+            }
+            active.push((s.id.0, p, local, s.busy_tables()));
+        }
         for k in 0..self.cfg.tables as u64 {
             let t = TableId(k << 20);
-            let mut who = Vec::new();
-            for (i, s) in self.servers.iter().enumerate() {
-                let Some(p) = s.p.as_ref() else { continue };
-                let local = self.local(i);
-                if s.paused_until > now || !p.can_ack(local) {
-                    continue;
-                }
-                let busy = s
-                    .admitted
-                    .iter()
-                    .chain(s.executed.iter())
-                    .any(|(o, _)| o.tables.contains(&t));
-                if p.serves(t, local) || busy {
-                    who.push(s.id.0);
-                }
-            }
-            if who.len() > 1 {
+            let serving = |(_, p, local, busy): &&(u32, &Participant, u64, Vec<TableId>)| {
+                p.serves(t, *local) || busy.contains(&t)
+            };
+            if active.iter().filter(serving).nth(1).is_some() {
+                let who: Vec<u32> = active.iter().filter(serving).map(|a| a.0).collect();
                 return Err(format!(
                     "table {:#x} served by servers {who:?} at once",
                     t.0

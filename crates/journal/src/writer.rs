@@ -40,6 +40,7 @@ use crate::segment::{
     self, BLOCK, JournalId, SEGMENT_DATA_START, SEGMENT_HEADER_BYTES, encode_header, segment_name,
 };
 use crate::uploads::{Acks, Kept, Uploads};
+use kochab_breaks::{Break, Breaks};
 use kochab_store::{AlignedBuf, Object, ObjectStore};
 use parking_lot::{Condvar, Mutex};
 use std::io;
@@ -58,10 +59,12 @@ pub struct JournalOptions {
     /// "buffered" mode: a crash of the machine (not of the process) may lose acknowledged
     /// operations.
     pub fsync: bool,
-    /// Longest a record waits for its flush when nobody asked for it (see [`LAZY_FLUSH`],
-    /// the default). A deterministic simulation sets it very large, so that records are
-    /// flushed only when it asks ([`Journal::flush_now`], [`Journal::wait_durable`]).
+    /// Longest a record waits for its flush when nobody asked for one (see [`LAZY_FLUSH`],
+    /// the default). A deterministic simulation sets it beyond its run, so that records
+    /// become durable only when it asks ([`Journal::flush_now`], [`Journal::wait_durable`]).
     pub lazy_flush: std::time::Duration,
+    /// Deliberate bugs switched on (only a simulation sets any).
+    pub breaks: Breaks,
 }
 
 /// Longest a record waits for its flush when nobody has asked for it ([`Journal::flush_now`]
@@ -78,6 +81,7 @@ impl Default for JournalOptions {
             segment_bytes: 32 << 20,
             fsync: true,
             lazy_flush: LAZY_FLUSH,
+            breaks: Breaks::NONE,
         }
     }
 }
@@ -473,6 +477,12 @@ impl Journal {
     pub fn flush_now(&self) {
         let running = {
             let mut st = self.shared.state.lock();
+            // Nothing waits in the active buffer (what was asked for is being written): a
+            // flag left set would make the next lone record, which nobody waits for, skip
+            // its lazy wait.
+            if st.active.is_empty() {
+                return;
+            }
             st.urgent = true;
             st.committer_running
         };
@@ -850,7 +860,11 @@ impl SegmentSink {
         }
         // Durable, but not yet acknowledged: only if nobody has sealed the journal since
         // (see the module comment for why this order makes fencing exact).
-        match shared.store.exists(&shared.seal_name) {
+        let sealed = match shared.options.breaks.has(Break::Fencing) {
+            true => Ok(false),
+            false => shared.store.exists(&shared.seal_name),
+        };
+        match sealed {
             Ok(false) => {}
             Ok(true) => {
                 shared.fail(format!(

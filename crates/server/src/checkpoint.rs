@@ -144,6 +144,7 @@ impl Checkpointer {
     /// that no table in the store needs any more.
     pub fn round(&mut self, shared: &Shared) -> io::Result<RoundReport> {
         let mut report = RoundReport::default();
+        let replies_lsn = self.save_replies(shared)?;
         let ids: Vec<u64> = self.manifests.keys().copied().collect();
         for lo in ids {
             let (b, bytes) = self.checkpoint_table(shared, lo)?;
@@ -153,9 +154,28 @@ impl Checkpointer {
                 report.bytes += bytes;
             }
         }
-        report.trimmed_segments = shared.journal.trim(self.replay_from() + 1)?;
+        // The records after the reply cache's snapshot stay too: their entries are in no
+        // image.
+        let keep_from = self.replay_from().min(replies_lsn) + 1;
+        report.trimmed_segments = shared.journal.trim(keep_from)?;
         report.journals_deleted = self.collect_journals(shared.store.as_ref())?;
         Ok(report)
+    }
+
+    /// Saves the reply cache as of the journal's last record, once that is durable (an
+    /// entry must never outlive a lost record: a replay it answered would be skipped),
+    /// before this round moves any replay point past records whose entries it holds (see
+    /// [`crate::manifest::write_replies`]). Returns the LSN it covers.
+    fn save_replies(&self, shared: &Shared) -> io::Result<u64> {
+        let (replies, lsn) = {
+            let core = shared.core.lock();
+            (core.replies.export(usize::MAX), shared.journal.last_lsn())
+        };
+        if !shared.journal.wait_durable(lsn) {
+            return Err(io::Error::other("journal failed; checkpoint abandoned"));
+        }
+        crate::manifest::write_replies(shared.store.as_ref(), self.me, lsn, replies)?;
+        Ok(lsn)
     }
 
     /// Deletes the journals no table in the store names and that can never be written again:
@@ -177,6 +197,7 @@ impl Checkpointer {
                 continue;
             }
             kochab_journal::segment::delete_journal(store, j)?;
+            store.delete(&crate::manifest::replies_name(j))?;
             deleted += 1;
         }
         Ok(deleted)

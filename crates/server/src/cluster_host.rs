@@ -53,7 +53,7 @@ pub const MAP_FRESH: Duration = Duration::from_millis(200);
 const MAP_REFRESH_EVERY: Duration = Duration::from_secs(1);
 /// Per-table load goes to the coordinator this often (operations admitted in the interval
 /// and inodes held): one Raft entry per server per interval.
-pub const LOAD_REPORT_EVERY: Duration = Duration::from_secs(5);
+pub const LOAD_REPORT_EVERY: Duration = Duration::from_millis(load::LOAD_REPORT_EVERY_MS);
 /// How long a `GetMap` waits for the coordinator before answering from the cache.
 const MAP_READ_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a `Control` waits for the participant's answer (the driver resends after).

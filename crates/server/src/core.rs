@@ -11,6 +11,7 @@ use crate::locks::LockTable;
 use crate::metrics::Metrics;
 use crate::replycache::{Outcome, ReplyCache};
 use crate::session::{EndedHandles, Sessions};
+use kochab_breaks::{Break, Breaks};
 use kochab_journal::Journal;
 use kochab_meta::{Engine, Mutation};
 use kochab_proto::cluster::TableId;
@@ -513,6 +514,8 @@ pub struct Shared {
     pub replay_key: kochab_proto::auth::ReplayKey,
     /// Grants, freed objects and compaction of file data as slice objects (`slicesvc`).
     pub slice_work: crate::slicework::SliceWork,
+    /// Deliberate bugs switched on (only a simulation sets any, see `kochab_breaks`).
+    pub(crate) breaks: Breaks,
 }
 
 /// How long a server recovered from a crash runs no change but replays: clients that hold
@@ -524,7 +527,7 @@ pub const REPLAY_WINDOW: std::time::Duration = crate::leases::LEASE;
 
 /// The window after a crash in which only replayed changes run; other changes wait for its
 /// end (reads do not). A replay is admitted only with a replay tag that verifies for its
-/// session (see `conn::SessionTags`): setting the mode is not enough.
+/// session (see `replaytags::SessionTags`): setting the mode is not enough.
 #[derive(Default)]
 pub struct ReplayWindow(Mutex<Option<Instant>>);
 
@@ -753,9 +756,13 @@ impl Shared {
             let before = self.journal.last_lsn();
             let global = matches!(req.op, Op::Status | Op::StatFs | Op::Fsck);
             // Only a replay whose tag verified gets here in this mode (the connection
-            // refuses the others, see `conn::SessionTags`).
+            // refuses the others, see `replaytags::SessionTags`).
             core.engine.want_id = match req.mode {
-                ReplyMode::Replay { want_id, .. } if want_id != 0 => Some(want_id),
+                ReplyMode::Replay { want_id, .. }
+                    if want_id != 0 && !self.breaks.has(Break::WantId) =>
+                {
+                    Some(want_id)
+                }
                 _ => None,
             };
             let reply = match req.op {
@@ -806,7 +813,10 @@ impl Shared {
                     continue;
                 }
             }
-            let needed = own.max(core.needed_lsn(&req.op, &reply));
+            let needed = match self.breaks.has(Break::ReplyBeforeDurable) {
+                false => own.max(core.needed_lsn(&req.op, &reply)),
+                true => 0,
+            };
             if let Some(host) = &self.cluster {
                 host.op_done(admitted, needed, self.journal.durable_lsn());
             }
@@ -850,14 +860,26 @@ impl Shared {
         if req.seq_floor != 0 {
             core.replies.acknowledge(client, req.seq_floor);
         }
-        if cached && let Some(outcome) = core.replies.get(client, req.seq) {
+        if cached
+            && !self.breaks.has(Break::ReplyCache)
+            && let Some(outcome) = core.replies.get(client, req.seq)
+        {
             core.scratch.clear();
-            return retry_reply(&core.engine, &req.op, outcome);
+            let replay = matches!(req.mode, ReplyMode::Replay { .. });
+            return retry_reply(&core.engine, &req.op, outcome, replay);
         }
         let mut muts = std::mem::take(&mut core.scratch);
         muts.clear();
         let reply = core.engine.execute(&req.cred, &req.op, now, &mut muts);
-        if !muts.is_empty() {
+        // A change that succeeded without changing anything (a rename between two names of
+        // one inode) is journaled too, as a record without mutations: its reply-cache
+        // entry must outlive a crash as any other's, or a replay of its early reply would
+        // run it again on a namespace that later changes moved on.
+        // (Only a success: an error or WRONG_SERVER ran nothing, and a member reruns the
+        // latter once it borrowed the tables, which a cached outcome would answer instead.)
+        let noop_change =
+            cached && muts.is_empty() && matches!(reply, Reply::Empty | Reply::Entry(_));
+        if !muts.is_empty() || noop_change {
             let outcome = outcome_of(&reply);
             let lsn = journal_entry(
                 &self.journal,
@@ -985,12 +1007,16 @@ fn with_changed_dirs(engine: &Engine, op: &Op, reply: Reply) -> Reply {
     }
 }
 
-/// The answer to a retry of an operation that already ran.
-fn retry_reply(engine: &Engine, op: &Op, outcome: Outcome) -> Reply {
+/// The answer to a retry of an operation that already ran. A create's inode may be gone
+/// since (the client removed it): a plain retry (its first reply was lost) is told so
+/// (ESTALE); a replay of an early reply is told it is done, for it is (its record is in
+/// the journal) and its client acted on the first reply long ago.
+fn retry_reply(engine: &Engine, op: &Op, outcome: Outcome, replay: bool) -> Reply {
     match (op, outcome) {
         (Op::Mknod { .. } | Op::Mkdir { .. } | Op::Symlink { .. } | Op::Link { .. }, Some(id)) => {
             match engine.inode(id) {
                 Some(i) => Reply::Entry(i.attr(id)),
+                None if replay => Reply::Empty,
                 None => Reply::Error(fs_err!(
                     ESTALE,
                     "created by the first attempt, removed before this retry"

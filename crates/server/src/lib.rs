@@ -8,7 +8,8 @@
 //! - [`cluster_host`]: a member's participant in the coordinator's protocols (admission,
 //!   lease, ADD/DROP over the network).
 //! - [`membership`]: tables joining and leaving a running server (drop, add, takeover).
-//! - [`replycache`]: answers to retried non-idempotent requests.
+//! - [`replycache`]: answers to retried non-idempotent requests; [`replaytags`]: what
+//!   proves a replay genuine.
 //! - [`leases`]: what mounts cache, and the callbacks that revoke it before a change.
 //! - [`datadir`]: the cluster key and description; [`metrics`]: Prometheus endpoint.
 //! - [`data`]: file data as chunk objects; [`filesvc`]: open files, locks and data
@@ -34,6 +35,7 @@ pub mod membership;
 pub mod metrics;
 pub mod recovery;
 pub mod released;
+pub mod replaytags;
 pub mod replycache;
 pub mod server;
 pub mod session;

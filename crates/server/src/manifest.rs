@@ -202,6 +202,52 @@ pub(crate) fn image_objects(lo: u64, img: &ImageRef) -> Vec<String> {
         .collect()
 }
 
+/// The reply cache of one journal as of one of its LSNs (see [`write_replies`]).
+#[derive(Serialize, Deserialize)]
+pub struct RepliesSnapshot {
+    /// Every record up to this LSN that carries a reply-cache entry is in `replies`.
+    pub lsn: u64,
+    pub replies: HandedOver,
+}
+
+/// Where journal `id`'s reply-cache snapshot lives (beside the journals, not in a journal's
+/// own folder, whose listing must hold its segments alone).
+pub fn replies_name(id: JournalId) -> String {
+    format!("replies/{:016x}.{:016x}", id.server, id.epoch)
+}
+
+/// Saves the reply cache of journal `id`'s writer as of `lsn` (durable when it returns),
+/// before a checkpoint round lets the journal's replay start pass records whose entries a
+/// client may still need: a crash then loses no entry of an operation a client may replay
+/// (its early reply not yet known durable) or retry (its reply lost). Recovery imports it
+/// and reads the journal from `lsn` on for the entries after it ([`read_replies`]). Each
+/// incarnation writes only its own, and a successor reads it once, after sealing the
+/// journal: a fenced writer's late snapshot (which it cannot make, its journal failing
+/// first) could not change what the successor took.
+pub fn write_replies(
+    store: &dyn ObjectStore,
+    id: JournalId,
+    lsn: u64,
+    replies: HandedOver,
+) -> io::Result<()> {
+    let bytes =
+        postcard::to_allocvec(&RepliesSnapshot { lsn, replies }).map_err(io::Error::other)?;
+    store.put(&replies_name(id), &bytes)
+}
+
+/// Journal `id`'s reply-cache snapshot, if it made one.
+pub fn read_replies(store: &dyn ObjectStore, id: JournalId) -> io::Result<Option<RepliesSnapshot>> {
+    let Some(bytes) = store.get(&replies_name(id))? else {
+        return Ok(None);
+    };
+    postcard::from_bytes(&bytes).map(Some).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: {e}", replies_name(id)),
+        )
+    })
+}
+
 /// Writes `m` as the next version after `m.version`, only if nobody wrote that version
 /// first: `AlreadyExists` means the table was taken over (or claimed) by another server
 /// incarnation, whose write stands. On success `m.version` is the new version and the

@@ -170,6 +170,12 @@ pub fn recover_tables(
         .unwrap_or(0);
     let next_lsn = running_next_lsn.unwrap_or(used + 1);
     total.last_lsn = next_lsn - 1;
+    if running_next_lsn.is_none() {
+        // The reply cache as recovered becomes this incarnation's snapshot before any claim
+        // lets the old journals (and their snapshots) go: a client may still retry or
+        // replay an operation whose entry only they held.
+        crate::manifest::write_replies(store, me, next_lsn - 1, replies.export(usize::MAX))?;
+    }
     let mut claimed = Vec::new();
     // Highest first: the upper half of a split is written before the claim of its lower
     // half drops the copy of its manifest (`Manifest::split`).
@@ -313,18 +319,28 @@ fn replay_journal(
     if after == u64::MAX {
         return Ok(RecoveryReport::default());
     }
+    // The reply cache as the journal's writer last saved it, and the records after that
+    // (their mutations only where a table's checkpoint does not cover them yet).
+    if let Some(snap) = crate::manifest::read_replies(store, j)? {
+        replies.import(&snap.replies);
+        after = after.min(snap.lsn);
+    }
     kochab_journal::recover_range(store, j, after, until, |lsn, payload| {
         let entry: JournalEntry =
             postcard::from_bytes(payload).map_err(|e| format!("undecodable entry: {e}"))?;
         engine.replay(lsn, &entry.muts)?;
         // Reply-cache entries go with the tables their operation changed (those loaded here
         // that need this journal, checkpointed past the record or not): a retry of an
-        // operation on a table served elsewhere is that server's to answer.
-        let ours = entry.muts.iter().any(|m| {
-            engine
-                .table_index(m.table_key())
-                .is_some_and(|i| lsn <= engine.tables()[i].replay_until)
-        });
+        // operation on a table served elsewhere is that server's to answer. A change that
+        // changed nothing (a rename between two names of one inode) names no table: its
+        // entry is kept wherever the journal is replayed (a retry elsewhere finds nothing
+        // to do either).
+        let ours = entry.muts.is_empty()
+            || entry.muts.iter().any(|m| {
+                engine
+                    .table_index(m.table_key())
+                    .is_some_and(|i| lsn <= engine.tables()[i].replay_until)
+            });
         if !ours {
             return Ok(());
         }

@@ -6,6 +6,7 @@ use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
 use crate::data::DataStore;
 use crate::datadir::{DataDir, DataDirLock};
 use crate::metrics::Metrics;
+use kochab_breaks::Breaks;
 use kochab_journal::JournalId;
 use kochab_journal::{Journal, JournalObserver, JournalOptions};
 use kochab_meta::EngineConfig;
@@ -265,12 +266,18 @@ struct Member {
 /// acknowledged is durable); its absence at the next start means a crash.
 const CLEAN_STOP_MARKER: &str = "stopped-cleanly";
 
-async fn serve(
-    config: ServerConfig,
-    dir: Member,
+/// The core of a recovered server, with its journal started and a new cluster's root made,
+/// but no socket, task or thread of its own yet: [`serve`] starts those around it, and the
+/// simulation drives it as it is ([`core_for_simulation`]). Also returns the inodes that
+/// had no name at start (orphans, removed unless a client reopens them).
+fn assemble(
+    config: &ServerConfig,
+    dir: &Member,
     recovered: crate::recovery::Recovered,
-    lock: Option<DataDirLock>,
-) -> io::Result<RunningServer> {
+    options: JournalOptions,
+    keys: Arc<crate::keys::KeyStore>,
+    breaks: Breaks,
+) -> io::Result<(Arc<Shared>, Vec<InodeId>)> {
     let crate::recovery::Recovered {
         mut engine,
         replies,
@@ -292,11 +299,6 @@ async fn serve(
     );
     let metrics = Arc::new(Metrics::new());
     metrics.replay_records.set(report.replayed);
-    let options = JournalOptions {
-        segment_bytes: config.segment_bytes.max(SEGMENT_BYTES_MIN),
-        fsync: config.fsync,
-        ..JournalOptions::default()
-    };
     let journal = Journal::start(
         dir.store.clone(),
         dir.me,
@@ -317,13 +319,6 @@ async fn serve(
         }
         tracing::info!("created a new cluster in {}", dir.data_path.display());
     }
-    let root = engine.root();
-    // A member's keys are the coordinator's, which its host keeps; a single server's are
-    // in its data directory.
-    let keys = match &dir.cluster {
-        Some(host) => host.keys(),
-        None => Arc::new(crate::keys::KeyStore::load(&dir.data_path, dir.key)?),
-    };
     let data = Arc::new(DataStore::new(dir.data_store.clone()));
     // Data deletions and trims left over from before the restart run in the background
     // (`reclaim_loop`): serving never waits for bulk deletion, and a data operation on a
@@ -367,6 +362,7 @@ async fn serve(
         replay_window: Default::default(),
         replay_key: kochab_proto::auth::ReplayKey::derive(&dir.key),
         slice_work: crate::slicework::SliceWork::new(&dir.key, dir.me.server, dir.me.epoch),
+        breaks,
     });
     if dir.replay_window {
         tracing::info!(
@@ -379,8 +375,74 @@ async fn serve(
     if let Some(host) = &dir.cluster {
         host.attach(&shared);
     }
-    // Group commits written from this runtime's own threads (io_uring), not handed to the
-    // flusher thread (see `Journal::committer`).
+    Ok((shared, orphans))
+}
+
+/// What the simulation gives to build a server's core over its own store (see
+/// [`core_for_simulation`]).
+pub struct SimulatedServer {
+    /// The cluster's store (in memory, crashing back to its last sync).
+    pub store: Arc<dyn ObjectStore>,
+    pub key: ClusterKey,
+    /// This incarnation (a new epoch for every start).
+    pub me: JournalId,
+    /// How its journal writes (a simulation flushes only when it asks).
+    pub journal: JournalOptions,
+    /// The last incarnation stopped without a clean shutdown: replays only for a while.
+    pub crashed: bool,
+    /// Deliberate bugs to switch on.
+    pub breaks: Breaks,
+}
+
+/// The core of a single server (every table) recovered from `recovered`, for a
+/// deterministic simulation: the same assembly as a served one, with no socket, task or
+/// thread but the journal's. Call from within a tokio runtime (the core keeps its handle).
+pub fn core_for_simulation(
+    sim: SimulatedServer,
+    recovered: crate::recovery::Recovered,
+) -> io::Result<Arc<Shared>> {
+    let data_path = PathBuf::from("simulated");
+    let config = ServerConfig {
+        store_description: Some("simulated, in memory".into()),
+        ..ServerConfig::new(&data_path, SocketAddr::from(([127, 0, 0, 1], 0)))
+    };
+    let member = Member {
+        data_store: sim.store.clone(),
+        store: sim.store,
+        key: sim.key,
+        status_id: sim.me.server,
+        me: sim.me,
+        data_path,
+        cluster: None,
+        replay_window: sim.crashed,
+    };
+    let keys = Arc::new(crate::keys::KeyStore::for_cluster(sim.key));
+    let (shared, _orphans) = assemble(&config, &member, recovered, sim.journal, keys, sim.breaks)?;
+    Ok(shared)
+}
+
+async fn serve(
+    config: ServerConfig,
+    dir: Member,
+    recovered: crate::recovery::Recovered,
+    lock: Option<DataDirLock>,
+) -> io::Result<RunningServer> {
+    let options = JournalOptions {
+        segment_bytes: config.segment_bytes.max(SEGMENT_BYTES_MIN),
+        fsync: config.fsync,
+        ..JournalOptions::default()
+    };
+    let keys = match &dir.cluster {
+        // A member's keys are the coordinator's, which its host keeps.
+        Some(host) => host.keys(),
+        // A single server's are in its data directory.
+        None => Arc::new(crate::keys::KeyStore::load(&dir.data_path, dir.key)?),
+    };
+    let (shared, orphans) = assemble(&config, &dir, recovered, options, keys, Breaks::NONE)?;
+    let metrics = shared.metrics.clone();
+    let root = shared.core.lock().engine.root();
+    // Group commits written on this runtime's own thread when it has one worker, not
+    // handed to the flusher thread (see `Journal::committer`).
     tokio::spawn(shared.journal.committer());
     let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
     let reclaimer = tokio::spawn(reclaim_loop(shared.clone()));

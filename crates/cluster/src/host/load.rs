@@ -7,6 +7,11 @@ use std::collections::BTreeMap;
 
 use kochab_proto::cluster::{Incarnation, TableId, TableLoad};
 
+/// How often a member reports its tables' load to the coordinator (operations admitted
+/// in the interval and inodes held): one coordinator log entry per server per interval,
+/// and often enough for the balancer to see a hot server within seconds.
+pub const LOAD_REPORT_EVERY_MS: u64 = 5_000;
+
 /// The incarnation a manifest names as its table's owner: its records since the table's
 /// checkpoint are in that incarnation's journal (server id and epoch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -1,0 +1,90 @@
+//! Deliberate bugs in the real code, for the simulation to prove its checks: with
+//! `SIM_BREAK=NAME` the simulation switches one on and must then fail within a few seeds.
+//!
+//! A switch is a plain value carried in the configuration of the code it breaks (the
+//! journal's options, the server core), never a global: simulations of different breaks
+//! run side by side in one test process, and a production server, which never sets one,
+//! has every switch off.
+
+/// One deliberate bug.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Break {
+    /// The journal acknowledges a write without checking that nobody sealed it: a fenced
+    /// server's late operations count as durable although its successor never reads them.
+    Fencing,
+    /// The core sends every reply at once, as if its record were durable: a crash loses
+    /// operations clients were told are safe.
+    ReplyBeforeDurable,
+    /// The core runs a retried or replayed request again instead of answering it from the
+    /// reply cache: an operation applied twice.
+    ReplyCache,
+    /// A replayed create ignores the inode id its first reply gave: the client's (and its
+    /// kernel's) references name another file, or none.
+    WantId,
+}
+
+impl Break {
+    /// Every switch, in the order of [`Break::name`]'s list.
+    pub const ALL: [Break; 4] = [
+        Break::Fencing,
+        Break::ReplyBeforeDurable,
+        Break::ReplyCache,
+        Break::WantId,
+    ];
+
+    /// The name `SIM_BREAK` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Break::Fencing => "fencing",
+            Break::ReplyBeforeDurable => "reply-before-durable",
+            Break::ReplyCache => "reply-cache",
+            Break::WantId => "want-id",
+        }
+    }
+
+    /// The switch called `name`.
+    pub fn parse(name: &str) -> Option<Break> {
+        Break::ALL.into_iter().find(|b| b.name() == name)
+    }
+
+    fn bit(self) -> u32 {
+        1 << (self as u32)
+    }
+}
+
+/// A set of switches; the default is none on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Breaks(u32);
+
+impl Breaks {
+    /// Every switch off (production).
+    pub const NONE: Breaks = Breaks(0);
+
+    /// These switches plus `b`.
+    pub fn with(self, b: Break) -> Breaks {
+        Breaks(self.0 | b.bit())
+    }
+
+    /// True if `b` is on.
+    #[inline]
+    pub fn has(self, b: Break) -> bool {
+        self.0 & b.bit() != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_switches_are_independent() {
+        for b in Break::ALL {
+            assert_eq!(Break::parse(b.name()), Some(b));
+            let on = Breaks::NONE.with(b);
+            assert!(on.has(b));
+            assert_eq!(Break::ALL.iter().filter(|&&o| on.has(o)).count(), 1);
+        }
+        assert_eq!(Break::parse("nothing"), None);
+        assert!(!Breaks::default().has(Break::Fencing));
+    }
+}

@@ -1,0 +1,93 @@
+//! The simulation of the real server core. `SIM_SEEDS=n` runs n seeds (default 1000) from
+//! `SIM_FIRST` (default 0); `SIM_SEED=s` replays one (`SIM_TRACE=1` prints its steps);
+//! `SIM_BREAK=NAME` runs with a deliberate bug switched on in the real code and must fail.
+//! Without `SIM_BREAK`, every break is also run here and must be caught within 100 seeds.
+
+use kochab_breaks::{Break, Breaks};
+use kochab_sim::{SimConfig, run, run_seeds};
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+fn breaks() -> Breaks {
+    match std::env::var("SIM_BREAK") {
+        Ok(name) => match Break::parse(&name) {
+            Some(b) => Breaks::NONE.with(b),
+            None => panic!(
+                "SIM_BREAK={name}: not one of {:?}",
+                Break::ALL.map(|b| b.name())
+            ),
+        },
+        Err(_) => Breaks::NONE,
+    }
+}
+
+#[test]
+fn seeds_pass() {
+    let breaks = breaks();
+    if let Some(seed) = env_u64("SIM_SEED") {
+        let mut cfg = SimConfig::new(seed);
+        cfg.breaks = breaks;
+        cfg.trace = std::env::var("SIM_TRACE").is_ok();
+        match run(cfg) {
+            Ok(stats) => eprintln!("seed {seed}: {stats:?}"),
+            Err(e) => panic!("{e}"),
+        }
+        return;
+    }
+    let n = env_u64("SIM_SEEDS").unwrap_or(1000);
+    let first = env_u64("SIM_FIRST").unwrap_or(0);
+    let started = std::time::Instant::now();
+    let result = run_seeds(first, n, |c| c.breaks = breaks);
+    if breaks != Breaks::NONE {
+        let e = result.expect_err("a deliberate bug went unnoticed");
+        eprintln!("caught: {e}");
+        return;
+    }
+    let stats = result.unwrap_or_else(|e| panic!("{e}"));
+    let sum = |f: fn(&kochab_sim::SimStats) -> u64| stats.iter().map(f).sum::<u64>();
+    eprintln!(
+        "{n} seeds passed in {:.1} s: {} operations, {} replays, {} kill -9, {} power \
+         losses, {} fences, {} checkpoints, {} replies lost",
+        started.elapsed().as_secs_f64(),
+        sum(|s| s.ops),
+        sum(|s| s.replays),
+        sum(|s| s.kills),
+        sum(|s| s.power_losses),
+        sum(|s| s.fences),
+        sum(|s| s.checkpoints),
+        sum(|s| s.dropped_replies),
+    );
+}
+
+/// Each deliberate bug is caught within 100 seeds, by a check of what it breaks.
+#[test]
+fn every_break_is_caught() {
+    if std::env::var("SIM_BREAK").is_ok() || env_u64("SIM_SEED").is_some() {
+        return;
+    }
+    for b in Break::ALL {
+        let caught = (0..100).find_map(|seed| {
+            let mut cfg = SimConfig::new(seed);
+            cfg.breaks = Breaks::NONE.with(b);
+            run(cfg).err()
+        });
+        match caught {
+            Some(e) => eprintln!("{}: caught: {e}", b.name()),
+            None => panic!("SIM_BREAK={} was not caught within 100 seeds", b.name()),
+        }
+    }
+}
+
+/// A known gap, shown rather than hidden (docs/TESTING.md, "Simulation of the server
+/// core"): clients that change names other clients use, each answered early, replay
+/// after a crash each in its own order but interleaved with the others at random, so a
+/// change that depended on another client's lost one can run before it (a rename of a
+/// name another client created, answered early, fails at its replay). Run it with
+/// `cargo test -p kochab-sim --test sim -- --ignored`.
+#[test]
+#[ignore = "known gap: replays of early replies of different clients run in another order"]
+fn changes_that_depend_on_other_clients_survive_a_crash() {
+    run_seeds(0, 100, |c| c.cross_client = true).unwrap_or_else(|e| panic!("{e}"));
+}
