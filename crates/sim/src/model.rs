@@ -173,21 +173,7 @@ impl Model {
                     new_parent: parent,
                     new_name: name,
                 };
-                match here {
-                    Some(_) => Planned {
-                        op,
-                        expect: Expect::Fails(Errno::EEXIST),
-                        change: Change::None,
-                    },
-                    None => Planned {
-                        op,
-                        expect: Expect::Entry {
-                            kind: FileKind::File,
-                            id: Some(id),
-                        },
-                        change: Change::Add(at, FileKind::File),
-                    },
-                }
+                self.new_name(op, at, here, FileKind::File, Some(id))
             }
         }
     }
@@ -199,6 +185,19 @@ impl Model {
         here: Option<(InodeId, FileKind)>,
         kind: FileKind,
     ) -> Planned {
+        self.new_name(op, at, here, kind, None)
+    }
+
+    /// An operation that makes the name `at` (currently `here`) for an inode of `kind`:
+    /// a new one, or `linked`.
+    fn new_name(
+        &self,
+        op: Op,
+        at: Place,
+        here: Option<(InodeId, FileKind)>,
+        kind: FileKind,
+        linked: Option<InodeId>,
+    ) -> Planned {
         match here {
             Some(_) => Planned {
                 op,
@@ -207,7 +206,7 @@ impl Model {
             },
             None => Planned {
                 op,
-                expect: Expect::Entry { kind, id: None },
+                expect: Expect::Entry { kind, id: linked },
                 change: Change::Add(at, kind),
             },
         }
