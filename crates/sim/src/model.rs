@@ -45,6 +45,17 @@ pub enum Change {
     Move(Place, Place),
 }
 
+/// An exclusive create of a regular file with permissions `perm`.
+fn mknod(parent: InodeId, name: Vec<u8>, perm: u32) -> Op {
+    Op::Mknod {
+        parent,
+        name,
+        mode: mode::S_IFREG | perm,
+        rdev: 0,
+        exclusive: true,
+    }
+}
+
 /// One operation with its predicted outcome.
 #[derive(Clone, Debug)]
 pub struct Planned {
@@ -89,16 +100,7 @@ impl Model {
         let (parent, name) = (dirs[at.0], self.name_of(at));
         let here = self.names.get(&at).copied();
         match rng.range(0, 9) {
-            0..=2 => {
-                let op = Op::Mknod {
-                    parent,
-                    name,
-                    mode: mode::S_IFREG | 0o644,
-                    rdev: 0,
-                    exclusive: true,
-                };
-                self.create(op, at, here, FileKind::File)
-            }
+            0..=2 => self.create(mknod(parent, name, 0o644), at, here, FileKind::File),
             3 => {
                 let op = Op::Mkdir {
                     parent,
@@ -159,13 +161,7 @@ impl Model {
                 let Some(&(_, id)) =
                     files.get(rng.range(0, files.len().max(1) as u64 - 1) as usize)
                 else {
-                    let op = Op::Mknod {
-                        parent,
-                        name,
-                        mode: mode::S_IFREG | 0o600,
-                        rdev: 0,
-                        exclusive: true,
-                    };
+                    let op = mknod(parent, name, 0o600);
                     return self.create(op, at, here, FileKind::File);
                 };
                 let op = Op::Link {
