@@ -21,15 +21,20 @@ pub enum Break {
     /// A replayed create ignores the inode id its first reply gave: the client's (and its
     /// kernel's) references name another file, or none.
     WantId,
+    /// The core answers early a change that depended on another session's change not yet
+    /// durable: after a crash the clients' replays run in another order, and the change
+    /// fails at its replay (acknowledged, and lost).
+    DependentEarly,
 }
 
 impl Break {
     /// Every switch, in the order of [`Break::name`]'s list.
-    pub const ALL: [Break; 4] = [
+    pub const ALL: [Break; 5] = [
         Break::Fencing,
         Break::ReplyBeforeDurable,
         Break::ReplyCache,
         Break::WantId,
+        Break::DependentEarly,
     ];
 
     /// The name `SIM_BREAK` takes.
@@ -39,6 +44,7 @@ impl Break {
             Break::ReplyBeforeDurable => "reply-before-durable",
             Break::ReplyCache => "reply-cache",
             Break::WantId => "want-id",
+            Break::DependentEarly => "dependent-early",
         }
     }
 

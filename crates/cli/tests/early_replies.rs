@@ -199,3 +199,50 @@ fn with_dirsync_a_crash_of_server_and_mount_loses_nothing_acknowledged() {
     let mount = MountProc::start(server.addr, &data.join("cluster.key"), &mnt);
     assert_eq!(names(&mount.mnt.join("d")), expected(FILES));
 }
+
+/// Two mounts: one creates a name, the other unlinks it, both before the journal has the
+/// create. The unlink depended on the other session's change, so it is not answered early
+/// (`crates/server/src/unsettled.rs`): it waits for the journal. The server loses power
+/// before either record is durable; the first mount replays its create, the second sends
+/// its unlink again after the replays. Both calls return 0, and the name is gone, as they
+/// said. (Answered early, the unlink could replay before the create and fail, and the
+/// name would come back: an acknowledged unlink lost.)
+#[test]
+fn an_unlink_of_a_name_another_mount_just_made_is_not_lost_in_a_crash() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = tmp.path().join("data");
+    let mut server = slow_server(&data, "0", HOLD_MS);
+    let port = server.addr.port().to_string();
+    let key = data.join("cluster.key");
+    let maker = MountProc::start(server.addr, &key, &tmp.path().join("a"));
+    let remover = MountProc::start(server.addr, &key, &tmp.path().join("b"));
+    fs::File::create(maker.mnt.join("x")).expect("create at the first mount");
+    let unlinked = {
+        let path = remover.mnt.join("x");
+        std::thread::spawn(move || fs::remove_file(path))
+    };
+    // The unlink reaches the server and waits there for the held flush.
+    std::thread::sleep(Duration::from_millis(800));
+    assert!(
+        !unlinked.is_finished(),
+        "the unlink was answered before the create it depended on was durable"
+    );
+    server.power_loss(Loss::Drop);
+    assert!(
+        durable_inodes(&data) < 2,
+        "the create was durable at the crash: nothing to replay"
+    );
+    let _server = restarted(&data, &port);
+    unlinked
+        .join()
+        .expect("unlink thread")
+        .expect("the unlink, sent again after the restart");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline && names(&maker.mnt).contains("x") {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        !names(&maker.mnt).contains("x") && !names(&remover.mnt).contains("x"),
+        "the acknowledged unlink was lost: x is back"
+    );
+}

@@ -1084,8 +1084,8 @@ pub async fn parked_op(
         flushed = true;
         let mut replies = Vec::with_capacity(1);
         let parked = shared.execute_flushed(client, &(rid, req.clone()), &mut replies);
-        if let Some((_, reply, lsn)) = replies.pop() {
-            return (reply, lsn);
+        if let Some(a) = replies.pop() {
+            return (a.reply, a.lsn);
         }
         match parked.into_iter().next() {
             Some((_, p)) => why = p,
@@ -1144,8 +1144,8 @@ async fn borrowed_op(
             shared.execute_batch(client, &[(rid, req.clone())], &mut replies)
         };
         drop(held);
-        if let Some((_, reply, lsn)) = replies.pop() {
-            return (reply, lsn);
+        if let Some(a) = replies.pop() {
+            return (a.reply, a.lsn);
         }
         let before = tables.len();
         let mut waited = false;

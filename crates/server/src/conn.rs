@@ -909,14 +909,14 @@ async fn read_loop(
             let durable = shared.journal.durable_lsn();
             let mut now = Replies::new(started, replies.len());
             let mut later = Replies::new(started, 0);
-            for ((rid, reply, lsn), (_, req)) in replies.drain(..).zip(reqs.drain(..)) {
+            for (a, (_, req)) in replies.drain(..).zip(reqs.drain(..)) {
                 let op = req.op.index() as u8;
-                if lsn <= durable {
-                    now.add(rid, op, &reply, lsn);
-                } else if req.mode == ReplyMode::Early {
-                    now.add_unsafe(rid, &req, &reply, lsn, &tags);
+                if a.lsn <= durable {
+                    now.add(a.rid, op, &a.reply, a.lsn);
+                } else if req.mode == ReplyMode::Early && a.early_by(durable) {
+                    now.add_unsafe(a.rid, &req, &a.reply, a.lsn, &tags);
                 } else {
-                    later.add(rid, op, &reply, lsn);
+                    later.add(a.rid, op, &a.reply, a.lsn);
                 }
             }
             for group in [now, later] {

@@ -11,6 +11,7 @@ use crate::locks::LockTable;
 use crate::metrics::Metrics;
 use crate::replycache::{Outcome, ReplyCache};
 use crate::session::{EndedHandles, Sessions};
+use crate::unsettled::Unsettled;
 use kochab_breaks::{Break, Breaks};
 use kochab_journal::Journal;
 use kochab_meta::{Engine, Mutation};
@@ -70,6 +71,36 @@ pub enum Cleanup {
 /// An open handle that travels with its file's table: (client, handle, inode).
 pub type MovedHandle = (u64, u64, InodeId);
 
+/// The reply to request `rid` of a batch, and when it may leave.
+#[derive(Debug)]
+pub struct Answer {
+    pub rid: u64,
+    pub reply: Reply,
+    /// The LSN that must be durable before the reply is final (0: now).
+    pub lsn: u64,
+    /// A request that asked for an early reply may have it before `lsn` is durable only
+    /// once this is: the record of another session's change that it depended on (0: none;
+    /// see `unsettled`). Until then it waits for `lsn`, as any reply.
+    pub early_after: u64,
+}
+
+impl Answer {
+    /// A reply that may leave at once.
+    pub fn now(rid: u64, reply: Reply) -> Answer {
+        Answer {
+            rid,
+            reply,
+            lsn: 0,
+            early_after: 0,
+        }
+    }
+
+    /// True if it may leave now as an early reply, the journal durable up to `durable`.
+    pub fn early_by(&self, durable: u64) -> bool {
+        self.early_after <= durable
+    }
+}
+
 /// What the lock protects.
 pub struct Core {
     pub engine: Engine,
@@ -83,6 +114,12 @@ pub struct Core {
     /// changed since about the last durable point: a reply must wait only until what it
     /// observed is durable, not for unrelated operations in flight.
     pub modified: FxHashMap<InodeId, u64>,
+    /// Which session made each change not yet durable: a change that depended on another
+    /// session's is not answered early (see `unsettled`).
+    pub unsettled: Unsettled,
+    /// The latest record of another session, not durable when noted, that the changes
+    /// journaled since the last [`Core::take_depended`] depended on (0: none).
+    depended: u64,
     /// Cleanup still to do, oldest first (see [`Shared::cleanup_batch`]).
     pub cleanup: VecDeque<Cleanup>,
     /// What sessions that asked for leases may cache (see `leases`).
@@ -173,6 +210,8 @@ impl Core {
             locks: LockTable::default(),
             arrived: FxHashMap::default(),
             modified: FxHashMap::default(),
+            unsettled: Unsettled::default(),
+            depended: 0,
             cleanup: VecDeque::new(),
             leases: Leases::default(),
             callbacks: Callbacks::default(),
@@ -214,11 +253,25 @@ impl Core {
         &self.scratch
     }
 
-    /// Notes that `changer`'s mutations `muts` were journaled at `lsn`, and calls back
-    /// every other session that holds a lease on what they change; the replies to
-    /// `changer` wait for those callbacks (see `leases::Board`).
-    pub fn journaled(&mut self, changer: u64, muts: &[Mutation], lsn: u64) {
+    /// Notes that `changer`'s mutations `muts` were journaled at `lsn` (the journal durable
+    /// up to `durable`), and calls back every other session that holds a lease on what
+    /// they change; the replies to `changer` wait for those callbacks (see
+    /// `leases::Board`). Returns the LSN of another session's record, not durable, that the
+    /// change depended on (0: none): an early reply to it must wait for that record.
+    pub fn journaled(&mut self, changer: u64, muts: &[Mutation], lsn: u64, durable: u64) -> u64 {
         note_modified(&mut self.modified, muts, lsn);
+        let depended = self.unsettled.note(changer, muts, lsn, durable);
+        self.depended = self.depended.max(depended);
+        self.call_back_leases(changer, muts);
+        depended
+    }
+
+    /// What [`Core::journaled`] noted as depended on since the last call.
+    pub fn take_depended(&mut self) -> u64 {
+        std::mem::take(&mut self.depended)
+    }
+
+    fn call_back_leases(&mut self, changer: u64, muts: &[Mutation]) {
         if !self.flushes.is_empty() {
             self.end_promises(changer, muts);
         }
@@ -694,7 +747,7 @@ impl Shared {
         &self,
         client: u64,
         reqs: &[(u64, Request)],
-        replies: &mut Vec<(u64, Reply, u64)>,
+        replies: &mut Vec<Answer>,
     ) -> Vec<(u64, Parked)> {
         self.run_batch(client, reqs, replies, true)
     }
@@ -706,7 +759,7 @@ impl Shared {
         &self,
         client: u64,
         req: &(u64, Request),
-        replies: &mut Vec<(u64, Reply, u64)>,
+        replies: &mut Vec<Answer>,
     ) -> Vec<(u64, Parked)> {
         self.run_batch(client, std::slice::from_ref(req), replies, false)
     }
@@ -715,7 +768,7 @@ impl Shared {
         &self,
         client: u64,
         reqs: &[(u64, Request)],
-        replies: &mut Vec<(u64, Reply, u64)>,
+        replies: &mut Vec<Answer>,
         flushes: bool,
     ) -> Vec<(u64, Parked)> {
         let now = now_ns();
@@ -723,7 +776,9 @@ impl Shared {
         let mut core = self.core.lock();
         let leasing = core.lease_conns.contains_key(&client);
         let granted = Instant::now();
+        let mut depended = false;
         for (rid, req) in reqs {
+            core.take_depended();
             // Files another session may hold writes of: they are sent first (an open of
             // an existing name by create too: it may truncate, and shows the size).
             if flushes && !core.flushes.is_empty() {
@@ -743,7 +798,7 @@ impl Shared {
                 Some(host) => match host.admit_op(&core, client, &req.op) {
                     Ok(tables) => tables,
                     Err(Refusal::Reply(reply)) => {
-                        replies.push((*rid, *reply, 0));
+                        replies.push(Answer::now(*rid, *reply));
                         continue;
                     }
                     Err(Refusal::Borrow(tables)) => {
@@ -791,7 +846,7 @@ impl Shared {
                         host.op_done(admitted, 0, 0);
                         match refusal {
                             Refusal::Borrow(tables) => parked.push((*rid, Parked::Borrow(tables))),
-                            Refusal::Reply(reply) => replies.push((*rid, *reply, 0)),
+                            Refusal::Reply(reply) => replies.push(Answer::now(*rid, *reply)),
                         }
                         continue;
                     }
@@ -828,7 +883,17 @@ impl Shared {
             if leasing {
                 core.grant_leases(client, &req.op, &reply, granted);
             }
-            replies.push((*rid, reply, needed));
+            let early_after = match self.breaks.has(Break::DependentEarly) {
+                false => core.take_depended(),
+                true => 0,
+            };
+            depended |= early_after != 0;
+            replies.push(Answer {
+                rid: *rid,
+                reply,
+                lsn: needed,
+                early_after,
+            });
         }
         if core.modified.len() > MODIFIED_PRUNE_AT {
             let durable = self.journal.durable_lsn();
@@ -836,8 +901,9 @@ impl Shared {
         }
         drop(core);
         // Early replies do not wait for the journal: their records go with the next flush
-        // (within `LAZY_FLUSH`); anything else in the batch waits for one now.
-        if reqs.iter().any(|(_, r)| r.mode != ReplyMode::Early) {
+        // (within `LAZY_FLUSH`); anything else in the batch waits for one now (a change
+        // that depended on another session's too: it is not answered early).
+        if depended || reqs.iter().any(|(_, r)| r.mode != ReplyMode::Early) {
             self.journal.flush_now();
         }
         parked
@@ -889,7 +955,24 @@ impl Shared {
                 outcome,
                 &muts,
             );
-            core.journaled(client, &muts, lsn);
+            let durable = self.journal.durable_lsn();
+            core.journaled(client, &muts, lsn, durable);
+            if noop_change
+                && let Op::Rename {
+                    parent,
+                    name,
+                    new_parent,
+                    new_name,
+                    ..
+                } = &req.op
+            {
+                let found = [
+                    (*parent, name.as_slice()),
+                    (*new_parent, new_name.as_slice()),
+                ];
+                let depended = core.unsettled.note_found(client, &found, lsn, durable);
+                core.depended = core.depended.max(depended);
+            }
             if cached {
                 core.replies.insert(client, req.seq, outcome);
             }

@@ -212,7 +212,7 @@ impl Shared {
                 Some(attr.id),
                 &muts,
             );
-            core.journaled(client, &muts, lsn);
+            core.journaled(client, &muts, lsn, self.journal.durable_lsn());
             if cached {
                 core.replies.insert(client, req.seq, Some(attr.id));
             }
@@ -317,7 +317,7 @@ impl Shared {
             return 0;
         }
         let lsn = journal_entry(&self.journal, client, 0, 0, None, muts);
-        core.journaled(client, muts, lsn);
+        core.journaled(client, muts, lsn, self.journal.durable_lsn());
         self.journal.flush_now();
         lsn
     }
@@ -642,32 +642,46 @@ async fn write(
         })
         .await?;
     }
-    let mut core = shared.core.lock();
-    current_generation(&core, &of)?;
-    let (muts, attr) = core
-        .engine
-        .write_done(how.cred, of.id, end, now_ns())
-        .map_err(fail)?;
-    let lsn = if kept {
-        // Answered early: journaled with its sequence number (a replay of it, once
-        // durable, is answered by the reply cache), flushed with the other early
-        // replies' records.
-        let lsn = journal_entry(&shared.journal, client, seq, 0, Some(of.id), &muts);
-        core.journaled(client, &muts, lsn);
-        if seq != 0 {
-            core.replies.insert(client, seq, Some(of.id));
+    let (attr, lsn, depended) = {
+        let mut core = shared.core.lock();
+        current_generation(&core, &of)?;
+        let (muts, attr) = core
+            .engine
+            .write_done(how.cred, of.id, end, now_ns())
+            .map_err(fail)?;
+        let (lsn, depended) = if kept {
+            // Answered early: journaled with its sequence number (a replay of it, once
+            // durable, is answered by the reply cache), flushed with the other early
+            // replies' records.
+            let lsn = journal_entry(&shared.journal, client, seq, 0, Some(of.id), &muts);
+            let depended = core.journaled(client, &muts, lsn, shared.journal.durable_lsn());
+            if seq != 0 {
+                core.replies.insert(client, seq, Some(of.id));
+            }
+            (lsn, depended != 0)
+        } else {
+            // Size and times: journaled, but a write is not durable before fsync anyway, so
+            // the reply does not wait for them.
+            shared.journal_now(&mut core, client, &muts);
+            (0, false)
+        };
+        if append && seq != 0 {
+            core.appended.insert((client, handle), (seq, attr.clone()));
         }
-        lsn
-    } else {
-        // Size and times: journaled, but a write is not durable before fsync anyway, so
-        // the reply does not wait for them.
-        shared.journal_now(&mut core, client, &muts);
-        0
+        (attr, lsn, depended)
     };
-    if append && seq != 0 {
-        core.appended.insert((client, handle), (seq, attr.clone()));
+    if depended {
+        answer_when_durable(shared, lsn).await?;
     }
     Ok((Reply::Attr(attr), lsn))
+}
+
+/// A change answered early that depended on another session's change not yet durable
+/// (see `unsettled`) is answered once its own record is durable instead: its reply then
+/// leaves as an ordinary one.
+pub(crate) async fn answer_when_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {
+    shared.journal.flush_now();
+    wait_durable(shared, lsn).await
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -825,7 +839,7 @@ mod tests {
             handle,
         };
         shared.execute_batch(CLIENT, &[(1, req(create))], &mut replies);
-        let attr = match &replies[0].1 {
+        let attr = match &replies[0].reply {
             Reply::WithDirs { reply, .. } => match &**reply {
                 Reply::Entry(a) => a.clone(),
                 other => panic!("create: {other:?}"),

@@ -42,6 +42,7 @@ pub mod session;
 pub mod slicesvc;
 pub mod slicework;
 pub mod stop_reason;
+pub mod unsettled;
 pub use kochab_tls as tls;
 
 pub use datadir::{DataDir, KEY_FILE, read_key_file};

@@ -220,27 +220,35 @@ pub(crate) async fn commit(
         check_slice(s)?;
     }
     let (_file, _) = lock_file(shared, &of, false).await?;
-    let work = &shared.slice_work;
-    let mut core = shared.core.lock();
-    current_generation(&core, &of)?;
-    // Verified under the core lock, right before the commit: a token that verifies here
-    // is committed at once, so the collector's wait past expiry is enough (see `gc`).
-    let now = unix_now();
-    for s in &slices {
-        verify_token(work, key_id, &of, s, now)?;
+    let (attr, lsn, depended) = {
+        let work = &shared.slice_work;
+        let mut core = shared.core.lock();
+        current_generation(&core, &of)?;
+        // Verified under the core lock, right before the commit: a token that verifies here
+        // is committed at once, so the collector's wait past expiry is enough (see `gc`).
+        let now = unix_now();
+        for s in &slices {
+            verify_token(work, key_id, &of, s, now)?;
+        }
+        let refs: Vec<(u64, SliceRef)> = slices.iter().map(|s| (s.chunk, s.r)).collect();
+        let (muts, attr, freed) = core
+            .engine
+            .commit_slices(how.cred, of.id, &refs, end, now_ns())
+            .map_err(fail)?;
+        let (lsn, depended) = journal_change(shared, &mut core, client, &how, of.id, &muts);
+        after_commit(shared, &core, &of, &refs, &freed, lsn);
+        (attr, lsn, depended)
+    };
+    if depended {
+        crate::filesvc::answer_when_durable(shared, lsn).await?;
     }
-    let refs: Vec<(u64, SliceRef)> = slices.iter().map(|s| (s.chunk, s.r)).collect();
-    let (muts, attr, freed) = core
-        .engine
-        .commit_slices(how.cred, of.id, &refs, end, now_ns())
-        .map_err(fail)?;
-    let lsn = journal_change(shared, &mut core, client, &how, of.id, &muts);
-    after_commit(shared, &core, &of, &refs, &freed, lsn);
     Ok((Reply::Attr(attr), if kept { lsn } else { 0 }))
 }
 
 /// Journals a write-like change as a write does (answered early with its sequence number
-/// in the reply cache, or journaled and flushed now); returns its record's LSN (0: none).
+/// in the reply cache, or journaled and flushed now); returns its record's LSN (0: none)
+/// and whether an early reply to it must wait for that record instead (it depended on
+/// another session's change, see `unsettled`).
 fn journal_change(
     shared: &Shared,
     core: &mut Core,
@@ -248,16 +256,16 @@ fn journal_change(
     how: &WriteReq<'_>,
     id: InodeId,
     muts: &[Mutation],
-) -> u64 {
+) -> (u64, bool) {
     if how.mode != ReplyMode::Durable {
         let lsn = journal_entry(&shared.journal, client, how.seq, 0, Some(id), muts);
-        core.journaled(client, muts, lsn);
+        let depended = core.journaled(client, muts, lsn, shared.journal.durable_lsn());
         if how.seq != 0 {
             core.replies.insert(client, how.seq, Some(id));
         }
-        lsn
+        (lsn, depended != 0)
     } else {
-        shared.journal_now(core, client, muts)
+        (shared.journal_now(core, client, muts), false)
     }
 }
 
@@ -467,14 +475,20 @@ pub(crate) async fn write(
     } else {
         put_write(shared, of, offset, bytes).await?
     };
-    let mut core = shared.core.lock();
-    current_generation(&core, of)?;
-    let (muts, attr, freed) = core
-        .engine
-        .commit_slices(how.cred, of.id, &refs, end, now_ns())
-        .map_err(fail)?;
-    let lsn = journal_change(shared, &mut core, client, how, of.id, &muts);
-    after_commit(shared, &core, of, &refs, &freed, lsn);
+    let (attr, lsn, depended) = {
+        let mut core = shared.core.lock();
+        current_generation(&core, of)?;
+        let (muts, attr, freed) = core
+            .engine
+            .commit_slices(how.cred, of.id, &refs, end, now_ns())
+            .map_err(fail)?;
+        let (lsn, depended) = journal_change(shared, &mut core, client, how, of.id, &muts);
+        after_commit(shared, &core, of, &refs, &freed, lsn);
+        (attr, lsn, depended)
+    };
+    if depended {
+        crate::filesvc::answer_when_durable(shared, lsn).await?;
+    }
     Ok((attr, lsn))
 }
 

@@ -28,8 +28,9 @@ fn run(shared: &Shared, client: u64, seq: u64, op: Op) -> Option<Reply> {
     };
     let mut replies = Vec::new();
     shared.execute_batch(client, &[(1, req)], &mut replies);
-    let (_, reply, needed) = replies.pop()?;
-    let reply = match reply {
+    let answer = replies.pop()?;
+    let needed = answer.lsn;
+    let reply = match answer.reply {
         Reply::WithDirs { reply, .. } => *reply,
         other => other,
     };
