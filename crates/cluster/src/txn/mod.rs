@@ -18,7 +18,9 @@
 //! the host owns the network, the journal and the tables. [`sim`] runs both over a seeded
 //! network, journal and crash model and checks the invariants after every step.
 
+pub mod initiator;
 pub mod locks;
+pub mod participant;
 
 use kochab_proto::InodeId;
 use kochab_proto::cluster::ServerId;
