@@ -21,6 +21,7 @@
 pub mod initiator;
 pub mod locks;
 pub mod participant;
+pub mod sim;
 
 use kochab_proto::InodeId;
 use kochab_proto::cluster::ServerId;
