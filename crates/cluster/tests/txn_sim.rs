@@ -3,7 +3,9 @@
 //! `TXN_SIM_SEED=s` replays one (`TXN_SIM_TRACE=1` prints its events),
 //! `TXN_SIM_BREAK=commit-early|ack-early` runs a deliberately broken protocol,
 //! `TXN_SIM_SITES` (4), `TXN_SIM_CLIENTS` (4) and `TXN_SIM_TOKENS` (6, the entries that
-//! move: fewer means more conflicts) change the load.
+//! move: fewer means more conflicts) change the load, `TXN_SIM_FAULT_MS` (4000) how long
+//! faults last and `TXN_SIM_CRASH_STEP_PERMILLE` (15) the chance of a crash after each
+//! step.
 
 use std::time::Instant;
 
@@ -32,6 +34,12 @@ fn adjust(cfg: &mut SimConfig) {
     }
     if let Some(n) = env_u64("TXN_SIM_TOKENS") {
         cfg.tokens = n.max(1) as usize;
+    }
+    if let Some(n) = env_u64("TXN_SIM_FAULT_MS") {
+        cfg.fault_end_ms = n;
+    }
+    if let Some(n) = env_u64("TXN_SIM_CRASH_STEP_PERMILLE") {
+        cfg.crash_step_permille = n;
     }
 }
 
@@ -72,6 +80,22 @@ fn seeds_pass() {
         sum(|s| s.crashes),
         sum(|s| s.failovers),
     );
+}
+
+/// Wait-die alone keeps conflicting transactions from deadlocking: with no faults, heavy
+/// contention, and every timeout far beyond the run (so none can break a deadlock), every
+/// run settles.
+#[test]
+fn no_deadlock_without_timeouts() {
+    let hour_ms = 3_600_000;
+    run_seeds(0, 200, |cfg| {
+        cfg.fault_end_ms = 0;
+        cfg.clients = 8;
+        cfg.tokens = 3;
+        cfg.txn.wait_max_ms = hour_ms;
+        cfg.txn.prepare_timeout_ms = hour_ms;
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// What the simulation's safety checks report, as opposed to a run that merely does not

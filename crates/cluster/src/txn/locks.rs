@@ -43,7 +43,7 @@ impl LockTable {
             !self.held.contains_key(&txn) && !self.is_waiting(txn),
             "{txn:?} asked twice"
         );
-        let verdict = self.judge(txn, age, keys, None);
+        let verdict = self.judge(txn, age, keys, false);
         match verdict {
             Acquire::Granted => self.grant(txn, age, keys.to_vec()),
             Acquire::Wait if self.waiting.len() >= WAITERS_MAX => return Acquire::Die,
@@ -123,8 +123,9 @@ impl LockTable {
     }
 
     /// Wait-die for `txn` asking for `keys`: conflicts are holders of the keys and
-    /// waiters for them (only those older than `age` when reconsidering, `older_only`).
-    fn judge(&self, txn: TxnId, age: Age, keys: &[Key], older_only: Option<()>) -> Acquire {
+    /// waiters for them (when reconsidering, `older_waiters_only`: the younger ones are
+    /// reconsidered after it).
+    fn judge(&self, txn: TxnId, age: Age, keys: &[Key], older_waiters_only: bool) -> Acquire {
         let mut conflict = false;
         for k in keys {
             if let Some(h) = self.holders.get(k).filter(|h| **h != txn) {
@@ -136,7 +137,7 @@ impl LockTable {
             }
         }
         for ((wage, w), wkeys) in &self.waiting {
-            if *w == txn || (older_only.is_some() && *wage >= age) {
+            if *w == txn || (older_waiters_only && *wage >= age) {
                 continue;
             }
             if wkeys.iter().any(|k| keys.contains(k)) {
@@ -161,7 +162,7 @@ impl LockTable {
             let Some(keys) = self.waiting.get(&(age, txn)).cloned() else {
                 continue;
             };
-            match self.judge(txn, age, &keys, Some(())) {
+            match self.judge(txn, age, &keys, true) {
                 Acquire::Wait => {}
                 v => {
                     self.waiting.remove(&(age, txn));

@@ -319,6 +319,9 @@ impl World {
         }
         let end = self.cfg.fault_end_ms;
         let n = self.sites.len() as u64;
+        if end <= 100 {
+            return; // A run without faults.
+        }
         for _ in 0..self.rng.range(1, 4) {
             let t = self.rng.range(100, end);
             let p = self.rng.range(0, n - 1) as usize;
