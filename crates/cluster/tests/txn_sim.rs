@@ -68,7 +68,7 @@ fn seeds_pass() {
     }
     eprintln!(
         "{n} seeds passed in {secs:.2} s ({:.0} seeds/s): {} events, {} committed, {} refused, \
-         {} busy answers, {} attempts died, {} inquiries, {} crashes ({} failovers); crash \
+         {} busy answers, {} attempts died, {} inquiries, {} reads back ({} waited for a lock), {} crashes ({} failovers); crash \
          points {points:?}",
         n as f64 / secs,
         sum(|s| s.events),
@@ -77,6 +77,8 @@ fn seeds_pass() {
         sum(|s| s.busy),
         sum(|s| s.died),
         sum(|s| s.inquiries),
+        sum(|s| s.reads),
+        sum(|s| s.reads_waited),
         sum(|s| s.crashes),
         sum(|s| s.failovers),
     );
@@ -100,8 +102,9 @@ fn no_deadlock_without_timeouts() {
 
 /// What the simulation's safety checks report, as opposed to a run that merely does not
 /// settle (which a broken protocol may also cause without the checks seeing the breakage).
-const SAFETY_VIOLATIONS: [&str; 8] = [
+const SAFETY_VIOLATIONS: [&str; 9] = [
     "voted no",
+    "unlocked",
     "discard",
     "forgotten",
     "before its commit is durable",

@@ -14,7 +14,9 @@
 //! it, and none is discarded once committed; one request
 //! commits at most one attempt; a commit is forgotten only once every participant made it
 //! durable; a client is told "committed" only after the commit is durable, and every
-//! answer to one (client, seq) is the same. At the end, with faults stopped, the run must
+//! answer to one (client, seq) is the same; a client that was told "committed" and then
+//! reads a changed key outside any transaction (waiting while it is locked) finds the
+//! commit applied there. At the end, with faults stopped, the run must
 //! settle: every request answered, every initiator and participant idle (no lock left,
 //! nothing in doubt: no deadlock), every commit applied at all its participants and
 //! no abort anywhere (all or nothing), every entry in exactly one directory, and each
@@ -90,6 +92,10 @@ pub struct SimStats {
     /// Attempts that died (wait-die, wait limit, prepare timeout).
     pub died: u64,
     pub inquiries: u64,
+    /// Reads by clients of what they were told is committed, and of them how many
+    /// found the key locked at first.
+    pub reads: u64,
+    pub reads_waited: u64,
     pub crashes: u64,
     pub failovers: u64,
     /// Crashes by the step they followed.
@@ -106,6 +112,14 @@ const CLIENT_RETRY_MS: u64 = 500;
 
 #[derive(Clone, Debug)]
 enum Ev {
+    /// A client told "committed" reads a key the commit changed at one participant: an
+    /// operation outside any transaction, which waits while the key is locked.
+    Read {
+        client: usize,
+        site: usize,
+        key: Key,
+        txn: TxnId,
+    },
     Tick(usize),
     ClientTick(usize),
     Deliver {
@@ -430,6 +444,12 @@ impl World {
                 self.input(s, Input::Part(participant::Event::Tick))
             }
             Ev::ClientTick(c) => self.client_tick(c),
+            Ev::Read {
+                client,
+                site,
+                key,
+                txn,
+            } => self.read(client, site, key, txn),
             Ev::Deliver { from, to, msg } => {
                 let cut = self.procs[self.sites[from].host].isolated_until_ms > self.now;
                 if !self.reachable(to) || cut && self.faulty() {
@@ -930,7 +950,12 @@ impl World {
                         "client {c} request {seq}: answered {prev:?}, then {outcome:?}"
                     ));
                 }
-                if cl.cur.is_some_and(|(s, _)| s == seq) {
+                let first = cl.cur.is_some_and(|(s, _)| s == seq);
+                if first && outcome == Outcome::Committed {
+                    self.read_back(c, seq)?;
+                }
+                let cl = &mut self.clients[c];
+                if first {
                     cl.cur = None;
                     // Sometimes ask again later anyway, as a client that missed the
                     // answer would.
@@ -960,6 +985,61 @@ impl World {
                 return Err(format!("client {c} request {seq} answered {outcome:?}"));
             }
         }
+        Ok(())
+    }
+
+    /// Schedules a read of every key request `seq` of client `c` changed, at each of its
+    /// participants.
+    fn read_back(&mut self, c: usize, seq: u64) -> Result<(), String> {
+        let Some((txn, _)) = self.decided.get(&(c as u64, seq)).copied() else {
+            return Err(format!(
+                "client {c} request {seq} committed without a decision"
+            ));
+        };
+        let plan = self.clients[c].plans[&seq].1.clone();
+        for (site, part) in plan {
+            for m in part.mutations {
+                let read = Ev::Read {
+                    client: c,
+                    site: site.0 as usize,
+                    key: m.key,
+                    txn,
+                };
+                self.at(self.now + 1, read);
+            }
+        }
+        Ok(())
+    }
+
+    /// A read outside any transaction waits while its key is locked; once it is not, the
+    /// commit the client was told of must be applied there (its participant prepared it
+    /// before the commit, so the key stays locked until it is applied).
+    fn read(&mut self, client: usize, site: usize, key: Key, txn: TxnId) -> Result<(), String> {
+        let retry = Ev::Read {
+            client,
+            site,
+            key: key.clone(),
+            txn,
+        };
+        if !self.reachable(site) {
+            self.at(self.now + TICK_MS, retry);
+            return Ok(());
+        }
+        let Some(up) = self.sites[site].up.as_ref() else {
+            return Ok(());
+        };
+        if up.part.locks().is_locked(&key) {
+            self.stats.reads_waited += 1;
+            self.at(self.now + 30, retry);
+            return Ok(());
+        }
+        if !up.applied.contains(&txn) {
+            return Err(format!(
+                "client {client} reads {key:?} at site {site} unlocked before {txn:?}, \
+                 which it was told is committed, is applied there"
+            ));
+        }
+        self.stats.reads += 1;
         Ok(())
     }
 
