@@ -46,8 +46,8 @@ pub struct SimConfig {
     pub tokens: usize,
     /// Share of moves that also create a marker entry at a third site, per mille.
     pub three_permille: u64,
-    /// Share of requests sent to a site other than the entry's (an initiator that is not
-    /// a participant), per mille.
+    /// Share of requests sent to a random site rather than the entry's (often an
+    /// initiator that is not a participant), per mille.
     pub foreign_origin_permille: u64,
     /// Chance of a crash right after an append or a record turning durable, per mille.
     pub crash_step_permille: u64,
