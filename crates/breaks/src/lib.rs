@@ -21,15 +21,20 @@ pub enum Break {
     /// A replayed create ignores the inode id its first reply gave: the client's (and its
     /// kernel's) references name another file, or none.
     WantId,
+    /// A replayed write answered early is answered as done without writing its bytes or
+    /// journaling its size, as if the lost incarnation's journal had kept it: a crash
+    /// loses a write the client was told succeeded.
+    ReplayedWriteSkipped,
 }
 
 impl Break {
     /// Every switch, in the order of [`Break::name`]'s list.
-    pub const ALL: [Break; 4] = [
+    pub const ALL: [Break; 5] = [
         Break::Fencing,
         Break::ReplyBeforeDurable,
         Break::ReplyCache,
         Break::WantId,
+        Break::ReplayedWriteSkipped,
     ];
 
     /// The name `SIM_BREAK` takes.
@@ -39,6 +44,7 @@ impl Break {
             Break::ReplyBeforeDurable => "reply-before-durable",
             Break::ReplyCache => "reply-cache",
             Break::WantId => "want-id",
+            Break::ReplayedWriteSkipped => "replayed-write-skipped",
         }
     }
 

@@ -539,6 +539,13 @@ impl ReplayWindow {
         *w = Some(w.map_or(until, |u| u.max(until)));
     }
 
+    /// Ends the window now: every client has replayed what it kept (a simulation, whose
+    /// clients replay at once and whose clock does not run, says so; a served core waits
+    /// the window out).
+    pub fn close(&self) {
+        *self.0.lock() = None;
+    }
+
     /// The end of the window, while it is open.
     pub fn until(&self) -> Option<Instant> {
         let mut w = self.0.lock();

@@ -13,6 +13,7 @@ use kochab_server::replaytags::SessionTags;
 use kochab_server::server::{SimulatedServer, core_for_simulation};
 use kochab_store::{MemLoss, MemStore, ObjectStore};
 
+use crate::data::{Ctx, DataClients};
 use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
 
 /// Session of the set-up requests (the clients' directories).
@@ -34,6 +35,8 @@ pub struct SimConfig {
     /// Steps (each one operation or fault, then the checks).
     pub steps: u64,
     pub clients: usize,
+    /// Clients of file data (see `data`).
+    pub data_clients: usize,
     /// Deliberate bugs switched on in the real code.
     pub breaks: Breaks,
     /// Also changes of names that every client uses in the shared directory, whose
@@ -53,6 +56,7 @@ impl SimConfig {
             seed,
             steps: 200,
             clients: 3,
+            data_clients: 2,
             breaks: Breaks::NONE,
             cross_client: false,
             trace: false,
@@ -74,6 +78,8 @@ pub struct SimStats {
     pub fences: u64,
     pub replays: u64,
     pub dropped_replies: u64,
+    /// Creates, writes, reads and fsyncs of file data.
+    pub data_ops: u64,
 }
 
 /// A request answered early whose record may not be durable: kept to replay.
@@ -115,6 +121,7 @@ struct World {
     epoch: u64,
     live: Option<Arc<Shared>>,
     clients: Vec<Client>,
+    data: DataClients,
     shared_dir: InodeId,
     stats: SimStats,
     _rt: tokio::runtime::Runtime,
@@ -123,6 +130,7 @@ struct World {
 /// Runs one seed; `Err` says which invariant broke, at which step.
 pub fn run(cfg: SimConfig) -> Result<SimStats, String> {
     let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
         .build()
         .map_err(|e| format!("no runtime: {e}"))?;
     let _enter = rt.enter();
@@ -183,6 +191,7 @@ impl World {
             epoch: 0,
             live: None,
             clients: Vec::new(),
+            data: DataClients::default(),
             shared_dir: 0,
             stats: SimStats::default(),
             _rt: rt,
@@ -278,6 +287,8 @@ impl World {
                 lost: None,
             });
         }
+        let s = self.live()?.clone();
+        self.data = DataClients::setup(self.cfg.data_clients, &s, root)?;
         self.flush()
     }
 
@@ -290,6 +301,7 @@ impl World {
 
     fn step(&mut self) -> Result<(), String> {
         match self.rng.range(0, 99) {
+            54..=71 if !self.data.is_empty() => self.data_op(),
             0..=71 => {
                 let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
                 self.client_op(c)
@@ -417,6 +429,19 @@ impl World {
         for cl in &mut self.clients {
             cl.kept.retain(|k| k.lsn > durable);
         }
+        self.data.after_flush(durable);
+    }
+
+    /// One operation of a data client.
+    fn data_op(&mut self) -> Result<(), String> {
+        let s = self.live()?.clone();
+        let mut cx = Ctx {
+            rng: &mut self.rng,
+            rt: &self._rt,
+            stats: &mut self.stats,
+            trace: self.cfg.trace.then_some(self.cfg.seed),
+        };
+        self.data.step(&mut cx, &s)
     }
 
     fn checkpoint(&mut self) -> Result<(), String> {
@@ -432,6 +457,7 @@ impl World {
     fn kill(&mut self) -> Result<(), String> {
         self.stats.kills += 1;
         self.trace(|| "kill -9".into());
+        self.data.crashed(false);
         let image = self.store.deep_clone();
         self.restart(image)
     }
@@ -447,6 +473,7 @@ impl World {
             },
         };
         self.trace(|| format!("power loss ({loss:?})"));
+        self.data.crashed(true);
         let image = self.store.crash_image(loss);
         self.restart(image)
     }
@@ -475,6 +502,7 @@ impl World {
         };
         let successor = self.start(true)?;
         self.live = Some(successor);
+        self.data.crashed(false);
         let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
         self.trace(|| {
             format!(
@@ -522,6 +550,15 @@ impl World {
             };
             self.replay_one(&s, c, k)?;
         }
+        let mut cx = Ctx {
+            rng: &mut self.rng,
+            rt: &self._rt,
+            stats: &mut self.stats,
+            trace: self.cfg.trace.then_some(self.cfg.seed),
+        };
+        self.data.replay(&mut cx, &s)?;
+        // Every client replayed: new changes run (the window's time has passed).
+        s.replay_window.close();
         // Replays are answered once durable.
         s.journal.flush_now();
         if !s.journal.wait_durable(s.journal.last_lsn()) {
@@ -580,6 +617,7 @@ impl World {
     /// directories read as its accepted replies say.
     fn check(&self) -> Result<(), String> {
         let s = self.live()?;
+        self.data.check(s)?;
         let core = s.core.lock();
         let problems = core.engine.check_invariants();
         if !problems.is_empty() {
