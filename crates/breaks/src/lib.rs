@@ -25,16 +25,20 @@ pub enum Break {
     /// journaling its size, as if the lost incarnation's journal had kept it: a crash
     /// loses a write the client was told succeeded.
     ReplayedWriteSkipped,
+    /// A callback's answer is accepted from any session, not only from the one it was
+    /// sent to: a change proceeds while the real holder still caches what it changes.
+    CallbackOtherSession,
 }
 
 impl Break {
     /// Every switch, in the order of [`Break::name`]'s list.
-    pub const ALL: [Break; 5] = [
+    pub const ALL: [Break; 6] = [
         Break::Fencing,
         Break::ReplyBeforeDurable,
         Break::ReplyCache,
         Break::WantId,
         Break::ReplayedWriteSkipped,
+        Break::CallbackOtherSession,
     ];
 
     /// The name `SIM_BREAK` takes.
@@ -45,6 +49,7 @@ impl Break {
             Break::ReplyCache => "reply-cache",
             Break::WantId => "want-id",
             Break::ReplayedWriteSkipped => "replayed-write-skipped",
+            Break::CallbackOtherSession => "callback-other-session",
         }
     }
 

@@ -41,7 +41,7 @@ pub struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn trace(&self, what: impl FnOnce() -> String) {
+    pub(crate) fn trace(&self, what: impl FnOnce() -> String) {
         if let Some(seed) = self.trace {
             eprintln!("[{seed}] {}", what());
         }
@@ -524,7 +524,7 @@ fn replay_one(
 
 /// Runs one data operation at `s` to its end, as the connection's task would. One that is
 /// not answered early flushes the journal: done before the next event (see `exec_at`).
-fn run_data(
+pub(crate) fn run_data(
     cx: &mut Ctx,
     s: &Arc<Shared>,
     session: u64,
@@ -540,7 +540,7 @@ fn run_data(
 }
 
 /// Runs one request of the batch path at `s` (see `exec_at`).
-fn run_meta(s: &Shared, session: u64, req: Request) -> Result<(Reply, u64), String> {
+pub(crate) fn run_meta(s: &Shared, session: u64, req: Request) -> Result<(Reply, u64), String> {
     let mut replies = Vec::with_capacity(1);
     let flushes = req.mode != ReplyMode::Early;
     let parked: Vec<(u64, Parked)> = s.execute_batch(session, &[(1, req)], &mut replies);

@@ -19,6 +19,7 @@
 //! `SIM_BREAK=NAME` switches on a deliberate bug in the real code (`kochab_breaks`).
 
 mod data;
+mod lease;
 pub mod model;
 mod world;
 

@@ -14,6 +14,7 @@ use kochab_server::server::{SimulatedServer, core_for_simulation};
 use kochab_store::{MemLoss, MemStore, ObjectStore};
 
 use crate::data::{Ctx, DataClients};
+use crate::lease::LeaseClients;
 use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
 
 /// Session of the set-up requests (the clients' directories).
@@ -80,6 +81,8 @@ pub struct SimStats {
     pub dropped_replies: u64,
     /// Creates, writes, reads and fsyncs of file data.
     pub data_ops: u64,
+    /// Callbacks a lease holder answered.
+    pub callbacks: u64,
 }
 
 /// A request answered early whose record may not be durable: kept to replay.
@@ -122,6 +125,7 @@ struct World {
     live: Option<Arc<Shared>>,
     clients: Vec<Client>,
     data: DataClients,
+    leases: Option<LeaseClients>,
     shared_dir: InodeId,
     stats: SimStats,
     _rt: tokio::runtime::Runtime,
@@ -192,6 +196,7 @@ impl World {
             live: None,
             clients: Vec::new(),
             data: DataClients::default(),
+            leases: None,
             shared_dir: 0,
             stats: SimStats::default(),
             _rt: rt,
@@ -289,6 +294,7 @@ impl World {
         }
         let s = self.live()?.clone();
         self.data = DataClients::setup(self.cfg.data_clients, &s, root)?;
+        self.leases = Some(LeaseClients::setup(&s, root)?);
         self.flush()
     }
 
@@ -301,7 +307,8 @@ impl World {
 
     fn step(&mut self) -> Result<(), String> {
         match self.rng.range(0, 99) {
-            54..=71 if !self.data.is_empty() => self.data_op(),
+            54..=65 if !self.data.is_empty() => self.data_op(),
+            66..=71 if self.leases.is_some() => self.lease_op(),
             0..=71 => {
                 let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
                 self.client_op(c)
@@ -444,6 +451,21 @@ impl World {
         self.data.step(&mut cx, &s)
     }
 
+    /// One step of the lease holder or of the writer that changes what it caches.
+    fn lease_op(&mut self) -> Result<(), String> {
+        let s = self.live()?.clone();
+        let mut cx = Ctx {
+            rng: &mut self.rng,
+            rt: &self._rt,
+            stats: &mut self.stats,
+            trace: self.cfg.trace.then_some(self.cfg.seed),
+        };
+        match &mut self.leases {
+            Some(l) => l.step(&mut cx, &s),
+            None => Ok(()),
+        }
+    }
+
     fn checkpoint(&mut self) -> Result<(), String> {
         let s = self.live()?.clone();
         let report = s.checkpointer.lock().round(&s);
@@ -557,6 +579,9 @@ impl World {
             trace: self.cfg.trace.then_some(self.cfg.seed),
         };
         self.data.replay(&mut cx, &s)?;
+        if let Some(l) = &mut self.leases {
+            l.restarted(&s)?;
+        }
         // Every client replayed: new changes run (the window's time has passed).
         s.replay_window.close();
         // Replays are answered once durable.
@@ -618,6 +643,9 @@ impl World {
     fn check(&self) -> Result<(), String> {
         let s = self.live()?;
         self.data.check(s)?;
+        if let Some(l) = &self.leases {
+            l.check(s)?;
+        }
         let core = s.core.lock();
         let problems = core.engine.check_invariants();
         if !problems.is_empty() {
