@@ -18,15 +18,15 @@
 //!   from before its PUT until its commit returned, so that the collector never counts it
 //!   as an orphan however slow the PUT.
 
-use crate::core::{Core, Shared, journal_entry, now_ns};
+use crate::core::{Core, Shared, now_ns};
 use crate::data::slices::COMPACT_REFS_MAX;
 use crate::fileaccess::{
-    WriteReq, blocking, current_generation, end_within_limit, fail, lock_file, write_done_before,
+    WriteReq, blocking, current_generation, end_within_limit, fail, journal_write, lock_file,
+    write_done_before,
 };
 use crate::grants::{GRANT_OBJECTS_MAX, grant_life, object_name, unix_now};
 use crate::session::OpenFile;
 use crate::slicework::{OwnPuts, SliceWork};
-use kochab_meta::Mutation;
 use kochab_proto::auth::GrantTokenInput;
 use kochab_proto::layout::{ChunkLayout, CommittedSlice, Grant, GrantedObject, Layout, SliceRef};
 use kochab_proto::*;
@@ -200,8 +200,7 @@ pub(crate) async fn commit(
     end: u64,
 ) -> Result<(Reply, u64), FsError> {
     let kept = how.mode != ReplyMode::Durable;
-    if kept
-        && how.seq != 0
+    if how.seq != 0
         && let Some(done) = write_done_before(shared, client, how.seq)
     {
         return Ok(done);
@@ -234,31 +233,9 @@ pub(crate) async fn commit(
         .engine
         .commit_slices(how.cred, of.id, &refs, end, now_ns())
         .map_err(fail)?;
-    let lsn = journal_change(shared, &mut core, client, &how, of.id, &muts);
+    let lsn = journal_write(shared, &mut core, client, &how, of.id, &muts);
     after_commit(shared, &core, &of, &refs, &freed, lsn);
     Ok((Reply::Attr(attr), if kept { lsn } else { 0 }))
-}
-
-/// Journals a write-like change as a write does (answered early with its sequence number
-/// in the reply cache, or journaled and flushed now); returns its record's LSN (0: none).
-fn journal_change(
-    shared: &Shared,
-    core: &mut Core,
-    client: u64,
-    how: &WriteReq<'_>,
-    id: InodeId,
-    muts: &[Mutation],
-) -> u64 {
-    if how.mode != ReplyMode::Durable {
-        let lsn = journal_entry(&shared.journal, client, how.seq, 0, Some(id), muts);
-        core.journaled(client, muts, lsn);
-        if how.seq != 0 {
-            core.replies.insert(client, how.seq, Some(id));
-        }
-        lsn
-    } else {
-        shared.journal_now(core, client, muts)
-    }
 }
 
 /// After refs were committed by record `lsn`: the objects they hid are queued for deletion,
@@ -473,7 +450,7 @@ pub(crate) async fn write(
         .engine
         .commit_slices(how.cred, of.id, &refs, end, now_ns())
         .map_err(fail)?;
-    let lsn = journal_change(shared, &mut core, client, how, of.id, &muts);
+    let lsn = journal_write(shared, &mut core, client, how, of.id, &muts);
     after_commit(shared, &core, of, &refs, &freed, lsn);
     Ok((attr, lsn))
 }
