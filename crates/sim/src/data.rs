@@ -14,7 +14,9 @@ use std::sync::Arc;
 use kochab_cluster::sim::Rng;
 use kochab_meta::files::open_flags::O_RDWR;
 use kochab_proto::auth::ReplayTag;
-use kochab_proto::{AtimeRule, Credentials, InodeId, OPEN_RECLAIM, Op, Reply, ReplyMode, Request};
+use kochab_proto::{
+    AtimeRule, Credentials, InodeId, OPEN_RECLAIM, Op, Reply, ReplyMode, Request, WRITE_AT_END,
+};
 use kochab_server::core::{Parked, Shared};
 use kochab_server::filesvc::data_op;
 use kochab_server::replaytags::SessionTags;
@@ -87,9 +89,10 @@ struct File {
 #[derive(Clone, Copy, Debug)]
 enum What {
     Create(usize),
+    /// A write at `offset`, or an append (`None`: at the end, which the reply tells).
     Write {
         file: usize,
-        offset: u64,
+        offset: Option<u64>,
         len: u64,
         value: u8,
     },
@@ -218,22 +221,28 @@ impl DataClients {
         let handle = file.handle;
         match cx.rng.range(0, 9) {
             0..=5 => {
-                let offset = cx.rng.range(0, SPAN - 1);
-                let len = cx.rng.range(1, WRITE_MAX).min(SPAN - offset);
+                let mut offset = Some(cx.rng.range(0, SPAN - 1));
+                let mut len = cx.rng.range(1, WRITE_MAX).min(SPAN - offset.unwrap_or(0));
+                if cx.rng.chance(250) && file.size + len <= SPAN {
+                    offset = None;
+                }
+                if offset.is_none() {
+                    len = len.min(SPAN - file.size);
+                }
                 let early = cx.rng.chance(850);
                 let value = (cl.next_seq % 251 + 1) as u8;
                 let op = Op::Write {
                     handle,
-                    offset,
+                    offset: offset.unwrap_or(WRITE_AT_END),
                     data: vec![value; len as usize],
                 };
                 let mode = match early {
                     true => ReplyMode::Early,
                     false => ReplyMode::Durable,
                 };
-                // A write answered early carries a sequence number (a durable-mode one
-                // none: it is idempotent).
-                let req = cl.request(op, mode, early);
+                // A write answered early carries a sequence number, and so does an append
+                // (a durable-mode write none: it is idempotent).
+                let req = cl.request(op, mode, early || offset.is_none());
                 let what = What::Write {
                     file: f,
                     offset,
@@ -394,6 +403,8 @@ fn send(
             value,
         } => {
             let f = &mut cl.files[file];
+            // An append lands at the end as acknowledged (the client sent nothing since).
+            let offset = offset.unwrap_or(f.size);
             let range = offset as usize..(offset + len) as usize;
             if crashed && cached {
                 for v in &mut f.now[range] {
@@ -508,16 +519,27 @@ fn replay_one(
             k.req.seq
         ));
     }
-    if let What::Write {
-        file,
-        offset,
-        len,
-        value,
-    } = k.what
-        && !cached
+    if let (
+        What::Write {
+            file,
+            offset,
+            len,
+            value,
+        },
+        false,
+        Reply::Attr(a),
+    ) = (k.what, cached, &reply)
     {
-        // Run again: its bytes are written again, whatever the crash left.
-        cl.files[file].now[offset as usize..(offset + len) as usize].fill(Values::one(value));
+        // Run again: its bytes are written again, whatever the crash left; an append's at
+        // the end the reply tells.
+        let at = offset.unwrap_or(a.size.saturating_sub(len));
+        if at + len > SPAN {
+            return Err(format!(
+                "data client {c}: a replayed append ended at {}",
+                a.size
+            ));
+        }
+        cl.files[file].now[at as usize..(at + len) as usize].fill(Values::one(value));
     }
     Ok(())
 }
