@@ -274,14 +274,66 @@ impl DataClients {
             if !power_loss {
                 continue;
             }
-            // What survived is durable from now on, whichever it is.
+            // What survived is durable from now on, whichever it is: the bytes of a write
+            // in flight too, if it ran.
             for f in &mut cl.files {
                 for (now, durable) in f.now.iter_mut().zip(&mut f.durable) {
                     now.add(*durable);
                     *durable = *now;
                 }
             }
+            if let Some(Lost {
+                what:
+                    What::Write {
+                        file,
+                        offset,
+                        len,
+                        value,
+                    },
+                ..
+            }) = cl.lost
+            {
+                let f = &mut cl.files[file];
+                let at = offset.unwrap_or(f.size) as usize;
+                for v in &mut f.durable[at..at + len as usize] {
+                    v.add(Values::one(value));
+                }
+            }
         }
+    }
+
+    /// A pause (see `World::fence`): a client whose connection still reaches the old
+    /// process `old`, whose journal a successor sealed, writes there. A write it answers
+    /// early is kept (the old journal never makes it durable) and replayed at the
+    /// successor.
+    pub fn write_at_old(&mut self, cx: &mut Ctx, old: &Arc<Shared>) -> Result<(), String> {
+        let c = cx.rng.range(0, self.clients.len() as u64 - 1) as usize;
+        let cl = &mut self.clients[c];
+        let f = cx.rng.range(0, FILES as u64 - 1) as usize;
+        // Only to a file with data: the first write of a file waits for the failed journal
+        // (`mark_data`), which tells only on its next check, a second later.
+        if cl.lost.is_some() || cl.files[f].id.is_none() || cl.files[f].size == 0 {
+            return Ok(());
+        }
+        let offset = cx.rng.range(0, SPAN - 1);
+        let len = cx.rng.range(1, WRITE_MAX).min(SPAN - offset);
+        let value = (cl.next_seq % 251 + 1) as u8;
+        let op = Op::Write {
+            handle: cl.files[f].handle,
+            offset,
+            data: vec![value; len as usize],
+        };
+        let req = cl.request(op, ReplyMode::Early, true);
+        let (reply, lsn) = run_data(cx, old, cl.session, req.clone())?;
+        cx.stats.data_ops += 1;
+        let what = What::Write {
+            file: f,
+            offset: Some(offset),
+            len,
+            value,
+        };
+        cx.trace(|| format!("data client {c} writes at the old process"));
+        accept(cx, old, c, cl, req, what, reply, lsn, false)
     }
 
     /// After a restart: every client reopens its handles at the new server (a reclaim, as
@@ -382,6 +434,24 @@ fn send(
         cl.lost = Some(Lost { req, what, crashed });
         return Ok(());
     }
+    let crashed = crashed && cached;
+    accept(cx, s, c, cl, req, what, reply, lsn, crashed)
+}
+
+/// Client `c` takes in the reply to `req` from `s` (`unsure`: a resend after a crash that
+/// the reply cache answered, whose bytes the crash may have lost).
+#[allow(clippy::too_many_arguments)]
+fn accept(
+    cx: &mut Ctx,
+    s: &Arc<Shared>,
+    c: usize,
+    cl: &mut Client,
+    req: Request,
+    what: What,
+    reply: Reply,
+    lsn: u64,
+    unsure: bool,
+) -> Result<(), String> {
     cx.trace(|| {
         format!(
             "data client {c}: seq {} {what:?} -> {reply:?} @{lsn}",
@@ -406,7 +476,7 @@ fn send(
             // An append lands at the end as acknowledged (the client sent nothing since).
             let offset = offset.unwrap_or(f.size);
             let range = offset as usize..(offset + len) as usize;
-            if crashed && cached {
+            if unsure {
                 for v in &mut f.now[range] {
                     v.add(Values::one(value));
                 }

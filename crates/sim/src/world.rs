@@ -525,6 +525,15 @@ impl World {
         let successor = self.start(true)?;
         self.live = Some(successor);
         self.data.crashed(false);
+        if !self.data.is_empty() && self.rng.chance(500) {
+            let mut cx = Ctx {
+                rng: &mut self.rng,
+                rt: &self._rt,
+                stats: &mut self.stats,
+                trace: self.cfg.trace.then_some(self.cfg.seed),
+            };
+            self.data.write_at_old(&mut cx, &old)?;
+        }
         let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
         self.trace(|| {
             format!(
