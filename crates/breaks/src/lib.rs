@@ -25,16 +25,25 @@ pub enum Break {
     /// durable: after a crash the clients' replays run in another order, and the change
     /// fails at its replay (acknowledged, and lost).
     DependentEarly,
+    /// A replayed write answered early is answered as done without writing its bytes or
+    /// journaling its size, as if the lost incarnation's journal had kept it: a crash
+    /// loses a write the client was told succeeded.
+    ReplayedWriteSkipped,
+    /// A callback's answer is accepted from any session, not only from the one it was
+    /// sent to: a change proceeds while the real holder still caches what it changes.
+    CallbackOtherSession,
 }
 
 impl Break {
     /// Every switch, in the order of [`Break::name`]'s list.
-    pub const ALL: [Break; 5] = [
+    pub const ALL: [Break; 7] = [
         Break::Fencing,
         Break::ReplyBeforeDurable,
         Break::ReplyCache,
         Break::WantId,
         Break::DependentEarly,
+        Break::ReplayedWriteSkipped,
+        Break::CallbackOtherSession,
     ];
 
     /// The name `SIM_BREAK` takes.
@@ -45,6 +54,8 @@ impl Break {
             Break::ReplyCache => "reply-cache",
             Break::WantId => "want-id",
             Break::DependentEarly => "dependent-early",
+            Break::ReplayedWriteSkipped => "replayed-write-skipped",
+            Break::CallbackOtherSession => "callback-other-session",
         }
     }
 

@@ -374,17 +374,10 @@ async fn serve_stream(
     let session = who.session;
     let conn_id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     let (cb_tx, cb_rx) = mpsc::unbounded_channel();
-    let board = {
-        let mut core = shared.core.lock();
-        core.sessions.connect(session);
-        if who.leases {
-            core.lease_conns
-                .entry(session)
-                .or_default()
-                .push((conn_id, cb_tx));
-        }
-        core.callbacks.board(session)
-    };
+    let board = shared
+        .core
+        .lock()
+        .attach(session, conn_id, who.leases.then_some(cb_tx));
     let _attached = Attached {
         shared: &shared,
         session,
@@ -461,22 +454,8 @@ struct Attached<'a> {
 
 impl Drop for Attached<'_> {
     fn drop(&mut self) {
-        let (session, conn_id) = (self.session, self.conn_id);
         let mut core = self.shared.core.lock();
-        core.sessions.disconnect(session, Instant::now());
-        if let Some(conns) = core.lease_conns.get_mut(&session) {
-            conns.retain(|(c, _)| *c != conn_id);
-            if conns.is_empty() {
-                // The client drops everything it cached when it loses its last connection.
-                core.lease_conns.remove(&session);
-                let core = &mut *core;
-                core.callbacks.holder_gone(session, &mut core.leases);
-            }
-        }
-        if !core.sessions.connected(session) {
-            // Its board goes with its last connection (unless callbacks it caused are out).
-            core.callbacks.forget_changer(session);
-        }
+        core.detach(self.session, self.conn_id, Instant::now());
     }
 }
 

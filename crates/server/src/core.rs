@@ -330,6 +330,42 @@ impl Core {
         Some(id)
     }
 
+    /// Connection `conn_id` of `session` begins: its session counts it, and if it asked for
+    /// leases its callbacks go out through `callbacks`. Returns the session's board (its
+    /// replies wait there for the callbacks its changes caused).
+    pub fn attach(
+        &mut self,
+        session: u64,
+        conn_id: u64,
+        callbacks: Option<CallbackTx>,
+    ) -> Arc<crate::leases::Board> {
+        self.sessions.connect(session);
+        if let Some(tx) = callbacks {
+            self.lease_conns
+                .entry(session)
+                .or_default()
+                .push((conn_id, tx));
+        }
+        self.callbacks.board(session)
+    }
+
+    /// Connection `conn_id` of `session` ended (see [`Core::attach`]).
+    pub fn detach(&mut self, session: u64, conn_id: u64, now: Instant) {
+        self.sessions.disconnect(session, now);
+        if let Some(conns) = self.lease_conns.get_mut(&session) {
+            conns.retain(|(c, _)| *c != conn_id);
+            if conns.is_empty() {
+                // The client drops everything it cached when it loses its last connection.
+                self.lease_conns.remove(&session);
+                self.callbacks.holder_gone(session, &mut self.leases);
+            }
+        }
+        if !self.sessions.connected(session) {
+            // Its board goes with its last connection (unless callbacks it caused are out).
+            self.callbacks.forget_changer(session);
+        }
+    }
+
     /// Session `from` answered the callbacks `ids`. Returns whether it went into default
     /// for a slow answer (see `leases::CALLBACK_SLOW`), and how many answers were ignored
     /// (not callbacks sent to `from`, or ones that had ended).
@@ -590,6 +626,13 @@ impl ReplayWindow {
         let until = Instant::now() + REPLAY_WINDOW;
         let mut w = self.0.lock();
         *w = Some(w.map_or(until, |u| u.max(until)));
+    }
+
+    /// Ends the window now: every client has replayed what it kept (a simulation, whose
+    /// clients replay at once and whose clock does not run, says so; a served core waits
+    /// the window out).
+    pub fn close(&self) {
+        *self.0.lock() = None;
     }
 
     /// The end of the window, while it is open.

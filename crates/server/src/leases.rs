@@ -11,6 +11,7 @@
 //! Everything here is pure state: the server sends the callbacks and makes the replies
 //! wait ([`Callbacks`] keeps the books), so tests drive it step by step.
 
+use kochab_breaks::{Break, Breaks};
 use kochab_meta::Mutation;
 use kochab_proto::{InodeId, Invalidation};
 use rustc_hash::FxHashMap;
@@ -556,6 +557,8 @@ pub struct Callbacks {
     standings: FxHashMap<u64, Standing>,
     /// Holders in default (the common test before any lookup in `standings`).
     in_default: usize,
+    /// Deliberate bugs switched on (only a simulation sets any, see `kochab_breaks`).
+    pub(crate) breaks: Breaks,
 }
 
 impl Callbacks {
@@ -623,7 +626,11 @@ impl Callbacks {
     /// to may answer it (ids are a counter: any client could name any). A slow answer puts
     /// the holder in default, and its leases go (from `leases`).
     pub fn done(&mut self, from: u64, id: u64, now: Instant, leases: &mut Leases) -> Answered {
-        let ours = self.pending.get(&id).is_some_and(|p| p.holder == from);
+        let anyone = self.breaks.has(Break::CallbackOtherSession);
+        let ours = self
+            .pending
+            .get(&id)
+            .is_some_and(|p| p.holder == from || anyone);
         let Some(p) = ours.then(|| self.pending.remove(&id)).flatten() else {
             // The answer a holder in default owed?
             if let Some(st) = self.standings.get_mut(&from)

@@ -331,8 +331,10 @@ fn assemble(
     }
     // Open-unlinked files outlive a restart only if a client reopens them in time.
     let orphans = engine.orphans();
+    let mut core = Core::new(engine, replies);
+    core.callbacks.breaks = breaks;
     let shared = Arc::new(Shared {
-        core: Mutex::new(Core::new(engine, replies)),
+        core: Mutex::new(core),
         runtime: tokio::runtime::Handle::current(),
         journal,
         store: dir.store.clone(),

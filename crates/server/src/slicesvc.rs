@@ -18,15 +18,15 @@
 //!   from before its PUT until its commit returned, so that the collector never counts it
 //!   as an orphan however slow the PUT.
 
-use crate::core::{Core, Shared, journal_entry, now_ns};
+use crate::core::{Core, Shared, now_ns};
 use crate::data::slices::COMPACT_REFS_MAX;
 use crate::fileaccess::{
-    WriteReq, blocking, current_generation, end_within_limit, fail, lock_file, write_done_before,
+    WriteReq, blocking, current_generation, end_within_limit, fail, journal_write, lock_file,
+    write_done_before,
 };
 use crate::grants::{GRANT_OBJECTS_MAX, grant_life, object_name, unix_now};
 use crate::session::OpenFile;
 use crate::slicework::{OwnPuts, SliceWork};
-use kochab_meta::Mutation;
 use kochab_proto::auth::GrantTokenInput;
 use kochab_proto::layout::{ChunkLayout, CommittedSlice, Grant, GrantedObject, Layout, SliceRef};
 use kochab_proto::*;
@@ -200,8 +200,7 @@ pub(crate) async fn commit(
     end: u64,
 ) -> Result<(Reply, u64), FsError> {
     let kept = how.mode != ReplyMode::Durable;
-    if kept
-        && how.seq != 0
+    if how.seq != 0
         && let Some(done) = write_done_before(shared, client, how.seq)
     {
         return Ok(done);
@@ -235,7 +234,7 @@ pub(crate) async fn commit(
             .engine
             .commit_slices(how.cred, of.id, &refs, end, now_ns())
             .map_err(fail)?;
-        let (lsn, depended) = journal_change(shared, &mut core, client, &how, of.id, &muts);
+        let (lsn, depended) = journal_write(shared, &mut core, client, &how, of.id, &muts);
         after_commit(shared, &core, &of, &refs, &freed, lsn);
         (attr, lsn, depended)
     };
@@ -243,30 +242,6 @@ pub(crate) async fn commit(
         crate::filesvc::answer_when_durable(shared, lsn).await?;
     }
     Ok((Reply::Attr(attr), if kept { lsn } else { 0 }))
-}
-
-/// Journals a write-like change as a write does (answered early with its sequence number
-/// in the reply cache, or journaled and flushed now); returns its record's LSN (0: none)
-/// and whether an early reply to it must wait for that record instead (it depended on
-/// another session's change, see `unsettled`).
-fn journal_change(
-    shared: &Shared,
-    core: &mut Core,
-    client: u64,
-    how: &WriteReq<'_>,
-    id: InodeId,
-    muts: &[Mutation],
-) -> (u64, bool) {
-    if how.mode != ReplyMode::Durable {
-        let lsn = journal_entry(&shared.journal, client, how.seq, 0, Some(id), muts);
-        let depended = core.journaled(client, muts, lsn, shared.journal.durable_lsn());
-        if how.seq != 0 {
-            core.replies.insert(client, how.seq, Some(id));
-        }
-        (lsn, depended != 0)
-    } else {
-        (shared.journal_now(core, client, muts), false)
-    }
 }
 
 /// After refs were committed by record `lsn`: the objects they hid are queued for deletion,
@@ -482,7 +457,7 @@ pub(crate) async fn write(
             .engine
             .commit_slices(how.cred, of.id, &refs, end, now_ns())
             .map_err(fail)?;
-        let (lsn, depended) = journal_change(shared, &mut core, client, how, of.id, &muts);
+        let (lsn, depended) = journal_write(shared, &mut core, client, how, of.id, &muts);
         after_commit(shared, &core, of, &refs, &freed, lsn);
         (attr, lsn, depended)
     };

@@ -10,11 +10,16 @@
 //! process still serves one more request. After every step: the namespace is a tree with
 //! exact link counts, and every client's directories read exactly as its accepted replies
 //! say (no acknowledged change lost, none applied twice); every replay tells the story its
-//! early reply told.
+//! early reply told. Data clients (`data`) create files, write them (early writes kept and
+//! replayed through reopened handles), read them back and fsync them through the real data
+//! path: every file reads exactly as the acknowledged writes say, but for bytes no fsync
+//! covered at a power loss, which may read as they did at the last one.
 //!
 //! The journal flushes only when the simulation asks, so a seed replays exactly.
 //! `SIM_BREAK=NAME` switches on a deliberate bug in the real code (`kochab_breaks`).
 
+mod data;
+mod lease;
 pub mod model;
 mod world;
 

@@ -13,6 +13,8 @@ use kochab_server::replaytags::SessionTags;
 use kochab_server::server::{SimulatedServer, core_for_simulation};
 use kochab_store::{MemLoss, MemStore, ObjectStore};
 
+use crate::data::{Ctx, DataClients};
+use crate::lease::LeaseClients;
 use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
 
 /// Session of the set-up requests (the clients' directories).
@@ -34,6 +36,8 @@ pub struct SimConfig {
     /// Steps (each one operation or fault, then the checks).
     pub steps: u64,
     pub clients: usize,
+    /// Clients of file data (see `data`).
+    pub data_clients: usize,
     /// Deliberate bugs switched on in the real code.
     pub breaks: Breaks,
     /// Also changes of names that every client uses in the shared directory, whose
@@ -52,6 +56,7 @@ impl SimConfig {
             seed,
             steps: 200,
             clients: 3,
+            data_clients: 2,
             breaks: Breaks::NONE,
             cross_client: true,
             trace: false,
@@ -73,6 +78,10 @@ pub struct SimStats {
     pub fences: u64,
     pub replays: u64,
     pub dropped_replies: u64,
+    /// Creates, writes, reads and fsyncs of file data.
+    pub data_ops: u64,
+    /// Callbacks a lease holder answered.
+    pub callbacks: u64,
 }
 
 /// A request answered early whose record may not be durable: kept to replay.
@@ -114,6 +123,8 @@ struct World {
     epoch: u64,
     live: Option<Arc<Shared>>,
     clients: Vec<Client>,
+    data: DataClients,
+    leases: Option<LeaseClients>,
     shared_dir: InodeId,
     stats: SimStats,
     _rt: tokio::runtime::Runtime,
@@ -122,6 +133,7 @@ struct World {
 /// Runs one seed; `Err` says which invariant broke, at which step.
 pub fn run(cfg: SimConfig) -> Result<SimStats, String> {
     let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
         .build()
         .map_err(|e| format!("no runtime: {e}"))?;
     let _enter = rt.enter();
@@ -182,6 +194,8 @@ impl World {
             epoch: 0,
             live: None,
             clients: Vec::new(),
+            data: DataClients::default(),
+            leases: None,
             shared_dir: 0,
             stats: SimStats::default(),
             _rt: rt,
@@ -277,6 +291,9 @@ impl World {
                 lost: None,
             });
         }
+        let s = self.live()?.clone();
+        self.data = DataClients::setup(self.cfg.data_clients, &s, root)?;
+        self.leases = Some(LeaseClients::setup(&s, root)?);
         self.flush()
     }
 
@@ -290,6 +307,8 @@ impl World {
 
     fn step(&mut self) -> Result<(), String> {
         match self.rng.range(0, 99) {
+            54..=65 if !self.data.is_empty() => self.data_op(),
+            66..=71 if self.leases.is_some() => self.lease_op(),
             0..=71 => {
                 let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
                 self.client_op(c)
@@ -311,7 +330,7 @@ impl World {
         let cl = &mut self.clients[c];
         let seq = cl.next_seq;
         cl.next_seq += 1;
-        let (op, planned) = if !self.cfg.cross_client || self.rng.chance(800) {
+        let (op, planned) = if !self.cfg.cross_client || self.rng.chance(700) {
             let p = cl.model.plan(&mut self.rng, &cl.dirs);
             (p.op.clone(), Some(p))
         } else {
@@ -420,6 +439,34 @@ impl World {
         for cl in &mut self.clients {
             cl.kept.retain(|k| k.lsn > durable);
         }
+        self.data.after_flush(durable);
+    }
+
+    /// One operation of a data client.
+    fn data_op(&mut self) -> Result<(), String> {
+        let s = self.live()?.clone();
+        let mut cx = Ctx {
+            rng: &mut self.rng,
+            rt: &self._rt,
+            stats: &mut self.stats,
+            trace: self.cfg.trace.then_some(self.cfg.seed),
+        };
+        self.data.step(&mut cx, &s)
+    }
+
+    /// One step of the lease holder or of the writer that changes what it caches.
+    fn lease_op(&mut self) -> Result<(), String> {
+        let s = self.live()?.clone();
+        let mut cx = Ctx {
+            rng: &mut self.rng,
+            rt: &self._rt,
+            stats: &mut self.stats,
+            trace: self.cfg.trace.then_some(self.cfg.seed),
+        };
+        match &mut self.leases {
+            Some(l) => l.step(&mut cx, &s),
+            None => Ok(()),
+        }
     }
 
     fn checkpoint(&mut self) -> Result<(), String> {
@@ -435,6 +482,7 @@ impl World {
     fn kill(&mut self) -> Result<(), String> {
         self.stats.kills += 1;
         self.trace(|| "kill -9".into());
+        self.data.crashed(false);
         let image = self.store.deep_clone();
         self.restart(image)
     }
@@ -450,6 +498,7 @@ impl World {
             },
         };
         self.trace(|| format!("power loss ({loss:?})"));
+        self.data.crashed(true);
         let image = self.store.crash_image(loss);
         self.restart(image)
     }
@@ -478,6 +527,16 @@ impl World {
         };
         let successor = self.start(true)?;
         self.live = Some(successor);
+        self.data.crashed(false);
+        if !self.data.is_empty() && self.rng.chance(500) {
+            let mut cx = Ctx {
+                rng: &mut self.rng,
+                rt: &self._rt,
+                stats: &mut self.stats,
+                trace: self.cfg.trace.then_some(self.cfg.seed),
+            };
+            self.data.write_at_old(&mut cx, &old)?;
+        }
         let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
         self.trace(|| {
             format!(
@@ -530,6 +589,18 @@ impl World {
             };
             self.replay_one(&s, c, k)?;
         }
+        let mut cx = Ctx {
+            rng: &mut self.rng,
+            rt: &self._rt,
+            stats: &mut self.stats,
+            trace: self.cfg.trace.then_some(self.cfg.seed),
+        };
+        self.data.replay(&mut cx, &s)?;
+        if let Some(l) = &mut self.leases {
+            l.restarted(&s)?;
+        }
+        // Every client replayed: new changes run (the window's time has passed).
+        s.replay_window.close();
         // Replays are answered once durable.
         s.journal.flush_now();
         if !s.journal.wait_durable(s.journal.last_lsn()) {
@@ -588,6 +659,10 @@ impl World {
     /// directories read as its accepted replies say.
     fn check(&self) -> Result<(), String> {
         let s = self.live()?;
+        self.data.check(s)?;
+        if let Some(l) = &self.leases {
+            l.check(s)?;
+        }
         let core = s.core.lock();
         let problems = core.engine.check_invariants();
         if !problems.is_empty() {
@@ -617,16 +692,16 @@ impl World {
 
 /// What a server answered: the reply, the LSN that must be durable before it is final,
 /// and whether it may leave before that as an early reply.
-struct Answered {
-    reply: Reply,
-    lsn: u64,
-    early: bool,
+pub(crate) struct Answered {
+    pub(crate) reply: Reply,
+    pub(crate) lsn: u64,
+    pub(crate) early: bool,
 }
 
 /// Runs `req` of `session` at `s`. A request that is not answered early starts a flush of
 /// everything appended: it completes before the next event, so that what is durable at a
 /// crash depends on the seed alone.
-fn exec_at(s: &Shared, session: u64, req: Request) -> Result<Answered, String> {
+pub(crate) fn exec_at(s: &Shared, session: u64, req: Request) -> Result<Answered, String> {
     let mut replies = Vec::with_capacity(1);
     let asked_early = req.mode == ReplyMode::Early;
     let parked = s.execute_batch(session, &[(1, req)], &mut replies);

@@ -1,0 +1,638 @@
+//! Clients of file data: each creates a few files in a directory of its own, writes them
+//! (answered early and kept until durable, as the mount does, or durable-mode), reads them
+//! back and fsyncs them, through the real data path (`filesvc::data_op`, chunks in the
+//! in-memory store). After a crash each reopens its handles as the mount does (a reclaim)
+//! and replays the writes it kept, in order.
+//!
+//! What a client knows of a file is, per byte, the values it may hold: one after an
+//! acknowledged write; after a power loss also what the last fsync made durable (a write is
+//! not durable before fsync, DESIGN.md "Replies and durability"), unless a replay wrote the
+//! byte again. Sizes are exact: a write's size record is durable or replayed.
+
+use std::sync::Arc;
+
+use kochab_cluster::sim::Rng;
+use kochab_meta::files::open_flags::O_RDWR;
+use kochab_proto::auth::ReplayTag;
+use kochab_proto::{
+    AtimeRule, Credentials, InodeId, OPEN_RECLAIM, Op, Reply, ReplyMode, Request, WRITE_AT_END,
+};
+use kochab_server::core::Shared;
+use kochab_server::filesvc::data_op;
+use kochab_server::replaytags::SessionTags;
+
+use crate::SimStats;
+
+/// Files each data client writes.
+const FILES: usize = 2;
+/// Bytes of a file a client writes in: three blocks of 4 KiB (what the store keeps or
+/// drops whole at a power loss), so that writes cross blocks and partly survive.
+const SPAN: u64 = 3 * 4096;
+/// The longest write.
+const WRITE_MAX: u64 = 3000;
+/// The first data client's session (the namespace clients' start at 100).
+const FIRST_SESSION: u64 = 200;
+
+/// What one step needs of the world.
+pub struct Ctx<'a> {
+    pub rng: &'a mut Rng,
+    pub rt: &'a tokio::runtime::Runtime,
+    pub stats: &'a mut SimStats,
+    /// The seed, when steps are traced.
+    pub trace: Option<u64>,
+}
+
+impl Ctx<'_> {
+    pub(crate) fn trace(&self, what: impl FnOnce() -> String) {
+        if let Some(seed) = self.trace {
+            eprintln!("[{seed}] {}", what());
+        }
+    }
+}
+
+/// The values a byte may hold (a set of 256 bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Values([u64; 4]);
+
+impl Values {
+    fn one(v: u8) -> Values {
+        let mut s = Values([0; 4]);
+        s.0[v as usize / 64] |= 1 << (v % 64);
+        s
+    }
+
+    fn has(self, v: u8) -> bool {
+        self.0[v as usize / 64] & (1 << (v % 64)) != 0
+    }
+
+    fn add(&mut self, other: Values) {
+        for (a, b) in self.0.iter_mut().zip(other.0) {
+            *a |= b;
+        }
+    }
+}
+
+/// One file as the client's acknowledged replies made it.
+struct File {
+    name: Vec<u8>,
+    handle: u64,
+    /// Its inode and generation, once a create was answered.
+    id: Option<(InodeId, u64)>,
+    size: u64,
+    /// Per byte of `SPAN`: what it may read as now.
+    now: Vec<Values>,
+    /// Per byte: what it may read as after a power loss (as of the last fsync).
+    durable: Vec<Values>,
+}
+
+/// What a request whose reply the client has not taken in does.
+#[derive(Clone, Copy, Debug)]
+enum What {
+    Create(usize),
+    /// A write at `offset`, or an append (`None`: at the end, which the reply tells).
+    Write {
+        file: usize,
+        offset: Option<u64>,
+        len: u64,
+        value: u8,
+    },
+}
+
+/// A write answered early whose record may not be durable: kept to replay.
+struct Kept {
+    req: Request,
+    what: What,
+    lsn: u64,
+    tag: ReplayTag,
+}
+
+/// Sent, its reply lost: sent again before anything else.
+struct Lost {
+    req: Request,
+    what: What,
+    /// A server crashed since it was sent: it may have run, and its bytes then been lost
+    /// with the crash.
+    crashed: bool,
+}
+
+struct Client {
+    session: u64,
+    next_seq: u64,
+    dir: InodeId,
+    files: Vec<File>,
+    kept: Vec<Kept>,
+    lost: Option<Lost>,
+}
+
+impl Client {
+    fn seq_floor(&self) -> u64 {
+        let kept = self.kept.iter().map(|k| k.req.seq);
+        let lost = self.lost.iter().map(|l| l.req.seq).filter(|&s| s != 0);
+        kept.chain(lost).min().unwrap_or(self.next_seq)
+    }
+
+    fn request(&mut self, op: Op, mode: ReplyMode, numbered: bool) -> Request {
+        let seq = if numbered {
+            self.next_seq += 1;
+            self.next_seq - 1
+        } else {
+            0
+        };
+        Request {
+            cred: Credentials::root(),
+            seq,
+            seq_floor: self.seq_floor(),
+            map_version: 0,
+            mode,
+            op,
+        }
+    }
+}
+
+/// The data clients of one run.
+#[derive(Default)]
+pub struct DataClients {
+    clients: Vec<Client>,
+}
+
+impl DataClients {
+    /// `n` clients, each in its own directory, made now (durable) under `root` of `s`.
+    pub fn setup(n: usize, s: &Arc<Shared>, root: InodeId) -> Result<DataClients, String> {
+        let mut clients = Vec::with_capacity(n);
+        for c in 0..n {
+            let session = FIRST_SESSION + c as u64;
+            let op = Op::Mkdir {
+                parent: root,
+                name: format!("data{c}").into_bytes(),
+                mode: 0o777,
+            };
+            let reply = run_meta(s, session, Request::plain(&Credentials::root(), op))?.0;
+            let dir = reply
+                .entry()
+                .map(|a| a.id)
+                .ok_or_else(|| format!("data set-up mkdir answered {reply:?}"))?;
+            let files = (0..FILES)
+                .map(|f| File {
+                    name: format!("f{f}").into_bytes(),
+                    handle: f as u64 + 1,
+                    id: None,
+                    size: 0,
+                    now: vec![Values::one(0); SPAN as usize],
+                    durable: vec![Values::one(0); SPAN as usize],
+                })
+                .collect();
+            clients.push(Client {
+                session,
+                next_seq: 1,
+                dir,
+                files,
+                kept: Vec::new(),
+                lost: None,
+            });
+        }
+        Ok(DataClients { clients })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.clients.is_empty()
+    }
+
+    /// One operation of a client picked at random: its lost request again, or a create,
+    /// a write, a read or an fsync.
+    pub fn step(&mut self, cx: &mut Ctx, s: &Arc<Shared>) -> Result<(), String> {
+        let c = cx.rng.range(0, self.clients.len() as u64 - 1) as usize;
+        let cl = &mut self.clients[c];
+        if let Some(lost) = cl.lost.take() {
+            return send(cx, s, c, cl, lost.req, lost.what, lost.crashed);
+        }
+        let f = cx.rng.range(0, FILES as u64 - 1) as usize;
+        let file = &cl.files[f];
+        let Some((_, _)) = file.id else {
+            let op = Op::Create {
+                parent: cl.dir,
+                name: file.name.clone(),
+                mode: 0o644,
+                flags: O_RDWR,
+                handle: file.handle,
+            };
+            let req = cl.request(op, ReplyMode::Durable, true);
+            return send(cx, s, c, cl, req, What::Create(f), false);
+        };
+        let handle = file.handle;
+        match cx.rng.range(0, 9) {
+            0..=5 => {
+                let mut offset = Some(cx.rng.range(0, SPAN - 1));
+                let mut len = cx.rng.range(1, WRITE_MAX).min(SPAN - offset.unwrap_or(0));
+                if cx.rng.chance(250) && file.size + len <= SPAN {
+                    offset = None;
+                }
+                if offset.is_none() {
+                    len = len.min(SPAN - file.size);
+                }
+                let early = cx.rng.chance(850);
+                let value = (cl.next_seq % 251 + 1) as u8;
+                let op = Op::Write {
+                    handle,
+                    offset: offset.unwrap_or(WRITE_AT_END),
+                    data: vec![value; len as usize],
+                };
+                let mode = match early {
+                    true => ReplyMode::Early,
+                    false => ReplyMode::Durable,
+                };
+                // A write answered early carries a sequence number, and so does an append
+                // (a durable-mode write none: it is idempotent).
+                let req = cl.request(op, mode, early || offset.is_none());
+                let what = What::Write {
+                    file: f,
+                    offset,
+                    len,
+                    value,
+                };
+                send(cx, s, c, cl, req, what, false)
+            }
+            6..=8 => read(cx, s, c, cl, f),
+            _ => fsync(cx, s, c, cl, f),
+        }
+    }
+
+    /// The live server's journal is durable up to `durable`, and the clients know it.
+    pub fn after_flush(&mut self, durable: u64) {
+        for cl in &mut self.clients {
+            cl.kept.retain(|k| k.lsn > durable);
+        }
+    }
+
+    /// The server process is gone (`power_loss`: and what it did not sync): what a byte
+    /// may read as widens to what the last fsync left, and every request in flight may
+    /// have run and been lost.
+    pub fn crashed(&mut self, power_loss: bool) {
+        for cl in &mut self.clients {
+            if let Some(l) = &mut cl.lost {
+                l.crashed = true;
+            }
+            if !power_loss {
+                continue;
+            }
+            // What survived is durable from now on, whichever it is: the bytes of a write
+            // in flight too, if it ran.
+            for f in &mut cl.files {
+                for (now, durable) in f.now.iter_mut().zip(&mut f.durable) {
+                    now.add(*durable);
+                    *durable = *now;
+                }
+            }
+            if let Some(Lost {
+                what:
+                    What::Write {
+                        file,
+                        offset,
+                        len,
+                        value,
+                    },
+                ..
+            }) = cl.lost
+            {
+                let f = &mut cl.files[file];
+                let at = offset.unwrap_or(f.size) as usize;
+                for v in &mut f.durable[at..at + len as usize] {
+                    v.add(Values::one(value));
+                }
+            }
+        }
+    }
+
+    /// A pause (see `World::fence`): a client whose connection still reaches the old
+    /// process `old`, whose journal a successor sealed, writes there. A write it answers
+    /// early is kept (the old journal never makes it durable) and replayed at the
+    /// successor.
+    pub fn write_at_old(&mut self, cx: &mut Ctx, old: &Arc<Shared>) -> Result<(), String> {
+        let c = cx.rng.range(0, self.clients.len() as u64 - 1) as usize;
+        let cl = &mut self.clients[c];
+        let f = cx.rng.range(0, FILES as u64 - 1) as usize;
+        // Only to a file with data: the first write of a file waits for the failed journal
+        // (`mark_data`), which tells only on its next check, a second later.
+        if cl.lost.is_some() || cl.files[f].id.is_none() || cl.files[f].size == 0 {
+            return Ok(());
+        }
+        let offset = cx.rng.range(0, SPAN - 1);
+        let len = cx.rng.range(1, WRITE_MAX).min(SPAN - offset);
+        let value = (cl.next_seq % 251 + 1) as u8;
+        let op = Op::Write {
+            handle: cl.files[f].handle,
+            offset,
+            data: vec![value; len as usize],
+        };
+        let req = cl.request(op, ReplyMode::Early, true);
+        let (reply, lsn) = run_data(cx, old, cl.session, req.clone())?;
+        cx.stats.data_ops += 1;
+        let what = What::Write {
+            file: f,
+            offset: Some(offset),
+            len,
+            value,
+        };
+        cx.trace(|| format!("data client {c} writes at the old process"));
+        accept(cx, old, c, cl, req, what, reply, lsn, false)
+    }
+
+    /// After a restart: every client reopens its handles at the new server (a reclaim, as
+    /// the mount does on EBADF) and replays the writes it kept, in order.
+    pub fn replay(&mut self, cx: &mut Ctx, s: &Arc<Shared>) -> Result<(), String> {
+        for c in 0..self.clients.len() {
+            let cl = &mut self.clients[c];
+            for f in &cl.files {
+                let Some((id, _)) = f.id else { continue };
+                let op = Op::Open {
+                    id,
+                    flags: O_RDWR | OPEN_RECLAIM,
+                    handle: f.handle,
+                };
+                let reply = run_meta(s, cl.session, Request::plain(&Credentials::root(), op))?.0;
+                if reply.entry().is_none() {
+                    return Err(format!("data client {c}: reopen answered {reply:?}"));
+                }
+            }
+            for k in std::mem::take(&mut cl.kept) {
+                replay_one(cx, s, c, cl, k)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every file reads at the server as its client's acknowledged writes say.
+    pub fn check(&self, s: &Shared) -> Result<(), String> {
+        for (c, cl) in self.clients.iter().enumerate() {
+            let in_doubt = match cl.lost.as_ref().map(|l| l.what) {
+                Some(What::Create(f) | What::Write { file: f, .. }) => Some(f),
+                None => None,
+            };
+            for (f, file) in cl.files.iter().enumerate() {
+                let Some((id, generation)) = file.id.filter(|_| in_doubt != Some(f)) else {
+                    continue;
+                };
+                let size = s.core.lock().engine.inode(id).map(|i| i.size);
+                if size != Some(file.size) {
+                    return Err(format!(
+                        "data client {c}: file {f} is {size:?} bytes at the server, {} as \
+                         acknowledged (an acknowledged write lost)",
+                        file.size
+                    ));
+                }
+                let bytes = s
+                    .data
+                    .read(id, generation, file.size, 0, file.size as u32)
+                    .map_err(|e| format!("data client {c}: reading file {f}: {e}"))?;
+                check_bytes(&file.now, 0, &bytes)
+                    .map_err(|e| format!("data client {c}: file {f} in the store: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `bytes`, read at `offset`, may be what `allowed` says.
+fn check_bytes(allowed: &[Values], offset: u64, bytes: &[u8]) -> Result<(), String> {
+    for (i, &b) in bytes.iter().enumerate() {
+        let at = offset as usize + i;
+        if !allowed.get(at).is_some_and(|v| v.has(b)) {
+            let run = bytes[i..].iter().take_while(|&&x| x == b).count();
+            return Err(format!(
+                "byte {at} reads {b} ({run} bytes of it), not one acknowledged ({:?}; \
+                 an acknowledged write lost or misplaced)",
+                allowed
+                    .get(at)
+                    .map(|v| (0..=255u8).filter(|&x| v.has(x)).collect::<Vec<_>>())
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Sends `req` of client `c`; its reply may be lost on the way (sent again later).
+#[allow(clippy::too_many_arguments)]
+fn send(
+    cx: &mut Ctx,
+    s: &Arc<Shared>,
+    c: usize,
+    cl: &mut Client,
+    req: Request,
+    what: What,
+    crashed: bool,
+) -> Result<(), String> {
+    // A resend that the server answers from its reply cache after a crash did not write
+    // again: what it wrote before may have been lost with the crash.
+    let cached = req.seq != 0 && s.core.lock().replies.get(cl.session, req.seq).is_some();
+    let (reply, lsn) = match what {
+        What::Create(_) => run_meta(s, cl.session, req.clone())?,
+        What::Write { .. } => run_data(cx, s, cl.session, req.clone())?,
+    };
+    cx.stats.data_ops += 1;
+    if cx.rng.chance(40) {
+        cx.stats.dropped_replies += 1;
+        cx.trace(|| format!("data client {c}: reply to {} lost", req.op.name()));
+        cl.lost = Some(Lost { req, what, crashed });
+        return Ok(());
+    }
+    let crashed = crashed && cached;
+    accept(cx, s, c, cl, req, what, reply, lsn, crashed)
+}
+
+/// Client `c` takes in the reply to `req` from `s` (`unsure`: a resend after a crash that
+/// the reply cache answered, whose bytes the crash may have lost).
+#[allow(clippy::too_many_arguments)]
+fn accept(
+    cx: &mut Ctx,
+    s: &Arc<Shared>,
+    c: usize,
+    cl: &mut Client,
+    req: Request,
+    what: What,
+    reply: Reply,
+    lsn: u64,
+    unsure: bool,
+) -> Result<(), String> {
+    cx.trace(|| {
+        format!(
+            "data client {c}: seq {} {what:?} -> {reply:?} @{lsn}",
+            req.seq
+        )
+    });
+    match what {
+        What::Create(f) => {
+            let attr = reply
+                .entry()
+                .ok_or_else(|| format!("data client {c}: create answered {reply:?}"))?;
+            cl.files[f].id = Some((attr.id, attr.generation));
+            Ok(())
+        }
+        What::Write {
+            file,
+            offset,
+            len,
+            value,
+        } => {
+            let f = &mut cl.files[file];
+            // An append lands at the end as acknowledged (the client sent nothing since).
+            let offset = offset.unwrap_or(f.size);
+            let range = offset as usize..(offset + len) as usize;
+            if unsure {
+                for v in &mut f.now[range] {
+                    v.add(Values::one(value));
+                }
+            } else {
+                f.now[range].fill(Values::one(value));
+            }
+            f.size = f.size.max(offset + len);
+            let Reply::Attr(a) = &reply else {
+                return Err(format!("data client {c}: write answered {reply:?}"));
+            };
+            if a.size != f.size {
+                return Err(format!(
+                    "data client {c}: a write of file {file} answered size {}, {} acknowledged",
+                    a.size, f.size
+                ));
+            }
+            if req.mode == ReplyMode::Early && lsn > s.journal.durable_lsn() {
+                let tag = SessionTags::new(&s.replay_key, cl.session).write_tag(&req);
+                cl.kept.push(Kept {
+                    req,
+                    what,
+                    lsn,
+                    tag,
+                });
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Reads a random range of file `f` through the server and checks it.
+fn read(cx: &mut Ctx, s: &Arc<Shared>, c: usize, cl: &mut Client, f: usize) -> Result<(), String> {
+    let offset = cx.rng.range(0, SPAN - 1);
+    let len = cx.rng.range(1, SPAN - offset) as u32;
+    let file = &cl.files[f];
+    let op = Op::Read {
+        handle: file.handle,
+        offset,
+        len,
+        atime: AtimeRule::Never,
+    };
+    let (reply, _) = run_data(cx, s, cl.session, Request::plain(&Credentials::root(), op))?;
+    cx.stats.data_ops += 1;
+    let Reply::Bytes(bytes) = reply else {
+        return Err(format!("data client {c}: read answered {reply:?}"));
+    };
+    let want = (len as u64).min(file.size.saturating_sub(offset));
+    if bytes.len() as u64 != want {
+        return Err(format!(
+            "data client {c}: read of {len} at {offset} of file {f} ({} bytes) got {}",
+            file.size,
+            bytes.len()
+        ));
+    }
+    check_bytes(&file.now, offset, &bytes).map_err(|e| format!("data client {c}: read: {e}"))
+}
+
+/// fsync of file `f`: once answered, what it holds is durable.
+fn fsync(cx: &mut Ctx, s: &Arc<Shared>, c: usize, cl: &mut Client, f: usize) -> Result<(), String> {
+    let op = Op::Fsync {
+        handle: cl.files[f].handle,
+        datasync: false,
+    };
+    let (reply, _) = run_data(cx, s, cl.session, Request::plain(&Credentials::root(), op))?;
+    cx.stats.data_ops += 1;
+    if reply != Reply::Empty {
+        return Err(format!("data client {c}: fsync answered {reply:?}"));
+    }
+    cx.trace(|| format!("data client {c}: fsync of file {f}"));
+    let file = &mut cl.files[f];
+    file.durable = file.now.clone();
+    // It flushed the journal too: everything kept is durable.
+    let durable = s.journal.durable_lsn();
+    cl.kept.retain(|k| k.lsn > durable);
+    Ok(())
+}
+
+fn replay_one(
+    cx: &mut Ctx,
+    s: &Arc<Shared>,
+    c: usize,
+    cl: &mut Client,
+    k: Kept,
+) -> Result<(), String> {
+    cx.stats.replays += 1;
+    let mut req = k.req.clone();
+    req.mode = ReplyMode::Replay {
+        want_id: 0,
+        tag: k.tag,
+    };
+    req.seq_floor = cl.seq_floor().min(req.seq);
+    if !SessionTags::new(&s.replay_key, cl.session).genuine(&req) {
+        return Err(format!(
+            "data client {c}: its replay of seq {} was refused",
+            req.seq
+        ));
+    }
+    // Found in the reply cache, the write is not run again (its record was durable).
+    let cached = s.core.lock().replies.get(cl.session, req.seq).is_some();
+    let (reply, _) = run_data(cx, s, cl.session, req)?;
+    cx.trace(|| {
+        format!(
+            "data client {c}: replay seq {} {:?} @{} (cached {cached}) -> {reply:?}",
+            k.req.seq, k.what, k.lsn
+        )
+    });
+    if !matches!(reply, Reply::Attr(_)) {
+        return Err(format!(
+            "data client {c}: seq {} (write) was answered early, its replay {reply:?}",
+            k.req.seq
+        ));
+    }
+    if let (
+        What::Write {
+            file,
+            offset,
+            len,
+            value,
+        },
+        false,
+        Reply::Attr(a),
+    ) = (k.what, cached, &reply)
+    {
+        // Run again: its bytes are written again, whatever the crash left; an append's at
+        // the end the reply tells.
+        let at = offset.unwrap_or(a.size.saturating_sub(len));
+        if at + len > SPAN {
+            return Err(format!(
+                "data client {c}: a replayed append ended at {}",
+                a.size
+            ));
+        }
+        cl.files[file].now[at as usize..(at + len) as usize].fill(Values::one(value));
+    }
+    Ok(())
+}
+
+/// Runs one data operation at `s` to its end, as the connection's task would. One that is
+/// not answered early flushes the journal: done before the next event (see `exec_at`).
+pub(crate) fn run_data(
+    cx: &mut Ctx,
+    s: &Arc<Shared>,
+    session: u64,
+    req: Request,
+) -> Result<(Reply, u64), String> {
+    let flushes = req.mode != ReplyMode::Early;
+    let (reply, lsn) = cx.rt.block_on(data_op(s.clone(), session, 0, req));
+    if flushes {
+        s.journal.flush_now();
+        s.journal.wait_durable(s.journal.last_lsn());
+    }
+    Ok((reply, lsn))
+}
+
+/// Runs one request of the batch path at `s`, as `world::exec_at` does.
+pub(crate) fn run_meta(s: &Shared, session: u64, req: Request) -> Result<(Reply, u64), String> {
+    let a = crate::world::exec_at(s, session, req)?;
+    Ok((a.reply, a.lsn))
+}
