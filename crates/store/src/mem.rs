@@ -234,6 +234,18 @@ impl MemStore {
     }
 }
 
+/// The entries of `map` named directly under the folder `prefix`, in name order (a range
+/// of the map, not a scan of it).
+fn in_folder<'a, V>(
+    map: &'a BTreeMap<String, V>,
+    prefix: &str,
+) -> impl Iterator<Item = (&'a String, &'a V)> {
+    let dir = format!("{prefix}/");
+    map.range(dir.clone()..)
+        .take_while(move |(k, _)| k.starts_with(&dir))
+        .filter(move |(k, _)| !k[prefix.len() + 1..].contains('/'))
+}
+
 struct MemObject {
     state: Arc<Mutex<State>>,
     node: NodeRef,
@@ -339,12 +351,8 @@ impl ObjectStore for MemStore {
     }
 
     fn list(&self, prefix: &str) -> io::Result<Vec<String>> {
-        let dir = format!("{prefix}/");
-        Ok(lock(&self.state)
-            .names
-            .keys()
-            .filter(|k| k.strip_prefix(&dir).is_some_and(|rest| !rest.contains('/')))
-            .cloned()
+        Ok(in_folder(&lock(&self.state).names, prefix)
+            .map(|(k, _)| k.clone())
             .collect())
     }
 
@@ -390,14 +398,14 @@ impl ObjectStore for MemStore {
 
     /// Names directly under `prefix` become durable as they are now.
     fn sync_dir(&self, prefix: &str) -> io::Result<()> {
-        let dir = format!("{prefix}/");
-        let in_dir = |k: &String| k.strip_prefix(&dir).is_some_and(|r| !r.contains('/'));
         let mut st = lock(&self.state);
-        st.durable.retain(|k, _| !in_dir(k));
-        let now: Vec<(String, NodeRef)> = st
-            .names
-            .iter()
-            .filter(|(k, _)| in_dir(k))
+        let gone: Vec<String> = in_folder(&st.durable, prefix)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in gone {
+            st.durable.remove(&k);
+        }
+        let now: Vec<(String, NodeRef)> = in_folder(&st.names, prefix)
             .map(|(k, n)| (k.clone(), n.clone()))
             .collect();
         st.durable.extend(now);
