@@ -550,9 +550,16 @@ impl Journal {
     pub fn wait_durable(&self, lsn: u64) -> bool {
         if self.durable_lsn() < lsn {
             let mut st = self.shared.state.lock();
-            st.urgent = true;
-            st.flusher_asked = true;
-            self.shared.wake_flusher.notify_one();
+            // Ask only for records still waiting in the active buffer. Those already taken
+            // by a flush become durable without asking, and a flag left set would make the
+            // flusher write the next records, which nobody waits for, at once: what is
+            // durable would depend on whether the flush began before this call.
+            let first_waiting = st.active_last + 1 - st.active_records;
+            if st.active_records > 0 && first_waiting <= lsn {
+                st.urgent = true;
+                st.flusher_asked = true;
+                self.shared.wake_flusher.notify_one();
+            }
         }
         let mut g = self.shared.durable_lock.lock();
         loop {
