@@ -804,3 +804,36 @@ fn a_wait_for_records_being_written_leaves_the_next_one_unflushed() {
     j.flush_now();
     assert!(j.wait_durable(lone));
 }
+
+/// With `spare_inline` the spare segment is ready whenever the journal's calls have
+/// returned: after the start, and after every flush that rolled over into it.
+#[test]
+fn an_inline_spare_is_ready_when_the_calls_return() {
+    let s: Arc<dyn ObjectStore> = Arc::new(kochab_store::MemStore::new());
+    let opts = JournalOptions {
+        spare_inline: true,
+        ..small()
+    };
+    let spare_len = |s: &Arc<dyn ObjectStore>| s.get(&J.spare_name()).unwrap().map(|d| d.len());
+    let j = Journal::start(s.clone(), J, 1, opts.clone(), None).unwrap();
+    assert_eq!(spare_len(&s), Some(opts.segment_bytes as usize));
+    let mut rollovers = 0;
+    for i in 1..=2000 {
+        let before = j.segments();
+        j.append(&payload(i));
+        assert!(j.wait_durable(i));
+        if j.segments() > before {
+            rollovers += 1;
+            assert_eq!(
+                spare_len(&s),
+                Some(opts.segment_bytes as usize),
+                "record {i}"
+            );
+        }
+    }
+    assert!(rollovers >= 2, "segments rolled over");
+    j.shutdown();
+    let (got, rep) = collect(s.as_ref(), 0);
+    assert_eq!(rep.last_lsn, 2000);
+    assert_eq!(got.len(), 2000);
+}
