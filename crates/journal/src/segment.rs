@@ -221,6 +221,9 @@ pub fn list_segments(store: &dyn ObjectStore, id: JournalId) -> io::Result<Vec<(
     Ok(segs)
 }
 
+/// Bytes of zeros [`write_zeroed`] writes and syncs at a time.
+const ZEROS_PER_WRITE: u64 = 1 << 20;
+
 /// Writes a zero-filled object of `bytes` bytes and makes it durable, one MiB at a time:
 /// each small sync keeps the device queue short, so journal commits running at the same
 /// time are not stuck behind one huge flush.
@@ -231,7 +234,7 @@ pub fn write_zeroed(
 ) -> io::Result<Arc<dyn Object>> {
     let obj = store.open(name, true)?;
     obj.set_len(0)?;
-    let zeros = vec![0u8; 1 << 20];
+    let zeros = vec![0u8; bytes.min(ZEROS_PER_WRITE) as usize];
     let mut off = 0;
     while off < bytes {
         let n = (bytes - off).min(zeros.len() as u64) as usize;

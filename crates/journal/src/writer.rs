@@ -65,6 +65,12 @@ pub struct JournalOptions {
     pub lazy_flush: std::time::Duration,
     /// Deliberate bugs switched on (only a simulation sets any).
     pub breaks: Breaks,
+    /// Prepare the zero-filled spare segment on the writer's own thread (at the start and
+    /// right after each rollover) instead of on a thread of its own. Off by default: a
+    /// rollover then waits for a whole segment to be zero-filled. A deterministic
+    /// simulation sets it, so that what the store holds when it takes a crash image
+    /// follows from its calls alone, not from how far that thread had got.
+    pub spare_inline: bool,
 }
 
 /// Longest a record waits for its flush when nobody has asked for it ([`Journal::flush_now`]
@@ -82,6 +88,7 @@ impl Default for JournalOptions {
             fsync: true,
             lazy_flush: LAZY_FLUSH,
             breaks: Breaks::NONE,
+            spare_inline: false,
         }
     }
 }
@@ -254,7 +261,7 @@ struct SegmentSink {
     seg: Segment,
     aligned: AlignedBuf,
     staging: Vec<u8>,
-    /// The preparation of the zero-filled spare segment.
+    /// The preparation of the zero-filled spare segment, while it runs on its own thread.
     spare: Option<JoinHandle<()>>,
     /// The records being written (the idle buffer of the two).
     flushing: Vec<u8>,
@@ -331,7 +338,7 @@ impl Journal {
                 seg,
                 aligned,
                 staging: Vec::with_capacity(1 << 20),
-                spare: Some(prepare_spare(store.clone(), id, options.segment_bytes)),
+                spare: prepare_spare(&store, id, &options),
                 flushing: Vec::with_capacity(1 << 20),
                 observer: observer.clone(),
             })
@@ -550,9 +557,16 @@ impl Journal {
     pub fn wait_durable(&self, lsn: u64) -> bool {
         if self.durable_lsn() < lsn {
             let mut st = self.shared.state.lock();
-            st.urgent = true;
-            st.flusher_asked = true;
-            self.shared.wake_flusher.notify_one();
+            // Ask only for records still waiting in the active buffer. Those already taken
+            // by a flush become durable without asking, and a flag left set would make the
+            // flusher write the next records, which nobody waits for, at once: what is
+            // durable would depend on whether the flush began before this call.
+            let first_waiting = st.active_last + 1 - st.active_records;
+            if st.active_records > 0 && first_waiting <= lsn {
+                st.urgent = true;
+                st.flusher_asked = true;
+                self.shared.wake_flusher.notify_one();
+            }
         }
         let mut g = self.shared.durable_lock.lock();
         loop {
@@ -689,20 +703,37 @@ pub(crate) fn spare_tmp_name(id: JournalId) -> String {
     format!("{}/spare.tmp", id.dir())
 }
 
-/// Prepares the zero-filled spare in the background so that a rollover rarely waits.
-fn prepare_spare(store: Arc<dyn ObjectStore>, id: JournalId, bytes: u64) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        let spare = id.spare_name();
-        if store.open(&spare, false).ok().and_then(|o| o.len().ok()) == Some(bytes) {
-            return;
-        }
-        let tmp = spare_tmp_name(id);
-        let result = segment::write_zeroed(store.as_ref(), &tmp, bytes)
-            .and_then(|_| store.rename(&tmp, &spare));
-        if let Err(e) = result {
-            tracing::warn!("could not prepare a spare journal segment: {e}");
-        }
-    })
+/// Prepares the zero-filled spare so that a rollover rarely waits: in the background (the
+/// handle to join before the next rollover), or here with
+/// [`JournalOptions::spare_inline`].
+fn prepare_spare(
+    store: &Arc<dyn ObjectStore>,
+    id: JournalId,
+    options: &JournalOptions,
+) -> Option<JoinHandle<()>> {
+    let bytes = options.segment_bytes;
+    if options.spare_inline {
+        make_spare(store.as_ref(), id, bytes);
+        return None;
+    }
+    let store = store.clone();
+    Some(std::thread::spawn(move || {
+        make_spare(store.as_ref(), id, bytes)
+    }))
+}
+
+/// Zero-fills the spare segment unless it is ready. A failure is no error: the rollover
+/// then zero-fills its segment itself.
+fn make_spare(store: &dyn ObjectStore, id: JournalId, bytes: u64) {
+    let spare = id.spare_name();
+    if store.open(&spare, false).ok().and_then(|o| o.len().ok()) == Some(bytes) {
+        return;
+    }
+    let tmp = spare_tmp_name(id);
+    let result = segment::write_zeroed(store, &tmp, bytes).and_then(|_| store.rename(&tmp, &spare));
+    if let Err(e) = result {
+        tracing::warn!("could not prepare a spare journal segment: {e}");
+    }
 }
 
 /// Writes whole blocks durably (directly if possible, else write + fdatasync).
@@ -844,7 +875,7 @@ impl SegmentSink {
                 }
             }
             shared.segments.fetch_add(1, Ordering::Relaxed);
-            self.spare = Some(prepare_spare(shared.store.clone(), shared.id, seg_bytes));
+            self.spare = prepare_spare(&shared.store, shared.id, &shared.options);
             if self.seg.pos + record_len(&records[off..]) as u64 > seg_bytes {
                 result = Err(io::Error::other(
                     "a journal record does not fit in an empty segment",

@@ -661,3 +661,179 @@ fn wait_durable_on_the_committers_thread_does_not_wait_for_the_committer() {
         j.shutdown();
     });
 }
+
+/// A store whose object writes wait while the gate is shut, telling who waits: a flush
+/// can be held after it took its records and before they are durable.
+#[derive(Clone)]
+struct GateStore {
+    inner: Arc<dyn ObjectStore>,
+    /// (shut, writers waiting).
+    gate: Arc<(std::sync::Mutex<(bool, usize)>, std::sync::Condvar)>,
+}
+
+struct GateObject {
+    inner: Arc<dyn kochab_store::Object>,
+    gate: Arc<(std::sync::Mutex<(bool, usize)>, std::sync::Condvar)>,
+}
+
+impl GateStore {
+    fn new() -> GateStore {
+        GateStore {
+            inner: Arc::new(kochab_store::MemStore::new()),
+            gate: Arc::default(),
+        }
+    }
+
+    fn shut(&self, shut: bool) {
+        self.gate.0.lock().unwrap().0 = shut;
+        self.gate.1.notify_all();
+    }
+
+    /// Returns once a writer waits at the shut gate.
+    fn await_writer(&self) {
+        let (m, cv) = &*self.gate;
+        let _g = cv.wait_while(m.lock().unwrap(), |g| g.1 == 0).unwrap();
+    }
+}
+
+impl kochab_store::Object for GateObject {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
+        let (m, cv) = &*self.gate;
+        let mut g = m.lock().unwrap();
+        g.1 += 1;
+        cv.notify_all();
+        g = cv.wait_while(g, |g| g.0).unwrap();
+        g.1 -= 1;
+        drop(g);
+        self.inner.write_at(data, offset)
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.inner.sync_data()
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.inner.set_len(len)
+    }
+}
+
+impl ObjectStore for GateStore {
+    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+        self.inner.put(name, data)
+    }
+    fn get(&self, name: &str) -> std::io::Result<Option<Vec<u8>>> {
+        self.inner.get(name)
+    }
+    fn delete(&self, name: &str) -> std::io::Result<()> {
+        self.inner.delete(name)
+    }
+    fn list(&self, prefix: &str) -> std::io::Result<Vec<String>> {
+        self.inner.list(prefix)
+    }
+    fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
+        self.inner.rename(from, to)
+    }
+    fn open(&self, name: &str, create: bool) -> std::io::Result<Arc<dyn kochab_store::Object>> {
+        Ok(Arc::new(GateObject {
+            inner: self.inner.open(name, create)?,
+            gate: self.gate.clone(),
+        }))
+    }
+    fn open_sync_direct(
+        &self,
+        _name: &str,
+    ) -> std::io::Result<Option<Arc<dyn kochab_store::Object>>> {
+        Ok(None)
+    }
+    fn open_direct(
+        &self,
+        _name: &str,
+        _create: bool,
+    ) -> std::io::Result<Option<Arc<dyn kochab_store::Object>>> {
+        Ok(None)
+    }
+    fn sync_dir(&self, prefix: &str) -> std::io::Result<()> {
+        self.inner.sync_dir(prefix)
+    }
+    fn capacity(&self) -> std::io::Result<kochab_store::Capacity> {
+        self.inner.capacity()
+    }
+    fn exists(&self, name: &str) -> std::io::Result<bool> {
+        self.inner.exists(name)
+    }
+}
+
+/// A wait for records the flusher has already taken (the flush `flush_now` asked for may
+/// start before the caller's `wait_durable` runs, on another core) must not leave the
+/// flusher asked: a record appended meanwhile, which nobody waits for, would go with that
+/// flush's successor at once instead of with the next flush asked for. What is durable at
+/// any moment must follow from the calls alone, not from which thread ran first (the
+/// simulation replays a seed by it).
+#[test]
+fn a_wait_for_records_being_written_leaves_the_next_one_unflushed() {
+    let store = GateStore::new();
+    let opts = JournalOptions {
+        lazy_flush: std::time::Duration::from_secs(1 << 30),
+        ..small()
+    };
+    let j = Arc::new(Journal::start(Arc::new(store.clone()), J, 1, opts, None).unwrap());
+    let asked = j.append_deferred(|b| b.extend_from_slice(b"asked for"));
+    store.shut(true);
+    j.flush_now();
+    // The flusher holds the record, not yet durable, when the wait begins.
+    store.await_writer();
+    let waiter = {
+        let j = j.clone();
+        std::thread::spawn(move || j.wait_durable(asked))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    // Appended before the flusher looks for more work.
+    let lone = j.append_deferred(|b| b.extend_from_slice(b"nobody waits"));
+    store.shut(false);
+    assert!(waiter.join().unwrap());
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(
+        j.durable_lsn(),
+        asked,
+        "nobody asked for {lone}: not flushed"
+    );
+    j.flush_now();
+    assert!(j.wait_durable(lone));
+}
+
+/// With `spare_inline` the spare segment is ready whenever the journal's calls have
+/// returned: after the start, and after every flush that rolled over into it.
+#[test]
+fn an_inline_spare_is_ready_when_the_calls_return() {
+    let s: Arc<dyn ObjectStore> = Arc::new(kochab_store::MemStore::new());
+    let opts = JournalOptions {
+        spare_inline: true,
+        ..small()
+    };
+    let spare_len = |s: &Arc<dyn ObjectStore>| s.get(&J.spare_name()).unwrap().map(|d| d.len());
+    let j = Journal::start(s.clone(), J, 1, opts.clone(), None).unwrap();
+    assert_eq!(spare_len(&s), Some(opts.segment_bytes as usize));
+    let mut rollovers = 0;
+    for i in 1..=2000 {
+        let before = j.segments();
+        j.append(&payload(i));
+        assert!(j.wait_durable(i));
+        if j.segments() > before {
+            rollovers += 1;
+            assert_eq!(
+                spare_len(&s),
+                Some(opts.segment_bytes as usize),
+                "record {i}"
+            );
+        }
+    }
+    assert!(rollovers >= 2, "segments rolled over");
+    j.shutdown();
+    let (got, rep) = collect(s.as_ref(), 0);
+    assert_eq!(rep.last_lsn, 2000);
+    assert_eq!(got.len(), 2000);
+}

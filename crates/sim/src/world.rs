@@ -247,6 +247,7 @@ impl World {
                 fsync: true,
                 lazy_flush: NEVER,
                 breaks: self.cfg.breaks,
+                spare_inline: true,
             },
             crashed,
             breaks: self.cfg.breaks,

@@ -7,6 +7,7 @@
 //! ([`ObjectStore::positioned_io`]).
 
 mod aligned;
+mod blocks;
 pub mod crashsim;
 mod mem;
 

@@ -8,20 +8,22 @@
 //! [`MemStore::power_loss`] (or [`MemStore::crash_image`], which leaves the store running)
 //! then leaves only what a power cut would: every unsynced change dropped, or each unsynced
 //! block kept or dropped at random ([`MemLoss::Tear`]).
+//!
+//! Bytes are held in blocks shared between copies ([`Blocks`]): a crash image or a deep
+//! clone copies the namespace and a list of block references per object, never the bytes,
+//! and each side copies a block only when it writes it.
 
+use crate::blocks::{BLOCK, Blocks};
 use crate::{Capacity, Object, ObjectStore};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// Unit of durability tracking and of tearing: what a disk writes atomically.
-const BLOCK: u64 = 4096;
-
-/// One object's bytes: as written, and as durable.
+/// One object's bytes: as written, and as durable (cheap to clone: blocks are shared).
 #[derive(Clone, Debug, Default)]
 struct Node {
-    data: Vec<u8>,
-    durable: Vec<u8>,
+    data: Blocks,
+    durable: Blocks,
     /// Blocks written since the last sync (their durable copy may differ).
     dirty: BTreeSet<u64>,
     /// The length changed since the last sync.
@@ -63,9 +65,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Node {
     fn new_durable(data: &[u8]) -> NodeRef {
+        let bytes = Blocks::from_slice(data);
         Arc::new(Mutex::new(Node {
-            data: data.to_vec(),
-            durable: data.to_vec(),
+            data: bytes.clone(),
+            durable: bytes,
             dirty: BTreeSet::new(),
             resized: false,
         }))
@@ -73,19 +76,18 @@ impl Node {
 
     fn mark(&mut self, from: u64, to: u64) {
         if to > from {
-            self.dirty.extend(from / BLOCK..to.div_ceil(BLOCK));
+            let block = BLOCK as u64;
+            self.dirty.extend(from / block..to.div_ceil(block));
         }
     }
 
     fn sync(&mut self) {
-        self.durable.resize(self.data.len(), 0);
+        self.durable.resize(self.data.len());
         for b in std::mem::take(&mut self.dirty) {
-            let s = (b * BLOCK) as usize;
-            if s >= self.data.len() {
-                continue;
+            let b = b as usize;
+            if b * BLOCK < self.data.len() {
+                self.durable.take_block(&self.data, b);
             }
-            let e = (s + BLOCK as usize).min(self.data.len());
-            self.durable[s..e].copy_from_slice(&self.data[s..e]);
         }
         self.resized = false;
     }
@@ -102,16 +104,13 @@ impl Node {
                     self.durable.len()
                 };
                 let mut out = self.durable.clone();
-                out.resize(len, 0);
+                out.resize(len);
                 for &b in &self.dirty {
-                    let s = (b * BLOCK) as usize;
-                    if s >= len || !coin(rng) {
+                    let b = b as usize;
+                    if b * BLOCK >= len || !coin(rng) {
                         continue;
                     }
-                    let e = (s + BLOCK as usize).min(len);
-                    for (i, o) in out[s..e].iter_mut().enumerate() {
-                        *o = self.data.get(s + i).copied().unwrap_or(0);
-                    }
+                    out.take_block(&self.data, b);
                 }
                 out
             }
@@ -196,7 +195,7 @@ impl MemStore {
         lock(&self.state)
             .names
             .iter()
-            .map(|(k, n)| (k.clone(), lock(n).data.clone()))
+            .map(|(k, n)| (k.clone(), lock(n).data.to_vec()))
             .collect()
     }
 
@@ -235,6 +234,18 @@ impl MemStore {
     }
 }
 
+/// The entries of `map` named directly under the folder `prefix`, in name order (a range
+/// of the map, not a scan of it).
+fn in_folder<'a, V>(
+    map: &'a BTreeMap<String, V>,
+    prefix: &str,
+) -> impl Iterator<Item = (&'a String, &'a V)> {
+    let dir = format!("{prefix}/");
+    map.range(dir.clone()..)
+        .take_while(move |(k, _)| k.starts_with(&dir))
+        .filter(move |(k, _)| !k[prefix.len() + 1..].contains('/'))
+}
+
 struct MemObject {
     state: Arc<Mutex<State>>,
     node: NodeRef,
@@ -265,11 +276,8 @@ impl MemObject {
 impl Object for MemObject {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         self.with(|node| {
-            let data = &node.data;
-            let start = usize::try_from(offset).map_or(data.len(), |o| o.min(data.len()));
-            let n = buf.len().min(data.len() - start);
-            buf[..n].copy_from_slice(&data[start..start + n]);
-            Ok(n)
+            let start = usize::try_from(offset).unwrap_or(usize::MAX);
+            Ok(node.data.read(start, buf))
         })
     }
 
@@ -281,10 +289,10 @@ impl Object for MemObject {
         self.with(|node| {
             let (o, e) = (offset as usize, end as usize);
             if node.data.len() < e {
-                node.data.resize(e, 0);
+                node.data.resize(e);
                 node.resized = true;
             }
-            node.data[o..e].copy_from_slice(d);
+            node.data.write(o, d);
             node.mark(offset, end);
             Ok(())
         })
@@ -305,7 +313,7 @@ impl Object for MemObject {
         }
         self.with(|node| {
             let old = node.data.len() as u64;
-            node.data.resize(len as usize, 0);
+            node.data.resize(len as usize);
             node.mark(len.min(old), len.max(old));
             node.resized = true;
             Ok(())
@@ -326,16 +334,14 @@ impl ObjectStore for MemStore {
         Ok(lock(&self.state)
             .names
             .get(name)
-            .map(|n| lock(n).data.clone()))
+            .map(|n| lock(n).data.to_vec()))
     }
 
     fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Option<Vec<u8>>> {
         Ok(lock(&self.state).names.get(name).map(|n| {
-            let data = &lock(n).data;
-            let start = usize::try_from(offset).map_or(data.len(), |o| o.min(data.len()));
-            let end = usize::try_from(offset.saturating_add(len))
-                .map_or(data.len(), |e| e.min(data.len()));
-            data[start..end].to_vec()
+            let start = usize::try_from(offset).unwrap_or(usize::MAX);
+            let end = usize::try_from(offset.saturating_add(len)).unwrap_or(usize::MAX);
+            lock(n).data.range(start, end)
         }))
     }
 
@@ -345,12 +351,8 @@ impl ObjectStore for MemStore {
     }
 
     fn list(&self, prefix: &str) -> io::Result<Vec<String>> {
-        let dir = format!("{prefix}/");
-        Ok(lock(&self.state)
-            .names
-            .keys()
-            .filter(|k| k.strip_prefix(&dir).is_some_and(|rest| !rest.contains('/')))
-            .cloned()
+        Ok(in_folder(&lock(&self.state).names, prefix)
+            .map(|(k, _)| k.clone())
             .collect())
     }
 
@@ -396,14 +398,14 @@ impl ObjectStore for MemStore {
 
     /// Names directly under `prefix` become durable as they are now.
     fn sync_dir(&self, prefix: &str) -> io::Result<()> {
-        let dir = format!("{prefix}/");
-        let in_dir = |k: &String| k.strip_prefix(&dir).is_some_and(|r| !r.contains('/'));
         let mut st = lock(&self.state);
-        st.durable.retain(|k, _| !in_dir(k));
-        let now: Vec<(String, NodeRef)> = st
-            .names
-            .iter()
-            .filter(|(k, _)| in_dir(k))
+        let gone: Vec<String> = in_folder(&st.durable, prefix)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in gone {
+            st.durable.remove(&k);
+        }
+        let now: Vec<(String, NodeRef)> = in_folder(&st.names, prefix)
             .map(|(k, n)| (k.clone(), n.clone()))
             .collect();
         st.durable.extend(now);
@@ -522,16 +524,16 @@ mod tests {
     fn a_torn_loss_keeps_each_unsynced_block_or_not() {
         let s = MemStore::new();
         let o = s.open("t/x", true).unwrap();
-        o.write_at(&vec![1u8; 8 * BLOCK as usize], 0).unwrap();
+        o.write_at(&vec![1u8; 8 * BLOCK], 0).unwrap();
         o.sync_data().unwrap();
         s.sync_dir("t").unwrap();
-        o.write_at(&vec![2u8; 8 * BLOCK as usize], 0).unwrap();
+        o.write_at(&vec![2u8; 8 * BLOCK], 0).unwrap();
         let mut kinds = BTreeSet::new();
         for seed in 0..16 {
             let img = s.crash_image(MemLoss::Tear { seed });
             let data = img.get("t/x").unwrap().unwrap();
-            assert_eq!(data.len(), 8 * BLOCK as usize);
-            for block in data.chunks(BLOCK as usize) {
+            assert_eq!(data.len(), 8 * BLOCK);
+            for block in data.chunks(BLOCK) {
                 assert!(block.iter().all(|&b| b == block[0]), "torn inside a block");
                 kinds.insert(block[0]);
             }
@@ -542,6 +544,103 @@ mod tests {
             );
         }
         assert_eq!(kinds, BTreeSet::from([1, 2]), "blocks of both ages survive");
+    }
+
+    /// Every object of `s`, as it reads and as a power cut would leave it.
+    fn both_views(s: &MemStore) -> (BTreeMap<String, Vec<u8>>, BTreeMap<String, Vec<u8>>) {
+        (s.objects(), s.crash_image(MemLoss::Drop).objects())
+    }
+
+    /// A store with synced, unsynced and unnamed bytes, and a handle open on it.
+    fn store_with_history() -> (MemStore, Arc<dyn Object>) {
+        let s = MemStore::new();
+        s.put("d/put", b"durable").unwrap();
+        let o = s.open("d/obj", true).unwrap();
+        o.write_at(&vec![1u8; 3 * BLOCK], 0).unwrap();
+        o.sync_data().unwrap();
+        s.sync_dir("d").unwrap();
+        o.write_at(&[2u8; 10], BLOCK as u64 - 5).unwrap();
+        s.open("d/unnamed", true)
+            .unwrap()
+            .write_at(b"never synced", 0)
+            .unwrap();
+        (s, o)
+    }
+
+    #[test]
+    fn writes_to_the_store_never_show_in_its_images() {
+        let (s, o) = store_with_history();
+        let images = [
+            s.deep_clone(),
+            s.crash_image(MemLoss::Drop),
+            s.crash_image(MemLoss::Tear { seed: 3 }),
+        ];
+        let before: Vec<_> = images.iter().map(both_views).collect();
+        // Through the handle opened before the images, and through the names.
+        o.write_at(&[3u8; 2 * BLOCK], 1).unwrap();
+        o.write_at(b"grown", 5 * BLOCK as u64).unwrap();
+        o.sync_data().unwrap();
+        o.set_len(BLOCK as u64 + 1).unwrap();
+        s.put("d/put", b"replaced").unwrap();
+        s.rename("d/unnamed", "d/renamed").unwrap();
+        s.sync_dir("d").unwrap();
+        s.open("d/obj", false)
+            .unwrap()
+            .write_at(b"again", 7)
+            .unwrap();
+        s.power_loss(MemLoss::Tear { seed: 9 });
+        for (img, was) in images.iter().zip(&before) {
+            assert_eq!(both_views(img), *was);
+        }
+    }
+
+    #[test]
+    fn writes_to_an_image_never_show_in_the_store() {
+        let (s, o) = store_with_history();
+        let before = both_views(&s);
+        for img in [
+            s.deep_clone(),
+            s.crash_image(MemLoss::Drop),
+            s.crash_image(MemLoss::Tear { seed: 5 }),
+        ] {
+            let io = img.open("d/obj", false).unwrap();
+            io.write_at(&[4u8; 2 * BLOCK], 3).unwrap();
+            io.sync_data().unwrap();
+            io.set_len(2).unwrap();
+            img.put("d/put", b"other").unwrap();
+            img.delete("d/unnamed").unwrap();
+            img.open("d/new", true).unwrap().write_at(b"n", 0).unwrap();
+            img.sync_dir("d").unwrap();
+            img.power_loss(MemLoss::Drop);
+            assert_eq!(both_views(&s), before);
+        }
+        // The store's own handle still writes to the store.
+        o.write_at(b"mine", 0).unwrap();
+        assert_eq!(s.get("d/obj").unwrap().unwrap()[..4], *b"mine");
+    }
+
+    #[test]
+    fn an_image_keeps_exactly_what_was_synced() {
+        let (s, o) = store_with_history();
+        let img = s.crash_image(MemLoss::Drop);
+        assert_eq!(img.get("d/obj").unwrap().unwrap(), vec![1u8; 3 * BLOCK]);
+        assert_eq!(img.get("d/unnamed").unwrap(), None);
+        // A torn image keeps each of the two unsynced blocks whole or not at all.
+        let mut seen = BTreeSet::new();
+        for seed in 0..32 {
+            let torn = s.crash_image(MemLoss::Tear { seed });
+            let data = torn.get("d/obj").unwrap().unwrap();
+            let first = data[BLOCK - 5..BLOCK] == [2u8; 5];
+            let second = data[BLOCK..BLOCK + 5] == [2u8; 5];
+            assert!(first || data[..BLOCK] == [1u8; BLOCK][..]);
+            assert!(second || data[BLOCK..] == [1u8; 2 * BLOCK][..]);
+            seen.insert((first, second));
+        }
+        assert_eq!(seen.len(), 4, "every combination of the two blocks");
+        // Synced later, the bytes are in the next image.
+        o.sync_data().unwrap();
+        let data = s.crash_image(MemLoss::Drop).get("d/obj").unwrap().unwrap();
+        assert_eq!(data[BLOCK - 5..BLOCK + 5], [2u8; 10]);
     }
 
     #[test]
