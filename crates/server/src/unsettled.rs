@@ -51,8 +51,9 @@ pub struct Unsettled {
     prune_at: usize,
 }
 
-/// Entries kept before those of durable records are dropped.
-const PRUNE_AT: usize = 1 << 16;
+/// Entries kept before those of durable records are dropped: few, so that the maps stay
+/// in cache (a record is durable within milliseconds; only those not yet durable matter).
+const PRUNE_AT: usize = 4096;
 
 impl Unsettled {
     /// Notes `session`'s record `lsn` with mutations `muts`, the journal being durable up
