@@ -1296,9 +1296,21 @@ pub fn run_seeds(
     n: u64,
     adjust: impl Fn(&mut SimConfig),
 ) -> Result<Vec<SimStats>, String> {
+    each_seed(first, n, SimConfig::new, adjust, run)
+}
+
+/// Runs seeds `first..first + n` in order, each with the config `config(seed)` changed by
+/// `adjust`, through `run`; the first failure stops. (Every simulation of this crate.)
+pub fn each_seed<C, S>(
+    first: u64,
+    n: u64,
+    config: impl Fn(u64) -> C,
+    adjust: impl Fn(&mut C),
+    run: impl Fn(C) -> Result<S, String>,
+) -> Result<Vec<S>, String> {
     let mut out = Vec::new();
     for seed in first..first + n {
-        let mut cfg = SimConfig::new(seed);
+        let mut cfg = config(seed);
         adjust(&mut cfg);
         out.push(run(cfg)?);
     }

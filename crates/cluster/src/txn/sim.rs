@@ -233,13 +233,7 @@ pub fn run_seeds(
     n: u64,
     adjust: impl Fn(&mut SimConfig),
 ) -> Result<Vec<SimStats>, String> {
-    let mut out = Vec::new();
-    for seed in first..first + n {
-        let mut cfg = SimConfig::new(seed);
-        adjust(&mut cfg);
-        out.push(run(cfg)?);
-    }
-    Ok(out)
+    crate::sim::each_seed(first, n, SimConfig::new, adjust, run)
 }
 
 fn dir(site: usize) -> u64 {
