@@ -203,3 +203,27 @@ pub(crate) fn current_generation(core: &Core, of: &OpenFile) -> Result<(), FsErr
         _ => Err(fs_err!(ESTALE, "the file of this handle is gone")),
     }
 }
+
+/// A change answered early that depended on another session's change not yet durable
+/// (see `unsettled`) is answered once its own record is durable instead: its reply then
+/// leaves as an ordinary one.
+pub(crate) async fn answer_when_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {
+    shared.journal.flush_now();
+    wait_durable(shared, lsn).await
+}
+
+/// Waits until the journal is durable up to `lsn` (EIO if it failed or stopped).
+pub(crate) async fn wait_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {
+    let mut rx = shared.journal.subscribe();
+    while *rx.borrow_and_update() < lsn {
+        if shared.journal.failed() {
+            return Err(fs_err!(EIO, "the journal failed"));
+        }
+        if let Ok(Err(_)) =
+            tokio::time::timeout(std::time::Duration::from_secs(1), rx.changed()).await
+        {
+            return Err(fs_err!(EIO, "the journal stopped"));
+        }
+    }
+    Ok(())
+}

@@ -668,17 +668,9 @@ async fn write(
         (attr, lsn, depended)
     };
     if depended {
-        answer_when_durable(shared, lsn).await?;
+        crate::fileaccess::answer_when_durable(shared, lsn).await?;
     }
     Ok((Reply::Attr(attr), lsn))
-}
-
-/// A change answered early that depended on another session's change not yet durable
-/// (see `unsettled`) is answered once its own record is durable instead: its reply then
-/// leaves as an ordinary one.
-pub(crate) async fn answer_when_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {
-    shared.journal.flush_now();
-    wait_durable(shared, lsn).await
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -775,22 +767,7 @@ async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), Fs
         shared.journal_now(&mut core, client, &muts)
     };
     if lsn != 0 {
-        wait_durable(shared, lsn).await?;
-    }
-    Ok(())
-}
-
-async fn wait_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {
-    let mut rx = shared.journal.subscribe();
-    while *rx.borrow_and_update() < lsn {
-        if shared.journal.failed() {
-            return Err(fs_err!(EIO, "the journal failed"));
-        }
-        if let Ok(Err(_)) =
-            tokio::time::timeout(std::time::Duration::from_secs(1), rx.changed()).await
-        {
-            return Err(fs_err!(EIO, "the journal stopped"));
-        }
+        crate::fileaccess::wait_durable(shared, lsn).await?;
     }
     Ok(())
 }

@@ -239,7 +239,7 @@ pub(crate) async fn commit(
         (attr, lsn, depended)
     };
     if depended {
-        crate::filesvc::answer_when_durable(shared, lsn).await?;
+        crate::fileaccess::answer_when_durable(shared, lsn).await?;
     }
     Ok((Reply::Attr(attr), if kept { lsn } else { 0 }))
 }
@@ -462,7 +462,7 @@ pub(crate) async fn write(
         (attr, lsn, depended)
     };
     if depended {
-        crate::filesvc::answer_when_durable(shared, lsn).await?;
+        crate::fileaccess::answer_when_durable(shared, lsn).await?;
     }
     Ok((attr, lsn))
 }
