@@ -62,8 +62,11 @@ impl Unsettled {
     /// durable.
     pub fn note(&mut self, session: u64, muts: &[Mutation], lsn: u64, durable: u64) -> u64 {
         let this = Change { session, lsn };
+        // The server's own records (session 0: cleanup of ended sessions, orphans,
+        // reclaims) are redone by recovery, never replayed by a client: nothing waits for
+        // them.
         let other = |c: Option<&Change>| match c {
-            Some(c) if c.session != session && c.lsn > durable => c.lsn,
+            Some(c) if c.session != session && c.session != 0 && c.lsn > durable => c.lsn,
             _ => 0,
         };
         self.parents.clear();
