@@ -11,7 +11,9 @@ use crate::idpolicy::{CATCHALL_FIRST, IdPolicy, IdPolicyConfig, Region};
 use crate::inode::Inode;
 use crate::mutation::Mutation;
 use crate::table::{BOX_SHIFT, Table};
-use kochab_proto::{Credentials, FileKind, FsError, InodeId, Op, Reply, TimeNs, fs_err, mode};
+use kochab_proto::{
+    Attr, Credentials, FileKind, FsError, InodeId, Op, Reply, TimeNs, fs_err, mode,
+};
 use serde::{Deserialize, Serialize};
 use siphasher::sip::SipHasher13;
 use std::hash::Hasher;
@@ -651,19 +653,37 @@ impl Engine {
             Err(fail) => {
                 debug_assert_eq!(out.len(), start, "a failed operation emitted mutations");
                 out.truncate(start);
-                match fail {
-                    Fail::Fs(e) => Reply::Error(e),
-                    Fail::NotHosted(id) if self.member || self.departed(id) => {
-                        self.last_not_hosted = Some(id);
-                        Reply::WrongServer {
-                            map_version: self.epoch,
-                            owner: None,
-                            addr: None,
-                        }
-                    }
-                    Fail::NotHosted(id) => Reply::Error(not_in_any_table(id)),
+                self.fail_reply(fail)
+            }
+        }
+    }
+
+    /// A failure as the reply to a request: an inode of a table not hosted here is
+    /// WRONG_SERVER at a member (it borrows the table named in `last_not_hosted` and asks
+    /// again).
+    fn fail_reply(&mut self, fail: Fail) -> Reply {
+        match fail {
+            Fail::Fs(e) => Reply::Error(e),
+            Fail::NotHosted(id) if self.member || self.departed(id) => {
+                self.last_not_hosted = Some(id);
+                Reply::WrongServer {
+                    map_version: self.epoch,
+                    owner: None,
+                    addr: None,
                 }
             }
+            Fail::NotHosted(id) => Reply::Error(not_in_any_table(id)),
+        }
+    }
+
+    /// The attributes of `id` for an answer given without running anything (a retry of
+    /// a create whose first attempt ran): `Ok(None)` if it is gone. A table not hosted
+    /// here is answered as [`Engine::execute`] answers it: a member does not say the file
+    /// is gone when it only lacks the table the first attempt borrowed.
+    pub fn attr_for_retry(&mut self, id: InodeId) -> Result<Option<Attr>, Reply> {
+        match self.table(id) {
+            Ok(t) => Ok(t.inode(id).map(|i| i.attr(id))),
+            Err(fail) => Err(self.fail_reply(fail)),
         }
     }
 
@@ -944,6 +964,35 @@ mod tests {
         assert!(!e.is_free(id), "held where the table arrived");
         e.advance_clock(3 + QUARANTINE_NS);
         assert!(e.is_free(id), "until a whole quarantine has passed");
+    }
+
+    #[test]
+    fn a_retry_at_a_member_without_the_inodes_table_is_wrong_server_not_gone() {
+        let mut e = Engine::new_cluster(EngineConfig::with_key([1, 2])).unwrap();
+        for m in e.bootstrap(1) {
+            e.apply(&m).unwrap();
+        }
+        let root = e.root();
+        let op = Op::Mknod {
+            parent: root,
+            name: b"f".to_vec(),
+            mode: mode::S_IFREG | 0o644,
+            rdev: 0,
+            exclusive: true,
+        };
+        let id = match e.execute(&Credentials::root(), &op, 2, &mut Vec::new()) {
+            Reply::Entry(a) => a.id,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(e.attr_for_retry(id).unwrap().map(|a| a.id), Some(id));
+        let lo = e.tables()[e.table_index(id).unwrap()].lo;
+        e.member = true;
+        let table = e.remove_table(lo).unwrap();
+        let reply = e.attr_for_retry(id).unwrap_err();
+        assert!(matches!(reply, Reply::WrongServer { .. }), "{reply:?}");
+        assert_eq!(e.last_not_hosted, Some(id), "the member borrows its table");
+        e.insert_table(table).unwrap();
+        assert!(e.attr_for_retry(id).unwrap().is_some());
     }
 
     #[test]

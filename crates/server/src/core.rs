@@ -975,7 +975,7 @@ impl Shared {
         {
             core.scratch.clear();
             let replay = matches!(req.mode, ReplyMode::Replay { .. });
-            return retry_reply(&core.engine, &req.op, outcome, replay);
+            return retry_reply(&mut core.engine, &req.op, outcome, replay);
         }
         let mut muts = std::mem::take(&mut core.scratch);
         muts.clear();
@@ -1136,14 +1136,17 @@ fn with_changed_dirs(engine: &Engine, op: &Op, reply: Reply) -> Reply {
 /// The answer to a retry of an operation that already ran. A create's inode may be gone
 /// since (the client removed it): a plain retry (its first reply was lost) is told so
 /// (ESTALE); a replay of an early reply is told it is done, for it is (its record is in
-/// the journal) and its client acted on the first reply long ago.
-fn retry_reply(engine: &Engine, op: &Op, outcome: Outcome, replay: bool) -> Reply {
+/// the journal) and its client acted on the first reply long ago. At a member that does
+/// not hold the inode's table (the first attempt borrowed it) the answer is WRONG_SERVER,
+/// as for any operation: the member borrows the table and answers then.
+fn retry_reply(engine: &mut Engine, op: &Op, outcome: Outcome, replay: bool) -> Reply {
     match (op, outcome) {
         (Op::Mknod { .. } | Op::Mkdir { .. } | Op::Symlink { .. } | Op::Link { .. }, Some(id)) => {
-            match engine.inode(id) {
-                Some(i) => Reply::Entry(i.attr(id)),
-                None if replay => Reply::Empty,
-                None => Reply::Error(fs_err!(
+            match engine.attr_for_retry(id) {
+                Ok(Some(attr)) => Reply::Entry(attr),
+                Err(wrong_server) => wrong_server,
+                Ok(None) if replay => Reply::Empty,
+                Ok(None) => Reply::Error(fs_err!(
                     ESTALE,
                     "created by the first attempt, removed before this retry"
                 )),

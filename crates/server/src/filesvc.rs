@@ -166,13 +166,16 @@ impl Shared {
         }
         let cached = req.seq != 0;
         if cached && let Some(Some(id)) = core.replies.get(client, req.seq) {
-            // A retry: the first attempt created (and opened) it.
-            return match core.engine.inode(id).map(|i| i.attr(id)) {
-                Some(attr) => match register(core, client, handle, &attr, flags) {
+            // A retry: the first attempt created (and opened) it. At a member that does
+            // not hold its table (the first attempt borrowed it), WRONG_SERVER: the
+            // member borrows the table and answers then.
+            return match core.engine.attr_for_retry(id) {
+                Ok(Some(attr)) => match register(core, client, handle, &attr, flags) {
                     Ok(()) => Reply::Entry(attr),
                     Err(e) => Reply::Error(e),
                 },
-                None => Reply::Error(fs_err!(
+                Err(wrong_server) => wrong_server,
+                Ok(None) => Reply::Error(fs_err!(
                     ESTALE,
                     "created by the first attempt, removed before this retry"
                 )),
