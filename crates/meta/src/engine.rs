@@ -680,10 +680,10 @@ impl Engine {
     /// a create whose first attempt ran): `Ok(None)` if it is gone. A table not hosted
     /// here is answered as [`Engine::execute`] answers it: a member does not say the file
     /// is gone when it only lacks the table the first attempt borrowed.
-    pub fn attr_for_retry(&mut self, id: InodeId) -> Result<Option<Attr>, Reply> {
+    pub fn attr_for_retry(&mut self, id: InodeId) -> Result<Option<Attr>, Box<Reply>> {
         match self.table(id) {
             Ok(t) => Ok(t.inode(id).map(|i| i.attr(id))),
-            Err(fail) => Err(self.fail_reply(fail)),
+            Err(fail) => Err(Box::new(self.fail_reply(fail))),
         }
     }
 
@@ -988,7 +988,7 @@ mod tests {
         let lo = e.tables()[e.table_index(id).unwrap()].lo;
         e.member = true;
         let table = e.remove_table(lo).unwrap();
-        let reply = e.attr_for_retry(id).unwrap_err();
+        let reply = *e.attr_for_retry(id).unwrap_err();
         assert!(matches!(reply, Reply::WrongServer { .. }), "{reply:?}");
         assert_eq!(e.last_not_hosted, Some(id), "the member borrows its table");
         e.insert_table(table).unwrap();

@@ -1144,7 +1144,7 @@ fn retry_reply(engine: &mut Engine, op: &Op, outcome: Outcome, replay: bool) -> 
         (Op::Mknod { .. } | Op::Mkdir { .. } | Op::Symlink { .. } | Op::Link { .. }, Some(id)) => {
             match engine.attr_for_retry(id) {
                 Ok(Some(attr)) => Reply::Entry(attr),
-                Err(wrong_server) => wrong_server,
+                Err(wrong_server) => *wrong_server,
                 Ok(None) if replay => Reply::Empty,
                 Ok(None) => Reply::Error(fs_err!(
                     ESTALE,

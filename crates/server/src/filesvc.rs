@@ -174,7 +174,7 @@ impl Shared {
                     Ok(()) => Reply::Entry(attr),
                     Err(e) => Reply::Error(e),
                 },
-                Err(wrong_server) => wrong_server,
+                Err(wrong_server) => *wrong_server,
                 Ok(None) => Reply::Error(fs_err!(
                     ESTALE,
                     "created by the first attempt, removed before this retry"
