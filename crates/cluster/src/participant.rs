@@ -21,6 +21,30 @@ pub enum Break {
     Fencing,
     /// DROP checkpoints at once, without waiting for in-flight operations.
     Drain,
+    /// A borrow's operations end when the borrow is returned, before their journal
+    /// record is durable: the DROP that sends the tables home checkpoints at once, so a
+    /// crash of the borrower loses the record from its own tables while the lender's
+    /// checkpoint has the operation.
+    BorrowEarly,
+}
+
+impl Break {
+    /// Every switch, in the order of [`Break::name`]'s list.
+    pub const ALL: [Break; 3] = [Break::Fencing, Break::Drain, Break::BorrowEarly];
+
+    /// The name `SIM_BREAK` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Break::Fencing => "fencing",
+            Break::Drain => "drain",
+            Break::BorrowEarly => "borrow-early",
+        }
+    }
+
+    /// The switch called `name`.
+    pub fn parse(name: &str) -> Option<Break> {
+        Break::ALL.into_iter().find(|b| b.name() == name)
+    }
 }
 
 /// Timers of a participant.
@@ -33,6 +57,7 @@ pub struct ParticipantConfig {
     pub renew_every_ms: u64,
     /// Resend an unanswered request after this long.
     pub retry_ms: u64,
+    /// A deliberate bug, for the simulation; production never sets one.
     pub broken: Option<Break>,
 }
 
@@ -776,6 +801,14 @@ impl Participant {
         match self.borrows.get_mut(&id.seq) {
             Some((_, st)) if *st != BorrowState::Returning => *st = BorrowState::Returning,
             _ => return Vec::new(),
+        }
+        if self.cfg.broken == Some(Break::BorrowEarly)
+            && let Some((tables, _)) = self.borrows.get(&id.seq)
+        {
+            // The bug: what ran under the borrow counts as ended before it is durable.
+            for t in tables {
+                self.inflight.remove(t);
+            }
         }
         let req = ServerRequest::Return {
             id,

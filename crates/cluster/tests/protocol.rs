@@ -1,7 +1,7 @@
 //! Step-by-step tests of the coordinator state, the driver and the participant.
 
 use kochab_cluster::driver::{Driver, DriverAction, DriverConfig};
-use kochab_cluster::participant::{Action, Admit, Participant, ParticipantConfig};
+use kochab_cluster::participant::{Action, Admit, Break, Participant, ParticipantConfig};
 use kochab_cluster::state::{CoordState, Phase};
 use kochab_proto::cluster::{
     BorrowId, BorrowPhase, Control, ControlBody, ControlReply, CoordCommand, CoordReply, Epoch,
@@ -432,11 +432,15 @@ fn state_survives_a_snapshot_round_trip() {
 }
 
 fn live_participant(now: u64) -> (Participant, Incarnation) {
+    live_broken_participant(now, None)
+}
+
+fn live_broken_participant(now: u64, broken: Option<Break>) -> (Participant, Incarnation) {
     let cfg = ParticipantConfig {
         margin_ms: 100,
         renew_every_ms: 300,
         retry_ms: 200,
-        broken: None,
+        broken,
     };
     let mut p = Participant::new(ServerId(7), "s7".into(), 1 << 40, cfg);
     let acts = p.tick(now);
@@ -536,6 +540,69 @@ fn drop_waits_for_in_flight_operations() {
         ..drop
     };
     assert!(p.on_control(&other, 41).is_empty());
+}
+
+/// Runs one operation under a granted borrow of tables 0 and 1, returns the borrow while
+/// the operation's record is not durable yet, and asks for table 1 back: what the
+/// participant does at once.
+fn drop_after_early_return(broken: Option<Break>) -> (Participant, Vec<Action>) {
+    let (mut p, me) = live_broken_participant(0, broken);
+    let (id, _) = p.borrow(&[t(0), t(1)], 10);
+    let id = id.expect("a live participant borrows");
+    let add = ControlBody::Add {
+        tables: vec![t(0), t(1)],
+        map_version: Default::default(),
+        epochs: vec![],
+    };
+    p.on_control(&Control { to: me, body: add }, 20);
+    p.loaded(&[t(0), t(1)], Ok(vec![]));
+    let grant = Control {
+        to: me,
+        body: ControlBody::Grant { id },
+    };
+    assert!(
+        p.on_control(&grant, 30)
+            .contains(&Action::RunBorrowed { id })
+    );
+    assert_eq!(p.admit(&[t(0), t(1)], 31), Admit::Ok);
+    // It ran; its record is not durable yet, the borrow goes back all the same.
+    let ret = p.borrow_done(id, 32);
+    assert!(matches!(
+        ret.as_slice(),
+        [Action::ToCoord {
+            req: ServerRequest::Return { .. },
+            ..
+        }]
+    ));
+    let drop = ControlBody::Drop {
+        table: t(1),
+        map_version: Default::default(),
+        to: ServerId(2),
+    };
+    let acts = p.on_control(&Control { to: me, body: drop }, 40);
+    (p, acts)
+}
+
+#[test]
+fn a_returned_borrow_drains_until_its_operations_are_durable() {
+    let (mut p, acts) = drop_after_early_return(None);
+    assert!(acts.is_empty(), "the operation's record is not durable yet");
+    assert_eq!(
+        p.end_op(&[t(0), t(1)]),
+        vec![Action::Checkpoint { table: t(1) }]
+    );
+    // The break lets the table go before then.
+    let (_, acts) = drop_after_early_return(Some(Break::BorrowEarly));
+    assert_eq!(acts, vec![Action::Checkpoint { table: t(1) }]);
+}
+
+#[test]
+fn breaks_have_names() {
+    for b in Break::ALL {
+        assert_eq!(Break::parse(b.name()), Some(b));
+    }
+    assert_eq!(Break::parse("borrow-early"), Some(Break::BorrowEarly));
+    assert_eq!(Break::parse("none"), None);
 }
 
 #[test]
