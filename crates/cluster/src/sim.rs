@@ -422,12 +422,17 @@ struct World {
     pcfg: ParticipantConfig,
 }
 
-/// Runs one seed; `Err` names the seed and the first broken invariant.
+/// Runs one seed; `Err` names the seed, the step (events run) and the first broken
+/// invariant.
 pub fn run(cfg: SimConfig) -> Result<SimStats, String> {
     let seed = cfg.seed;
     let mut w = World::new(cfg);
-    w.run()
-        .map_err(|e| format!("SIM_SEED={seed}: at {} ms: {e}", w.now))
+    w.run().map_err(|e| {
+        format!(
+            "SIM_SEED={seed}: step {}, at {} ms: {e}",
+            w.stats.events, w.now
+        )
+    })
 }
 
 impl World {
