@@ -11,17 +11,16 @@
 
 use std::sync::Arc;
 
-use kochab_cluster::sim::Rng;
 use kochab_meta::files::open_flags::O_RDWR;
 use kochab_proto::auth::ReplayTag;
 use kochab_proto::{
     AtimeRule, Credentials, InodeId, OPEN_RECLAIM, Op, Reply, ReplyMode, Request, WRITE_AT_END,
 };
 use kochab_server::core::Shared;
-use kochab_server::filesvc::data_op;
 use kochab_server::replaytags::SessionTags;
 
-use crate::SimStats;
+use crate::exec::{run_data, run_meta};
+use crate::step::Ctx;
 
 /// Files each data client writes.
 const FILES: usize = 2;
@@ -32,23 +31,6 @@ const SPAN: u64 = 3 * 4096;
 const WRITE_MAX: u64 = 3000;
 /// The first data client's session (the namespace clients' start at 100).
 const FIRST_SESSION: u64 = 200;
-
-/// What one step needs of the world.
-pub struct Ctx<'a> {
-    pub rng: &'a mut Rng,
-    pub rt: &'a tokio::runtime::Runtime,
-    pub stats: &'a mut SimStats,
-    /// The seed, when steps are traced.
-    pub trace: Option<u64>,
-}
-
-impl Ctx<'_> {
-    pub(crate) fn trace(&self, what: impl FnOnce() -> String) {
-        if let Some(seed) = self.trace {
-            eprintln!("[{seed}] {}", what());
-        }
-    }
-}
 
 /// The values a byte may hold (a set of 256 bits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -612,27 +594,4 @@ fn replay_one(
         cl.files[file].now[at as usize..(at + len) as usize].fill(Values::one(value));
     }
     Ok(())
-}
-
-/// Runs one data operation at `s` to its end, as the connection's task would. One that is
-/// not answered early flushes the journal: done before the next event (see `exec_at`).
-pub(crate) fn run_data(
-    cx: &mut Ctx,
-    s: &Arc<Shared>,
-    session: u64,
-    req: Request,
-) -> Result<(Reply, u64), String> {
-    let flushes = req.mode != ReplyMode::Early;
-    let (reply, lsn) = cx.rt.block_on(data_op(s.clone(), session, 0, req));
-    if flushes {
-        s.journal.flush_now();
-        s.journal.wait_durable(s.journal.last_lsn());
-    }
-    Ok((reply, lsn))
-}
-
-/// Runs one request of the batch path at `s`, as `world::exec_at` does.
-pub(crate) fn run_meta(s: &Shared, session: u64, req: Request) -> Result<(Reply, u64), String> {
-    let a = crate::world::exec_at(s, session, req)?;
-    Ok((a.reply, a.lsn))
 }

@@ -21,7 +21,8 @@ use kochab_server::core::Shared;
 use kochab_server::leases::LEASE;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-use crate::data::{Ctx, run_data, run_meta};
+use crate::exec::{run_data, run_meta};
+use crate::step::Ctx;
 
 /// The holder's session, and the writer's.
 const HOLDER: u64 = 300;

@@ -19,11 +19,14 @@
 //! `SIM_BREAK=NAME` switches on a deliberate bug in the real code (`kochab_breaks`).
 
 mod data;
+mod exec;
 mod lease;
 pub mod model;
+mod step;
 mod world;
 
-pub use world::{SimConfig, SimStats, describe, run};
+pub use step::SimStats;
+pub use world::{SimConfig, describe, run};
 
 /// Runs seeds `first..first + n` with `adjust` applied to each default config, spread over
 /// the machine's cores (each seed is a world of its own); on failure, the error of the

@@ -13,9 +13,11 @@ use kochab_server::replaytags::SessionTags;
 use kochab_server::server::{SimulatedServer, core_for_simulation};
 use kochab_store::{MemLoss, MemStore, ObjectStore};
 
-use crate::data::{Ctx, DataClients};
+use crate::data::DataClients;
+use crate::exec::{Answered, exec_at};
 use crate::lease::LeaseClients;
 use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
+use crate::step::{Ctx, SimStats};
 
 /// Session of the set-up requests (the clients' directories).
 const SETUP_SESSION: u64 = 1;
@@ -62,26 +64,6 @@ impl SimConfig {
             trace: false,
         }
     }
-}
-
-/// What a run did.
-#[derive(Clone, Debug, Default)]
-pub struct SimStats {
-    pub ops: u64,
-    pub flushes: u64,
-    pub checkpoints: u64,
-    /// Crashes of the process (what it wrote stays) and of the machine (only what was
-    /// synced stays).
-    pub kills: u64,
-    pub power_losses: u64,
-    /// Pauses after which a successor took over while the old process still ran.
-    pub fences: u64,
-    pub replays: u64,
-    pub dropped_replies: u64,
-    /// Creates, writes, reads and fsyncs of file data.
-    pub data_ops: u64,
-    /// Callbacks a lease holder answered.
-    pub callbacks: u64,
 }
 
 /// A request answered early whose record may not be durable: kept to replay.
@@ -689,41 +671,6 @@ impl World {
         }
         Ok(())
     }
-}
-
-/// What a server answered: the reply, the LSN that must be durable before it is final,
-/// and whether it may leave before that as an early reply.
-pub(crate) struct Answered {
-    pub(crate) reply: Reply,
-    pub(crate) lsn: u64,
-    pub(crate) early: bool,
-}
-
-/// Runs `req` of `session` at `s`. A request that is not answered early starts a flush of
-/// everything appended: it completes before the next event, so that what is durable at a
-/// crash depends on the seed alone.
-pub(crate) fn exec_at(s: &Shared, session: u64, req: Request) -> Result<Answered, String> {
-    let mut replies = Vec::with_capacity(1);
-    let asked_early = req.mode == ReplyMode::Early;
-    let parked = s.execute_batch(session, &[(1, req)], &mut replies);
-    if !parked.is_empty() {
-        return Err(format!("a request was parked: {parked:?}"));
-    }
-    let a = replies
-        .pop()
-        .ok_or_else(|| "a request got no reply".to_string())?;
-    // As the connection decides (conn.rs): early only if asked, and not after another
-    // session's change that is not durable.
-    let early = asked_early && a.early_by(s.journal.durable_lsn());
-    if !early {
-        // False only if the journal failed (a fenced one): the caller sees it.
-        s.journal.wait_durable(s.journal.last_lsn());
-    }
-    Ok(Answered {
-        reply: a.reply,
-        lsn: a.lsn,
-        early,
-    })
 }
 
 /// Directories every client may make and remove in the shared directory, and make and

@@ -1,0 +1,41 @@
+//! What one step of a simulated client needs of the world ([`Ctx`]) and what a run
+//! counts ([`SimStats`]): below the clients and the world, which both use them.
+
+use kochab_cluster::sim::Rng;
+
+/// What a run did.
+#[derive(Clone, Debug, Default)]
+pub struct SimStats {
+    pub ops: u64,
+    pub flushes: u64,
+    pub checkpoints: u64,
+    /// Crashes of the process (what it wrote stays) and of the machine (only what was
+    /// synced stays).
+    pub kills: u64,
+    pub power_losses: u64,
+    /// Pauses after which a successor took over while the old process still ran.
+    pub fences: u64,
+    pub replays: u64,
+    pub dropped_replies: u64,
+    /// Creates, writes, reads and fsyncs of file data.
+    pub data_ops: u64,
+    /// Callbacks a lease holder answered.
+    pub callbacks: u64,
+}
+
+/// What one step needs of the world.
+pub struct Ctx<'a> {
+    pub rng: &'a mut Rng,
+    pub rt: &'a tokio::runtime::Runtime,
+    pub stats: &'a mut SimStats,
+    /// The seed, when steps are traced.
+    pub trace: Option<u64>,
+}
+
+impl Ctx<'_> {
+    pub(crate) fn trace(&self, what: impl FnOnce() -> String) {
+        if let Some(seed) = self.trace {
+            eprintln!("[{seed}] {}", what());
+        }
+    }
+}
