@@ -529,5 +529,11 @@ fn a_failover_at_random_loses_nothing_the_mount_acknowledged() {
     let mount = mount_logged(cluster.addr, tmp.path());
     let addr = cluster.addr;
     let mut victim = Pair { cluster };
+    if std::env::var_os("KOCHAB_TEST_KEEP").is_some() {
+        eprintln!("keeping {}", tmp.path().display());
+        let dir = tmp.keep();
+        run("pair", &mut victim, addr, &mount, &dir);
+        return;
+    }
     run("pair", &mut victim, addr, &mount, tmp.path());
 }

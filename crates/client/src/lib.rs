@@ -1418,8 +1418,15 @@ impl Client {
         handle: u64,
         err: FsError,
     ) -> FsResult<(Attr, Arc<str>)> {
-        let Ok(found) = self.lookup(cred, parent, name).await else {
-            return Err(err);
+        let found = match self.lookup(cred, parent, name).await {
+            Ok(found) => found,
+            Err(lookup) => {
+                tracing::debug!(
+                    "create of {:?} in {parent:#x}: {err}; its lookup: {lookup}",
+                    String::from_utf8_lossy(name)
+                );
+                return Err(err);
+            }
         };
         tracing::debug!(
             "create of {:?} in {parent:#x}: {err}; the first attempt made {:#x}",
@@ -1563,6 +1570,11 @@ impl Client {
                     }
                 }
                 Err(reopen) if reopen.errno == Errno::ENOENT => {
+                    tracing::debug!(
+                        "{} of handle {handle} (inode {:#x}): {err}; its reopen: {reopen}",
+                        req.op.name(),
+                        h.id
+                    );
                     return Err(fs_err!(ESTALE, "the file is gone: {reopen}"));
                 }
                 Err(_) => return Err(err),
