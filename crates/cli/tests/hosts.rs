@@ -207,7 +207,7 @@ fn prepare_local(data: &Path) {
         )))
         .unwrap();
     let tables: Vec<u64> = {
-        let core = server.shared().core.lock();
+        let core = server.shared().core();
         core.engine.tables().iter().map(|t| t.lo).collect()
     };
     for lo in tables {

@@ -30,7 +30,7 @@ fn prepare(data: &Path) {
         )))
         .unwrap();
     let tables: Vec<u64> = {
-        let core = server.shared().core.lock();
+        let core = server.shared().core();
         core.engine.tables().iter().map(|t| t.lo).collect()
     };
     for lo in tables {

@@ -371,7 +371,7 @@ impl DataClients {
                 let Some((id, generation)) = file.id.filter(|_| in_doubt != Some(f)) else {
                     continue;
                 };
-                let size = s.core.lock().engine.inode(id).map(|i| i.size);
+                let size = s.core().engine.inode(id).map(|i| i.size);
                 if size != Some(file.size) {
                     return Err(format!(
                         "data client {c}: file {f} is {size:?} bytes at the server, {} as \
@@ -380,7 +380,7 @@ impl DataClients {
                     ));
                 }
                 let bytes = s
-                    .data
+                    .data()
                     .read(id, generation, file.size, 0, file.size as u32)
                     .map_err(|e| format!("data client {c}: reading file {f}: {e}"))?;
                 check_bytes(&file.now, 0, &bytes)
@@ -422,7 +422,7 @@ fn send(
 ) -> Result<(), String> {
     // A resend that the server answers from its reply cache after a crash did not write
     // again: what it wrote before may have been lost with the crash.
-    let cached = req.seq != 0 && s.core.lock().replies.get(cl.session, req.seq).is_some();
+    let cached = req.seq != 0 && s.core().replies.get(cl.session, req.seq).is_some();
     let (reply, lsn) = match what {
         What::Create(_) => run_meta(s, cl.session, req.clone())?,
         What::Write { .. } => run_data(cx, s, cl.session, req.clone())?,
@@ -493,8 +493,8 @@ fn accept(
                     a.size, f.size
                 ));
             }
-            if req.mode == ReplyMode::Early && lsn > s.journal.durable_lsn() {
-                let tag = SessionTags::new(&s.replay_key, cl.session).write_tag(&req);
+            if req.mode == ReplyMode::Early && lsn > s.journal().durable_lsn() {
+                let tag = SessionTags::new(s.replay_key(), cl.session).write_tag(&req);
                 cl.kept.push(Kept {
                     req,
                     what,
@@ -549,7 +549,7 @@ fn fsync(cx: &mut Ctx, s: &Arc<Shared>, c: usize, cl: &mut Client, f: usize) -> 
     let file = &mut cl.files[f];
     file.durable = file.now.clone();
     // It flushed the journal too: everything kept is durable.
-    let durable = s.journal.durable_lsn();
+    let durable = s.journal().durable_lsn();
     cl.kept.retain(|k| k.lsn > durable);
     Ok(())
 }
@@ -568,14 +568,14 @@ fn replay_one(
         tag: k.tag,
     };
     req.seq_floor = cl.seq_floor().min(req.seq);
-    if !SessionTags::new(&s.replay_key, cl.session).genuine(&req) {
+    if !SessionTags::new(s.replay_key(), cl.session).genuine(&req) {
         return Err(format!(
             "data client {c}: its replay of seq {} was refused",
             req.seq
         ));
     }
     // Found in the reply cache, the write is not run again (its record was durable).
-    let cached = s.core.lock().replies.get(cl.session, req.seq).is_some();
+    let cached = s.core().replies.get(cl.session, req.seq).is_some();
     let (reply, _) = run_data(cx, s, cl.session, req)?;
     cx.trace(|| {
         format!(
@@ -625,8 +625,8 @@ pub(crate) fn run_data(
     let flushes = req.mode != ReplyMode::Early;
     let (reply, lsn) = cx.rt.block_on(data_op(s.clone(), session, 0, req));
     if flushes {
-        s.journal.flush_now();
-        s.journal.wait_durable(s.journal.last_lsn());
+        s.journal().flush_now();
+        s.journal().wait_durable(s.journal().last_lsn());
     }
     Ok((reply, lsn))
 }
