@@ -1224,10 +1224,7 @@ fn load(
         let m = read_manifest_by_id(shared.store().as_ref(), lo)
             .map_err(|source| HostError::Manifest { table: lo, source })?
             .ok_or(HostError::NoManifest(lo))?;
-        let hosted = || {
-            let core = shared.core();
-            core.engine.tables().iter().any(|x| x.lo == lo)
-        };
+        let hosted = || shared.hosted_tables().iter().any(|&(x, _)| x == lo);
         plan.claim(*t, m.owner.map(|o| owner(o.server, o.epoch)), hosted)?;
     }
     let mut splits = Vec::new();

@@ -372,9 +372,7 @@ async fn serve_stream(
     let session = who.session;
     let conn_id = shared.next_conn_id();
     let (cb_tx, cb_rx) = mpsc::unbounded_channel();
-    let board = shared
-        .core()
-        .attach(session, conn_id, who.leases.then_some(cb_tx));
+    let board = shared.attach(session, conn_id, who.leases.then_some(cb_tx));
     let _attached = Attached {
         shared: &shared,
         session,
@@ -451,8 +449,7 @@ struct Attached<'a> {
 
 impl Drop for Attached<'_> {
     fn drop(&mut self) {
-        let mut core = self.shared.core();
-        core.detach(self.session, self.conn_id, Instant::now());
+        self.shared.detach(self.session, self.conn_id);
     }
 }
 
@@ -545,7 +542,7 @@ async fn handshake(
         return Err(format!("revoked key {}", key.id));
     }
     let session = session_id(&shared.keys().admin().key, key.id, auth.client_id);
-    let root = shared.core().engine.root();
+    let root = shared.root();
     let welcome = Welcome {
         server_id: shared.server_id(),
         root,
@@ -735,9 +732,7 @@ async fn read_loop(
         };
         let more = matches!(parsed, Ok(true));
         if !dones.is_empty() {
-            let (slow, ignored) = shared
-                .core()
-                .callbacks_answered(session, &dones, Instant::now());
+            let (slow, ignored) = shared.callbacks_answered(session, &dones);
             dones.clear();
             if slow {
                 shared.metrics().callback_defaults.inc();

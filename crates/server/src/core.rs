@@ -797,6 +797,119 @@ impl Shared {
     }
 }
 
+/// What the other files ask of the core with one hold of its lock. Each method does one
+/// thing, so the files that take the lock themselves are those that must do several under
+/// one hold (run operations, checkpoint, move tables).
+impl Shared {
+    /// The root directory's inode.
+    pub fn root(&self) -> InodeId {
+        self.core().engine.root()
+    }
+
+    /// The engine's configuration (a member started beside this server uses the same).
+    pub fn engine_config(&self) -> kochab_meta::EngineConfig {
+        self.core().engine.config().clone()
+    }
+
+    /// The tables hosted here, as (lo, hi) bounds of their id ranges.
+    pub fn hosted_tables(&self) -> Vec<(u64, u64)> {
+        let core = self.core();
+        core.engine.tables().iter().map(|t| (t.lo, t.hi)).collect()
+    }
+
+    /// What the engine's invariant checker finds wrong (empty: nothing).
+    pub fn check_invariants(&self) -> Vec<String> {
+        self.core().engine.check_invariants()
+    }
+
+    /// The inode `name` in directory `dir` names, if any.
+    pub fn lookup(&self, dir: InodeId, name: &[u8]) -> Option<InodeId> {
+        self.core().engine.child(dir, name)
+    }
+
+    /// The size of file `id`, if it exists.
+    pub fn file_size(&self, id: InodeId) -> Option<u64> {
+        self.core().engine.inode(id).map(|i| i.size)
+    }
+
+    /// What the reply cache remembers of request `seq` of `session` (`None`: nothing).
+    pub fn reply_cached(&self, session: u64, seq: u64) -> Option<Outcome> {
+        self.core().replies.get(session, seq)
+    }
+
+    /// A connection of `session` begins (see [`Core::attach`]); returns the session's board.
+    pub fn attach(
+        &self,
+        session: u64,
+        conn_id: u64,
+        callbacks: Option<CallbackTx>,
+    ) -> Arc<crate::leases::Board> {
+        self.core().attach(session, conn_id, callbacks)
+    }
+
+    /// A connection of `session` ended (see [`Core::detach`]).
+    pub fn detach(&self, session: u64, conn_id: u64) {
+        self.core().detach(session, conn_id, Instant::now());
+    }
+
+    /// Session `from` answered the callbacks `ids` (see [`Core::callbacks_answered`]).
+    pub fn callbacks_answered(&self, from: u64, ids: &[u64]) -> (bool, usize) {
+        self.core().callbacks_answered(from, ids, Instant::now())
+    }
+
+    /// The board where the replies of `changer` wait for the callbacks its changes caused.
+    pub fn callback_board(&self, changer: u64) -> Arc<crate::leases::Board> {
+        self.core().callbacks.board(changer)
+    }
+
+    /// When the next callback in flight runs out, if any is.
+    pub fn next_callback_deadline(&self) -> Option<Instant> {
+        self.core().callbacks.next_deadline()
+    }
+
+    /// Ends the callbacks whose deadline passed (their holders go into default).
+    pub fn expire_callbacks(&self) -> Expired {
+        self.core().expire_callbacks(Instant::now())
+    }
+
+    /// Up to `max` reclaim entries after `after` (id, generation), in order.
+    pub fn pending_reclaims(&self, after: (InodeId, u64), max: usize) -> Vec<kochab_meta::Reclaim> {
+        self.core().engine.pending_reclaims(after, max)
+    }
+
+    /// The reclaim entry of a file generation as it is now, and whether that generation
+    /// is still live (then the entry is a trim, else the deletion of a removed file).
+    pub fn reclaim_now(
+        &self,
+        id: InodeId,
+        generation: u64,
+    ) -> (Option<kochab_meta::Reclaim>, bool) {
+        let core = self.core();
+        let live = core
+            .engine
+            .inode(id)
+            .is_some_and(|i| i.btime as u64 == generation);
+        (core.engine.reclaim_of(id, generation), live)
+    }
+
+    /// Journals the reclaim entries `done` as finished (their deletions are durable), in
+    /// one record.
+    pub fn finish_reclaims(&self, done: &[kochab_meta::Reclaim]) {
+        let mut core = self.core();
+        let muts: Vec<_> = done
+            .iter()
+            .flat_map(|r| core.engine.finish_reclaim(r))
+            .collect();
+        self.journal_now(&mut core, 0, &muts);
+    }
+
+    /// Queues cleanup work and wakes the task that works through it.
+    pub fn queue_cleanup(&self, work: Cleanup) {
+        self.core().cleanup.push_back(work);
+        self.wake_cleanup();
+    }
+}
+
 /// How long a server recovered from a crash runs no change but replays: clients that hold
 /// early replies the crash lost reconnect (their retries are at most 1.6 s apart) and
 /// replay them before anyone else's new operation can take the names or ids they need.

@@ -158,9 +158,7 @@ pub(crate) async fn run_reclaim(shared: &Shared, r: Reclaim) -> Result<(), FsErr
         let data = shared.data().clone();
         blocking("reclaim", move || data.sync_dirs([&dir])).await?;
     }
-    let mut core = shared.core();
-    let muts = core.engine.finish_reclaim(&r);
-    shared.journal_now(&mut core, 0, &muts);
+    shared.finish_reclaims(&[r]);
     Ok(())
 }
 

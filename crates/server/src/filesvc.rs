@@ -227,6 +227,19 @@ impl Shared {
         }
     }
 
+    /// Ends the sessions of clients gone longer than the grace period (see
+    /// [`Shared::end_session`]).
+    pub fn end_expired_sessions(&self, now: Instant) {
+        let mut core = self.core();
+        for client in core.sessions.expired(self.session_grace(), now) {
+            tracing::info!(
+                "client {client:016x} gone for {:?}: closing its files, releasing its locks",
+                self.session_grace()
+            );
+            self.end_session(&mut core, client);
+        }
+    }
+
     /// Closes every handle of a client and releases its locks (explicit end or expiry).
     /// The closes go through the bounded cleanup queue: a small session ends within this
     /// call, a large one (any number of open-unlinked files) one bounded record per hold of
@@ -940,7 +953,7 @@ mod tests {
         assert_eq!(run(&shared, punch).await, Reply::Empty);
         assert_eq!(shared.data().count_objects().unwrap(), 0);
         assert_eq!(read(&shared, id, generation, 8), vec![0u8; 8]);
-        let size = shared.core().engine.inode(id).unwrap().size;
+        let size = shared.file_size(id).unwrap();
         assert_eq!(size, 2 * CHUNK_BYTES, "KEEP_SIZE");
         // Zeroing far beyond the data extends the file without creating chunks.
         let zero = Op::Fallocate {
@@ -951,7 +964,7 @@ mod tests {
         };
         assert_eq!(run(&shared, zero).await, Reply::Empty);
         assert_eq!(shared.data().count_objects().unwrap(), 0);
-        let size = shared.core().engine.inode(id).unwrap().size;
+        let size = shared.file_size(id).unwrap();
         assert_eq!(size, (1 << 50) + (1 << 40));
         // Past the largest file size: EFBIG.
         let beyond = Op::Fallocate {

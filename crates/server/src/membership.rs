@@ -117,7 +117,7 @@ impl Shared {
     /// Waits until the callbacks `changer` caused so far are done (answered, or their
     /// leases ran out). Blocking: for the table paths that run on blocking threads.
     fn wait_callbacks(&self, changer: u64) {
-        let board = self.core().callbacks.board(changer);
+        let board = self.callback_board(changer);
         let (ticket, done) = (board.ticket(), board.subscribe());
         let deadline = Instant::now() + crate::leases::LEASE + Duration::from_millis(100);
         while *done.borrow() < ticket && Instant::now() < deadline {
@@ -216,7 +216,7 @@ impl Shared {
     fn load_tables(&self, ranges: &[(u64, u64)], live: bool) -> io::Result<Vec<(u64, u64)>> {
         let started = std::time::Instant::now();
         let mut ckpt = self.checkpointer();
-        let config = self.core().engine.config().clone();
+        let config = self.engine_config();
         // Only records after this one can touch the tables (they are not served yet).
         let next = self.journal().last_lsn() + 1;
         let kept = if live {
@@ -280,10 +280,12 @@ impl crate::server::RunningServer {
     /// no owner): how a single server's data directory becomes a cluster's, whose servers
     /// then ADD the tables. Blocks until each is durable.
     pub fn release_all_tables(&self) -> io::Result<Vec<u64>> {
-        let los: Vec<u64> = {
-            let core = self.shared().core();
-            core.engine.tables().iter().map(|t| t.lo).collect()
-        };
+        let los: Vec<u64> = self
+            .shared()
+            .hosted_tables()
+            .into_iter()
+            .map(|(lo, _)| lo)
+            .collect();
         for &lo in &los {
             self.shared().drop_table(lo)?;
         }

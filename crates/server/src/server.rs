@@ -431,7 +431,7 @@ async fn serve(
     };
     let (shared, orphans) = assemble(&config, &dir, recovered, options, keys, Breaks::NONE)?;
     let metrics = shared.metrics().clone();
-    let root = shared.core().engine.root();
+    let root = shared.root();
     // Group commits written on this runtime's own thread when it has one worker, not
     // handed to the flusher thread (see `Journal::committer`).
     tokio::spawn(shared.journal().committer());
@@ -567,21 +567,11 @@ async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
     loop {
         tick.tick().await;
         let now = Instant::now();
-        {
-            let mut core = shared.core();
-            for client in core.sessions.expired(shared.session_grace(), now) {
-                tracing::info!(
-                    "client {client:016x} gone for {:?}: closing its files, releasing its locks",
-                    shared.session_grace()
-                );
-                shared.end_session(&mut core, client);
-            }
-            if !orphans.is_empty() && now >= orphan_deadline {
-                // However many there are, in bounded records (see `Cleanup`).
-                let ids = std::mem::take(&mut orphans);
-                core.cleanup.push_back(Cleanup::Orphans(ids.into_iter()));
-                shared.wake_cleanup();
-            }
+        shared.end_expired_sessions(now);
+        if !orphans.is_empty() && now >= orphan_deadline {
+            // However many there are, in bounded records (see `Cleanup`).
+            let ids = std::mem::take(&mut orphans);
+            shared.queue_cleanup(Cleanup::Orphans(ids.into_iter()));
         }
     }
 }
@@ -598,11 +588,11 @@ async fn cleanup_loop(shared: Arc<Shared>) {
     };
     let callbacks = async {
         loop {
-            let next = shared.core().callbacks.next_deadline();
+            let next = shared.next_callback_deadline();
             let now = Instant::now();
             let wake = next.map_or(now + CALLBACK_CHECK, |d| d.min(now + CALLBACK_CHECK));
             tokio::time::sleep_until(wake.into()).await;
-            let expired = shared.core().expire_callbacks(Instant::now());
+            let expired = shared.expire_callbacks();
             if expired.missed > 0 {
                 shared
                     .metrics()
@@ -650,10 +640,7 @@ const RECLAIM_RETRY: Duration = Duration::from_secs(5);
 async fn reclaim_loop(shared: Arc<Shared>) {
     let mut cursor = (0, 0);
     loop {
-        let batch = shared
-            .core()
-            .engine
-            .pending_reclaims(cursor, RECLAIMS_PER_PASS);
+        let batch = shared.pending_reclaims(cursor, RECLAIMS_PER_PASS);
         let full = batch.len() == RECLAIMS_PER_PASS;
         if let Some(last) = batch.last() {
             cursor = (last.id, last.generation);
@@ -681,15 +668,7 @@ async fn reclaim_pass(shared: &Shared, batch: Vec<kochab_meta::Reclaim>) -> bool
     let mut dirs = Vec::new();
     for r in batch {
         let file = shared.file_locks().exclusive(r.id).await;
-        let (entry, live) = {
-            let core = shared.core();
-            (
-                core.engine.reclaim_of(r.id, r.generation),
-                core.engine
-                    .inode(r.id)
-                    .is_some_and(|i| i.btime as u64 == r.generation),
-            )
-        };
+        let (entry, live) = shared.reclaim_now(r.id, r.generation);
         // Finished or changed meanwhile (by a truncation): the entry as it is now.
         let Some(entry) = entry else { continue };
         let result = if live {
@@ -718,12 +697,7 @@ async fn reclaim_pass(shared: &Shared, batch: Vec<kochab_meta::Reclaim>) -> bool
     let data = shared.data().clone();
     match tokio::task::spawn_blocking(move || data.sync_dirs(&dirs)).await {
         Ok(Ok(())) => {
-            let mut core = shared.core();
-            let muts: Vec<_> = done
-                .iter()
-                .flat_map(|r| core.engine.finish_reclaim(r))
-                .collect();
-            shared.journal_now(&mut core, 0, &muts);
+            shared.finish_reclaims(&done);
             failed
         }
         Ok(Err(e)) => {

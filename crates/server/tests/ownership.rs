@@ -74,7 +74,7 @@ fn root_table(s: &RunningServer) -> u64 {
 
 async fn member(dir: &Path, a: &RunningServer, server: u64, epoch: u64) -> RunningServer {
     let store: Arc<dyn ObjectStore> = Arc::new(LocalStore::open(a.data_dir.join("store")).unwrap());
-    let engine = a.shared().core().engine.config().clone();
+    let engine = a.shared().engine_config();
     start_member(
         config(dir),
         store,
@@ -132,7 +132,7 @@ fn assert_ended_at_last_close(s: &Shared, id: u64) {
         matches!(stat, Some(Reply::Error(_))),
         "the last close ends it: {stat:?}"
     );
-    assert!(s.core().engine.check_invariants().is_empty());
+    assert!(s.check_invariants().is_empty());
 }
 
 fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -209,7 +209,7 @@ async fn a_dropped_table_is_served_by_the_server_that_adds_it_with_every_acknowl
     let b2 = {
         let store: Arc<dyn ObjectStore> =
             Arc::new(LocalStore::open(a.data_dir.join("store")).unwrap());
-        let engine = a.shared().core().engine.config().clone();
+        let engine = a.shared().engine_config();
         let hi = m.hi;
         start_member(
             config(&tmp.path().join("b2")),
@@ -232,7 +232,7 @@ async fn a_dropped_table_is_served_by_the_server_that_adds_it_with_every_acknowl
         kochab_journal::segment::is_sealed(sb2.store().as_ref(), sb_journal).unwrap(),
         "the predecessor's journal was sealed before it was read"
     );
-    assert!(sb2.core().engine.check_invariants().is_empty());
+    assert!(sb2.check_invariants().is_empty());
     b2.shutdown().await;
     b.shutdown().await;
     a.shutdown().await;

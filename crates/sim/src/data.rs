@@ -371,7 +371,7 @@ impl DataClients {
                 let Some((id, generation)) = file.id.filter(|_| in_doubt != Some(f)) else {
                     continue;
                 };
-                let size = s.core().engine.inode(id).map(|i| i.size);
+                let size = s.file_size(id);
                 if size != Some(file.size) {
                     return Err(format!(
                         "data client {c}: file {f} is {size:?} bytes at the server, {} as \
@@ -422,7 +422,7 @@ fn send(
 ) -> Result<(), String> {
     // A resend that the server answers from its reply cache after a crash did not write
     // again: what it wrote before may have been lost with the crash.
-    let cached = req.seq != 0 && s.core().replies.get(cl.session, req.seq).is_some();
+    let cached = req.seq != 0 && s.reply_cached(cl.session, req.seq).is_some();
     let (reply, lsn) = match what {
         What::Create(_) => run_meta(s, cl.session, req.clone())?,
         What::Write { .. } => run_data(cx, s, cl.session, req.clone())?,
@@ -575,7 +575,7 @@ fn replay_one(
         ));
     }
     // Found in the reply cache, the write is not run again (its record was durable).
-    let cached = s.core().replies.get(cl.session, req.seq).is_some();
+    let cached = s.reply_cached(cl.session, req.seq).is_some();
     let (reply, _) = run_data(cx, s, cl.session, req)?;
     cx.trace(|| {
         format!(

@@ -143,7 +143,7 @@ impl LeaseClients {
 
     /// The file as the server has it now.
     fn server_view(&self, s: &Shared) -> Result<Cached, String> {
-        let size = s.core().engine.inode(self.id).map_or(0, |i| i.size);
+        let size = s.file_size(self.id).unwrap_or(0);
         let bytes = s
             .data()
             .read(self.id, self.generation, size, 0, size as u32)
@@ -206,7 +206,7 @@ impl LeaseClients {
         if !matches!(reply, Reply::Attr(_)) {
             return Err(format!("the writer's write answered {reply:?}"));
         }
-        let board = s.core().callbacks.board(WRITER);
+        let board = s.callback_board(WRITER);
         let ticket = board.ticket();
         self.receive();
         cx.trace(|| {
@@ -219,8 +219,7 @@ impl LeaseClients {
             // Another session answers the callbacks the holder got.
             let ids: Vec<u64> = self.holder.inbox.iter().map(|(id, _)| *id).collect();
             cx.trace(|| format!("another session answers callbacks {ids:?}"));
-            let mut core = s.core();
-            core.callbacks_answered(WRITER, &ids, Instant::now());
+            s.callbacks_answered(WRITER, &ids);
         }
         if *board.subscribe().borrow() >= ticket {
             self.acknowledged(s)
@@ -262,7 +261,7 @@ impl LeaseClients {
                 self.holder.cached = None;
             }
             cx.stats.callbacks += 1;
-            let (slow, _) = s.core().callbacks_answered(HOLDER, &[cb], Instant::now());
+            let (slow, _) = s.callbacks_answered(HOLDER, &[cb]);
             if slow {
                 return Err(format!(
                     "the holder's answer to callback {cb} counted as slow"
@@ -296,7 +295,7 @@ fn callback_of(frame: &[u8]) -> Option<(u64, Vec<Invalidation>)> {
 fn connect(s: &Arc<Shared>, id: InodeId) -> Result<Holder, String> {
     let (tx, rx) = unbounded_channel();
     let conn = s.next_conn_id();
-    s.core().attach(HOLDER, conn, Some(tx));
+    s.attach(HOLDER, conn, Some(tx));
     let op = Op::Open {
         id,
         flags: O_RDONLY,

@@ -147,7 +147,7 @@ pub fn run(cfg: SimConfig) -> Result<SimStats, String> {
                 .iter()
                 .filter_map(|c| {
                     let (r, _) = c.lost.as_ref()?;
-                    Some((c.session, r.seq, s.core().replies.get(c.session, r.seq)))
+                    Some((c.session, r.seq, s.reply_cached(c.session, r.seq)))
                 })
                 .collect();
             w.trace(|| {
@@ -258,7 +258,7 @@ impl World {
     /// The first incarnation, and the directories of every client (durable).
     fn setup(&mut self) -> Result<(), String> {
         let s = self.start(false)?;
-        let root = s.core().engine.root();
+        let root = s.root();
         self.live = Some(s);
         let mkdir = |w: &mut World, name: String| -> Result<InodeId, String> {
             let op = Op::Mkdir {
@@ -333,7 +333,7 @@ impl World {
         } else {
             let live = self.live.clone();
             let dir = self.shared_dir;
-            let lookup = |name: &[u8]| live.as_ref()?.core().engine.child(dir, name);
+            let lookup = |name: &[u8]| live.as_ref()?.lookup(dir, name);
             (shared_op(&mut self.rng, dir, lookup), None)
         };
         let mode = if self.rng.chance(900) {
@@ -623,7 +623,7 @@ impl World {
                 req.seq
             ));
         }
-        let cached = s.core().replies.get(cl.session, req.seq);
+        let cached = s.reply_cached(cl.session, req.seq);
         let reply = exec_at(s, cl.session, req)?.reply;
         self.trace(|| {
             format!(
