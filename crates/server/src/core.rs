@@ -104,36 +104,36 @@ impl Answer {
 /// What the lock protects.
 pub struct Core {
     pub engine: Engine,
-    pub replies: ReplyCache,
+    pub(crate) replies: ReplyCache,
     pub sessions: Sessions,
-    pub locks: LockTable,
+    pub(crate) locks: LockTable,
     /// Handles opened at another server whose file's table came here with them (client,
     /// handle -> inode): each is counted open here, and its close here ends that.
-    pub arrived: FxHashMap<(u64, u64), InodeId>,
+    pub(crate) arrived: FxHashMap<(u64, u64), InodeId>,
     /// LSN of the last journal record that changed each inode (or its entries), for inodes
     /// changed since about the last durable point: a reply must wait only until what it
     /// observed is durable, not for unrelated operations in flight.
-    pub modified: FxHashMap<InodeId, u64>,
+    modified: FxHashMap<InodeId, u64>,
     /// Which session made each change not yet durable: a change that depended on another
     /// session's is not answered early (see `unsettled`).
-    pub unsettled: Unsettled,
+    unsettled: Unsettled,
     /// The latest record of another session, not durable when noted, that the changes
     /// journaled since the last [`Core::take_depended`] depended on (0: none).
     depended: u64,
     /// Cleanup still to do, oldest first (see [`Shared::cleanup_batch`]).
-    pub cleanup: VecDeque<Cleanup>,
+    pub(crate) cleanup: VecDeque<Cleanup>,
     /// What sessions that asked for leases may cache (see `leases`).
-    pub leases: Leases,
+    pub(crate) leases: Leases,
     /// Callbacks in flight, and the replies that wait for them.
     pub callbacks: Callbacks,
     /// Where to send a session's callbacks: its connections that asked for leases
     /// (connection number, frames for its writer).
-    pub lease_conns: FxHashMap<u64, Vec<(u64, CallbackTx)>>,
+    lease_conns: FxHashMap<u64, Vec<(u64, CallbackTx)>>,
     /// The last append through each handle (client, handle -> its seq and reply): a retry
     /// of it is answered from here, not appended twice. Soft, as the sessions are.
-    pub appended: FxHashMap<(u64, u64), (u64, kochab_proto::Attr)>,
+    pub(crate) appended: FxHashMap<(u64, u64), (u64, kochab_proto::Attr)>,
     /// Writers that may hold writes back, and their flush callbacks (see `leases`).
-    pub flushes: Flushes,
+    pub(crate) flushes: Flushes,
     scratch: Vec<Mutation>,
 }
 
