@@ -228,7 +228,7 @@ async fn prepare(
         .map_err(|e| format!("cannot release the tables of {}: {e}", data.display()))?;
     let marked = match &store {
         Some(s) => s.clone(),
-        None => server.shared().store.clone(),
+        None => server.shared().store().clone(),
     };
     server.shutdown().await;
     blocking(marked, |s| {

@@ -134,11 +134,7 @@ fn prepare(data: &Path) {
             "127.0.0.1:0".parse().unwrap(),
         )))
         .unwrap();
-    let tables: Vec<u64> = {
-        let core = server.shared().core.lock();
-        core.engine.tables().iter().map(|t| t.lo).collect()
-    };
-    for lo in tables {
+    for (lo, _) in server.shared().hosted_tables() {
         server.shared().drop_table(lo).unwrap();
     }
     rt.block_on(server.shutdown());

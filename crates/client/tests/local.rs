@@ -57,12 +57,11 @@ async fn a_server_of_this_process_is_reached_without_a_socket() {
 /// for the server too (uncounted), and the lane's next runtime connects again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lane_is_served_on_its_own_runtime_and_ends_with_it() {
-    use std::sync::atomic::Ordering;
     let tmp = tempfile::tempdir().unwrap();
     let (a, c) = server_and_client(tmp.path()).await;
     let cred = Credentials::root();
     let d = c.mkdir(&cred, c.root(), b"d", 0o755).await.unwrap();
-    let shared_conns = a.shared().connections.load(Ordering::Relaxed);
+    let shared_conns = a.shared().open_connections();
     let on_lane = |name: &'static [u8]| {
         let (c, counted) = (c.clone(), a.shared().clone());
         std::thread::spawn(move || {
@@ -76,7 +75,7 @@ async fn a_lane_is_served_on_its_own_runtime_and_ends_with_it() {
                     .create(&Credentials::root(), d.id, name, 0o644)
                     .await
                     .unwrap();
-                (f.id, counted.connections.load(Ordering::Relaxed))
+                (f.id, counted.open_connections())
             });
             kochab_client::set_lane(None);
             drop(rt);
@@ -96,7 +95,7 @@ async fn a_lane_is_served_on_its_own_runtime_and_ends_with_it() {
             "the lane has a connection of its own"
         );
         assert_eq!(
-            a.shared().connections.load(Ordering::Relaxed),
+            a.shared().open_connections(),
             shared_conns,
             "gone with the lane's runtime"
         );

@@ -30,7 +30,7 @@ fn config(dir: &Path) -> ServerConfig {
 
 async fn member(dir: &Path, a: &RunningServer, server: u64) -> RunningServer {
     let store: Arc<dyn ObjectStore> = Arc::new(LocalStore::open(a.data_dir.join("store")).unwrap());
-    let engine = a.shared().core.lock().engine.config().clone();
+    let engine = a.shared().engine_config();
     start_member(
         config(dir),
         store,
@@ -190,7 +190,7 @@ fn map_of(
 }
 
 fn hosts(s: &RunningServer, id: InodeId) -> bool {
-    s.shared().core.lock().engine.inode(id).is_some()
+    s.shared().core().engine.inode(id).is_some()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,10 +199,7 @@ async fn requests_follow_their_tables_across_moves_and_a_lost_server() {
     let a = start(config(&tmp.path().join("a"))).await.unwrap();
     let b = member(&tmp.path().join("b"), &a, 2).await;
     let root = a.root;
-    let ranges: Vec<(u64, u64)> = {
-        let core = a.shared().core.lock();
-        core.engine.tables().iter().map(|t| (t.lo, t.hi)).collect()
-    };
+    let ranges = a.shared().hosted_tables();
     let (sa, sb) = (a.addr.to_string(), b.addr.to_string());
     let maps = MapServer::start(a.key, root, Some(map_of(1, &ranges, &[], &[&sa, &sb]))).await;
 
@@ -303,7 +300,7 @@ async fn requests_follow_their_tables_across_moves_and_a_lost_server() {
 
     // B goes away (a clean stop); A takes the table back from B's journal. The client
     // finds B unreachable, fetches map 3 and follows the table to A.
-    let b_journal = b.shared().journal.id();
+    let b_journal = b.shared().journal().id();
     b.shutdown().await;
     let s = a.shared().clone();
     tokio::task::spawn_blocking(move || s.recover_tables(&[moved], b_journal))
@@ -397,10 +394,7 @@ async fn a_single_server_without_a_map_serves_everything() {
 async fn a_client_that_found_no_map_routes_by_one_once_a_server_says_wrong_server() {
     let tmp = tempfile::tempdir().unwrap();
     let a = start(config(&tmp.path().join("a"))).await.unwrap();
-    let ranges: Vec<(u64, u64)> = {
-        let core = a.shared().core.lock();
-        core.engine.tables().iter().map(|t| (t.lo, t.hi)).collect()
-    };
+    let ranges = a.shared().hosted_tables();
     let maps = MapServer::start(a.key, a.root, None).await;
     let c = Client::connect(ClientConfig::new(maps.addr, a.key))
         .await

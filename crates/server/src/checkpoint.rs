@@ -157,8 +157,8 @@ impl Checkpointer {
         // The records after the reply cache's snapshot stay too: their entries are in no
         // image.
         let keep_from = self.replay_from().min(replies_lsn) + 1;
-        report.trimmed_segments = shared.journal.trim(keep_from)?;
-        report.journals_deleted = self.collect_journals(shared.store.as_ref())?;
+        report.trimmed_segments = shared.journal().trim(keep_from)?;
+        report.journals_deleted = self.collect_journals(shared.store().as_ref())?;
         Ok(report)
     }
 
@@ -168,13 +168,13 @@ impl Checkpointer {
     /// [`crate::manifest::write_replies`]). Returns the LSN it covers.
     fn save_replies(&self, shared: &Shared) -> io::Result<u64> {
         let (replies, lsn) = {
-            let core = shared.core.lock();
-            (core.replies.export(usize::MAX), shared.journal.last_lsn())
+            let core = shared.core();
+            (core.replies.export(usize::MAX), shared.journal().last_lsn())
         };
-        if !shared.journal.wait_durable(lsn) {
+        if !shared.journal().wait_durable(lsn) {
             return Err(io::Error::other("journal failed; checkpoint abandoned"));
         }
-        crate::manifest::write_replies(shared.store.as_ref(), self.me, lsn, replies)?;
+        crate::manifest::write_replies(shared.store().as_ref(), self.me, lsn, replies)?;
         Ok(lsn)
     }
 
@@ -206,8 +206,8 @@ impl Checkpointer {
     fn checkpoint_table(&mut self, shared: &Shared, lo: u64) -> io::Result<(usize, u64)> {
         let started = Instant::now();
         let (start_lsn, set, full) = {
-            let mut core = shared.core.lock();
-            let lsn = shared.journal.last_lsn();
+            let mut core = shared.core();
+            let lsn = shared.journal().last_lsn();
             let Some(i) = hosted_index(&core.engine, lo) else {
                 return Ok((0, 0));
             };
@@ -228,7 +228,7 @@ impl Checkpointer {
                 // The replay point may only pass records that are durable: a manifest ahead
                 // of the journal would make the next start refuse (or, after a journal
                 // failure, skip records that were never written).
-                if !shared.journal.wait_durable(start_lsn) {
+                if !shared.journal().wait_durable(start_lsn) {
                     return Err(io::Error::other("journal failed; checkpoint abandoned"));
                 }
                 let mut m = m.clone();
@@ -240,15 +240,15 @@ impl Checkpointer {
         match self.write_image(shared, lo, Source::Engine(lo), &set, full, start_lsn) {
             Ok(bytes) => {
                 shared
-                    .metrics
+                    .metrics()
                     .checkpoint_seconds
                     .observe(started.elapsed().as_secs_f64());
-                shared.metrics.checkpoint_bytes.inc_by(bytes);
+                shared.metrics().checkpoint_bytes.inc_by(bytes);
                 Ok((set.len(), bytes))
             }
             Err(e) => {
                 // The boxes are still unsaved: track them again for the next round.
-                let mut core = shared.core.lock();
+                let mut core = shared.core();
                 if let Some(i) = hosted_index(&core.engine, lo) {
                     let t = &mut core.engine.tables_mut()[i];
                     t.mark_dirty(&set);
@@ -287,8 +287,8 @@ impl Checkpointer {
         m.next_seq = seq;
         let img = self.write_image_object(shared, lo, source, set, seq, full)?;
         // Effects of every record up to here may be in the image: they must be durable first.
-        let end_lsn = shared.journal.last_lsn();
-        if !shared.journal.wait_durable(end_lsn) {
+        let end_lsn = shared.journal().last_lsn();
+        if !shared.journal().wait_durable(end_lsn) {
             return Err(io::Error::other("journal failed; checkpoint abandoned"));
         }
         let obsolete = if full {
@@ -339,7 +339,7 @@ impl Checkpointer {
         let name = image_name(lo, &img);
         // Streamed in pieces so a full checkpoint of a huge table needs no huge buffer. The
         // image counts only once the manifest names it, so it need not appear atomically.
-        let mut out = ImageOut::open(shared.store.clone(), name)?;
+        let mut out = ImageOut::open(shared.store().clone(), name)?;
         let mut written = 0u64;
         let mut buf = Vec::with_capacity(IMAGE_FLUSH_BYTES + (64 << 10));
         let mut n = 0u64;
@@ -358,7 +358,7 @@ impl Checkpointer {
                 let t = match source {
                     Source::Detached(t) => t,
                     Source::Engine(lo) => {
-                        core = shared.core.lock();
+                        core = shared.core();
                         match hosted_index(&core.engine, lo) {
                             Some(i) => &core.engine.tables()[i],
                             None => {
@@ -416,7 +416,7 @@ impl Checkpointer {
             }
         }
         img.parts = out.finish()?;
-        shared.store.sync_dir(&table_dir(lo))?;
+        shared.store().sync_dir(&table_dir(lo))?;
         img.bytes = written;
         Ok(img)
     }
@@ -430,14 +430,14 @@ impl Checkpointer {
         mut m: Manifest,
         obsolete: Vec<ImageRef>,
     ) -> io::Result<()> {
-        if let Err(e) = swap_manifest(shared.store.as_ref(), &mut m) {
+        if let Err(e) = swap_manifest(shared.store().as_ref(), &mut m) {
             if e.kind() == io::ErrorKind::AlreadyExists {
                 let why = format!(
                     "the manifest of table {:016x} was replaced by another server \
                      incarnation (this one, {}, is fenced)",
                     m.lo, self.me
                 );
-                shared.journal.fail_stop(why.clone());
+                shared.journal().fail_stop(why.clone());
                 return Err(io::Error::new(io::ErrorKind::PermissionDenied, why));
             }
             return Err(e);
@@ -446,9 +446,9 @@ impl Checkpointer {
             .iter()
             .flat_map(|img| image_objects(m.lo, img))
             .collect();
-        shared.store.delete_many(&names)?;
+        shared.store().delete_many(&names)?;
         if let Some(p) = m.position_in(self.me) {
-            let mut core = shared.core.lock();
+            let mut core = shared.core();
             if let Some(i) = hosted_index(&core.engine, m.lo) {
                 core.engine.tables_mut()[i].replay_from = p.after;
             }
@@ -485,7 +485,7 @@ impl Checkpointer {
         let has_base = m.images.iter().any(|i| i.full);
         let full = table.take_needs_full() || !has_base || m.wants_full();
         let dirty = table.take_dirty();
-        let start = shared.journal.last_lsn();
+        let start = shared.journal().last_lsn();
         let result = if full {
             let set = table.all_boxes();
             self.write_image(shared, table.lo, Source::Detached(table), &set, true, start)
@@ -538,7 +538,7 @@ impl Checkpointer {
             return Ok(Err(SplitRefused::NoManifest(lo)));
         };
         let (at, start_lsn, lower_set, upper_set) = {
-            let mut core = shared.core.lock();
+            let mut core = shared.core();
             let at = match at {
                 Some(at) => at,
                 None => match core.engine.split_point(lo) {
@@ -549,7 +549,7 @@ impl Checkpointer {
             if let Err(e) = core.engine.split_table(lo, at) {
                 return Ok(Err(e.into()));
             }
-            let lsn = shared.journal.last_lsn();
+            let lsn = shared.journal().last_lsn();
             // Both halves get full images: their dirty marks are covered.
             let mut all_boxes = |t: u64| {
                 let i = hosted_index(&core.engine, t).ok_or_else(|| {
@@ -574,7 +574,7 @@ impl Checkpointer {
             old.next_seq + 1,
             true,
         )?;
-        if !shared.journal.wait_durable(shared.journal.last_lsn()) {
+        if !shared.journal().wait_durable(shared.journal().last_lsn()) {
             return Err(io::Error::other("journal failed; split abandoned"));
         }
         let upper = Manifest {
@@ -602,7 +602,7 @@ impl Checkpointer {
         // A stale manifest of the upper id cannot exist (tables never merge), but a write
         // over one would be refused, not lost.
         let mut upper = upper;
-        upper.version = read_manifest_by_id(shared.store.as_ref(), at)?.map_or(0, |m| m.version);
+        upper.version = read_manifest_by_id(shared.store().as_ref(), at)?.map_or(0, |m| m.version);
         self.write_manifest(shared, upper, Vec::new())?;
         if let Some(m) = self.manifests.get_mut(&lo) {
             m.split = None;

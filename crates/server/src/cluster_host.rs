@@ -445,7 +445,7 @@ impl ClusterHost {
         if self.shared.set(Arc::downgrade(shared)).is_err() {
             return;
         }
-        let mut durable = shared.journal.subscribe();
+        let mut durable = shared.journal().subscribe();
         let host = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
@@ -979,7 +979,7 @@ impl ClusterHost {
         let ops = std::mem::take(&mut *self.admitted.lock());
         let held = self.tables();
         let loads = {
-            let core = shared.core.lock();
+            let core = shared.core();
             let loaded = core.engine.tables().iter().map(|t| {
                 let inodes = core
                     .engine
@@ -1114,7 +1114,7 @@ async fn borrowed_op(
             0,
         );
     };
-    shared.metrics.borrowed_ops.inc();
+    shared.metrics().borrowed_ops.inc();
     loop {
         if tables.len() > kochab_cluster::state::BORROW_TABLES_MAX {
             return (
@@ -1130,7 +1130,7 @@ async fn borrowed_op(
         let asked = Instant::now();
         let held = host.borrow_tables(&tables).await;
         shared
-            .metrics
+            .metrics()
             .borrow_wait_seconds
             .observe(asked.elapsed().as_secs_f64());
         let held = match held {
@@ -1221,13 +1221,10 @@ fn load(
     let mut plan = LoadPlan::new(owner(me.server, me.epoch), epochs);
     for t in tables {
         let lo = t.0;
-        let m = read_manifest_by_id(shared.store.as_ref(), lo)
+        let m = read_manifest_by_id(shared.store().as_ref(), lo)
             .map_err(|source| HostError::Manifest { table: lo, source })?
             .ok_or(HostError::NoManifest(lo))?;
-        let hosted = || {
-            let core = shared.core.lock();
-            core.engine.tables().iter().any(|x| x.lo == lo)
-        };
+        let hosted = || shared.hosted_tables().iter().any(|&(x, _)| x == lo);
         plan.claim(*t, m.owner.map(|o| owner(o.server, o.epoch)), hosted)?;
     }
     let mut splits = Vec::new();
@@ -1247,7 +1244,7 @@ fn load(
     }
     if !plan.recover().is_empty() {
         // The crashed server's clients replay what it acknowledged early and lost.
-        shared.replay_window.open();
+        shared.replay_window().open();
     }
     Ok(splits
         .into_iter()
@@ -1291,7 +1288,7 @@ pub async fn task_op(shared: Arc<Shared>, client: u64, key_id: u32, req: Request
         return (host.key_op(req.op).await, 0);
     }
     let tables = {
-        let core = shared.core.lock();
+        let core = shared.core();
         match host.admit_op(&core, client, &req.op) {
             Ok(t) => t,
             Err(Refusal::Reply(reply)) => return (*reply, 0),
@@ -1300,7 +1297,7 @@ pub async fn task_op(shared: Arc<Shared>, client: u64, key_id: u32, req: Request
         }
     };
     let (reply, lsn) = crate::filesvc::data_op(shared.clone(), client, key_id, req).await;
-    host.op_done(tables, lsn, shared.journal.durable_lsn());
+    host.op_done(tables, lsn, shared.journal().durable_lsn());
     (reply, lsn)
 }
 
@@ -1308,12 +1305,12 @@ impl Shared {
     /// True unless this is a member whose lease is over: checked right before replies
     /// leave (a paused server that resumes late acknowledges nothing).
     pub fn may_ack(&self) -> bool {
-        self.cluster.as_ref().is_none_or(|h| h.can_ack())
+        self.cluster().is_none_or(|h| h.can_ack())
     }
 
     /// The cluster host of a member (the one [`Member`] there is).
     pub fn cluster_host(&self) -> Option<Arc<ClusterHost>> {
-        let member: Arc<dyn std::any::Any + Send + Sync> = self.cluster.clone()?;
+        let member: Arc<dyn std::any::Any + Send + Sync> = self.cluster()?.clone();
         member.downcast().ok()
     }
 }

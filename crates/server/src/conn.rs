@@ -58,7 +58,7 @@ pub const BATCH_REQUESTS_MAX: usize = 64;
 pub const REPLY_BACKLOG_BYTES_MAX: usize = 16 << 20;
 
 fn log_bad_frame(shared: &Shared, peer: Peer, what: &str) {
-    match shared.bad_frame_log.allow(Instant::now()) {
+    match shared.may_log_bad_frame() {
         Some(0) => tracing::warn!("closing connection from {peer}: {what}"),
         Some(n) => tracing::warn!(
             "closing connection from {peer}: {what} ({n} more such warnings suppressed)"
@@ -191,7 +191,7 @@ fn refuse_forged_replays(
             "refused a {} in replay mode from {peer}: its replay tag does not verify",
             req.op.name()
         );
-        match shared.bad_frame_log.allow(Instant::now()) {
+        match shared.may_log_bad_frame() {
             Some(0) => tracing::warn!("{what}"),
             Some(n) => tracing::warn!("{what} ({n} more such warnings suppressed)"),
             None => {}
@@ -226,24 +226,22 @@ async fn send_replies(tx: &mpsc::Sender<Outgoing>, backlog: &Backlog, mut group:
 }
 
 /// Counts a connection from accept to close (authenticated or not) against the limit, in
-/// `shared.connections`; uncounted when dropped: when its task ends, or with the task if
+/// [`Shared::count_connection`]; uncounted when dropped: when its task ends, or with the task if
 /// that never ran (a client's runtime that went away first).
 pub struct Counted(Arc<Shared>);
 
 impl Counted {
     /// Counts one more connection, unless `max` are open.
     pub fn take(shared: &Arc<Shared>, max: u64) -> Option<Counted> {
-        if shared.connections.fetch_add(1, Ordering::Relaxed) >= max {
-            shared.connections.fetch_sub(1, Ordering::Relaxed);
-            return None;
-        }
-        Some(Counted(shared.clone()))
+        shared
+            .count_connection(max)
+            .then(|| Counted(shared.clone()))
     }
 }
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        self.0.connections.fetch_sub(1, Ordering::Relaxed);
+        self.0.uncount_connection();
     }
 }
 
@@ -329,7 +327,7 @@ pub async fn serve(
                 (Box::new(r), Box::new(w))
             }
             Ok(Err(e)) => {
-                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                if shared.may_log_bad_frame().is_some() {
                     tracing::info!("TLS handshake with {peer} failed: {e}");
                 }
                 return;
@@ -357,13 +355,13 @@ async fn serve_stream(
         match tokio::time::timeout_at(deadline, handshake(&shared, &mut frames, &mut wr)).await {
             Ok(Ok(who)) => who,
             Ok(Err(reason)) => {
-                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                if shared.may_log_bad_frame().is_some() {
                     tracing::info!("connection from {peer} refused: {reason}");
                 }
                 return;
             }
             Err(_) => {
-                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                if shared.may_log_bad_frame().is_some() {
                     tracing::info!("connection from {peer} did not authenticate in time");
                 }
                 return;
@@ -372,12 +370,9 @@ async fn serve_stream(
     // Authenticated: frames up to the size the welcome announced.
     *frames.decoder_mut() = FrameCodec::authenticated(MAX_FRAME_BYTES);
     let session = who.session;
-    let conn_id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let conn_id = shared.next_conn_id();
     let (cb_tx, cb_rx) = mpsc::unbounded_channel();
-    let board = shared
-        .core
-        .lock()
-        .attach(session, conn_id, who.leases.then_some(cb_tx));
+    let board = shared.attach(session, conn_id, who.leases.then_some(cb_tx));
     let _attached = Attached {
         shared: &shared,
         session,
@@ -411,7 +406,7 @@ async fn serve_stream(
         () = read_loop(&shared, who, frames, tx, peer, shutdown, backlog) => {}
         // Wherever the reader waits (a client that reads no replies can hold it in the
         // backlog), a revoked key's connection ends now.
-        () = revoked(shared.keys.subscribe(), &key) => {
+        () = revoked(shared.keys().subscribe(), &key) => {
             let bye_frame = goodbye(Errno::EACCES, &format!("key {} was revoked", key.id));
             let _ = bye.try_send(Outgoing::Goodbye(bye_frame));
         }
@@ -454,8 +449,7 @@ struct Attached<'a> {
 
 impl Drop for Attached<'_> {
     fn drop(&mut self) {
-        let mut core = self.shared.core.lock();
-        core.detach(self.session, self.conn_id, Instant::now());
+        self.shared.detach(self.session, self.conn_id);
     }
 }
 
@@ -531,7 +525,7 @@ async fn handshake(
         client_id: auth.client_id,
     };
     // One answer for an unknown key and a wrong one: the id alone proves nothing.
-    let key = match shared.keys.get(auth.key_id) {
+    let key = match shared.keys().get(auth.key_id) {
         Some(k) if verify_client(&k.key, &t, &auth.mac) => k,
         _ => {
             let _ = wr.write_all(&refuse("wrong key")).await;
@@ -547,16 +541,16 @@ async fn handshake(
             .await;
         return Err(format!("revoked key {}", key.id));
     }
-    let session = session_id(&shared.keys.admin().key, key.id, auth.client_id);
-    let root = shared.core.lock().engine.root();
+    let session = session_id(&shared.keys().admin().key, key.id, auth.client_id);
+    let root = shared.root();
     let welcome = Welcome {
-        server_id: shared.server_id,
+        server_id: shared.server_id(),
         root,
         max_frame_bytes: MAX_FRAME_BYTES as u32,
         session,
         mac: prove_server(&key.key, &t),
-        incarnation: shared.incarnation,
-        durable_lsn: shared.journal.durable_lsn(),
+        incarnation: shared.incarnation(),
+        durable_lsn: shared.journal().durable_lsn(),
         lease_ms: if auth.leases {
             crate::leases::LEASE.as_millis() as u64
         } else {
@@ -706,11 +700,11 @@ async fn read_loop(
     let client = session;
     // Commit tokens are bound to the client key (see `slicesvc`).
     let key_id = key.id;
-    let tags = SessionTags::new(&shared.replay_key, session);
+    let tags = SessionTags::new(shared.replay_key(), session);
     // The admin key with no rule skips the screening (the single-server fast path).
     let screened = key.id != ADMIN_KEY_ID || key.policy != KeyPolicy::TRUSTED;
-    let mut journal_failure = shared.journal.subscribe_failure();
-    let mut revocations = shared.keys.subscribe();
+    let mut journal_failure = shared.journal().subscribe_failure();
+    let mut revocations = shared.keys().subscribe();
     let mut reqs = Vec::new();
     let mut dones = Vec::new();
     let mut admin = Vec::new();
@@ -738,15 +732,11 @@ async fn read_loop(
         };
         let more = matches!(parsed, Ok(true));
         if !dones.is_empty() {
-            let (slow, ignored) =
-                shared
-                    .core
-                    .lock()
-                    .callbacks_answered(session, &dones, Instant::now());
+            let (slow, ignored) = shared.callbacks_answered(session, &dones);
             dones.clear();
             if slow {
-                shared.metrics.callback_defaults.inc();
-                if shared.bad_frame_log.allow(Instant::now()).is_some() {
+                shared.metrics().callback_defaults.inc();
+                if shared.may_log_bad_frame().is_some() {
                     tracing::warn!(
                         "{peer} (session {session:016x}, key {}) answered a callback later \
                          than {:?}: it gets no leases for a while",
@@ -784,12 +774,12 @@ async fn read_loop(
         }
         for (rid, req) in admin.drain(..) {
             let op = req.op.index() as u8;
-            if shared.cluster.is_some() {
+            if shared.cluster().is_some() {
                 // A cluster's keys change through the coordinator, and a change is done
                 // once every server applied it (seconds if one must be fenced): its own
                 // task, as a cluster operation's.
                 let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
-                shared.runtime.clone().spawn(async move {
+                shared.runtime().clone().spawn(async move {
                     let (reply, lsn) =
                         crate::cluster_host::task_op(shared, client, key_id, req).await;
                     let mut group = Replies::new(Instant::now(), 1);
@@ -798,7 +788,7 @@ async fn read_loop(
                 });
                 continue;
             }
-            let keys = shared.keys.clone();
+            let keys = shared.keys().clone();
             let reply = tokio::task::spawn_blocking(move || key_admin(&keys, &req.op))
                 .await
                 .unwrap_or_else(|e| Reply::Error(fs_err!(EIO, "key operation failed: {e}")));
@@ -810,7 +800,7 @@ async fn read_loop(
         }
         // Data operations run as their own tasks (their I/O must not hold up the batch).
         // So do a member's cluster operations (they wait on the coordinator).
-        let member = shared.cluster.is_some();
+        let member = shared.cluster().is_some();
         let own_task = |op: &Op| crate::filesvc::is_data_op(op) || (member && op.is_cluster());
         let data_ops: Vec<(u64, Request)> = if reqs.iter().any(|(_, r)| own_task(&r.op)) {
             let (data, meta): (Vec<_>, Vec<_>) = reqs.drain(..).partition(|(_, r)| own_task(&r.op));
@@ -831,14 +821,14 @@ async fn read_loop(
             .then(|| tags.write_tag(&req));
             // On the server's runtime: a data write or a cluster operation must not end
             // halfway with a client's runtime.
-            shared.runtime.clone().spawn(async move {
+            shared.runtime().clone().spawn(async move {
                 let mut group = Replies::new(Instant::now(), 1);
                 let op = req.op.index() as u8;
                 let (reply, lsn) =
                     crate::cluster_host::task_op(shared.clone(), client, key_id, req).await;
                 // A write answered early leaves now, as an `Unsafe` frame with its LSN.
                 if let Some(tag) = early
-                    && lsn > shared.journal.durable_lsn()
+                    && lsn > shared.journal().durable_lsn()
                     && !matches!(reply, Reply::Error(_))
                 {
                     group.add_tagged(rid, op, &reply, lsn, tag);
@@ -852,7 +842,7 @@ async fn read_loop(
         // After a crash only replays change anything for a while: a new change waits, so
         // that it cannot take a name or an id that a replayed one needs (reads go on).
         // Every request still in replay mode here carried a tag that verified.
-        if let Some(until) = shared.replay_window.until()
+        if let Some(until) = shared.replay_window().until()
             && reqs.iter().any(|(_, r)| {
                 !matches!(r.mode, ReplyMode::Replay { .. }) && waits_for_replays(&r.op)
             })
@@ -872,7 +862,7 @@ async fn read_loop(
                 for ((rid, req), (_, why)) in waiting.into_iter().zip(parked) {
                     let (shared, tx, backlog) = (shared.clone(), tx.clone(), backlog.clone());
                     // On the server's runtime, as the data operations above.
-                    shared.runtime.clone().spawn(async move {
+                    shared.runtime().clone().spawn(async move {
                         let op = req.op.index() as u8;
                         let (reply, lsn) =
                             crate::cluster_host::parked_op(shared, client, rid, req, why).await;
@@ -885,7 +875,7 @@ async fn read_loop(
             // Two groups: replies that may leave now, and those waiting for the journal (so
             // a lookup does not wait for the fsync of a create that ran in the same batch).
             // Early replies leave now too, as `Unsafe` frames that carry their LSN.
-            let durable = shared.journal.durable_lsn();
+            let durable = shared.journal().durable_lsn();
             let mut now = Replies::new(started, replies.len());
             let mut later = Replies::new(started, 0);
             for (a, (_, req)) in replies.drain(..).zip(reqs.drain(..)) {
@@ -940,8 +930,8 @@ async fn read_loop(
         }
         // Fail-stop: the client learns why the server stops instead of waiting on replies
         // that will never come (the shutdown that follows a failure says so too).
-        if shared.journal.failed() {
-            let why = shared.journal.failure().unwrap_or_default();
+        if shared.journal().failed() {
+            let why = shared.journal().failure().unwrap_or_default();
             let bye = goodbye(
                 Errno::EIO,
                 &format!("the server is stopping: its journal failed: {why}"),
@@ -1007,7 +997,7 @@ async fn write_loop(
     backlog: Arc<Backlog>,
 ) {
     let _gone = WriterGone(backlog.clone());
-    let mut durable = shared.journal.subscribe();
+    let mut durable = shared.journal().subscribe();
     let mut called_back = backlog.board.subscribe();
     let mut out = Vec::with_capacity(WRITE_BATCH_BYTES);
     // Replies whose records are not durable yet.
@@ -1064,13 +1054,13 @@ async fn write_loop(
         {
             taken += accept(item, &mut waiting, &mut goodbye);
         }
-        if shared.journal.failed() {
+        if shared.journal().failed() {
             // What is durable may still leave; the rest never will. Then the Goodbye (EIO).
             let on_disk = *durable.borrow_and_update();
             for r in waiting.extract_if(.., |r| r.lsn <= on_disk) {
                 out.extend_from_slice(&r.bytes);
             }
-            let why = shared.journal.failure().unwrap_or_default();
+            let why = shared.journal().failure().unwrap_or_default();
             out.extend_from_slice(&goodbye.take().unwrap_or_else(|| {
                 self::goodbye(
                     Errno::EIO,
@@ -1131,7 +1121,7 @@ async fn write_loop(
         for (started, ops) in done.drain(..) {
             let secs = now.duration_since(started).as_secs_f64();
             for (op, ok) in ops {
-                shared.metrics.record_op(op as usize, ok, secs);
+                shared.metrics().record_op(op as usize, ok, secs);
             }
         }
         if closing {

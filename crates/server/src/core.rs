@@ -104,36 +104,36 @@ impl Answer {
 /// What the lock protects.
 pub struct Core {
     pub engine: Engine,
-    pub replies: ReplyCache,
+    pub(crate) replies: ReplyCache,
     pub sessions: Sessions,
-    pub locks: LockTable,
+    pub(crate) locks: LockTable,
     /// Handles opened at another server whose file's table came here with them (client,
     /// handle -> inode): each is counted open here, and its close here ends that.
-    pub arrived: FxHashMap<(u64, u64), InodeId>,
+    pub(crate) arrived: FxHashMap<(u64, u64), InodeId>,
     /// LSN of the last journal record that changed each inode (or its entries), for inodes
     /// changed since about the last durable point: a reply must wait only until what it
     /// observed is durable, not for unrelated operations in flight.
-    pub modified: FxHashMap<InodeId, u64>,
+    modified: FxHashMap<InodeId, u64>,
     /// Which session made each change not yet durable: a change that depended on another
     /// session's is not answered early (see `unsettled`).
-    pub unsettled: Unsettled,
+    unsettled: Unsettled,
     /// The latest record of another session, not durable when noted, that the changes
     /// journaled since the last [`Core::take_depended`] depended on (0: none).
     depended: u64,
     /// Cleanup still to do, oldest first (see [`Shared::cleanup_batch`]).
-    pub cleanup: VecDeque<Cleanup>,
+    pub(crate) cleanup: VecDeque<Cleanup>,
     /// What sessions that asked for leases may cache (see `leases`).
-    pub leases: Leases,
+    pub(crate) leases: Leases,
     /// Callbacks in flight, and the replies that wait for them.
     pub callbacks: Callbacks,
     /// Where to send a session's callbacks: its connections that asked for leases
     /// (connection number, frames for its writer).
-    pub lease_conns: FxHashMap<u64, Vec<(u64, CallbackTx)>>,
+    lease_conns: FxHashMap<u64, Vec<(u64, CallbackTx)>>,
     /// The last append through each handle (client, handle -> its seq and reply): a retry
     /// of it is answered from here, not appended twice. Soft, as the sessions are.
-    pub appended: FxHashMap<(u64, u64), (u64, kochab_proto::Attr)>,
+    pub(crate) appended: FxHashMap<(u64, u64), (u64, kochab_proto::Attr)>,
     /// Writers that may hold writes back, and their flush callbacks (see `leases`).
-    pub flushes: Flushes,
+    pub(crate) flushes: Flushes,
     scratch: Vec<Mutation>,
 }
 
@@ -556,55 +556,358 @@ pub trait Member: std::any::Any + Send + Sync {
     fn coord_addrs(&self) -> Vec<String>;
 }
 
-/// Everything the connection tasks, the checkpointer and the admin paths share.
+/// Everything the connection tasks, the checkpointer and the admin paths share. Its fields
+/// are private: each is reached through a method that says what it is for, and the core
+/// lock is taken in one place, [`Shared::core`].
 pub struct Shared {
-    pub core: Mutex<Core>,
+    core: Mutex<Core>,
     /// The runtime the server was started on: operations that outlive one turn of a
     /// connection run there, not on a client's runtime that may serve the connection
     /// (see `kochab_local`) and end before they do.
-    pub runtime: tokio::runtime::Handle,
+    runtime: tokio::runtime::Handle,
+    journal: Journal,
+    store: Arc<dyn ObjectStore>,
+    metrics: Arc<Metrics>,
+    server_id: u64,
+    durable_mode: bool,
+    /// What `kochab status` says of the store (see `ServerConfig::store_description`).
+    store_description: String,
+    started: Instant,
+    /// Connections open, from accept to close (see [`Shared::count_connection`]).
+    connections: AtomicU64,
+    /// Numbers connections (callbacks name the connection they go to).
+    next_conn: AtomicU64,
+    /// File data.
+    data: Arc<DataStore>,
+    /// Orders writes against truncation, per file (see `filelocks`).
+    file_locks: crate::filelocks::FileLocks,
+    /// How long a client may stay disconnected before its session ends.
+    session_grace: std::time::Duration,
+    /// Wakes the task that works through `Core::cleanup`.
+    cleanup_wake: tokio::sync::Notify,
+    /// The manifests of the hosted tables; held for a whole checkpoint round, and by a
+    /// table's drop or add.
+    checkpointer: Mutex<crate::manifest::Checkpointer>,
+    /// Tables this member released lately, for a quick load when they come back.
+    released: Mutex<crate::released::ReleasedTables>,
+    /// The cluster key and the client keys, with their policies.
+    keys: Arc<crate::keys::KeyStore>,
+    /// Rate limit of the warnings about malformed frames (any peer can cause them).
+    bad_frame_log: crate::loglimit::LogLimiter,
+    /// The participant of a member under the coordinator; `None` for the single server of
+    /// `kochab up`, which hosts every table and admits everything.
+    cluster: Option<Arc<dyn Member>>,
+    /// Random per process, sent in the welcome: a client that finds another after losing
+    /// its connection replays what this process acknowledged early.
+    incarnation: u64,
+    /// Until when only replays are served (after a crash, see [`ReplayWindow`]).
+    replay_window: ReplayWindow,
+    /// Tags early replies and checks replays (the same at every server of the cluster).
+    replay_key: kochab_proto::auth::ReplayKey,
+    /// Grants, freed objects and compaction of file data as slice objects (`slicesvc`).
+    slice_work: crate::slicework::SliceWork,
+    /// Deliberate bugs switched on (only a simulation sets any, see `kochab_breaks`).
+    breaks: Breaks,
+}
+
+/// What a server's start chose for its [`Shared`] state; the rest (counters, clocks, the
+/// incarnation) [`Shared::new`] makes itself.
+pub(crate) struct SharedParts {
+    pub core: Core,
     pub journal: Journal,
     pub store: Arc<dyn ObjectStore>,
     pub metrics: Arc<Metrics>,
     pub server_id: u64,
     pub durable_mode: bool,
-    /// What `kochab status` says of the store (see `ServerConfig::store_description`).
     pub store_description: String,
-    pub started: Instant,
-    pub connections: AtomicU64,
-    /// Numbers connections (callbacks name the connection they go to).
-    pub next_conn: AtomicU64,
-    /// File data.
     pub data: Arc<DataStore>,
-    /// Orders writes against truncation, per file (see `filelocks`).
-    pub file_locks: crate::filelocks::FileLocks,
-    /// How long a client may stay disconnected before its session ends.
     pub session_grace: std::time::Duration,
-    /// Wakes the task that works through `Core::cleanup`.
-    pub cleanup_wake: tokio::sync::Notify,
-    /// The manifests of the hosted tables; held for a whole checkpoint round, and by a
-    /// table's drop or add.
-    pub checkpointer: Mutex<crate::manifest::Checkpointer>,
-    /// Tables this member released lately, for a quick load when they come back.
-    pub released: Mutex<crate::released::ReleasedTables>,
-    /// The cluster key and the client keys, with their policies.
+    pub checkpointer: crate::manifest::Checkpointer,
     pub keys: Arc<crate::keys::KeyStore>,
-    /// Rate limit of the warnings about malformed frames (any peer can cause them).
-    pub bad_frame_log: crate::loglimit::LogLimiter,
-    /// The participant of a member under the coordinator; `None` for the single server of
-    /// `kochab up`, which hosts every table and admits everything.
     pub cluster: Option<Arc<dyn Member>>,
-    /// Random per process, sent in the welcome: a client that finds another after losing
-    /// its connection replays what this process acknowledged early.
-    pub incarnation: u64,
-    /// Until when only replays are served (after a crash, see [`ReplayWindow`]).
-    pub replay_window: ReplayWindow,
-    /// Tags early replies and checks replays (the same at every server of the cluster).
     pub replay_key: kochab_proto::auth::ReplayKey,
-    /// Grants, freed objects and compaction of file data as slice objects (`slicesvc`).
     pub slice_work: crate::slicework::SliceWork,
-    /// Deliberate bugs switched on (only a simulation sets any, see `kochab_breaks`).
-    pub(crate) breaks: Breaks,
+    pub breaks: Breaks,
+}
+
+impl Shared {
+    /// The shared state of a server starting now, on the current runtime.
+    pub(crate) fn new(parts: SharedParts) -> Shared {
+        Shared {
+            core: Mutex::new(parts.core),
+            runtime: tokio::runtime::Handle::current(),
+            journal: parts.journal,
+            store: parts.store,
+            metrics: parts.metrics,
+            server_id: parts.server_id,
+            durable_mode: parts.durable_mode,
+            store_description: parts.store_description,
+            started: Instant::now(),
+            connections: AtomicU64::new(0),
+            next_conn: AtomicU64::new(1),
+            data: parts.data,
+            file_locks: Default::default(),
+            session_grace: parts.session_grace,
+            cleanup_wake: tokio::sync::Notify::new(),
+            checkpointer: Mutex::new(parts.checkpointer),
+            released: Default::default(),
+            keys: parts.keys,
+            bad_frame_log: Default::default(),
+            cluster: parts.cluster,
+            incarnation: kochab_proto::auth::random_u64(),
+            replay_window: Default::default(),
+            replay_key: parts.replay_key,
+            slice_work: parts.slice_work,
+            breaks: parts.breaks,
+        }
+    }
+
+    /// Takes the core lock: the one place it is taken, so that it can be measured. Hold it
+    /// briefly (no I/O, no await): every request of every connection waits for it.
+    pub fn core(&self) -> parking_lot::MutexGuard<'_, Core> {
+        self.core.lock()
+    }
+
+    /// The runtime the server was started on: spawn there what must outlive the turn of a
+    /// connection that starts it.
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime
+    }
+
+    /// The journal every change is appended to.
+    pub fn journal(&self) -> &Journal {
+        &self.journal
+    }
+
+    /// The object store of the journal, the checkpoints and the manifests.
+    pub fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.store
+    }
+
+    /// The Prometheus metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The number `kochab status` and the welcome name this server by.
+    pub fn server_id(&self) -> u64 {
+        self.server_id
+    }
+
+    /// File data.
+    pub fn data(&self) -> &Arc<DataStore> {
+        &self.data
+    }
+
+    /// The per-file locks that order writes against truncation.
+    pub fn file_locks(&self) -> &crate::filelocks::FileLocks {
+        &self.file_locks
+    }
+
+    /// How long a client may stay disconnected before its session ends.
+    pub fn session_grace(&self) -> std::time::Duration {
+        self.session_grace
+    }
+
+    /// Wakes the task that works through the cleanup queue.
+    pub fn wake_cleanup(&self) {
+        self.cleanup_wake.notify_one();
+    }
+
+    /// Waits until [`Shared::wake_cleanup`] is called.
+    pub async fn cleanup_woken(&self) {
+        self.cleanup_wake.notified().await;
+    }
+
+    /// The manifests of the hosted tables, locked (for a checkpoint round, or a table's
+    /// drop or add).
+    pub fn checkpointer(&self) -> parking_lot::MutexGuard<'_, crate::manifest::Checkpointer> {
+        self.checkpointer.lock()
+    }
+
+    /// The tables this member released lately, locked.
+    pub fn released(&self) -> parking_lot::MutexGuard<'_, crate::released::ReleasedTables> {
+        self.released.lock()
+    }
+
+    /// The cluster key and the client keys.
+    pub fn keys(&self) -> &Arc<crate::keys::KeyStore> {
+        &self.keys
+    }
+
+    /// Whether a warning about a malformed frame may be logged now: `Some(n)` with the
+    /// number suppressed since the last one, `None` while over the rate limit.
+    pub fn may_log_bad_frame(&self) -> Option<u64> {
+        self.bad_frame_log.allow(Instant::now())
+    }
+
+    /// The participant of a member under the coordinator (`None`: the single server).
+    pub fn cluster(&self) -> Option<&Arc<dyn Member>> {
+        self.cluster.as_ref()
+    }
+
+    /// Random per process, sent in the welcome (a client that finds another replays what
+    /// it kept).
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// The window after a crash in which only replays run.
+    pub fn replay_window(&self) -> &ReplayWindow {
+        &self.replay_window
+    }
+
+    /// The key that tags early replies and checks replays.
+    pub fn replay_key(&self) -> &kochab_proto::auth::ReplayKey {
+        &self.replay_key
+    }
+
+    /// Grants, freed objects and compaction of file data as slice objects.
+    pub fn slice_work(&self) -> &crate::slicework::SliceWork {
+        &self.slice_work
+    }
+
+    /// Whether the deliberate bug `b` is switched on (only ever in a simulation).
+    pub(crate) fn has_break(&self, b: Break) -> bool {
+        self.breaks.has(b)
+    }
+
+    /// Counts one more open connection, unless `max` are open already (then false).
+    pub fn count_connection(&self, max: u64) -> bool {
+        if self.connections.fetch_add(1, Ordering::Relaxed) >= max {
+            self.connections.fetch_sub(1, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Uncounts a connection [`Shared::count_connection`] counted.
+    pub fn uncount_connection(&self) {
+        self.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// The number of connections open.
+    pub fn open_connections(&self) -> u64 {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// A number for a new connection, never given before in this process.
+    pub fn next_conn_id(&self) -> u64 {
+        self.next_conn.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// What the other files ask of the core with one hold of its lock. Each method does one
+/// thing, so the files that take the lock themselves are those that must do several under
+/// one hold (run operations, checkpoint, move tables).
+impl Shared {
+    /// The root directory's inode.
+    pub fn root(&self) -> InodeId {
+        self.core().engine.root()
+    }
+
+    /// The engine's configuration (a member started beside this server uses the same).
+    pub fn engine_config(&self) -> kochab_meta::EngineConfig {
+        self.core().engine.config().clone()
+    }
+
+    /// The tables hosted here, as (lo, hi) bounds of their id ranges.
+    pub fn hosted_tables(&self) -> Vec<(u64, u64)> {
+        let core = self.core();
+        core.engine.tables().iter().map(|t| (t.lo, t.hi)).collect()
+    }
+
+    /// What the engine's invariant checker finds wrong (empty: nothing).
+    pub fn check_invariants(&self) -> Vec<String> {
+        self.core().engine.check_invariants()
+    }
+
+    /// The inode `name` in directory `dir` names, if any.
+    pub fn lookup(&self, dir: InodeId, name: &[u8]) -> Option<InodeId> {
+        self.core().engine.child(dir, name)
+    }
+
+    /// The size of file `id`, if it exists.
+    pub fn file_size(&self, id: InodeId) -> Option<u64> {
+        self.core().engine.inode(id).map(|i| i.size)
+    }
+
+    /// What the reply cache remembers of request `seq` of `session` (`None`: nothing).
+    pub fn reply_cached(&self, session: u64, seq: u64) -> Option<Outcome> {
+        self.core().replies.get(session, seq)
+    }
+
+    /// A connection of `session` begins (see [`Core::attach`]); returns the session's board.
+    pub fn attach(
+        &self,
+        session: u64,
+        conn_id: u64,
+        callbacks: Option<CallbackTx>,
+    ) -> Arc<crate::leases::Board> {
+        self.core().attach(session, conn_id, callbacks)
+    }
+
+    /// A connection of `session` ended (see [`Core::detach`]).
+    pub fn detach(&self, session: u64, conn_id: u64) {
+        self.core().detach(session, conn_id, Instant::now());
+    }
+
+    /// Session `from` answered the callbacks `ids` (see [`Core::callbacks_answered`]).
+    pub fn callbacks_answered(&self, from: u64, ids: &[u64]) -> (bool, usize) {
+        self.core().callbacks_answered(from, ids, Instant::now())
+    }
+
+    /// The board where the replies of `changer` wait for the callbacks its changes caused.
+    pub fn callback_board(&self, changer: u64) -> Arc<crate::leases::Board> {
+        self.core().callbacks.board(changer)
+    }
+
+    /// When the next callback in flight runs out, if any is.
+    pub fn next_callback_deadline(&self) -> Option<Instant> {
+        self.core().callbacks.next_deadline()
+    }
+
+    /// Ends the callbacks whose deadline passed (their holders go into default).
+    pub fn expire_callbacks(&self) -> Expired {
+        self.core().expire_callbacks(Instant::now())
+    }
+
+    /// Up to `max` reclaim entries after `after` (id, generation), in order.
+    pub fn pending_reclaims(&self, after: (InodeId, u64), max: usize) -> Vec<kochab_meta::Reclaim> {
+        self.core().engine.pending_reclaims(after, max)
+    }
+
+    /// The reclaim entry of a file generation as it is now, and whether that generation
+    /// is still live (then the entry is a trim, else the deletion of a removed file).
+    pub fn reclaim_now(
+        &self,
+        id: InodeId,
+        generation: u64,
+    ) -> (Option<kochab_meta::Reclaim>, bool) {
+        let core = self.core();
+        let live = core
+            .engine
+            .inode(id)
+            .is_some_and(|i| i.btime as u64 == generation);
+        (core.engine.reclaim_of(id, generation), live)
+    }
+
+    /// Journals the reclaim entries `done` as finished (their deletions are durable), in
+    /// one record.
+    pub fn finish_reclaims(&self, done: &[kochab_meta::Reclaim]) {
+        let mut core = self.core();
+        let muts: Vec<_> = done
+            .iter()
+            .flat_map(|r| core.engine.finish_reclaim(r))
+            .collect();
+        self.journal_now(&mut core, 0, &muts);
+    }
+
+    /// Queues cleanup work and wakes the task that works through it.
+    pub fn queue_cleanup(&self, work: Cleanup) {
+        self.core().cleanup.push_back(work);
+        self.wake_cleanup();
+    }
 }
 
 /// How long a server recovered from a crash runs no change but replays: clients that hold
@@ -736,7 +1039,7 @@ impl Shared {
     /// Works through the cleanup queue one batch per hold of the core lock, until it is
     /// empty.
     pub async fn run_cleanup(&self) {
-        while self.cleanup_batch(&mut self.core.lock()) {
+        while self.cleanup_batch(&mut self.core()) {
             tokio::task::yield_now().await;
         }
     }
@@ -746,7 +1049,7 @@ impl Shared {
     /// Once: a writer that did not answer within a lease is not asked again.
     pub async fn wait_flushes(&self, reader: u64, ids: &[InodeId]) {
         let wait = {
-            let mut core = self.core.lock();
+            let mut core = self.core();
             if core.flushes.is_empty() {
                 return;
             }
@@ -769,7 +1072,7 @@ impl Shared {
     async fn wait_pending(&self, ids: &[u64]) {
         loop {
             let mut ended = {
-                let core = self.core.lock();
+                let core = self.core();
                 if !ids.iter().any(|&id| core.callbacks.is_pending(id)) {
                     return;
                 }
@@ -816,7 +1119,7 @@ impl Shared {
     ) -> Vec<(u64, Parked)> {
         let now = now_ns();
         let mut parked = Vec::new();
-        let mut core = self.core.lock();
+        let mut core = self.core();
         let leasing = core.lease_conns.contains_key(&client);
         let granted = Instant::now();
         let mut depended = false;
@@ -1083,7 +1386,7 @@ impl Shared {
             connections: self.connections.load(Ordering::Relaxed),
             durable_mode: self.durable_mode,
             store: self.store_description.clone(),
-            slices: self.slice_work.counters(),
+            slices: self.slice_work().counters(),
         }
     }
 
@@ -1094,7 +1397,7 @@ impl Shared {
         m.journal_bytes.set(self.journal.bytes() as i64);
         m.connections
             .set(self.connections.load(Ordering::Relaxed) as i64);
-        let core = self.core.lock();
+        let core = self.core();
         m.data_reclaims_pending
             .set(core.engine.pending_reclaim_count() as i64);
         for t in core.engine.tables() {

@@ -68,13 +68,13 @@ pub(crate) fn journal_write(
     if how.mode == ReplyMode::Durable && how.seq == 0 {
         return (shared.journal_now(core, client, muts), false);
     }
-    let lsn = journal_entry(&shared.journal, client, how.seq, 0, Some(id), muts);
-    let depended = core.journaled(client, muts, lsn, shared.journal.durable_lsn());
+    let lsn = journal_entry(shared.journal(), client, how.seq, 0, Some(id), muts);
+    let depended = core.journaled(client, muts, lsn, shared.journal().durable_lsn());
     if how.seq != 0 {
         core.replies.insert(client, how.seq, Some(id));
     }
     if how.mode == ReplyMode::Durable {
-        shared.journal.flush_now();
+        shared.journal().flush_now();
     }
     // An early reply to a write that depended on another session's change not yet
     // durable waits for its record instead (see `unsettled`).
@@ -84,7 +84,7 @@ pub(crate) fn journal_write(
 /// The reply to a write (sequence number `seq` of `client`) that already ran: its file's
 /// attributes now, and the LSN a reply that reports them waits for.
 pub(crate) fn write_done_before(shared: &Shared, client: u64, seq: u64) -> Option<(Reply, u64)> {
-    let core = shared.core.lock();
+    let core = shared.core();
     let id = core.replies.get(client, seq)??;
     let reply = match core.engine.inode(id) {
         Some(i) => Reply::Attr(i.attr(id)),
@@ -113,15 +113,15 @@ pub(crate) async fn lock_file<'a>(
     exclusive: bool,
 ) -> Result<(FileGuard<'a>, FileState), FsError> {
     let mut guard = if exclusive {
-        shared.file_locks.exclusive(of.id).await
+        shared.file_locks().exclusive(of.id).await
     } else {
-        shared.file_locks.shared(of.id).await
+        shared.file_locks().shared(of.id).await
     };
     // A pending trim seen under a shared lock is finished under the exclusive one, and no
     // new one can appear while that is held: three rounds always suffice.
     for _ in 0..3 {
         let (state, pending) = {
-            let core = shared.core.lock();
+            let core = shared.core();
             current_generation(&core, of)?;
             let state = core.engine.inode(of.id).map_or(
                 FileState {
@@ -140,7 +140,7 @@ pub(crate) async fn lock_file<'a>(
             Some(r) if guard.is_exclusive() => run_reclaim(shared, r).await?,
             Some(_) => {
                 drop(guard);
-                guard = shared.file_locks.exclusive(of.id).await;
+                guard = shared.file_locks().exclusive(of.id).await;
             }
         }
     }
@@ -155,12 +155,10 @@ pub(crate) async fn lock_file<'a>(
 /// first. The caller holds the file's exclusive lock if the file generation still exists.
 pub(crate) async fn run_reclaim(shared: &Shared, r: Reclaim) -> Result<(), FsError> {
     if let Some(dir) = delete_reclaimed(shared, r).await? {
-        let data = shared.data.clone();
+        let data = shared.data().clone();
         blocking("reclaim", move || data.sync_dirs([&dir])).await?;
     }
-    let mut core = shared.core.lock();
-    let muts = core.engine.finish_reclaim(&r);
-    shared.journal_now(&mut core, 0, &muts);
+    shared.finish_reclaims(&[r]);
     Ok(())
 }
 
@@ -171,20 +169,20 @@ pub(crate) async fn delete_reclaimed(
     shared: &Shared,
     r: Reclaim,
 ) -> Result<Option<String>, FsError> {
-    let data = shared.data.clone();
+    let data = shared.data().clone();
     let plan = blocking("reclaim", move || data.reclaim_plan(&r)).await?;
     for batch in plan.chunks.chunks(DATA_BATCH_CHUNKS) {
-        let (data, batch) = (shared.data.clone(), batch.to_vec());
+        let (data, batch) = (shared.data().clone(), batch.to_vec());
         blocking("reclaim", move || {
             data.delete_chunks(r.id, r.generation, &batch)
         })
         .await?;
     }
     for batch in plan.objects.chunks(DATA_BATCH_CHUNKS) {
-        let (data, batch) = (shared.data.clone(), batch.to_vec());
+        let (data, batch) = (shared.data().clone(), batch.to_vec());
         blocking("reclaim", move || data.delete_objects(&batch)).await?;
     }
-    let data = shared.data.clone();
+    let data = shared.data().clone();
     blocking("reclaim", move || data.end_reclaim(&r)).await?;
     Ok((!plan.chunks.is_empty()).then(|| crate::data::DataStore::durable_dir(&r)))
 }
@@ -208,15 +206,15 @@ pub(crate) fn current_generation(core: &Core, of: &OpenFile) -> Result<(), FsErr
 /// (see `unsettled`) is answered once its own record is durable instead: its reply then
 /// leaves as an ordinary one.
 pub(crate) async fn answer_when_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {
-    shared.journal.flush_now();
+    shared.journal().flush_now();
     wait_durable(shared, lsn).await
 }
 
 /// Waits until the journal is durable up to `lsn` (EIO if it failed or stopped).
 pub(crate) async fn wait_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {
-    let mut rx = shared.journal.subscribe();
+    let mut rx = shared.journal().subscribe();
     while *rx.borrow_and_update() < lsn {
-        if shared.journal.failed() {
+        if shared.journal().failed() {
             return Err(fs_err!(EIO, "the journal failed"));
         }
         if let Ok(Err(_)) =

@@ -209,14 +209,14 @@ impl Shared {
             }
         } else {
             let lsn = journal_entry(
-                &self.journal,
+                self.journal(),
                 client,
                 if cached { req.seq } else { 0 },
                 req.seq_floor,
                 Some(attr.id),
                 &muts,
             );
-            core.journaled(client, &muts, lsn, self.journal.durable_lsn());
+            core.journaled(client, &muts, lsn, self.journal().durable_lsn());
             if cached {
                 core.replies.insert(client, req.seq, Some(attr.id));
             }
@@ -224,6 +224,19 @@ impl Shared {
         match register(core, client, handle, &attr, flags) {
             Ok(()) => Reply::Entry(attr),
             Err(e) => Reply::Error(e),
+        }
+    }
+
+    /// Ends the sessions of clients gone longer than the grace period (see
+    /// [`Shared::end_session`]).
+    pub fn end_expired_sessions(&self, now: Instant) {
+        let mut core = self.core();
+        for client in core.sessions.expired(self.session_grace(), now) {
+            tracing::info!(
+                "client {client:016x} gone for {:?}: closing its files, releasing its locks",
+                self.session_grace()
+            );
+            self.end_session(&mut core, client);
         }
     }
 
@@ -255,7 +268,7 @@ impl Shared {
             queued = true;
         }
         if queued && self.cleanup_batch(core) {
-            self.cleanup_wake.notify_one();
+            self.wake_cleanup();
         }
     }
 
@@ -266,7 +279,7 @@ impl Shared {
         handle: u64,
         need_write: bool,
     ) -> Result<OpenFile, FsError> {
-        let core = self.core.lock();
+        let core = self.core();
         let of = core.sessions.get(client, handle).ok_or_else(|| {
             fs_err!(
                 EBADF,
@@ -320,9 +333,9 @@ impl Shared {
         if muts.is_empty() {
             return 0;
         }
-        let lsn = journal_entry(&self.journal, client, 0, 0, None, muts);
-        core.journaled(client, muts, lsn, self.journal.durable_lsn());
-        self.journal.flush_now();
+        let lsn = journal_entry(self.journal(), client, 0, 0, None, muts);
+        core.journaled(client, muts, lsn, self.journal().durable_lsn());
+        self.journal().flush_now();
         lsn
     }
 }
@@ -435,7 +448,7 @@ pub async fn data_op(shared: Arc<Shared>, client: u64, key_id: u32, req: Request
             req.op,
             Op::Read { .. } | Op::Fsync { .. } | Op::DataGrant { .. } | Op::Layout { .. }
         )
-        && let Some(until) = shared.replay_window.until()
+        && let Some(until) = shared.replay_window().until()
     {
         tokio::time::sleep_until(until.into()).await;
     }
@@ -450,12 +463,7 @@ pub async fn data_op(shared: Arc<Shared>, client: u64, key_id: u32, req: Request
         _ => None,
     };
     let seen = match (sees, &req.op) {
-        (Some(handle), _) => shared
-            .core
-            .lock()
-            .sessions
-            .get(client, handle)
-            .map(|of| of.id),
+        (Some(handle), _) => shared.core().sessions.get(client, handle).map(|of| of.id),
         (None, Op::SetAttr { id, .. }) => Some(*id),
         _ => None,
     };
@@ -485,17 +493,17 @@ async fn run_data_op(
             let (_file, file) = lock_file(shared, &of, false).await?;
             let size = file.size;
             let len = (len as usize).min(IO_MAX) as u32;
-            let bytes = if shared.data.slices().is_some() {
+            let bytes = if shared.data().slices().is_some() {
                 crate::slicesvc::read(shared, &of, size, offset, len).await?
             } else {
-                let data = shared.data.clone();
+                let data = shared.data().clone();
                 blocking("read", move || {
                     data.read(of.id, of.generation, size, offset, len)
                 })
                 .await?
             };
             let (observed, atime_set) = {
-                let mut core = shared.core.lock();
+                let mut core = shared.core();
                 let set = core.engine.touch_atime(of.id, atime, now_ns());
                 (core.observed(of.id), set)
             };
@@ -539,16 +547,15 @@ async fn run_data_op(
         } => crate::slicesvc::layout(shared, client, handle, first_chunk, chunks).await,
         Op::Fsync { handle, .. } => {
             let of = shared
-                .core
-                .lock()
+                .core()
                 .sessions
                 .get(client, handle)
                 .ok_or_else(|| fs_err!(EBADF, "unknown file handle {handle}"))?;
-            let data = shared.data.clone();
+            let data = shared.data().clone();
             blocking("fsync", move || data.sync(of.id, of.generation)).await?;
             // Everything before it, early replies' records included, flushed now.
-            shared.journal.flush_now();
-            Ok((Reply::Empty, shared.journal.last_lsn()))
+            shared.journal().flush_now();
+            Ok((Reply::Empty, shared.journal().last_lsn()))
         }
         Op::Fallocate {
             handle,
@@ -559,18 +566,18 @@ async fn run_data_op(
         Op::SetAttr { id, ref set } if set.size.is_some() => {
             // Truncation: no write of this file may run between the size change and the
             // trim of the data beyond it.
-            let _file = shared.file_locks.exclusive(id).await;
+            let _file = shared.file_locks().exclusive(id).await;
             let reply = {
-                let mut core = shared.core.lock();
+                let mut core = shared.core();
                 let reply = shared.execute_traced(&mut core, client, &req, now_ns());
                 // The objects the cut dropped go once it is durable.
                 shared.take_freed(&mut core);
                 reply
             };
-            shared.journal.flush_now();
+            shared.journal().flush_now();
             // This truncation's trim, and any other of the file's left pending.
             let pending = {
-                let core = shared.core.lock();
+                let core = shared.core();
                 core.engine
                     .inode(id)
                     .and_then(|i| core.engine.reclaim_of(id, i.btime as u64))
@@ -578,7 +585,7 @@ async fn run_data_op(
             if let Some(r) = pending {
                 run_reclaim(shared, r).await?;
             }
-            Ok((reply, shared.journal.last_lsn()))
+            Ok((reply, shared.journal().last_lsn()))
         }
         _ => Err(fs_err!(ENOSYS, "{} is not a data operation", req.op.name())),
     }
@@ -604,11 +611,10 @@ async fn write(
         return Ok(done);
     }
     let of = shared.handle(client, handle, true)?;
-    if shared.breaks.has(Break::ReplayedWriteSkipped)
-        && matches!(how.mode, ReplyMode::Replay { .. })
+    if shared.has_break(Break::ReplayedWriteSkipped) && matches!(how.mode, ReplyMode::Replay { .. })
     {
         // The deliberate bug: a replay taken for one the journal kept, answered as done.
-        let core = shared.core.lock();
+        let core = shared.core();
         let attr = core.engine.inode(of.id).map(|i| i.attr(of.id));
         let attr = attr.unwrap_or_else(|| Attr::new(of.id, mode::S_IFREG, 0));
         return Ok((Reply::Attr(attr), core.observed(of.id)));
@@ -625,7 +631,7 @@ async fn write(
     // in between (so concurrent appends, from any client, each get their own bytes).
     let (_file, file) = lock_file(shared, &of, append).await?;
     if append && seq != 0 {
-        let core = shared.core.lock();
+        let core = shared.core();
         if let Some((done, attr)) = core.appended.get(&(client, handle))
             && *done == seq
         {
@@ -635,11 +641,11 @@ async fn write(
     }
     let offset = if append { file.size } else { offset };
     let end = end_within_limit(offset, bytes.len() as u64)?;
-    if shared.data.slices().is_some() {
+    if shared.data().slices().is_some() {
         let (attr, lsn) =
             crate::slicesvc::write(shared, client, &how, &of, offset, end, bytes).await?;
         if append && seq != 0 {
-            let mut core = shared.core.lock();
+            let mut core = shared.core();
             core.appended.insert((client, handle), (seq, attr.clone()));
         }
         return Ok((Reply::Attr(attr), if kept { lsn } else { 0 }));
@@ -648,14 +654,14 @@ async fn write(
         if !file.may_have_data {
             mark_data(shared, client, &of).await?;
         }
-        let data = shared.data.clone();
+        let data = shared.data().clone();
         blocking("write", move || {
             data.write(of.id, of.generation, offset, &bytes)
         })
         .await?;
     }
     let (attr, lsn, depended) = {
-        let mut core = shared.core.lock();
+        let mut core = shared.core();
         current_generation(&core, &of)?;
         let (muts, attr) = core
             .engine
@@ -705,22 +711,22 @@ async fn fallocate(
     // Punching and zeroing delete or rewrite chunks: alone, like a truncation.
     let (_file, _) = lock_file(shared, &of, punch || zero_range).await?;
     let (id, generation) = (of.id, of.generation);
-    if (punch || zero_range) && shared.data.slices().is_some() {
-        let mut core = shared.core.lock();
+    if (punch || zero_range) && shared.data().slices().is_some() {
+        let mut core = shared.core();
         current_generation(&core, &of)?;
         crate::slicesvc::zero(shared, &mut core, client, cred, &of, offset, len)?;
-    } else if shared.data.slices().is_some() {
+    } else if shared.data().slices().is_some() {
         // Nothing to reserve in an object store, and no object to account for.
     } else if punch || zero_range {
         // Only the chunks that exist are touched; holes in the range stay holes (they read
         // as zeros; a zeroed range's holes get no reservation).
-        let data = shared.data.clone();
+        let data = shared.data().clone();
         let chunks = blocking("fallocate", move || {
             data.existing_chunks(id, generation, crate::data::chunk_span(offset, len))
         })
         .await?;
         for batch in chunks.chunks(DATA_BATCH_CHUNKS) {
-            let (data, batch) = (shared.data.clone(), batch.to_vec());
+            let (data, batch) = (shared.data().clone(), batch.to_vec());
             blocking("fallocate", move || {
                 data.zero(id, generation, offset, len, zero_range, &batch)
             })
@@ -729,21 +735,21 @@ async fn fallocate(
     } else {
         // Reserve the space for real, so a later write there cannot fail for lack of it,
         // and a range the store cannot hold is ENOSPC now (as statfs would predict).
-        let data = shared.data.clone();
+        let data = shared.data().clone();
         blocking("fallocate", move || {
             data.check_space(id, generation, offset, len)
         })
         .await?;
         mark_data(shared, client, &of).await?;
         for (part_offset, part_len) in chunk_batches(offset, len, DATA_BATCH_CHUNKS as u64) {
-            let data = shared.data.clone();
+            let data = shared.data().clone();
             blocking("fallocate", move || {
                 data.allocate(id, generation, part_offset, part_len)
             })
             .await?;
         }
     }
-    let mut core = shared.core.lock();
+    let mut core = shared.core();
     current_generation(&core, &of)?;
     let size = core.engine.inode(of.id).map_or(0, |i| i.size);
     let new_end = if keep_size || end <= size { size } else { end };
@@ -764,7 +770,7 @@ async fn fallocate(
 /// so that deleting the file can never miss an object (a no-op once the mark is set).
 async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), FsError> {
     let lsn = {
-        let mut core = shared.core.lock();
+        let mut core = shared.core();
         current_generation(&core, of)?;
         let muts = core.engine.mark_data(of.id).map_err(fail)?;
         shared.journal_now(&mut core, client, &muts)
@@ -839,7 +845,7 @@ mod tests {
     /// What a restart in the middle of a truncation leaves: the size is cut and the trim
     /// is pending, but the data beyond the cut is still in the store.
     fn leave_trim_pending(shared: &Shared, id: InodeId, generation: u64, size: u64) {
-        let mut core = shared.core.lock();
+        let mut core = shared.core();
         let mut inode = core.engine.inode(id).unwrap().clone();
         inode.size = size;
         for m in [
@@ -855,7 +861,10 @@ mod tests {
     }
 
     fn read(shared: &Shared, id: InodeId, generation: u64, len: u32) -> Vec<u8> {
-        shared.data.read(id, generation, u64::MAX, 0, len).unwrap()
+        shared
+            .data()
+            .read(id, generation, u64::MAX, 0, len)
+            .unwrap()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -871,12 +880,15 @@ mod tests {
         };
         let reply = run(&shared, write).await;
         assert!(matches!(reply, Reply::Attr(_)), "{reply:?}");
-        assert_eq!(shared.core.lock().engine.reclaim_of(id, generation), None);
+        assert_eq!(shared.core().engine.reclaim_of(id, generation), None);
         // The bytes cut off never come back, and the write after the trim survives it.
         let got = read(&shared, id, generation, 21);
         assert_eq!(got, [&[7u8; 10][..], &[0u8; 10], b"x"].concat());
-        assert_eq!(shared.data.count_objects().unwrap(), 1);
-        assert!(shared.file_locks.is_empty(), "lock entries go when unused");
+        assert_eq!(shared.data().count_objects().unwrap(), 1);
+        assert!(
+            shared.file_locks().is_empty(),
+            "lock entries go when unused"
+        );
         server.shutdown().await;
     }
 
@@ -902,7 +914,7 @@ mod tests {
         };
         let first = size(data_op(shared.clone(), CLIENT, 0, append.clone()).await.0);
         assert_eq!(first, 2 * CHUNK_BYTES + 3);
-        shared.core.lock().appended.clear();
+        shared.core().appended.clear();
         let again = size(data_op(shared.clone(), CLIENT, 0, append).await.0);
         assert_eq!(again, first, "appended once");
         server.shutdown().await;
@@ -915,19 +927,13 @@ mod tests {
         let shared = server.shared().clone();
         leave_trim_pending(&shared, id, generation, CHUNK_BYTES);
         for _ in 0..100 {
-            if shared
-                .core
-                .lock()
-                .engine
-                .reclaim_of(id, generation)
-                .is_none()
-            {
+            if shared.core().engine.reclaim_of(id, generation).is_none() {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        assert_eq!(shared.core.lock().engine.reclaim_of(id, generation), None);
-        assert_eq!(shared.data.count_objects().unwrap(), 1);
+        assert_eq!(shared.core().engine.reclaim_of(id, generation), None);
+        assert_eq!(shared.data().count_objects().unwrap(), 1);
         server.shutdown().await;
     }
 
@@ -945,9 +951,9 @@ mod tests {
             mode: FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
         };
         assert_eq!(run(&shared, punch).await, Reply::Empty);
-        assert_eq!(shared.data.count_objects().unwrap(), 0);
+        assert_eq!(shared.data().count_objects().unwrap(), 0);
         assert_eq!(read(&shared, id, generation, 8), vec![0u8; 8]);
-        let size = shared.core.lock().engine.inode(id).unwrap().size;
+        let size = shared.file_size(id).unwrap();
         assert_eq!(size, 2 * CHUNK_BYTES, "KEEP_SIZE");
         // Zeroing far beyond the data extends the file without creating chunks.
         let zero = Op::Fallocate {
@@ -957,8 +963,8 @@ mod tests {
             mode: FALLOC_FL_ZERO_RANGE,
         };
         assert_eq!(run(&shared, zero).await, Reply::Empty);
-        assert_eq!(shared.data.count_objects().unwrap(), 0);
-        let size = shared.core.lock().engine.inode(id).unwrap().size;
+        assert_eq!(shared.data().count_objects().unwrap(), 0);
+        let size = shared.file_size(id).unwrap();
         assert_eq!(size, (1 << 50) + (1 << 40));
         // Past the largest file size: EFBIG.
         let beyond = Op::Fallocate {

@@ -55,7 +55,7 @@ fn parse_folder(folder: &str) -> Option<(InodeId, u64)> {
 
 /// Runs passes for ever (on a store with slices only).
 pub async fn gc_loop(shared: Arc<Shared>) {
-    if shared.data.slices().is_none() {
+    if shared.data().slices().is_none() {
         return;
     }
     let interval = gc_interval();
@@ -67,7 +67,10 @@ pub async fn gc_loop(shared: Arc<Shared>) {
                 if n > 0 {
                     tracing::info!("slice GC: deleted {n} orphan objects");
                 }
-                shared.slice_work.gc_passes.fetch_add(1, Ordering::Relaxed);
+                shared
+                    .slice_work()
+                    .gc_passes
+                    .fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => tracing::warn!("slice GC pass failed: {e} (the next one tries again)"),
         }
@@ -75,7 +78,7 @@ pub async fn gc_loop(shared: Arc<Shared>) {
 }
 
 async fn list(shared: &Shared, prefix: String) -> io::Result<Vec<String>> {
-    let Some(slices) = shared.data.slices() else {
+    let Some(slices) = shared.data().slices() else {
         return Ok(Vec::new());
     };
     let store = slices.store().clone();
@@ -93,7 +96,7 @@ pub async fn gc_pass(shared: &Shared, seen: &mut FxHashMap<String, Instant>) -> 
     for shard in list(shared, "data".into()).await? {
         let folders: Vec<(String, InodeId, u64)> = {
             let listed = list(shared, shard).await?;
-            let core = shared.core.lock();
+            let core = shared.core();
             listed
                 .into_iter()
                 .filter_map(|f| parse_folder(&f).map(|(id, g)| (f, id, g)))
@@ -113,7 +116,7 @@ pub async fn gc_pass(shared: &Shared, seen: &mut FxHashMap<String, Instant>) -> 
                 continue;
             }
             let referenced: Option<FxHashSet<u64>> = {
-                let core = shared.core.lock();
+                let core = shared.core();
                 let live = core
                     .engine
                     .inode(id)
@@ -139,7 +142,7 @@ pub async fn gc_pass(shared: &Shared, seen: &mut FxHashMap<String, Instant>) -> 
                 continue;
             };
             for (name, object) in objects {
-                if referenced.contains(&object) || shared.slice_work.is_own_put(&name) {
+                if referenced.contains(&object) || shared.slice_work().is_own_put(&name) {
                     continue;
                 }
                 match seen.get(&name) {
@@ -158,7 +161,7 @@ pub async fn gc_pass(shared: &Shared, seen: &mut FxHashMap<String, Instant>) -> 
     seen.retain(|n, _| unreferenced.contains(n));
     let mut deleted = 0;
     for batch in doomed.chunks(DELETES_IN_FLIGHT_MAX) {
-        let Some(slices) = shared.data.slices() else {
+        let Some(slices) = shared.data().slices() else {
             break;
         };
         let (store, names) = (slices.store().clone(), batch.to_vec());
@@ -170,7 +173,7 @@ pub async fn gc_pass(shared: &Shared, seen: &mut FxHashMap<String, Instant>) -> 
         }
         deleted += batch.len() as u64;
         shared
-            .slice_work
+            .slice_work()
             .orphans_deleted
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
     }

@@ -34,7 +34,7 @@ impl Shared {
     /// [`Shared::add_table`] it; operations on it here get WRONG_SERVER.
     pub fn drop_table(&self, lo: u64) -> io::Result<()> {
         let started = std::time::Instant::now();
-        let mut ckpt = self.checkpointer.lock();
+        let mut ckpt = self.checkpointer();
         if ckpt.manifest(lo).is_none() {
             return Err(io::Error::new(
                 ErrorKind::NotFound,
@@ -42,7 +42,7 @@ impl Shared {
             ));
         }
         let (mut table, mut handover, last) = {
-            let mut core = self.core.lock();
+            let mut core = self.core();
             let table = core.engine.remove_table(lo).ok_or_else(|| {
                 io::Error::new(
                     ErrorKind::NotFound,
@@ -64,7 +64,7 @@ impl Shared {
                 // Names of whole directories: as long as dropping them takes.
                 core.call_back(SERVER_ITSELF, holder, &list, until, Urgency::Work);
             }
-            (table, handover, self.journal.last_lsn())
+            (table, handover, self.journal().last_lsn())
         };
         self.wait_callbacks(SERVER_ITSELF);
         // Taken after the table left the engine: no operation on it can add one now. The
@@ -78,27 +78,27 @@ impl Shared {
         // Every entry is cached under the core lock right after its record is appended,
         // so the journal's last LSN read under the same lock covers all exported.
         let (replies, exported) = {
-            let core = self.core.lock();
+            let core = self.core();
             (
                 core.replies.export(HANDED_OVER_REPLIES_MAX),
-                self.journal.last_lsn(),
+                self.journal().last_lsn(),
             )
         };
         handover.replies = replies;
-        self.journal.flush_now();
-        let result = if self.journal.wait_durable(last.max(exported)) {
+        self.journal().flush_now();
+        let result = if self.journal().wait_durable(last.max(exported)) {
             ckpt.release(self, &mut table, handover.clone())
         } else {
             Err(io::Error::other("journal failed; table not released"))
         };
         match result {
             // A borrow brings it back soon: keep it (see `released`).
-            Ok(images) if self.cluster.is_some() => self.released.lock().keep(table, images),
+            Ok(images) if self.cluster().is_some() => self.released().keep(table, images),
             Ok(_) => {}
             Err(e) => {
-                if !self.journal.failed() {
+                if !self.journal().failed() {
                     // Not released: serve it again rather than lose it.
-                    let mut core = self.core.lock();
+                    let mut core = self.core();
                     if let Err(e2) = core.engine.insert_table(table) {
                         tracing::error!("table {lo:016x} could not be put back: {e2}");
                     }
@@ -117,7 +117,7 @@ impl Shared {
     /// Waits until the callbacks `changer` caused so far are done (answered, or their
     /// leases ran out). Blocking: for the table paths that run on blocking threads.
     fn wait_callbacks(&self, changer: u64) {
-        let board = self.core.lock().callbacks.board(changer);
+        let board = self.callback_board(changer);
         let (ticket, done) = (board.ticket(), board.subscribe());
         let deadline = Instant::now() + crate::leases::LEASE + Duration::from_millis(100);
         while *done.borrow() < ticket && Instant::now() < deadline {
@@ -134,7 +134,7 @@ impl Shared {
         at: Option<u64>,
     ) -> io::Result<Result<u64, crate::checkpoint::SplitRefused>> {
         let started = std::time::Instant::now();
-        let result = self.checkpointer.lock().split(self, lo, at);
+        let result = self.checkpointer().split(self, lo, at);
         match &result {
             Ok(Ok(at)) => tracing::info!(
                 "split table {lo:016x} at {at:016x} in {:?}",
@@ -142,7 +142,7 @@ impl Shared {
             ),
             Ok(Err(_)) => {}
             Err(e) => self
-                .journal
+                .journal()
                 .fail_stop(format!("the split of table {lo:016x} failed half-way: {e}")),
         }
         result
@@ -157,7 +157,7 @@ impl Shared {
     /// [`Shared::add_table`] for the table `[lo, hi)` of the coordinator's map: the
     /// halves split off it in the store are loaded too.
     pub fn add_table_to(&self, lo: u64, hi: Option<u64>) -> io::Result<Vec<(u64, u64)>> {
-        let pieces = manifests_covering(self.store.as_ref(), lo, hi)?;
+        let pieces = manifests_covering(self.store().as_ref(), lo, hi)?;
         if let Some(o) = pieces.iter().find_map(|m| m.owner) {
             return Err(io::Error::new(
                 ErrorKind::ResourceBusy,
@@ -186,10 +186,10 @@ impl Shared {
         tables: &[(u64, Option<u64>)],
         journal: JournalId,
     ) -> io::Result<Vec<(u64, u64)>> {
-        kochab_journal::seal(self.store.as_ref(), journal)?;
+        kochab_journal::seal(self.store().as_ref(), journal)?;
         let mut ranges = Vec::new();
         for &(lo, hi) in tables {
-            let pieces = manifests_covering(self.store.as_ref(), lo, hi)?;
+            let pieces = manifests_covering(self.store().as_ref(), lo, hi)?;
             for m in &pieces {
                 if let Some(o) = m.owner
                     && (o.server, o.epoch) != (journal.server, journal.epoch)
@@ -215,27 +215,27 @@ impl Shared {
     /// are served.
     fn load_tables(&self, ranges: &[(u64, u64)], live: bool) -> io::Result<Vec<(u64, u64)>> {
         let started = std::time::Instant::now();
-        let mut ckpt = self.checkpointer.lock();
-        let config = self.core.lock().engine.config().clone();
+        let mut ckpt = self.checkpointer();
+        let config = self.engine_config();
         // Only records after this one can touch the tables (they are not served yet).
-        let next = self.journal.last_lsn() + 1;
+        let next = self.journal().last_lsn() + 1;
         let kept = if live {
-            let mut r = self.released.lock();
+            let mut r = self.released();
             ranges.iter().filter_map(|&(lo, _)| r.take(lo)).collect()
         } else {
             Vec::new()
         };
         let rec = crate::recovery::recover_tables(
-            self.store.as_ref(),
+            self.store().as_ref(),
             config,
             ranges,
-            self.journal.id(),
+            self.journal().id(),
             Some(next),
             None,
             kept,
         )?;
         let mut engine = rec.engine;
-        let mut core = self.core.lock();
+        let mut core = self.core();
         core.replies.merge_from(rec.replies);
         for m in rec.manifests {
             let table = engine
@@ -280,10 +280,12 @@ impl crate::server::RunningServer {
     /// no owner): how a single server's data directory becomes a cluster's, whose servers
     /// then ADD the tables. Blocks until each is durable.
     pub fn release_all_tables(&self) -> io::Result<Vec<u64>> {
-        let los: Vec<u64> = {
-            let core = self.shared().core.lock();
-            core.engine.tables().iter().map(|t| t.lo).collect()
-        };
+        let los: Vec<u64> = self
+            .shared()
+            .hosted_tables()
+            .into_iter()
+            .map(|(lo, _)| lo)
+            .collect();
         for &lo in &los {
             self.shared().drop_table(lo)?;
         }

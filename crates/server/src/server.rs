@@ -2,7 +2,7 @@
 
 use crate::checkpoint::Checkpointer;
 use crate::conn::Accepted;
-use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
+use crate::core::{Cleanup, Core, Shared, SharedParts, journal_entry, now_ns};
 use crate::data::DataStore;
 use crate::datadir::{DataDir, DataDirLock};
 use crate::metrics::Metrics;
@@ -18,7 +18,6 @@ use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
@@ -333,9 +332,8 @@ fn assemble(
     let orphans = engine.orphans();
     let mut core = Core::new(engine, replies);
     core.callbacks.breaks = breaks;
-    let shared = Arc::new(Shared {
-        core: Mutex::new(core),
-        runtime: tokio::runtime::Handle::current(),
+    let shared = Arc::new(Shared::new(SharedParts {
+        core,
         journal,
         store: dir.store.clone(),
         metrics: metrics.clone(),
@@ -345,34 +343,25 @@ fn assemble(
             .store_description
             .clone()
             .unwrap_or_else(|| format!("local, {}", config.data_dir.join("store").display())),
-        started: Instant::now(),
-        connections: AtomicU64::new(0),
-        next_conn: AtomicU64::new(1),
         data,
-        file_locks: Default::default(),
         session_grace: config.session_grace,
-        cleanup_wake: tokio::sync::Notify::new(),
-        checkpointer: Mutex::new(Checkpointer::new(manifests, dir.me)),
-        released: Default::default(),
+        checkpointer: Checkpointer::new(manifests, dir.me),
         keys,
-        bad_frame_log: Default::default(),
         cluster: dir
             .cluster
             .clone()
             .map(|h| -> Arc<dyn crate::core::Member> { h }),
-        incarnation: kochab_proto::auth::random_u64(),
-        replay_window: Default::default(),
         replay_key: kochab_proto::auth::ReplayKey::derive(&dir.key),
         slice_work: crate::slicework::SliceWork::new(&dir.key, dir.me.server, dir.me.epoch),
         breaks,
-    });
+    }));
     if dir.replay_window {
         tracing::info!(
             "the last incarnation stopped without a clean shutdown: serving only clients' \
              replays for {:?}",
             crate::core::REPLAY_WINDOW
         );
-        shared.replay_window.open();
+        shared.replay_window().open();
     }
     if let Some(host) = &dir.cluster {
         host.attach(&shared);
@@ -441,11 +430,11 @@ async fn serve(
         None => Arc::new(crate::keys::KeyStore::load(&dir.data_path, dir.key)?),
     };
     let (shared, orphans) = assemble(&config, &dir, recovered, options, keys, Breaks::NONE)?;
-    let metrics = shared.metrics.clone();
-    let root = shared.core.lock().engine.root();
+    let metrics = shared.metrics().clone();
+    let root = shared.root();
     // Group commits written on this runtime's own thread when it has one worker, not
     // handed to the flusher thread (see `Journal::committer`).
-    tokio::spawn(shared.journal.committer());
+    tokio::spawn(shared.journal().committer());
     let maintenance = tokio::spawn(maintenance_loop(shared.clone(), orphans));
     let reclaimer = tokio::spawn(reclaim_loop(shared.clone()));
     let cleanup = tokio::spawn(cleanup_loop(shared.clone()));
@@ -485,7 +474,7 @@ async fn serve(
         local,
         shared.clone(),
         shutdown_rx,
-        shared.journal.subscribe_failure(),
+        shared.journal().subscribe_failure(),
         tls,
     ));
     let (metrics_task, metrics_addr) = match config.metrics_listen {
@@ -556,7 +545,7 @@ async fn accept_loop(
         // Counted from accept, not from authentication: unauthenticated connections take
         // slots too (each for at most the handshake timeout).
         let Some(counted) = crate::conn::Counted::take(&shared, MAX_CONNECTIONS) else {
-            if shared.bad_frame_log.allow(Instant::now()).is_some() {
+            if shared.may_log_bad_frame().is_some() {
                 let peer = accepted.peer();
                 tracing::warn!("refusing {peer}: {MAX_CONNECTIONS} connections open");
             }
@@ -573,26 +562,16 @@ async fn accept_loop(
 /// Ends sessions of clients gone longer than the grace period and drops open-unlinked files
 /// nobody reopened after a restart.
 async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
-    let orphan_deadline = Instant::now() + shared.session_grace;
+    let orphan_deadline = Instant::now() + shared.session_grace();
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tick.tick().await;
         let now = Instant::now();
-        {
-            let mut core = shared.core.lock();
-            for client in core.sessions.expired(shared.session_grace, now) {
-                tracing::info!(
-                    "client {client:016x} gone for {:?}: closing its files, releasing its locks",
-                    shared.session_grace
-                );
-                shared.end_session(&mut core, client);
-            }
-            if !orphans.is_empty() && now >= orphan_deadline {
-                // However many there are, in bounded records (see `Cleanup`).
-                let ids = std::mem::take(&mut orphans);
-                core.cleanup.push_back(Cleanup::Orphans(ids.into_iter()));
-                shared.cleanup_wake.notify_one();
-            }
+        shared.end_expired_sessions(now);
+        if !orphans.is_empty() && now >= orphan_deadline {
+            // However many there are, in bounded records (see `Cleanup`).
+            let ids = std::mem::take(&mut orphans);
+            shared.queue_cleanup(Cleanup::Orphans(ids.into_iter()));
         }
     }
 }
@@ -603,29 +582,29 @@ async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
 async fn cleanup_loop(shared: Arc<Shared>) {
     let cleanup = async {
         loop {
-            shared.cleanup_wake.notified().await;
+            shared.cleanup_woken().await;
             shared.run_cleanup().await;
         }
     };
     let callbacks = async {
         loop {
-            let next = shared.core.lock().callbacks.next_deadline();
+            let next = shared.next_callback_deadline();
             let now = Instant::now();
             let wake = next.map_or(now + CALLBACK_CHECK, |d| d.min(now + CALLBACK_CHECK));
             tokio::time::sleep_until(wake.into()).await;
-            let expired = shared.core.lock().expire_callbacks(Instant::now());
+            let expired = shared.expire_callbacks();
             if expired.missed > 0 {
                 shared
-                    .metrics
+                    .metrics()
                     .callbacks_missed
                     .inc_by(expired.missed as u64);
                 shared
-                    .metrics
+                    .metrics()
                     .callback_defaults
                     .inc_by(expired.defaulted.len() as u64);
                 for holder in expired.defaulted {
                     // Rate-limited: a key holder may open session after session.
-                    if shared.bad_frame_log.allow(Instant::now()).is_none() {
+                    if shared.may_log_bad_frame().is_none() {
                         break;
                     }
                     tracing::warn!(
@@ -661,11 +640,7 @@ const RECLAIM_RETRY: Duration = Duration::from_secs(5);
 async fn reclaim_loop(shared: Arc<Shared>) {
     let mut cursor = (0, 0);
     loop {
-        let batch = shared
-            .core
-            .lock()
-            .engine
-            .pending_reclaims(cursor, RECLAIMS_PER_PASS);
+        let batch = shared.pending_reclaims(cursor, RECLAIMS_PER_PASS);
         let full = batch.len() == RECLAIMS_PER_PASS;
         if let Some(last) = batch.last() {
             cursor = (last.id, last.generation);
@@ -692,16 +667,8 @@ async fn reclaim_pass(shared: &Shared, batch: Vec<kochab_meta::Reclaim>) -> bool
     let mut done = Vec::new();
     let mut dirs = Vec::new();
     for r in batch {
-        let file = shared.file_locks.exclusive(r.id).await;
-        let (entry, live) = {
-            let core = shared.core.lock();
-            (
-                core.engine.reclaim_of(r.id, r.generation),
-                core.engine
-                    .inode(r.id)
-                    .is_some_and(|i| i.btime as u64 == r.generation),
-            )
-        };
+        let file = shared.file_locks().exclusive(r.id).await;
+        let (entry, live) = shared.reclaim_now(r.id, r.generation);
         // Finished or changed meanwhile (by a truncation): the entry as it is now.
         let Some(entry) = entry else { continue };
         let result = if live {
@@ -727,15 +694,10 @@ async fn reclaim_pass(shared: &Shared, batch: Vec<kochab_meta::Reclaim>) -> bool
     if done.is_empty() {
         return failed;
     }
-    let data = shared.data.clone();
+    let data = shared.data().clone();
     match tokio::task::spawn_blocking(move || data.sync_dirs(&dirs)).await {
         Ok(Ok(())) => {
-            let mut core = shared.core.lock();
-            let muts: Vec<_> = done
-                .iter()
-                .flat_map(|r| core.engine.finish_reclaim(r))
-                .collect();
-            shared.journal_now(&mut core, 0, &muts);
+            shared.finish_reclaims(&done);
             failed
         }
         Ok(Err(e)) => {
@@ -762,15 +724,15 @@ fn checkpoint_loop(shared: Arc<Shared>, stopper: Arc<Stopper>, config: ServerCon
             }
             *g
         };
-        if shared.journal.failed() {
+        if shared.journal().failed() {
             // Nothing written from here on would count: the server is stopping.
             if stop {
                 return;
             }
             continue;
         }
-        let lsn = shared.journal.last_lsn();
-        let mut ckpt = shared.checkpointer.lock();
+        let lsn = shared.journal().last_lsn();
+        let mut ckpt = shared.checkpointer();
         // Records a restart would replay now; older journals (from before a restart or a
         // takeover) are let go by the next round too.
         let behind = lsn.saturating_sub(ckpt.replay_from());
@@ -811,7 +773,7 @@ impl RunningServer {
     /// owner should shut it down and exit with an error (fail-stop: a server that cannot
     /// make operations durable must not look alive).
     pub fn journal_failure(&self) -> impl std::future::Future<Output = String> + Send + 'static {
-        crate::stop_reason::first_reason(self.shared.journal.subscribe_failure())
+        crate::stop_reason::first_reason(self.shared.journal().subscribe_failure())
     }
 
     /// Stops accepting, closes connections, takes a final checkpoint (so the next start
@@ -834,7 +796,7 @@ impl RunningServer {
         }
         // Give connection tasks a moment to send what is durable.
         for _ in 0..50 {
-            if self.shared.connections.load(Ordering::Relaxed) == 0 {
+            if self.shared.open_connections() == 0 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -844,8 +806,8 @@ impl RunningServer {
         if let Some(h) = self.checkpointer.take() {
             let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }
-        self.shared.journal.shutdown();
-        if self.shared.cluster.is_none() && !self.shared.journal.failed() {
+        self.shared.journal().shutdown();
+        if self.shared.cluster().is_none() && !self.shared.journal().failed() {
             let marker = self.data_dir.join(CLEAN_STOP_MARKER);
             if let Err(e) = std::fs::write(&marker, b"") {
                 tracing::warn!("cannot write {}: {e}", marker.display());

@@ -54,7 +54,7 @@ const FREED_POLL: Duration = Duration::from_secs(1);
 const DELETE_RETRY: Duration = Duration::from_secs(2);
 
 fn slices_only(shared: &Shared, what: &str) -> Result<(), FsError> {
-    if shared.data.slices().is_none() {
+    if shared.data().slices().is_none() {
         return Err(fs_err!(
             EOPNOTSUPP,
             "{what}: this server's store keeps file data in place (the local directory); \
@@ -66,7 +66,7 @@ fn slices_only(shared: &Shared, what: &str) -> Result<(), FsError> {
 
 fn presign(shared: &Shared, name: &str, how: Presign) -> Result<String, FsError> {
     let store = shared
-        .data
+        .data()
         .slices()
         .ok_or_else(|| fs_err!(EOPNOTSUPP, "no object store for file data"))?
         .store();
@@ -95,9 +95,9 @@ pub(crate) async fn grant(
             "a grant of {objects} objects; 1 to {GRANT_OBJECTS_MAX} per DataGrant"
         ));
     }
-    current_generation(&shared.core.lock(), &of)?;
+    current_generation(&shared.core(), &of)?;
     let expires = unix_now() + grant_life().as_secs();
-    let work = &shared.slice_work;
+    let work = shared.slice_work();
     let mut granted = Vec::with_capacity(objects as usize);
     for _ in 0..objects {
         let object = work.ids.next();
@@ -220,8 +220,8 @@ pub(crate) async fn commit(
     }
     let (_file, _) = lock_file(shared, &of, false).await?;
     let (attr, lsn, depended) = {
-        let work = &shared.slice_work;
-        let mut core = shared.core.lock();
+        let work = shared.slice_work();
+        let mut core = shared.core();
         current_generation(&core, &of)?;
         // Verified under the core lock, right before the commit: a token that verifies here
         // is committed at once, so the collector's wait past expiry is enough (see `gc`).
@@ -254,10 +254,10 @@ fn after_commit(
     freed: &[u64],
     lsn: u64,
 ) {
-    let work = &shared.slice_work;
+    let work = shared.slice_work();
     // No record (nothing changed): what was freed is free now.
     let lsn = if lsn == 0 {
-        shared.journal.last_lsn()
+        shared.journal().last_lsn()
     } else {
         lsn
     };
@@ -287,7 +287,7 @@ pub(crate) async fn layout(
     let chunks = chunks.min(LAYOUT_CHUNKS_MAX);
     let (_file, _) = lock_file(shared, &of, false).await?;
     let (size, refs, observed) = {
-        let core = shared.core.lock();
+        let core = shared.core();
         current_generation(&core, &of)?;
         let size = core.engine.inode(of.id).map_or(0, |i| i.size);
         let span = first_chunk..first_chunk.saturating_add(u64::from(chunks));
@@ -343,11 +343,11 @@ pub(crate) async fn read(
         let span = crate::data::chunk_span(offset, len);
         let span = *span.start()..span.end().saturating_add(1);
         let slices = sh
-            .data
+            .data()
             .slices()
             .ok_or_else(|| std::io::Error::other("no slice store"))?;
         for attempt in 1..=READ_TRIES_MAX {
-            let layout = sh.core.lock().engine.layout(of.id, span.clone());
+            let layout = sh.core().engine.layout(of.id, span.clone());
             match slices.read(of.id, of.generation, &layout, offset, len) {
                 // Freed under this read (a compaction, a newer write): the layout again.
                 Err(e) if e.kind() == ErrorKind::NotFound && attempt < READ_TRIES_MAX => {}
@@ -367,7 +367,7 @@ async fn put_write<'a>(
     offset: u64,
     bytes: Vec<u8>,
 ) -> Result<(Vec<(u64, SliceRef)>, OwnPuts<'a>), FsError> {
-    let work = &shared.slice_work;
+    let work = shared.slice_work();
     let mut own = OwnPuts::new(work);
     let mut refs = Vec::new();
     let mut at = 0;
@@ -387,7 +387,7 @@ async fn put_write<'a>(
     let (sh, of) = (shared.clone(), *of);
     let taken = blocking("write", move || {
         let slices = sh
-            .data
+            .data()
             .slices()
             .ok_or_else(|| std::io::Error::other("no slice store"))?;
         let put = |&(chunk, r, at): &(u64, SliceRef, usize)| -> std::io::Result<Option<u64>> {
@@ -397,8 +397,8 @@ async fn put_write<'a>(
                 match slices.put(of.id, of.generation, chunk, &r, data) {
                     Ok(()) => return Ok((attempt > 1).then_some(r.object)),
                     Err(e) if e.kind() == ErrorKind::AlreadyExists && attempt < PUT_TRIES_MAX => {
-                        r.object = sh.slice_work.ids.next();
-                        sh.slice_work
+                        r.object = sh.slice_work().ids.next();
+                        sh.slice_work()
                             .note_own_put(object_name(of.id, of.generation, r.object));
                     }
                     Err(e) => return Err(e),
@@ -446,12 +446,12 @@ pub(crate) async fn write(
     bytes: Vec<u8>,
 ) -> Result<(Attr, u64), FsError> {
     let (refs, _own) = if bytes.is_empty() {
-        (Vec::new(), OwnPuts::new(&shared.slice_work))
+        (Vec::new(), OwnPuts::new(shared.slice_work()))
     } else {
         put_write(shared, of, offset, bytes).await?
     };
     let (attr, lsn, depended) = {
-        let mut core = shared.core.lock();
+        let mut core = shared.core();
         current_generation(&core, of)?;
         let (muts, attr, freed) = core
             .engine
@@ -519,9 +519,9 @@ impl Shared {
         if freed.is_empty() {
             return;
         }
-        let lsn = self.journal.last_lsn();
+        let lsn = self.journal().last_lsn();
         for (id, generation, object) in freed {
-            self.slice_work.free(lsn, id, generation, &[object]);
+            self.slice_work().free(lsn, id, generation, &[object]);
         }
     }
 }
@@ -529,11 +529,11 @@ impl Shared {
 /// Deletes freed objects once their records are durable, at most
 /// [`DELETES_IN_FLIGHT_MAX`] at a time.
 pub async fn freed_loop(shared: Arc<Shared>) {
-    let mut durable = shared.journal.subscribe();
-    let work = &shared.slice_work;
+    let mut durable = shared.journal().subscribe();
+    let work = shared.slice_work();
     loop {
-        shared.take_freed(&mut shared.core.lock());
-        let batch = work.take_durable(shared.journal.durable_lsn(), DELETES_IN_FLIGHT_MAX);
+        shared.take_freed(&mut shared.core());
+        let batch = work.take_durable(shared.journal().durable_lsn(), DELETES_IN_FLIGHT_MAX);
         if batch.is_empty() {
             tokio::select! {
                 r = durable.changed() => if r.is_err() { return },
@@ -542,7 +542,7 @@ pub async fn freed_loop(shared: Arc<Shared>) {
             }
             continue;
         }
-        let Some(slices) = shared.data.slices() else {
+        let Some(slices) = shared.data().slices() else {
             continue;
         };
         let store = slices.store().clone();
@@ -568,7 +568,7 @@ pub async fn freed_loop(shared: Arc<Shared>) {
 
 /// Compacts the chunks queued by commits (see [`compact`]).
 pub async fn compaction_loop(shared: Arc<Shared>) {
-    let Some(mut rx) = shared.slice_work.take_compact_rx() else {
+    let Some(mut rx) = shared.slice_work().take_compact_rx() else {
         return;
     };
     while let Some((id, generation, chunk)) = rx.recv().await {
@@ -582,7 +582,7 @@ pub async fn compaction_loop(shared: Arc<Shared>) {
                 false
             }
         };
-        shared.slice_work.compacted(id, chunk);
+        shared.slice_work().compacted(id, chunk);
         if raced {
             // Commits landed while it ran (they found it queued and queued nothing): try
             // again a little later, or the chunk could keep its refs until its next commit.
@@ -590,7 +590,7 @@ pub async fn compaction_loop(shared: Arc<Shared>) {
             tokio::spawn(async move {
                 tokio::time::sleep(COMPACT_RETRY).await;
                 let refs = {
-                    let core = shared.core.lock();
+                    let core = shared.core();
                     match core.engine.inode(id) {
                         Some(i) if i.btime as u64 == generation => {
                             core.engine.chunk_refs(id, chunk).len()
@@ -599,7 +599,7 @@ pub async fn compaction_loop(shared: Arc<Shared>) {
                     }
                 };
                 if refs > COMPACT_REFS_MAX {
-                    shared.slice_work.compact_later(id, generation, chunk);
+                    shared.slice_work().compact_later(id, generation, chunk);
                 }
             });
         }
@@ -622,7 +622,7 @@ pub async fn compact(
     chunk: u64,
 ) -> Result<bool, FsError> {
     let expected = {
-        let core = shared.core.lock();
+        let core = shared.core();
         match core.engine.inode(id) {
             Some(i) if i.btime as u64 == generation => {}
             _ => return Ok(true),
@@ -632,14 +632,14 @@ pub async fn compact(
     if expected.len() <= COMPACT_REFS_MAX {
         return Ok(true);
     }
-    let work = &shared.slice_work;
+    let work = shared.slice_work();
     let object = work.ids.next();
     let mut own = OwnPuts::new(work);
     own.add(object_name(id, generation, object));
     let (sh, refs) = (shared.clone(), expected.clone());
     let merged = blocking("compaction", move || {
         let slices = sh
-            .data
+            .data()
             .slices()
             .ok_or_else(|| std::io::Error::other("no slice store"))?;
         match slices.read_chunk(id, generation, chunk, &refs)? {
@@ -657,7 +657,7 @@ pub async fn compact(
     })
     .await?;
     let swapped = {
-        let mut core = shared.core.lock();
+        let mut core = shared.core();
         match core.engine.inode(id) {
             Some(i) if i.btime as u64 == generation => {
                 let new: Vec<SliceRef> = merged.into_iter().collect();
@@ -665,7 +665,7 @@ pub async fn compact(
                     Ok((muts, freed)) => {
                         let lsn = shared.journal_now(&mut core, 0, &muts);
                         let lsn = if lsn == 0 {
-                            shared.journal.last_lsn()
+                            shared.journal().last_lsn()
                         } else {
                             lsn
                         };
@@ -686,7 +686,7 @@ pub async fn compact(
         Err(e) => {
             // Never committed: nobody reads it, it can go now.
             if merged.is_some() {
-                let store = shared.data.slices().map(|s| s.store().clone());
+                let store = shared.data().slices().map(|s| s.store().clone());
                 let name = object_name(id, generation, object);
                 if let Some(store) = store {
                     let _ = tokio::task::spawn_blocking(move || store.delete(&name)).await;

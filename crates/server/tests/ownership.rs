@@ -34,7 +34,7 @@ fn run(shared: &Shared, client: u64, seq: u64, op: Op) -> Option<Reply> {
         Reply::WithDirs { reply, .. } => *reply,
         other => other,
     };
-    shared.journal.wait_durable(needed).then_some(reply)
+    shared.journal().wait_durable(needed).then_some(reply)
 }
 
 fn create(shared: &Shared, parent: u64, name: &str, seq: u64) -> Option<Reply> {
@@ -67,14 +67,14 @@ fn lookup(shared: &Shared, parent: u64, name: &str) -> Reply {
 
 /// The id of the table that holds the root (files created in the root land there).
 fn root_table(s: &RunningServer) -> u64 {
-    let core = s.shared().core.lock();
+    let core = s.shared().core();
     let i = core.engine.table_index(s.root).unwrap();
     core.engine.tables()[i].lo
 }
 
 async fn member(dir: &Path, a: &RunningServer, server: u64, epoch: u64) -> RunningServer {
     let store: Arc<dyn ObjectStore> = Arc::new(LocalStore::open(a.data_dir.join("store")).unwrap());
-    let engine = a.shared().core.lock().engine.config().clone();
+    let engine = a.shared().engine_config();
     start_member(
         config(dir),
         store,
@@ -132,7 +132,7 @@ fn assert_ended_at_last_close(s: &Shared, id: u64) {
         matches!(stat, Some(Reply::Error(_))),
         "the last close ends it: {stat:?}"
     );
-    assert!(s.core.lock().engine.check_invariants().is_empty());
+    assert!(s.check_invariants().is_empty());
 }
 
 fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -203,13 +203,13 @@ async fn a_dropped_table_is_served_by_the_server_that_adds_it_with_every_acknowl
 
     // B stops without a checkpoint of the new file (as a crash would leave it); its next
     // incarnation recovers the table from the manifest's journal, B's first.
-    let sb_journal = sb.journal.id();
-    b.shared().journal.shutdown();
+    let sb_journal = sb.journal().id();
+    b.shared().journal().shutdown();
     drop(sb);
     let b2 = {
         let store: Arc<dyn ObjectStore> =
             Arc::new(LocalStore::open(a.data_dir.join("store")).unwrap());
-        let engine = a.shared().core.lock().engine.config().clone();
+        let engine = a.shared().engine_config();
         let hi = m.hi;
         start_member(
             config(&tmp.path().join("b2")),
@@ -229,10 +229,10 @@ async fn a_dropped_table_is_served_by_the_server_that_adds_it_with_every_acknowl
     assert!(matches!(lookup(&sb2, root, "on-b"), Reply::Entry(_)));
     assert!(matches!(lookup(&sb2, root, "f199"), Reply::Entry(_)));
     assert!(
-        kochab_journal::segment::is_sealed(sb2.store.as_ref(), sb_journal).unwrap(),
+        kochab_journal::segment::is_sealed(sb2.store().as_ref(), sb_journal).unwrap(),
         "the predecessor's journal was sealed before it was read"
     );
-    assert!(sb2.core.lock().engine.check_invariants().is_empty());
+    assert!(sb2.check_invariants().is_empty());
     b2.shutdown().await;
     b.shutdown().await;
     a.shutdown().await;
@@ -426,13 +426,13 @@ async fn a_sealed_journal_stops_acknowledging_and_its_tables_are_recovered_elsew
     // Another server takes A's tables over as if A had failed: it seals A's journal first.
     let b = member(&tmp.path().join("b"), &a, 2, 1).await;
     let sb = b.shared().clone();
-    let journal = sa.journal.id();
+    let journal = sa.journal().id();
     let s = sb.clone();
     blocking(move || s.recover_tables(&[lo], journal)).unwrap();
     // A, not knowing, goes on: nothing more is acknowledged, and it stops.
     assert_eq!(create(&sa, root, "late", 1000), None, "never acknowledged");
-    assert!(sa.journal.failed());
-    assert!(sa.journal.failure().unwrap().contains("sealed"));
+    assert!(sa.journal().failed());
+    assert!(sa.journal().failure().unwrap().contains("sealed"));
     for i in acked {
         assert!(
             matches!(lookup(&sb, root, &format!("f{i}")), Reply::Entry(_)),
@@ -451,7 +451,7 @@ async fn a_fenced_owners_late_checkpoint_is_refused_by_the_store() {
     assert!(matches!(create(&sa, root, "x", 1), Some(Reply::Entry(_))));
     // A fencer replaces the manifest (here without sealing A's journal, so that only the
     // store's conditional write stands between A and the table).
-    let store = sa.store.clone();
+    let store = sa.store().clone();
     let m = read_manifest_by_id(store.as_ref(), lo).unwrap().unwrap();
     let before = m.version;
     let fencer = JournalId {
@@ -461,9 +461,9 @@ async fn a_fenced_owners_late_checkpoint_is_refused_by_the_store() {
     kochab_server::recovery::claim(store.as_ref(), m, fencer, 0, &Default::default()).unwrap();
     // A's checkpoint of the changed table is refused, and A stops.
     let s = sa.clone();
-    let err = blocking(move || s.checkpointer.lock().round(&s).map(|_| ())).unwrap_err();
+    let err = blocking(move || s.checkpointer().round(&s).map(|_| ())).unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
-    assert!(sa.journal.failed(), "a fenced server stops");
+    assert!(sa.journal().failed(), "a fenced server stops");
     let m = read_manifest_by_id(store.as_ref(), lo).unwrap().unwrap();
     assert_eq!(m.version, before + 1, "the fencer's manifest stands");
     assert_eq!(m.owner.map(|o| o.server), Some(9));
@@ -482,7 +482,7 @@ async fn restarts_start_new_incarnations_and_old_journals_are_collected() {
     for epoch in 1..=4u64 {
         let a = start(config(&dir)).await.unwrap();
         assert_eq!(
-            a.shared().journal.id(),
+            a.shared().journal().id(),
             JournalId { server: 1, epoch },
             "every start is a new incarnation"
         );
@@ -505,7 +505,7 @@ async fn restarts_start_new_incarnations_and_old_journals_are_collected() {
         if epoch == 2 {
             // Without a clean stop (no final checkpoint; the directory lock goes with the
             // server): the next start seals and replays this journal.
-            sa.journal.shutdown();
+            sa.journal().shutdown();
             drop(sa);
             drop(a);
             continue;
@@ -525,7 +525,7 @@ async fn a_retry_after_a_takeover_is_answered_from_the_moved_reply_cache() {
     };
     let b = member(&tmp.path().join("b"), &a, 2, 1).await;
     let sb = b.shared().clone();
-    let journal = sa.journal.id();
+    let journal = sa.journal().id();
     let s = sb.clone();
     blocking(move || s.recover_tables(&[lo], journal)).unwrap();
     // The client lost the reply and retries the same request at the new owner.

@@ -353,7 +353,7 @@ impl DataClients {
                 let Some((id, generation)) = file.id.filter(|_| in_doubt != Some(f)) else {
                     continue;
                 };
-                let size = s.core.lock().engine.inode(id).map(|i| i.size);
+                let size = s.file_size(id);
                 if size != Some(file.size) {
                     return Err(format!(
                         "data client {c}: file {f} is {size:?} bytes at the server, {} as \
@@ -362,7 +362,7 @@ impl DataClients {
                     ));
                 }
                 let bytes = s
-                    .data
+                    .data()
                     .read(id, generation, file.size, 0, file.size as u32)
                     .map_err(|e| format!("data client {c}: reading file {f}: {e}"))?;
                 check_bytes(&file.now, 0, &bytes)
@@ -404,7 +404,7 @@ fn send(
 ) -> Result<(), String> {
     // A resend that the server answers from its reply cache after a crash did not write
     // again: what it wrote before may have been lost with the crash.
-    let cached = req.seq != 0 && s.core.lock().replies.get(cl.session, req.seq).is_some();
+    let cached = req.seq != 0 && s.reply_cached(cl.session, req.seq).is_some();
     let (reply, lsn) = match what {
         What::Create(_) => run_meta(s, cl.session, req.clone())?,
         What::Write { .. } => run_data(cx, s, cl.session, req.clone())?,
@@ -475,8 +475,8 @@ fn accept(
                     a.size, f.size
                 ));
             }
-            if req.mode == ReplyMode::Early && lsn > s.journal.durable_lsn() {
-                let tag = SessionTags::new(&s.replay_key, cl.session).write_tag(&req);
+            if req.mode == ReplyMode::Early && lsn > s.journal().durable_lsn() {
+                let tag = SessionTags::new(s.replay_key(), cl.session).write_tag(&req);
                 cl.kept.push(Kept {
                     req,
                     what,
@@ -531,7 +531,7 @@ fn fsync(cx: &mut Ctx, s: &Arc<Shared>, c: usize, cl: &mut Client, f: usize) -> 
     let file = &mut cl.files[f];
     file.durable = file.now.clone();
     // It flushed the journal too: everything kept is durable.
-    let durable = s.journal.durable_lsn();
+    let durable = s.journal().durable_lsn();
     cl.kept.retain(|k| k.lsn > durable);
     Ok(())
 }
@@ -550,14 +550,14 @@ fn replay_one(
         tag: k.tag,
     };
     req.seq_floor = cl.seq_floor().min(req.seq);
-    if !SessionTags::new(&s.replay_key, cl.session).genuine(&req) {
+    if !SessionTags::new(s.replay_key(), cl.session).genuine(&req) {
         return Err(format!(
             "data client {c}: its replay of seq {} was refused",
             req.seq
         ));
     }
     // Found in the reply cache, the write is not run again (its record was durable).
-    let cached = s.core.lock().replies.get(cl.session, req.seq).is_some();
+    let cached = s.reply_cached(cl.session, req.seq).is_some();
     let (reply, _) = run_data(cx, s, cl.session, req)?;
     cx.trace(|| {
         format!(

@@ -34,10 +34,10 @@ pub(crate) fn exec_at(s: &Shared, session: u64, req: Request) -> Result<Answered
         .ok_or_else(|| "a request got no reply".to_string())?;
     // As the connection decides (conn.rs): early only if asked, and not after another
     // session's change that is not durable.
-    let early = asked_early && a.early_by(s.journal.durable_lsn());
+    let early = asked_early && a.early_by(s.journal().durable_lsn());
     if !early {
         // False only if the journal failed (a fenced one): the caller sees it.
-        s.journal.wait_durable(s.journal.last_lsn());
+        s.journal().wait_durable(s.journal().last_lsn());
     }
     Ok(Answered {
         reply: a.reply,
@@ -57,8 +57,8 @@ pub(crate) fn run_data(
     let flushes = req.mode != ReplyMode::Early;
     let (reply, lsn) = cx.rt.block_on(data_op(s.clone(), session, 0, req));
     if flushes {
-        s.journal.flush_now();
-        s.journal.wait_durable(s.journal.last_lsn());
+        s.journal().flush_now();
+        s.journal().wait_durable(s.journal().last_lsn());
     }
     Ok((reply, lsn))
 }

@@ -128,7 +128,7 @@ impl LeaseClients {
         if *cached == now {
             return Ok(());
         }
-        let core = s.core.lock();
+        let core = s.core();
         let called_back = self.holder.inbox.iter().any(|(cb, list)| {
             core.callbacks.is_pending(*cb) && list.iter().any(|i| drops(i, self.id))
         });
@@ -144,9 +144,9 @@ impl LeaseClients {
 
     /// The file as the server has it now.
     fn server_view(&self, s: &Shared) -> Result<Cached, String> {
-        let size = s.core.lock().engine.inode(self.id).map_or(0, |i| i.size);
+        let size = s.file_size(self.id).unwrap_or(0);
         let bytes = s
-            .data
+            .data()
             .read(self.id, self.generation, size, 0, size as u32)
             .map_err(|e| format!("reading the leased file: {e}"))?;
         Ok(Cached { size, bytes })
@@ -175,7 +175,7 @@ impl LeaseClients {
             return Err(format!("the holder's read answered {reply:?}"));
         };
         self.take_in(cx, s)?;
-        if s.core.lock().callbacks.is_in_default(HOLDER) {
+        if s.core().callbacks.is_in_default(HOLDER) {
             // Granted nothing: it caches nothing.
             return Ok(());
         }
@@ -207,7 +207,7 @@ impl LeaseClients {
         if !matches!(reply, Reply::Attr(_)) {
             return Err(format!("the writer's write answered {reply:?}"));
         }
-        let board = s.core.lock().callbacks.board(WRITER);
+        let board = s.callback_board(WRITER);
         let ticket = board.ticket();
         self.receive();
         cx.trace(|| {
@@ -220,8 +220,7 @@ impl LeaseClients {
             // Another session answers the callbacks the holder got.
             let ids: Vec<u64> = self.holder.inbox.iter().map(|(id, _)| *id).collect();
             cx.trace(|| format!("another session answers callbacks {ids:?}"));
-            let mut core = s.core.lock();
-            core.callbacks_answered(WRITER, &ids, Instant::now());
+            s.callbacks_answered(WRITER, &ids);
         }
         if *board.subscribe().borrow() >= ticket {
             self.acknowledged(s)
@@ -263,10 +262,7 @@ impl LeaseClients {
                 self.holder.cached = None;
             }
             cx.stats.callbacks += 1;
-            let (slow, _) = s
-                .core
-                .lock()
-                .callbacks_answered(HOLDER, &[cb], Instant::now());
+            let (slow, _) = s.callbacks_answered(HOLDER, &[cb]);
             if slow {
                 return Err(format!(
                     "the holder's answer to callback {cb} counted as slow"
@@ -299,10 +295,8 @@ fn callback_of(frame: &[u8]) -> Option<(u64, Vec<Invalidation>)> {
 /// The holder's connection to `s` (asking for leases), with the file open for reading.
 fn connect(s: &Arc<Shared>, id: InodeId) -> Result<Holder, String> {
     let (tx, rx) = unbounded_channel();
-    let conn = s
-        .next_conn
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    s.core.lock().attach(HOLDER, conn, Some(tx));
+    let conn = s.next_conn_id();
+    s.attach(HOLDER, conn, Some(tx));
     let op = Op::Open {
         id,
         flags: O_RDONLY,

@@ -123,17 +123,13 @@ pub fn run(cfg: SimConfig) -> Result<SimStats, String> {
     w.setup()?;
     for step in 0..w.cfg.steps {
         if let Some(s) = w.live.as_ref().filter(|_| w.cfg.trace) {
-            let (d, l) = (s.journal.durable_lsn(), s.journal.last_lsn());
+            let (d, l) = (s.journal().durable_lsn(), s.journal().last_lsn());
             let lost: Vec<_> = w
                 .clients
                 .iter()
                 .filter_map(|c| {
                     let (r, _) = c.lost.as_ref()?;
-                    Some((
-                        c.session,
-                        r.seq,
-                        s.core.lock().replies.get(c.session, r.seq),
-                    ))
+                    Some((c.session, r.seq, s.reply_cached(c.session, r.seq)))
                 })
                 .collect();
             w.trace(|| {
@@ -244,7 +240,7 @@ impl World {
     /// The first incarnation, and the directories of every client (durable).
     fn setup(&mut self) -> Result<(), String> {
         let s = self.start(false)?;
-        let root = s.core.lock().engine.root();
+        let root = s.root();
         self.live = Some(s);
         let mkdir = |w: &mut World, name: String| -> Result<InodeId, String> {
             let op = Op::Mkdir {
@@ -319,7 +315,7 @@ impl World {
         } else {
             let live = self.live.clone();
             let dir = self.shared_dir;
-            let lookup = |name: &[u8]| live.as_ref()?.core.lock().engine.child(dir, name);
+            let lookup = |name: &[u8]| live.as_ref()?.lookup(dir, name);
             (shared_op(&mut self.rng, dir, lookup), None)
         };
         let mode = if self.rng.chance(900) {
@@ -344,9 +340,9 @@ impl World {
         let s = self.live()?.clone();
         let Answered { reply, lsn, early } = exec_at(&s, session, req.clone())?;
         self.stats.ops += 1;
-        if !early && lsn > s.journal.durable_lsn() {
-            s.journal.flush_now();
-            if !s.journal.wait_durable(lsn) {
+        if !early && lsn > s.journal().durable_lsn() {
+            s.journal().flush_now();
+            if !s.journal().wait_durable(lsn) {
                 return Err("the live journal failed".into());
             }
             self.after_flush();
@@ -387,8 +383,8 @@ impl World {
             None => check_shared(&reply).map_err(|e| format!("client {c}: {e}"))?,
         }
         let early = req.mode == ReplyMode::Early;
-        if early && lsn > s.journal.durable_lsn() && !matches!(reply, Reply::Error(_)) {
-            let tag = SessionTags::new(&s.replay_key, cl.session).tag(&req, &reply);
+        if early && lsn > s.journal().durable_lsn() && !matches!(reply, Reply::Error(_)) {
+            let tag = SessionTags::new(s.replay_key(), cl.session).tag(&req, &reply);
             cl.kept.push(Kept {
                 req,
                 reply,
@@ -403,8 +399,8 @@ impl World {
     /// Makes everything appended durable, and tells the clients.
     fn flush(&mut self) -> Result<(), String> {
         let s = self.live()?.clone();
-        s.journal.flush_now();
-        if !s.journal.wait_durable(s.journal.last_lsn()) {
+        s.journal().flush_now();
+        if !s.journal().wait_durable(s.journal().last_lsn()) {
             return Err("the live journal failed".into());
         }
         self.stats.flushes += 1;
@@ -418,7 +414,7 @@ impl World {
     /// Clients drop the kept requests the live journal now holds.
     fn after_flush(&mut self) {
         let Some(s) = &self.live else { return };
-        let durable = s.journal.durable_lsn();
+        let durable = s.journal().durable_lsn();
         for cl in &mut self.clients {
             cl.kept.retain(|k| k.lsn > durable);
         }
@@ -454,7 +450,7 @@ impl World {
 
     fn checkpoint(&mut self) -> Result<(), String> {
         let s = self.live()?.clone();
-        let report = s.checkpointer.lock().round(&s);
+        let report = s.checkpointer().round(&s);
         report.map_err(|e| format!("checkpoint: {e}"))?;
         self.trace(|| "checkpoint".into());
         self.stats.checkpoints += 1;
@@ -491,7 +487,7 @@ impl World {
     fn restart(&mut self, image: MemStore) -> Result<(), String> {
         if let Some(old) = self.live.take() {
             // Its journal stops (flushing into the store it had, which nobody reads now).
-            old.journal.shutdown();
+            old.journal().shutdown();
         }
         self.store = image;
         let s = self.start(true)?;
@@ -532,19 +528,19 @@ impl World {
         req.mode = ReplyMode::Early;
         let session = self.clients[c].session;
         let Answered { reply, lsn, early } = exec_at(&old, session, req.clone())?;
-        if !early && lsn > old.journal.durable_lsn() {
+        if !early && lsn > old.journal().durable_lsn() {
             // It must wait for the journal, which the successor sealed: no reply leaves.
             self.clients[c].lost = Some((req, planned));
         } else {
             self.accept(c, &old, req, planned, reply, lsn)?;
         }
-        old.journal.flush_now();
-        if old.journal.wait_durable(old.journal.last_lsn()) {
+        old.journal().flush_now();
+        if old.journal().wait_durable(old.journal().last_lsn()) {
             // The old journal says durable: its clients believe it.
-            let durable = old.journal.durable_lsn();
+            let durable = old.journal().durable_lsn();
             self.clients[c].kept.retain(|k| k.lsn > durable);
         }
-        old.journal.shutdown();
+        old.journal().shutdown();
         drop(old);
         self.replay_all()
     }
@@ -583,10 +579,10 @@ impl World {
             l.restarted(&s)?;
         }
         // Every client replayed: new changes run (the window's time has passed).
-        s.replay_window.close();
+        s.replay_window().close();
         // Replays are answered once durable.
-        s.journal.flush_now();
-        if !s.journal.wait_durable(s.journal.last_lsn()) {
+        s.journal().flush_now();
+        if !s.journal().wait_durable(s.journal().last_lsn()) {
             return Err("the live journal failed".into());
         }
         self.after_flush();
@@ -603,13 +599,13 @@ impl World {
             tag: k.tag,
         };
         req.seq_floor = cl.seq_floor().min(req.seq);
-        if !SessionTags::new(&s.replay_key, cl.session).genuine(&req) {
+        if !SessionTags::new(s.replay_key(), cl.session).genuine(&req) {
             return Err(format!(
                 "client {c}: its replay of seq {} was refused",
                 req.seq
             ));
         }
-        let cached = s.core.lock().replies.get(cl.session, req.seq);
+        let cached = s.reply_cached(cl.session, req.seq);
         let reply = exec_at(s, cl.session, req)?.reply;
         self.trace(|| {
             format!(
@@ -646,7 +642,7 @@ impl World {
         if let Some(l) = &self.leases {
             l.check(s)?;
         }
-        let core = s.core.lock();
+        let core = s.core();
         let problems = core.engine.check_invariants();
         if !problems.is_empty() {
             return Err(format!("namespace: {}", problems.join("; ")));
