@@ -759,9 +759,7 @@ impl Client {
         loop {
             if let Some(delay_ms) = pause.take() {
                 tokio::time::sleep(Duration::from_millis(delay_ms)).await;
-                if outside_replay() && self.inner.early.log.lock().has_suspects() {
-                    Box::pin(self.replay_lost()).await;
-                }
+                self.replays_before_retry().await;
             }
             let conn = match self.inner.pool.conn(addr).await {
                 Ok(c) => Some(c),
@@ -915,9 +913,20 @@ impl Client {
             match next {
                 Retry::GiveUp => return Err(err),
                 Retry::After { delay_ms } => {
-                    tokio::time::sleep(Duration::from_millis(delay_ms)).await
+                    tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                    self.replays_before_retry().await;
                 }
             }
+        }
+    }
+
+    /// Before a request is sent again after a failure (its server may be gone): what a
+    /// lost server process answered early is replayed first, so the retry cannot overtake
+    /// it. A write in flight when its server was killed, retried at the table's new owner
+    /// before the replay of the create that made its file, would find no file there.
+    async fn replays_before_retry(&self) {
+        if outside_replay() && self.inner.early.log.lock().has_suspects() {
+            Box::pin(self.replay_lost()).await;
         }
     }
 
@@ -1558,6 +1567,9 @@ impl Client {
             let Some(h) = known(self) else {
                 return Err(err);
             };
+            // The server lost the handle: a server process was lost, and the create of
+            // the file may wait for its replay, which the reopen must not overtake.
+            self.replays_before_retry().await;
             match self
                 .reclaim(&h.cred, h.id, h.flags & !REOPEN_STRIP, handle)
                 .await
