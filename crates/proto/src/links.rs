@@ -93,3 +93,51 @@ pub struct LinksPage {
     /// Where the next page starts; `None` after the last.
     pub next: Option<LinksCursor>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_encode_within_their_size_bounds() {
+        // The largest: every id at its widest varint, the longest name, an `Up::Via`.
+        let widest = CrossEntry {
+            dir: u64::MAX,
+            cookie: u64::MAX,
+            name: vec![b'n'; 255],
+            child: u64::MAX,
+            kind: FileKind::BlockDev,
+            up: Some(Up::Via(u64::MAX)),
+        };
+        let bytes = postcard::to_allocvec(&widest).unwrap().len();
+        assert!(bytes <= widest.bytes_max(), "{bytes}");
+        let inode = InodeLinks {
+            id: u64::MAX,
+            kind: FileKind::BlockDev,
+            nlink: u32::MAX,
+            names: u32::MAX,
+            parent: u64::MAX,
+        };
+        let bytes = postcard::to_allocvec(&inode).unwrap().len();
+        assert!(bytes <= InodeLinks::BYTES_MAX, "{bytes}");
+        // What a typical record costs: primary-region ids (9-byte varints), a file named
+        // by 8 bytes: 38 bytes; its inode's facts: 13.
+        let file = CrossEntry {
+            dir: 0x4400_0000_0000_0000,
+            cookie: 0x38627f3bb1828a30,
+            name: b"file.txt".to_vec(),
+            child: 0x4800_0000_0000_0001,
+            kind: FileKind::File,
+            up: None,
+        };
+        assert_eq!(postcard::to_allocvec(&file).unwrap().len(), 38);
+        let facts = InodeLinks {
+            id: 0x4800_0000_0000_0001,
+            kind: FileKind::File,
+            nlink: 2,
+            names: 1,
+            parent: 0,
+        };
+        assert_eq!(postcard::to_allocvec(&facts).unwrap().len(), 13);
+    }
+}
