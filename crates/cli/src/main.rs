@@ -3,6 +3,7 @@
 mod admin;
 mod cluster_up;
 mod coord;
+mod crosscheck;
 mod fsshell;
 mod mds;
 mod mount;

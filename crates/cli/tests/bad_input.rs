@@ -582,6 +582,25 @@ fn absurd_requests_get_errnos() {
             Errno::EINVAL,
         ),
         (Op::Fsck, Credentials::user(1000, 1000), Errno::EPERM),
+        (
+            Op::FsckLinks {
+                after: kochab_proto::links::LinksCursor::Start,
+            },
+            Credentials::user(1000, 1000),
+            Errno::EPERM,
+        ),
+        (
+            Op::FsckInodes { ids: vec![root] },
+            Credentials::user(1000, 1000),
+            Errno::EPERM,
+        ),
+        (
+            Op::FsckInodes {
+                ids: vec![root; kochab_proto::links::FSCK_IDS_MAX + 1],
+            },
+            Credentials::root(),
+            Errno::EINVAL,
+        ),
     ];
     for (i, (op, c, want)) in cases.into_iter().enumerate() {
         let reply = r.call(100 + i as u64, c, op.clone());

@@ -463,6 +463,187 @@ fn operations_across_servers_borrow_the_tables_they_need() {
     });
 }
 
+/// The owner of each of `ids`, by one status of the cluster.
+fn owners(server: &ServerProc, ids: &[InodeId]) -> Option<Vec<u64>> {
+    let v = status(server)?;
+    let tables = v["tables"].as_array()?;
+    ids.iter()
+        .map(|&id| {
+            tables.iter().find_map(|t| {
+                let lo = u64::from_str_radix(t["lo"].as_str()?, 16).ok()?;
+                let hi = u64::from_str_radix(t["hi"].as_str()?, 16).ok()?;
+                (lo <= id && id < hi).then(|| t["owner"].as_u64())?
+            })
+        })
+        .collect()
+}
+
+/// `kochab fsck` of the cluster while its tables stay where they are (the balancer may
+/// move them between two runs): its success, its output, and which of the names `names`
+/// ((directory, inode) pairs) cross servers by the placement it ran under.
+fn fsck_placed(server: &ServerProc, names: &[(InodeId, InodeId)]) -> (bool, String, Vec<bool>) {
+    let ids: Vec<InodeId> = names.iter().flat_map(|&(d, c)| [d, c]).collect();
+    for _ in 0..20 {
+        let before = owners(server, &ids);
+        let started = Instant::now();
+        let out = std::process::Command::new(common::kochab_bin())
+            .args(["fsck", "--cluster", &server.addr.to_string()])
+            .arg("--key-file")
+            .arg(server.data.join("cluster.key"))
+            .output()
+            .expect("run kochab fsck");
+        let took = started.elapsed();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        match (before, owners(server, &ids)) {
+            (Some(b), Some(a)) if a == b => {
+                eprintln!("kochab fsck took {took:?}:\n{text}");
+                let crossing = b.chunks(2).map(|p| p[0] != p[1]).collect();
+                return (out.status.success(), text, crossing);
+            }
+            _ => std::thread::sleep(Duration::from_millis(500)),
+        }
+    }
+    panic!("tables kept moving during 20 runs of kochab fsck");
+}
+
+/// Cross entries the online check gathered: `(N entries,` of its clean line.
+fn cross_entries(out: &str) -> usize {
+    let at = out
+        .find("links across servers (")
+        .expect("cross-server line")
+        + 22;
+    out[at..]
+        .split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no entry count: {out}"))
+}
+
+/// `kochab fsck` of a running two-server cluster whose names cross servers (files moved
+/// and hard-linked between directories of different servers, directories moved both
+/// ways, a symlink moved across) checks the links between the servers' tables, gathers
+/// exactly the names that cross and finds them consistent; after the cross names are
+/// removed again it is clean as well.
+#[test]
+fn fsck_of_a_running_cluster_checks_links_across_servers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let names = ["t0", "t1", "t2", "t3"];
+    let server = start_with_dirs(dir.path(), 2, &names);
+    let rt = runtime();
+    let c = rt.block_on(server.client(3));
+    let cred = Credentials::root();
+    let root = c.root();
+    let dirs = rt.block_on(dir_ids(&c, &names));
+    let top: Vec<(InodeId, InodeId)> = dirs.iter().map(|&d| (root, d)).collect();
+    let count = |v: &[bool]| v.iter().filter(|&&x| x).count();
+    let (ok, out, crossing) = fsck_placed(&server, &top);
+    assert!(ok, "fsck of the new cluster: {out}");
+    assert_eq!(cross_entries(&out), count(&crossing), "{out}");
+
+    let owner = |id| owner_of(&server, id).expect("owner").0;
+    let a = dirs[0];
+    let b = *dirs
+        .iter()
+        .find(|&&d| owner(d) != owner(a))
+        .expect("directories on both servers");
+    let log = || server.log_text();
+    let made = rt.block_on(async {
+        // A file of a's table, named in b twice and in a once.
+        c.create(&cred, a, b"f", 0o644).await.expect("create");
+        c.rename(&cred, a, b"f", b, b"f", 0)
+            .await
+            .unwrap_or_else(|e| panic!("rename across servers: {e}\n{}", log()));
+        let f = c.lookup(&cred, b, b"f").await.expect("moved file").id;
+        c.link(&cred, f, b, b"again").await.expect("link");
+        c.link(&cred, f, a, b"home").await.expect("link at home");
+        // Directories both ways, with something below them.
+        let sub = c.mkdir(&cred, a, b"sub", 0o755).await.expect("mkdir").id;
+        let deeper = c
+            .mkdir(&cred, sub, b"deeper", 0o755)
+            .await
+            .expect("mkdir")
+            .id;
+        c.create(&cred, deeper, b"x", 0o644).await.expect("create");
+        c.rename(&cred, a, b"sub", b, b"sub", 0)
+            .await
+            .unwrap_or_else(|e| panic!("directory across servers: {e}\n{}", log()));
+        let back = c.mkdir(&cred, b, b"back", 0o755).await.expect("mkdir").id;
+        c.rename(&cred, b, b"back", a, b"back", 0)
+            .await
+            .unwrap_or_else(|e| panic!("directory back across: {e}\n{}", log()));
+        let s = c.symlink(&cred, b, b"s", b"f").await.expect("symlink").id;
+        c.rename(&cred, b, b"s", a, b"s", 0)
+            .await
+            .unwrap_or_else(|e| panic!("symlink across servers: {e}\n{}", log()));
+        vec![(b, f), (b, f), (a, f), (b, sub), (a, back), (a, s)]
+    });
+    let all: Vec<(InodeId, InodeId)> = top.iter().chain(&made).copied().collect();
+    // The balancer may have put a's and b's tables together since (by load); then b's
+    // table is moved away by hand, so that the check sees names cross.
+    let mut tries = 0;
+    let (ok, out, crossing) = loop {
+        let (ok, out, crossing) = fsck_placed(&server, &all);
+        tries += 1;
+        if count(&crossing[top.len()..]) > 0 || tries == 3 {
+            break (ok, out, crossing);
+        }
+        let (with_a, _) = owner_of(&server, a).expect("owner");
+        let other = owners(&server, &dirs)
+            .expect("owners")
+            .into_iter()
+            .chain([2, 3])
+            .find(|&s| s != with_a)
+            .expect("another server");
+        let table = status(&server).expect("status")["tables"]
+            .as_array()
+            .expect("tables")
+            .iter()
+            .find_map(|t| {
+                let lo = u64::from_str_radix(t["lo"].as_str()?, 16).ok()?;
+                let hi = u64::from_str_radix(t["hi"].as_str()?, 16).ok()?;
+                (lo <= b && b < hi).then(|| t["lo"].as_str().map(str::to_string))?
+            })
+            .expect("b's table");
+        let moved = std::process::Command::new(common::kochab_bin())
+            .args(["table", "move", &table, "--to", &other.to_string()])
+            .args(["--timeout", "60", "--cluster", &server.addr.to_string()])
+            .arg("--key-file")
+            .arg(server.data.join("cluster.key"))
+            .output()
+            .expect("kochab table move");
+        assert!(moved.status.success(), "move: {moved:?}");
+    };
+    assert!(ok, "fsck with names across servers: {out}");
+    assert!(
+        !out.contains("across servers:"),
+        "no cross-server problem: {out}"
+    );
+    assert_eq!(cross_entries(&out), count(&crossing), "{out}");
+    assert!(
+        count(&crossing[top.len()..]) > 0,
+        "names cross servers: {out}"
+    );
+
+    rt.block_on(async {
+        for (d, n) in [(b, "f"), (b, "again"), (a, "s")] {
+            c.unlink(&cred, d, n.as_bytes()).await.expect("unlink");
+        }
+        let sub = c.lookup(&cred, b, b"sub").await.expect("sub").id;
+        let deeper = c.lookup(&cred, sub, b"deeper").await.expect("deeper").id;
+        c.unlink(&cred, deeper, b"x").await.expect("unlink");
+        c.rmdir(&cred, sub, b"deeper").await.expect("rmdir");
+        c.rmdir(&cred, b, b"sub").await.expect("rmdir across");
+        c.rmdir(&cred, a, b"back").await.expect("rmdir across");
+    });
+    let (ok, out, crossing) = fsck_placed(&server, &top);
+    assert!(ok, "fsck after removing the cross names: {out}");
+    assert_eq!(cross_entries(&out), count(&crossing), "{out}");
+}
+
 /// A borrowed table goes back and forth by deltas (only the boxes it changed) and comes
 /// back to a server that kept its copy; after many round trips both ways, a SIGKILL of
 /// everything and a restart that loads every table from the store alone serve exactly the

@@ -386,14 +386,16 @@ fn a_table_split_online_serves_both_halves_on_two_servers_and_after_a_kill() {
         names_in(&client, &subs).await
     });
     assert_eq!(expected.len(), 100 + 2 * rounds as usize);
-    // `kochab fsck` of the running cluster: every server checks the tables it holds.
+    // `kochab fsck` of the running cluster: every server checks the tables it holds, and
+    // the links between them are checked.
     let (ok, out) = kochab(&server, &["fsck"]);
     assert!(ok, "fsck: {out}");
     assert_eq!(
-        out.matches(": clean").count(),
+        out.matches(" tables): clean").count(),
         2,
         "one clean answer per server: {out}"
     );
+    assert!(out.contains("links across servers ("), "{out}");
     assert!(out.contains("20 tables on 2 servers"), "{out}");
 
     // The upper half's owner dies; its recoverer serves both halves' directories.

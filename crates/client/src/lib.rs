@@ -20,6 +20,7 @@ use dircache::DirCache;
 use kochab_cluster::router::{Retries, Retry, RetryPolicy};
 use kochab_proto::auth::ClientKey;
 use kochab_proto::cluster::DelegationMap;
+use kochab_proto::links::{InodeLinks, LinksCursor, LinksPage};
 use kochab_proto::*;
 use parking_lot::Mutex;
 use pool::Pool;
@@ -2124,6 +2125,34 @@ impl Client {
             .map_err(FsError::from)?
         {
             Reply::Problems(p) => Ok(p),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// One page of the connected server's cross-server link facts (root only; see
+    /// `kochab_proto::links`).
+    pub async fn fsck_links(&self, after: LinksCursor) -> FsResult<LinksPage> {
+        let req = Request::plain(&Credentials::root(), Op::FsckLinks { after });
+        match self
+            .send_single(&self.inner.home, &req, self.root())
+            .await
+            .map_err(FsError::from)?
+        {
+            Reply::Links(page) => Ok(page),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The connected server's link facts of those of `ids` its tables hold (root only; at
+    /// most `kochab_proto::links::FSCK_IDS_MAX`).
+    pub async fn fsck_inodes(&self, ids: Vec<InodeId>) -> FsResult<Vec<InodeLinks>> {
+        let req = Request::plain(&Credentials::root(), Op::FsckInodes { ids });
+        match self
+            .send_single(&self.inner.home, &req, self.root())
+            .await
+            .map_err(FsError::from)?
+        {
+            Reply::InodeLinks(found) => Ok(found),
             other => Err(unexpected(other)),
         }
     }

@@ -17,6 +17,7 @@ pub mod files;
 pub mod idpolicy;
 pub mod inode;
 pub mod layout;
+pub mod links;
 pub mod mutation;
 pub mod name;
 pub mod ops;

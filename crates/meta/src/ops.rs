@@ -229,6 +229,26 @@ impl Engine {
                 }
                 Ok(Reply::Problems(self.check_invariants()))
             }
+            Op::FsckLinks { after } => {
+                if !cred.is_root() {
+                    return fs(fs_err!(EPERM, "fsck needs root"));
+                }
+                Ok(Reply::Links(self.links_page(*after)))
+            }
+            Op::FsckInodes { ids } => {
+                if !cred.is_root() {
+                    return fs(fs_err!(EPERM, "fsck needs root"));
+                }
+                if ids.len() > kochab_proto::links::FSCK_IDS_MAX {
+                    return fs(fs_err!(
+                        EINVAL,
+                        "fsck asks about {} inodes at once, more than {}",
+                        ids.len(),
+                        kochab_proto::links::FSCK_IDS_MAX
+                    ));
+                }
+                Ok(Reply::InodeLinks(self.inode_links(ids)))
+            }
         }
     }
 

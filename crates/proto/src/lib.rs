@@ -9,6 +9,7 @@ pub mod codec;
 pub mod errno;
 pub mod frame;
 pub mod layout;
+pub mod links;
 pub mod msg;
 pub mod net;
 pub mod types;

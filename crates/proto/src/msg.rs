@@ -214,7 +214,7 @@ pub enum ReplyMode {
 }
 
 /// Names of the operation kinds, indexed by [`Op::index`].
-pub const OP_NAMES: [&str; 40] = [
+pub const OP_NAMES: [&str; 42] = [
     "lookup",
     "getattr",
     "setattr",
@@ -255,6 +255,8 @@ pub const OP_NAMES: [&str; 40] = [
     "datagrant",
     "commitslices",
     "layout",
+    "fscklinks",
+    "fsckinodes",
 ];
 
 /// Bytes of a name, serialized compactly.
@@ -496,6 +498,16 @@ pub enum Op {
         first_chunk: u64,
         chunks: u32,
     },
+    /// One page of the cross-server link facts of the tables this server holds, for the
+    /// online check of links between servers (root only; see [`crate::links`]).
+    FsckLinks {
+        after: crate::links::LinksCursor,
+    },
+    /// The link facts of those of `ids` that lie in tables this server holds (root only;
+    /// at most [`crate::links::FSCK_IDS_MAX`], EINVAL otherwise).
+    FsckInodes {
+        ids: Vec<InodeId>,
+    },
 }
 
 /// Slices one [`Op::CommitSlices`] carries at most (its record stays a few KiB).
@@ -582,6 +594,8 @@ impl Op {
             Op::DataGrant { .. } => 37,
             Op::CommitSlices { .. } => 38,
             Op::Layout { .. } => 39,
+            Op::FsckLinks { .. } => 40,
+            Op::FsckInodes { .. } => 41,
         }
     }
 
@@ -706,6 +720,8 @@ impl Op {
                 | Op::StatFs
                 | Op::Status
                 | Op::Fsck
+                | Op::FsckLinks { .. }
+                | Op::FsckInodes { .. }
                 | Op::Read { .. }
                 | Op::GetLk { .. }
         )
@@ -770,6 +786,10 @@ pub enum Reply {
     Grant(crate::layout::Grant),
     /// Layout.
     Layout(crate::layout::Layout),
+    /// FsckLinks.
+    Links(crate::links::LinksPage),
+    /// FsckInodes: the facts of the asked inodes the server holds, in the order asked.
+    InodeLinks(Vec<crate::links::InodeLinks>),
 }
 
 impl Reply {

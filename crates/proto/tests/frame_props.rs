@@ -262,7 +262,72 @@ fn op() -> impl Strategy<Value = Op> {
                 chunks,
             }
         }),
+        links_cursor().prop_map(|after| Op::FsckLinks { after }),
+        vec(any::<u64>(), 0..8).prop_map(|ids| Op::FsckInodes { ids }),
     ]
+}
+
+fn links_cursor() -> impl Strategy<Value = kochab_proto::links::LinksCursor> {
+    use kochab_proto::links::LinksCursor;
+    prop_oneof![
+        Just(LinksCursor::Start),
+        (any::<u64>(), any::<u64>()).prop_map(|(dir, cookie)| LinksCursor::Entries { dir, cookie }),
+        any::<u64>().prop_map(|from| LinksCursor::Inodes { from }),
+    ]
+}
+
+fn inode_links() -> impl Strategy<Value = kochab_proto::links::InodeLinks> {
+    (
+        any::<u64>(),
+        file_kind(),
+        any::<u32>(),
+        any::<u32>(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(id, kind, nlink, names, parent)| kochab_proto::links::InodeLinks {
+                id,
+                kind,
+                nlink,
+                names,
+                parent,
+            },
+        )
+}
+
+fn links_page() -> impl Strategy<Value = kochab_proto::links::LinksPage> {
+    use kochab_proto::links::{CrossEntry, LinksPage, Up};
+    let up = prop_oneof![
+        Just(Up::Root),
+        any::<u64>().prop_map(Up::Via),
+        Just(Up::Broken),
+    ];
+    let entry = (
+        any::<u64>(),
+        any::<u64>(),
+        bytes(255),
+        any::<u64>(),
+        file_kind(),
+        proptest::option::of(up),
+    )
+        .prop_map(|(dir, cookie, name, child, kind, up)| CrossEntry {
+            dir,
+            cookie,
+            name,
+            child,
+            kind,
+            up,
+        });
+    (
+        vec(entry, 0..4),
+        vec(inode_links(), 0..4),
+        proptest::option::of(links_cursor()),
+    )
+        .prop_map(|(entries, inodes, next)| LinksPage {
+            entries,
+            inodes,
+            next,
+        })
 }
 
 fn slice_ref() -> impl Strategy<Value = SliceRef> {
@@ -612,6 +677,8 @@ fn reply() -> impl Strategy<Value = Reply> {
         proptest::option::of(control_reply()).prop_map(Reply::Control),
         grant().prop_map(Reply::Grant),
         layout().prop_map(Reply::Layout),
+        links_page().prop_map(Reply::Links),
+        vec(inode_links(), 0..4).prop_map(Reply::InodeLinks),
     ];
     leaf.prop_recursive(2, 8, 3, |inner| {
         (inner, vec(attr(), 0..3)).prop_map(|(r, dirs)| Reply::WithDirs {
@@ -907,6 +974,8 @@ fn reply_variant(r: &Reply) -> usize {
         Reply::Child { .. } => 17,
         Reply::Grant(_) => 18,
         Reply::Layout(_) => 19,
+        Reply::Links(_) => 20,
+        Reply::InodeLinks(_) => 21,
     }
 }
 
@@ -914,7 +983,7 @@ fn reply_variant(r: &Reply) -> usize {
 fn every_reply_variant_is_generated() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = reply();
-    let mut seen = [false; 20];
+    let mut seen = [false; 22];
     for _ in 0..5000 {
         let tree = strategy.new_tree(&mut runner).unwrap();
         seen[reply_variant(&tree.current())] = true;

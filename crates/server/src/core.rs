@@ -1155,7 +1155,10 @@ impl Shared {
                 None => Vec::new(),
             };
             let before = self.journal.last_lsn();
-            let global = matches!(req.op, Op::Status | Op::StatFs | Op::Fsck);
+            let global = matches!(
+                req.op,
+                Op::Status | Op::StatFs | Op::Fsck | Op::FsckLinks { .. } | Op::FsckInodes { .. }
+            );
             // Only a replay whose tag verified gets here in this mode (the connection
             // refuses the others, see `replaytags::SessionTags`).
             core.engine.want_id = match req.mode {
