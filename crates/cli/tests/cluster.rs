@@ -125,6 +125,17 @@ fn with_dirs(server: ServerProc, n: usize, dirs: &[&str]) -> ServerProc {
     server
 }
 
+/// The first of `dirs` and one of them whose table another server holds.
+fn dirs_on_two_servers(server: &ServerProc, dirs: &[InodeId]) -> (InodeId, InodeId) {
+    let owner = |id| owner_of(server, id).expect("owner").0;
+    let a = dirs[0];
+    let b = *dirs
+        .iter()
+        .find(|&&d| owner(d) != owner(a))
+        .expect("directories on both servers");
+    (a, b)
+}
+
 async fn dir_ids(c: &Client, names: &[&str]) -> Vec<InodeId> {
     let mut out = Vec::new();
     for d in names {
@@ -544,12 +555,7 @@ fn fsck_of_a_running_cluster_checks_links_across_servers() {
     assert!(ok, "fsck of the new cluster: {out}");
     assert_eq!(cross_entries(&out), count(&crossing), "{out}");
 
-    let owner = |id| owner_of(&server, id).expect("owner").0;
-    let a = dirs[0];
-    let b = *dirs
-        .iter()
-        .find(|&&d| owner(d) != owner(a))
-        .expect("directories on both servers");
+    let (a, b) = dirs_on_two_servers(&server, &dirs);
     let log = || server.log_text();
     let made = rt.block_on(async {
         // A file of a's table, named in b twice and in a once.
@@ -657,12 +663,7 @@ fn tables_borrowed_many_times_reload_exactly_from_their_deltas() {
         let c = server.client(3).await;
         let cred = Credentials::root();
         let dirs = dir_ids(&c, &names).await;
-        let owner = |id| owner_of(&server, id).expect("owner").0;
-        let a = dirs[0];
-        let b = *dirs
-            .iter()
-            .find(|&&d| owner(d) != owner(a))
-            .expect("directories on both servers");
+        let (a, b) = dirs_on_two_servers(&server, &dirs);
         for i in 0..40 {
             let f = format!("f{i}");
             c.create(&cred, a, f.as_bytes(), 0o644)

@@ -926,15 +926,14 @@ fn name_hash([k0, k1]: [u64; 2], name: &[u8]) -> u64 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn quarantined_ids_leave_with_their_table_and_stay_out_of_use_where_it_arrives() {
+    /// A cluster's engine with one file, "f" in the root (made at time 2): the engine, the
+    /// root and the file.
+    fn engine_with_a_file() -> (Engine, InodeId, InodeId) {
         let mut e = Engine::new_cluster(EngineConfig::with_key([1, 2])).unwrap();
         for m in e.bootstrap(1) {
             e.apply(&m).unwrap();
         }
         let root = e.root();
-        let cred = Credentials::root();
-        let mut out = Vec::new();
         let op = Op::Mknod {
             parent: root,
             name: b"f".to_vec(),
@@ -942,10 +941,18 @@ mod tests {
             rdev: 0,
             exclusive: true,
         };
-        let id = match e.execute(&cred, &op, 2, &mut out) {
+        let id = match e.execute(&Credentials::root(), &op, 2, &mut Vec::new()) {
             Reply::Entry(a) => a.id,
             other => panic!("{other:?}"),
         };
+        (e, root, id)
+    }
+
+    #[test]
+    fn quarantined_ids_leave_with_their_table_and_stay_out_of_use_where_it_arrives() {
+        let (mut e, root, id) = engine_with_a_file();
+        let cred = Credentials::root();
+        let mut out = Vec::new();
         let unlink = Op::Unlink {
             parent: root,
             name: b"f".to_vec(),
@@ -968,22 +975,7 @@ mod tests {
 
     #[test]
     fn a_retry_at_a_member_without_the_inodes_table_is_wrong_server_not_gone() {
-        let mut e = Engine::new_cluster(EngineConfig::with_key([1, 2])).unwrap();
-        for m in e.bootstrap(1) {
-            e.apply(&m).unwrap();
-        }
-        let root = e.root();
-        let op = Op::Mknod {
-            parent: root,
-            name: b"f".to_vec(),
-            mode: mode::S_IFREG | 0o644,
-            rdev: 0,
-            exclusive: true,
-        };
-        let id = match e.execute(&Credentials::root(), &op, 2, &mut Vec::new()) {
-            Reply::Entry(a) => a.id,
-            other => panic!("{other:?}"),
-        };
+        let (mut e, _, id) = engine_with_a_file();
         assert_eq!(e.attr_for_retry(id).unwrap().map(|a| a.id), Some(id));
         let lo = e.tables()[e.table_index(id).unwrap()].lo;
         e.member = true;
