@@ -9,6 +9,8 @@ pub struct SimStats {
     pub ops: u64,
     pub flushes: u64,
     pub checkpoints: u64,
+    /// Journals of earlier processes that checkpoints deleted (no table needed them).
+    pub journals_deleted: u64,
     /// Crashes of the process (what it wrote stays) and of the machine (only what was
     /// synced stays).
     pub kills: u64,

@@ -451,7 +451,8 @@ impl World {
     fn checkpoint(&mut self) -> Result<(), String> {
         let s = self.live()?.clone();
         let report = s.checkpointer().round(&s);
-        report.map_err(|e| format!("checkpoint: {e}"))?;
+        let report = report.map_err(|e| format!("checkpoint: {e}"))?;
+        self.stats.journals_deleted += report.journals_deleted as u64;
         self.trace(|| "checkpoint".into());
         self.stats.checkpoints += 1;
         Ok(())

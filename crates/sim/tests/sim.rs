@@ -49,8 +49,8 @@ fn seeds_pass() {
     let sum = |f: fn(&kochab_sim::SimStats) -> u64| stats.iter().map(f).sum::<u64>();
     eprintln!(
         "{n} seeds passed in {:.1} s: {} operations, {} replays, {} kill -9, {} power \
-         losses, {} fences, {} checkpoints, {} replies lost, {} data operations, {} callbacks \
-         answered",
+         losses, {} fences, {} checkpoints ({} old journals deleted), {} replies lost, {} data \
+         operations, {} callbacks answered",
         started.elapsed().as_secs_f64(),
         sum(|s| s.ops),
         sum(|s| s.replays),
@@ -58,6 +58,7 @@ fn seeds_pass() {
         sum(|s| s.power_losses),
         sum(|s| s.fences),
         sum(|s| s.checkpoints),
+        sum(|s| s.journals_deleted),
         sum(|s| s.dropped_replies),
         sum(|s| s.data_ops),
         sum(|s| s.callbacks),

@@ -350,10 +350,23 @@ impl ObjectStore for MemStore {
         Ok(())
     }
 
+    /// Objects and sub-folders directly under `prefix`, as a file system's directory or an
+    /// S3 listing with a delimiter gives them (a folder is there while it holds objects).
     fn list(&self, prefix: &str) -> io::Result<Vec<String>> {
-        Ok(in_folder(&lock(&self.state).names, prefix)
-            .map(|(k, _)| k.clone())
-            .collect())
+        let st = lock(&self.state);
+        let dir = format!("{prefix}/");
+        let mut names: Vec<String> = st
+            .names
+            .range(dir.clone()..)
+            .take_while(|(k, _)| k.starts_with(&dir))
+            .map(|(k, _)| match k[dir.len()..].find('/') {
+                Some(end) => k[..dir.len() + end].to_string(),
+                None => k.clone(),
+            })
+            .collect();
+        names.sort();
+        names.dedup();
+        Ok(names)
     }
 
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
@@ -440,6 +453,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_listing_names_objects_and_sub_folders_as_a_directory_does() {
+        let s = MemStore::new();
+        for name in ["j/a/seg1", "j/a/seg2", "j/a-b", "j/b/x/y", "j/c", "k/z"] {
+            s.put(name, b"1").unwrap();
+        }
+        assert_eq!(s.list("j").unwrap(), ["j/a", "j/a-b", "j/b", "j/c"]);
+        assert_eq!(s.list("j/b").unwrap(), ["j/b/x"]);
+        assert!(s.list("none").unwrap().is_empty());
+        s.delete("j/c").unwrap();
+        s.delete_many(&["j/a/seg1".to_string(), "j/a/seg2".to_string()])
+            .unwrap();
+        assert_eq!(
+            s.list("j").unwrap(),
+            ["j/a-b", "j/b"],
+            "an empty folder is gone"
+        );
+    }
+
+    #[test]
     fn create_if_absent_creates_once() {
         let s = MemStore::new();
         s.create_if_absent("m/x", b"1").unwrap();
@@ -476,7 +508,7 @@ mod tests {
         let s = MemStore::new();
         s.put("journal/a", b"abc").unwrap();
         s.put("journal/sub/b", b"x").unwrap();
-        assert_eq!(s.list("journal").unwrap(), vec!["journal/a".to_string()]);
+        assert_eq!(s.list("journal").unwrap(), ["journal/a", "journal/sub"]);
         let o = s.open("journal/a", false).unwrap();
         o.write_at(b"Z", 5).unwrap();
         assert_eq!(s.get("journal/a").unwrap().unwrap(), b"abc\0\0Z");
