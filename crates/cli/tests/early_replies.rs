@@ -9,6 +9,8 @@
 mod common;
 
 use common::{CRASH_SIM, Loss, MountProc, ServerProc, durable_inodes};
+use kochab_client::{Client, ClientConfig};
+use kochab_proto::Credentials;
 use std::collections::BTreeSet;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
@@ -200,13 +202,19 @@ fn with_dirsync_a_crash_of_server_and_mount_loses_nothing_acknowledged() {
     assert_eq!(names(&mount.mnt.join("d")), expected(FILES));
 }
 
-/// Two mounts: one creates a name, the other unlinks it, both before the journal has the
-/// create. The unlink depended on the other session's change, so it is not answered early
+/// A mount creates a name, and another client (native, with early replies, as a mount's
+/// client is) unlinks it, both before the journal has the create. The unlink depended on
+/// the other session's change, so it is not answered early
 /// (`crates/server/src/unsettled.rs`): it waits for the journal. The server loses power
-/// before either record is durable; the first mount replays its create, the second sends
-/// its unlink again after the replays. Both calls return 0, and the name is gone, as they
-/// said. (Answered early, the unlink could replay before the create and fail, and the
-/// name would come back: an acknowledged unlink lost.)
+/// before either record is durable; the mount replays its create, and the client sends its
+/// unlink again, which the replay window holds until the replays are in. Both calls return
+/// 0, and the name is gone, as they said. (Answered early, the unlink could replay before
+/// the create and fail, and the name would come back: an acknowledged unlink lost.)
+///
+/// Not a second mount: its kernel looks the name up before the unlink, and that lookup,
+/// which observed the create, is what waits for the journal; sent again after the crash it
+/// can find no name yet (reads are not held by the replay window), and the kernel then
+/// never sends the unlink.
 #[test]
 fn an_unlink_of_a_name_another_mount_just_made_is_not_lost_in_a_crash() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -214,13 +222,25 @@ fn an_unlink_of_a_name_another_mount_just_made_is_not_lost_in_a_crash() {
     let mut server = slow_server(&data, "0", HOLD_MS);
     let port = server.addr.port().to_string();
     let key = data.join("cluster.key");
-    let maker = MountProc::start(server.addr, &key, &tmp.path().join("a"));
-    let remover = MountProc::start(server.addr, &key, &tmp.path().join("b"));
-    fs::File::create(maker.mnt.join("x")).expect("create at the first mount");
-    let unlinked = {
-        let path = remover.mnt.join("x");
-        std::thread::spawn(move || fs::remove_file(path))
-    };
+    let maker_log = tmp.path().join("maker.log");
+    let maker = MountProc::start_logged(
+        server.addr,
+        &key,
+        &tmp.path().join("a"),
+        &[],
+        Some(&maker_log),
+    );
+    fs::File::create(maker.mnt.join("x")).expect("create at the mount");
+    let mut cfg = ClientConfig::with_entries(server.addrs.clone(), server.key);
+    cfg.early_replies = true;
+    cfg.retry_budget = Duration::from_secs(60);
+    let unlinked = std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        rt.block_on(async {
+            let c = Client::connect(cfg).await.expect("connect");
+            c.unlink(&Credentials::root(), c.root(), b"x").await
+        })
+    });
     // The unlink reaches the server and waits there for the held flush.
     std::thread::sleep(Duration::from_millis(800));
     assert!(
@@ -232,17 +252,20 @@ fn an_unlink_of_a_name_another_mount_just_made_is_not_lost_in_a_crash() {
         durable_inodes(&data) < 2,
         "the create was durable at the crash: nothing to replay"
     );
-    let _server = restarted(&data, &port);
-    unlinked
-        .join()
-        .expect("unlink thread")
-        .expect("the unlink, sent again after the restart");
+    let server = restarted(&data, &port);
+    if let Err(e) = unlinked.join().expect("unlink thread") {
+        panic!(
+            "the unlink, sent again after the restart: {e}\nserver log:\n{}\nmount log:\n{}",
+            server.log_text(),
+            fs::read_to_string(&maker_log).unwrap_or_default(),
+        );
+    }
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline && names(&maker.mnt).contains("x") {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(
-        !names(&maker.mnt).contains("x") && !names(&remover.mnt).contains("x"),
+        !names(&maker.mnt).contains("x"),
         "the acknowledged unlink was lost: x is back"
     );
 }
