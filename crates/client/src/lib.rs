@@ -923,10 +923,11 @@ impl Client {
 
     /// Before a request is sent again after a failure (its server may be gone): what a
     /// lost server process answered early is replayed first, so the retry cannot overtake
-    /// it. A write in flight when its server was killed, retried at the table's new owner
-    /// before the replay of the create that made its file, would find no file there.
+    /// it, nor a replay already under way (whose entries have left the log). A write in
+    /// flight when its server was killed, retried at the table's new owner before the
+    /// replay of the create that made its file, would find no file there.
     async fn replays_before_retry(&self) {
-        if outside_replay() && self.inner.early.log.lock().has_suspects() {
+        if outside_replay() && self.inner.early.log.lock().replays_owed() {
             Box::pin(self.replay_lost()).await;
         }
     }
@@ -1863,9 +1864,10 @@ impl Client {
         // request waits for a server (the retry budget).
         let cfg = &self.inner.config;
         let deadline = Instant::now() + cfg.request_timeout.max(cfg.retry_budget);
-        while self.inner.early.log.lock().has_suspects() {
+        while self.inner.early.log.lock().replays_owed() {
+            // Waits for a replay under way too (`replay_lost` takes its lock first).
             self.replay_lost().await;
-            if Instant::now() >= deadline || !self.inner.early.log.lock().has_suspects() {
+            if Instant::now() >= deadline || !self.inner.early.log.lock().replays_owed() {
                 break;
             }
             tokio::time::sleep(REPLAY_RETRY).await;

@@ -177,9 +177,17 @@ impl ReplayLog {
         None
     }
 
-    /// True while some process must be looked at before new requests go out.
+    /// True while some process must be looked at (the replayer's work).
     pub fn has_suspects(&self) -> bool {
         !self.suspects.is_empty()
+    }
+
+    /// True while a lost process may have changes still to replay: some process must be
+    /// looked at, or a replay is under way (its entries are taken out of the log while
+    /// they run). A request waits for this before it goes out, new or sent again, so that
+    /// it cannot overtake a replay.
+    pub fn replays_owed(&self) -> bool {
+        !self.suspects.is_empty() || !self.in_replay.is_empty()
     }
 
     /// Process `incarnation` still runs: its journal will hold what it answered.
@@ -389,6 +397,14 @@ mod tests {
         log.lost(7);
         let taken = log.take_gone(7);
         assert!(log.is_empty(), "taken out of the kept entries");
+        assert!(
+            !log.has_suspects(),
+            "nothing left for the replayer to look at"
+        );
+        assert!(
+            log.replays_owed(),
+            "but requests must not overtake the replays"
+        );
         assert!(!log.clear_before(upto), "being replayed: not clear yet");
         log.replayed(taken[0].0, &taken[0].1);
         assert!(!log.clear_before(upto), "one replay still to run");
@@ -398,6 +414,7 @@ mod tests {
         let taken = log.take_gone(7);
         log.replayed(taken[0].0, &taken[0].1);
         assert!(log.clear_before(upto), "every replay ran");
+        assert!(!log.replays_owed());
     }
 
     #[test]
