@@ -1330,12 +1330,7 @@ impl Client {
     /// The status of the server this client connected to (its first entry address that
     /// answered), also when it routes by a map.
     pub async fn status(&self) -> FsResult<StatusReport> {
-        let req = Request::plain(&Credentials::root(), Op::Status);
-        match self
-            .send_single(&self.inner.home, &req, self.root())
-            .await
-            .map_err(FsError::from)?
-        {
+        match self.ask_home(Op::Status).await? {
             Reply::Status(s) => Ok(s),
             other => Err(unexpected(other)),
         }
@@ -2119,13 +2114,17 @@ impl Client {
         self.inner.early.log.lock().len()
     }
 
-    pub async fn fsck(&self) -> FsResult<Vec<String>> {
-        let req = Request::plain(&Credentials::root(), Op::Fsck);
-        match self
-            .send_single(&self.inner.home, &req, self.root())
+    /// Sends `op` as root to the server this client connected to (not routed: the
+    /// answer is that server's own).
+    async fn ask_home(&self, op: Op) -> FsResult<Reply> {
+        let req = Request::plain(&Credentials::root(), op);
+        self.send_single(&self.inner.home, &req, self.root())
             .await
-            .map_err(FsError::from)?
-        {
+            .map_err(FsError::from)
+    }
+
+    pub async fn fsck(&self) -> FsResult<Vec<String>> {
+        match self.ask_home(Op::Fsck).await? {
             Reply::Problems(p) => Ok(p),
             other => Err(unexpected(other)),
         }
@@ -2134,12 +2133,7 @@ impl Client {
     /// One page of the connected server's cross-server link facts (root only; see
     /// `kochab_proto::links`).
     pub async fn fsck_links(&self, after: LinksCursor) -> FsResult<LinksPage> {
-        let req = Request::plain(&Credentials::root(), Op::FsckLinks { after });
-        match self
-            .send_single(&self.inner.home, &req, self.root())
-            .await
-            .map_err(FsError::from)?
-        {
+        match self.ask_home(Op::FsckLinks { after }).await? {
             Reply::Links(page) => Ok(page),
             other => Err(unexpected(other)),
         }
@@ -2148,12 +2142,7 @@ impl Client {
     /// The connected server's link facts of those of `ids` its tables hold (root only; at
     /// most `kochab_proto::links::FSCK_IDS_MAX`).
     pub async fn fsck_inodes(&self, ids: Vec<InodeId>) -> FsResult<Vec<InodeLinks>> {
-        let req = Request::plain(&Credentials::root(), Op::FsckInodes { ids });
-        match self
-            .send_single(&self.inner.home, &req, self.root())
-            .await
-            .map_err(FsError::from)?
-        {
+        match self.ask_home(Op::FsckInodes { ids }).await? {
             Reply::InodeLinks(found) => Ok(found),
             other => Err(unexpected(other)),
         }
