@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 /// Reply-cache entries handed over with a released table at most (a well-behaved client's
 /// are only its requests in flight).
-const HANDED_OVER_REPLIES_MAX: usize = 4096;
+pub(crate) const HANDED_OVER_REPLIES_MAX: usize = 4096;
 /// The session id the server's own callbacks are counted under (no client has it: session
 /// ids are MACs, and this one is reserved).
 const SERVER_ITSELF: u64 = u64::MAX;

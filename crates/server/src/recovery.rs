@@ -122,6 +122,12 @@ pub fn recover_tables(
 
     let started = Instant::now();
     let mut replies = ReplyCache::default();
+    // Entries a manifest carries (handed over with a released table, or recovered by the
+    // running server that took it over) until its owner's next checkpoint saves them in
+    // a snapshot of its own: the journals they came from may be named by no table now.
+    for m in manifests.values() {
+        replies.import(&m.replies);
+    }
     let mut total = RecoveryReport::default();
     let mut ends: BTreeMap<JournalId, u64> = BTreeMap::new();
     for j in journal_order(manifests.values()) {
@@ -175,6 +181,18 @@ pub fn recover_tables(
         // lets the old journals (and their snapshots) go: a client may still retry or
         // replay an operation whose entry only they held.
         crate::manifest::write_replies(store, me, next_lsn - 1, replies.export(usize::MAX))?;
+    }
+    if running_next_lsn.is_some() {
+        // A running server takes the tables over and keeps these entries in memory only
+        // until its next checkpoint round; the claim below stops naming journals with
+        // nothing left to replay, whose snapshots held them. So each manifest carries them
+        // (as a release hands entries over) until then: a crash of this server first must
+        // not lose a reply a client may still ask for again (the operation would run twice,
+        // or a create answer EEXIST to its own retry).
+        let carried = replies.export(crate::membership::HANDED_OVER_REPLIES_MAX);
+        for m in manifests.values_mut() {
+            m.replies = carried.clone();
+        }
     }
     let mut claimed = Vec::new();
     // Highest first: the upper half of a split is written before the claim of its lower

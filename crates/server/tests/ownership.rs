@@ -536,3 +536,36 @@ async fn a_retry_after_a_takeover_is_answered_from_the_moved_reply_cache() {
     b.shutdown().await;
     a.shutdown().await;
 }
+
+/// A takeover's reply-cache entries outlive a crash of the server that took the table
+/// over before its first checkpoint: its claim stopped naming the old journal (nothing
+/// left to replay there after the old owner's checkpoint), whose reply snapshot held
+/// them, so the table's manifest carries them. Found by the cluster simulation (seed 16:
+/// a hard link retried after two failovers answered EEXIST, its own name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_two_takeovers_is_answered_from_the_reply_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, root, lo, sa) = server_a(tmp.path()).await;
+    let Some(Reply::Entry(first)) = create(&sa, root, "once", 42) else {
+        panic!("create");
+    };
+    let s = sa.clone();
+    blocking(move || s.checkpointer().round(&s).map(|_| ())).unwrap();
+    let b = member(&tmp.path().join("b"), &a, 2, 1).await;
+    let sb = b.shared().clone();
+    let (journal, s) = (sa.journal().id(), sb.clone());
+    blocking(move || s.recover_tables(&[lo], journal)).unwrap();
+    // B dies before any checkpoint of its own; C takes the table from B's journal.
+    sb.journal().fail_stop("killed".into());
+    let c = member(&tmp.path().join("c"), &a, 3, 1).await;
+    let sc = c.shared().clone();
+    let (journal, s) = (sb.journal().id(), sc.clone());
+    blocking(move || s.recover_tables(&[lo], journal)).unwrap();
+    match create(&sc, root, "once", 42) {
+        Some(Reply::Entry(again)) => assert_eq!(again.id, first.id, "answered, not rerun"),
+        other => panic!("retry answered with {other:?}"),
+    }
+    c.shutdown().await;
+    b.shutdown().await;
+    a.shutdown().await;
+}
