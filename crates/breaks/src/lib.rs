@@ -32,11 +32,16 @@ pub enum Break {
     /// A callback's answer is accepted from any session, not only from the one it was
     /// sent to: a change proceeds while the real holder still caches what it changes.
     CallbackOtherSession,
+    /// A table leaves its server (a migration, a borrow or its return) without waiting
+    /// until the records that touched it, and the replies handed over with it, are
+    /// durable: a crash of the old server then loses the half of an operation that
+    /// another server's table also shows, or a reply its next owner says ran.
+    ReleaseBeforeDurable,
 }
 
 impl Break {
     /// Every switch, in the order of [`Break::name`]'s list.
-    pub const ALL: [Break; 7] = [
+    pub const ALL: [Break; 8] = [
         Break::Fencing,
         Break::ReplyBeforeDurable,
         Break::ReplyCache,
@@ -44,6 +49,7 @@ impl Break {
         Break::DependentEarly,
         Break::ReplayedWriteSkipped,
         Break::CallbackOtherSession,
+        Break::ReleaseBeforeDurable,
     ];
 
     /// The name `SIM_BREAK` takes.
@@ -56,6 +62,7 @@ impl Break {
             Break::DependentEarly => "dependent-early",
             Break::ReplayedWriteSkipped => "replayed-write-skipped",
             Break::CallbackOtherSession => "callback-other-session",
+            Break::ReleaseBeforeDurable => "release-before-durable",
         }
     }
 

@@ -205,6 +205,29 @@ impl ClusterLinks {
     }
 }
 
+/// The cross-server facts of engines in one process (a simulation's servers), gathered as
+/// `kochab fsck` gathers them over the network: every page, then the unknown ids.
+pub fn gather(servers: &[&Engine]) -> ClusterLinks {
+    let mut links = ClusterLinks::default();
+    for e in servers {
+        let mut after = LinksCursor::Start;
+        loop {
+            let page = e.links_page(after);
+            links.entries.extend(page.entries);
+            links.inodes.extend(page.inodes);
+            match page.next {
+                Some(next) => after = next,
+                None => break,
+            }
+        }
+    }
+    let unknown = links.unknown();
+    for e in servers {
+        links.inodes.extend(e.inode_links(&unknown));
+    }
+    links
+}
+
 /// The problems of links between servers' tables that the gathered facts show, in the
 /// style of [`Engine::check_invariants`]: entries naming missing inodes or the wrong
 /// kind, link counts that differ from the names across all servers, directories with no
@@ -412,28 +435,6 @@ mod tests {
             }
             e
         }
-    }
-
-    /// What `kochab fsck` gathers from the servers: every page, then the unknown ids.
-    fn gather(servers: &[&Engine]) -> ClusterLinks {
-        let mut links = ClusterLinks::default();
-        for e in servers {
-            let mut after = LinksCursor::Start;
-            loop {
-                let page = e.links_page(after);
-                links.entries.extend(page.entries);
-                links.inodes.extend(page.inodes);
-                match page.next {
-                    Some(next) => after = next,
-                    None => break,
-                }
-            }
-        }
-        let unknown = links.unknown();
-        for e in servers {
-            links.inodes.extend(e.inode_links(&unknown));
-        }
-        links
     }
 
     /// Two servers: A holds the root and /a's table, B holds /b's table; renames of files

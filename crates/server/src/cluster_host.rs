@@ -243,29 +243,6 @@ pub fn answers(c: &Control, r: &ControlReply) -> bool {
     }
 }
 
-/// The inodes an operation touches: by id, through a handle of this client, and those the
-/// engine's plan adds (the entries it removes, the ancestors a directory move checks). The
-/// first is the one the client routed by.
-fn op_ids(core: &Core, client: u64, op: &Op) -> Vec<InodeId> {
-    let mut ids: Vec<InodeId> = op.inode_ids().into_iter().flatten().collect();
-    if let Some(h) = op.handle()
-        && let Some(of) = core.sessions.get(client, h)
-    {
-        ids.push(of.id);
-    }
-    if let Op::CloseMany { handles } = op {
-        // A longer one is refused when it runs; looking beyond the bound costs for nothing.
-        ids.extend(
-            handles
-                .iter()
-                .take(CLOSE_MANY_HANDLES_MAX + 1)
-                .filter_map(|&h| Some(core.sessions.get(client, h)?.id)),
-        );
-    }
-    ids.extend(core.engine.plan(op));
-    ids
-}
-
 impl ClusterHost {
     /// Registers a new incarnation of `cfg.server` with the coordinator (a random nonce)
     /// and keeps its lease from then on. Fails if the coordinator does not answer within
@@ -480,17 +457,10 @@ impl ClusterHost {
     /// [`ClusterHost::op_done`] with the tables returned; `Err`: answer this instead.
     pub fn admit_op(&self, core: &Core, client: u64, op: &Op) -> Result<Vec<TableId>, Refusal> {
         let refuse = |r: Reply| Err(Refusal::Reply(Box::new(r)));
-        let mut tables = Vec::new();
-        let ranges = self.ranges.read();
-        for id in op_ids(core, client, op) {
-            let Some(t) = ranges.table_of(id) else {
-                return refuse(Reply::Error(kochab_meta::not_in_any_table(id)));
-            };
-            if !tables.contains(&t) {
-                tables.push(t);
-            }
-        }
-        drop(ranges);
+        let tables = match self.ranges.read().tables_of(core.op_ids(client, op)) {
+            Ok(tables) => tables,
+            Err(id) => return refuse(Reply::Error(kochab_meta::not_in_any_table(id))),
+        };
         if tables.is_empty() {
             return Ok(tables);
         }

@@ -151,6 +151,30 @@ pub fn note_modified(modified: &mut FxHashMap<InodeId, u64>, muts: &[Mutation], 
 }
 
 impl Core {
+    /// The inodes an operation touches: by id, through a handle of this client, and those
+    /// the engine's plan adds (the entries it removes, the ancestors a directory move
+    /// checks). The first is the one the client routed by. A member's admission maps them
+    /// to tables.
+    pub fn op_ids(&self, client: u64, op: &Op) -> Vec<InodeId> {
+        let mut ids: Vec<InodeId> = op.inode_ids().into_iter().flatten().collect();
+        if let Some(h) = op.handle()
+            && let Some(of) = self.sessions.get(client, h)
+        {
+            ids.push(of.id);
+        }
+        if let Op::CloseMany { handles } = op {
+            // A longer one is refused when it runs; looking beyond the bound costs for nothing.
+            ids.extend(
+                handles
+                    .iter()
+                    .take(CLOSE_MANY_HANDLES_MAX + 1)
+                    .filter_map(|&h| Some(self.sessions.get(client, h)?.id)),
+            );
+        }
+        ids.extend(self.engine.plan(op));
+        ids
+    }
+
     /// The open handles on inodes in `lo..hi`, taken out for a table leaving this server:
     /// this server's own handles and those that arrived with the table earlier, each once,
     /// and the open counts no handle here accounts for (they came with the table from a

@@ -179,6 +179,7 @@ pub async fn start_on(
         me,
         data_path: dir.path.clone(),
         cluster: None,
+        admission: None,
         replay_window: crashed,
     };
     serve(config, member, recovered, Some(lock)).await
@@ -239,6 +240,7 @@ async fn start_over_store(
         me,
         data_path: config.data_dir.clone(),
         cluster,
+        admission: None,
         // A member opens it when it recovers a crashed server's tables.
         replay_window: false,
     };
@@ -257,6 +259,8 @@ struct Member {
     data_path: PathBuf,
     /// The participant of a member under the coordinator (none: every table is hosted).
     cluster: Option<Arc<crate::cluster_host::ClusterHost>>,
+    /// The admission of a simulated member (set only without `cluster`).
+    admission: Option<Arc<dyn crate::core::Member>>,
     /// Serve only replays for a while first (the last incarnation crashed).
     replay_window: bool,
 }
@@ -350,7 +354,8 @@ fn assemble(
         cluster: dir
             .cluster
             .clone()
-            .map(|h| -> Arc<dyn crate::core::Member> { h }),
+            .map(|h| -> Arc<dyn crate::core::Member> { h })
+            .or_else(|| dir.admission.clone()),
         replay_key: kochab_proto::auth::ReplayKey::derive(&dir.key),
         slice_work: crate::slicework::SliceWork::new(&dir.key, dir.me.server, dir.me.epoch),
         breaks,
@@ -383,15 +388,20 @@ pub struct SimulatedServer {
     pub crashed: bool,
     /// Deliberate bugs to switch on.
     pub breaks: Breaks,
+    /// A member's admission, standing in for the cluster host (its engine then answers
+    /// WRONG_SERVER for what it does not host); `None`: a single server.
+    pub member: Option<Arc<dyn crate::core::Member>>,
 }
 
-/// The core of a single server (every table) recovered from `recovered`, for a
-/// deterministic simulation: the same assembly as a served one, with no socket, task or
+/// The core of a server recovered from `recovered` (a single server's: every table; a
+/// simulated member's: those it starts with), for a deterministic simulation: the same
+/// assembly as a served one, with no socket, task or
 /// thread but the journal's. Call from within a tokio runtime (the core keeps its handle).
 pub fn core_for_simulation(
     sim: SimulatedServer,
-    recovered: crate::recovery::Recovered,
+    mut recovered: crate::recovery::Recovered,
 ) -> io::Result<Arc<Shared>> {
+    recovered.engine.member = sim.member.is_some();
     let data_path = PathBuf::from("simulated");
     let config = ServerConfig {
         store_description: Some("simulated, in memory".into()),
@@ -405,6 +415,7 @@ pub fn core_for_simulation(
         me: sim.me,
         data_path,
         cluster: None,
+        admission: sim.member,
         replay_window: sim.crashed,
     };
     let keys = Arc::new(crate::keys::KeyStore::for_cluster(sim.key));

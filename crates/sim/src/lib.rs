@@ -18,6 +18,7 @@
 //! The journal flushes only when the simulation asks, so a seed replays exactly.
 //! `SIM_BREAK=NAME` switches on a deliberate bug in the real code (`kochab_breaks`).
 
+mod cluster;
 mod data;
 mod exec;
 mod lease;
@@ -25,6 +26,7 @@ pub mod model;
 mod step;
 mod world;
 
+pub use cluster::{ClusterConfig, ClusterStats, run_cluster, run_cluster_seeds};
 pub use step::SimStats;
 pub use world::{SimConfig, describe, run};
 
@@ -36,19 +38,29 @@ pub fn run_seeds(
     n: u64,
     adjust: impl Fn(&mut SimConfig) + Sync,
 ) -> Result<Vec<SimStats>, String> {
+    spread(first, n, |seed| {
+        let mut cfg = SimConfig::new(seed);
+        adjust(&mut cfg);
+        run(cfg)
+    })
+}
+
+/// Runs `one` for seeds `first..first + n` over the machine's cores: the results in seed
+/// order, or the error of the lowest failing seed.
+fn spread<T: Send>(
+    first: u64,
+    n: u64,
+    one: impl Fn(u64) -> Result<T, String> + Sync,
+) -> Result<Vec<T>, String> {
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get()) as u64;
-    let results: Vec<(u64, Result<SimStats, String>)> = std::thread::scope(|s| {
+    let results: Vec<(u64, Result<T, String>)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
-                let adjust = &adjust;
+                let one = &one;
                 s.spawn(move || {
                     (first + t..first + n)
                         .step_by(threads as usize)
-                        .map(|seed| {
-                            let mut cfg = SimConfig::new(seed);
-                            adjust(&mut cfg);
-                            (seed, run(cfg))
-                        })
+                        .map(|seed| (seed, one(seed)))
                         .collect::<Vec<_>>()
                 })
             })

@@ -23,13 +23,13 @@ use crate::step::{Ctx, SimStats};
 const SETUP_SESSION: u64 = 1;
 /// Names in the shared directory that every client uses (only with
 /// [`SimConfig::cross_client`]): one client's change may depend on another's.
-const SHARED_NAMES: [&str; 4] = ["s0", "s1", "s2", "s3"];
+pub(crate) const SHARED_NAMES: [&str; 4] = ["s0", "s1", "s2", "s3"];
 /// A journal that flushes only when the simulation asks: longer than any run.
-const NEVER: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+pub(crate) const NEVER: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 /// Small segments (a server takes at least 256 KiB, for the largest records, which no
 /// simulated client makes): rollovers happen within a run, and every crash image copies
 /// less (a segment is zero-filled to full length when made).
-const SEGMENT_BYTES: u64 = 64 << 10;
+pub(crate) const SEGMENT_BYTES: u64 = 64 << 10;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -229,6 +229,7 @@ impl World {
             },
             crashed,
             breaks: self.cfg.breaks,
+            member: None,
         };
         core_for_simulation(sim, recovered).map_err(|e| format!("start: {e}"))
     }
@@ -677,7 +678,11 @@ const SHARED_DIRS: [&str; 2] = ["d0", "d1"];
 /// A change in the shared directory or one of its subdirectories (its outcome depends on
 /// the other clients): `lookup` finds a subdirectory as the server has it now (as a
 /// client's lookup before its change would).
-fn shared_op(rng: &mut Rng, dir: InodeId, lookup: impl Fn(&[u8]) -> Option<InodeId>) -> Op {
+pub(crate) fn shared_op(
+    rng: &mut Rng,
+    dir: InodeId,
+    lookup: impl Fn(&[u8]) -> Option<InodeId>,
+) -> Op {
     let pick = |rng: &mut Rng, names: &[&str]| {
         names[rng.range(0, names.len() as u64 - 1) as usize]
             .as_bytes()
@@ -721,7 +726,7 @@ fn shared_op(rng: &mut Rng, dir: InodeId, lookup: impl Fn(&[u8]) -> Option<Inode
 }
 
 /// The answers a change in the shared directory may get.
-fn check_shared(reply: &Reply) -> Result<(), String> {
+pub(crate) fn check_shared(reply: &Reply) -> Result<(), String> {
     match reply.clone().without_dirs() {
         Reply::Entry(_) | Reply::Empty => Ok(()),
         Reply::Error(e)

@@ -28,6 +28,22 @@ impl Ranges {
         (i > 0 && id < r[i - 1].1).then(|| TableId(r[i - 1].0))
     }
 
+    /// The tables of `ids`, each once, in the order the ids first name them (the first is
+    /// the one a client routed by). `Err`: an id no table holds.
+    pub fn tables_of(
+        &self,
+        ids: impl IntoIterator<Item = InodeId>,
+    ) -> Result<Vec<TableId>, InodeId> {
+        let mut tables = Vec::new();
+        for id in ids {
+            let t = self.table_of(id).ok_or(id)?;
+            if !tables.contains(&t) {
+                tables.push(t);
+            }
+        }
+        Ok(tables)
+    }
+
     /// Cuts the ranges so that each of `tables` (`(lo, hi)`, from a map or a split)
     /// starts and ends a range, where it lies inside one.
     pub fn cut(&mut self, tables: impl IntoIterator<Item = (u64, u64)>) {

@@ -1,0 +1,899 @@
+//! Several real server cores over one in-memory store, with tables moving between them:
+//! migrations, borrows and their returns, splits, and kill -9 of a server whose tables
+//! another server (or the next incarnation) recovers while the clients replay what it
+//! answered early.
+//!
+//! Each server is the core `kochab-server` assembles for a member (engine, reply cache,
+//! journal, checkpoints; its engine answers WRONG_SERVER for what it does not host), and
+//! every move runs the real code of a migration: [`Shared::drop_table`] (drain, durable,
+//! release with the open handles, locks and reply-cache entries handed over),
+//! [`Shared::add_table_to`], [`Shared::recover_tables_to`] (which seals the dead
+//! incarnation's journal first) and [`Shared::split_table`]. The world itself plays the
+//! coordinator: it keeps the map (which server holds each table) and decides the moves;
+//! [`SimMember`] admits each operation as a member's host does, by the tables its ids
+//! fall in ([`Ranges`], the host's own code), and asks for a borrow when the first
+//! table is here and others are not. The coordinator's and the participant's state
+//! machines are simulated apart, over model servers (`kochab_cluster::sim`).
+//!
+//! After every step: each table is held by exactly one server, the one the map names (at
+//! most one writer); each engine's own invariants; the links between servers' tables
+//! ([`kochab_meta::links::check_cluster`], as `kochab fsck` checks a running cluster);
+//! and every client's names read as its accepted replies say, at whichever server holds
+//! the directory now.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, RwLock};
+
+use kochab_breaks::Breaks;
+use kochab_cluster::host::ranges::Ranges;
+use kochab_cluster::sim::Rng;
+use kochab_journal::{JournalId, JournalOptions};
+use kochab_meta::{Engine, EngineConfig, IdPolicy, initial_table_ranges};
+use kochab_proto::cluster::TableId;
+use kochab_proto::{Credentials, InodeId, Op, Reply, ReplyMode, Request};
+use kochab_server::core::{Core, Member, Parked, Refusal, Shared};
+use kochab_server::replaytags::SessionTags;
+use kochab_server::server::{SimulatedServer, core_for_simulation};
+use kochab_store::{MemStore, ObjectStore};
+
+use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
+use crate::world::{NEVER, SEGMENT_BYTES, check_shared, shared_op};
+
+/// Session of the set-up requests.
+const SETUP_SESSION: u64 = 1;
+/// How many times one request follows borrows before the run counts it as stuck (each
+/// borrow brings every table it named; one more can only come from an id its plan
+/// missed).
+const ROUTE_TRIES: usize = 6;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    pub seed: u64,
+    pub steps: u64,
+    pub servers: usize,
+    pub clients: usize,
+    pub breaks: Breaks,
+    pub trace: bool,
+}
+
+impl ClusterConfig {
+    /// The default run of `seed`: three servers, three clients.
+    pub fn new(seed: u64) -> ClusterConfig {
+        ClusterConfig {
+            seed,
+            steps: 200,
+            servers: 3,
+            clients: 3,
+            breaks: Breaks::NONE,
+            trace: false,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterStats {
+    pub ops: u64,
+    /// Operations that needed a table of another server (each borrowed it here).
+    pub borrows: u64,
+    /// Borrowed tables given back to their lender.
+    pub returns: u64,
+    /// Tables moved for good.
+    pub migrations: u64,
+    pub splits: u64,
+    /// Splits the engine refused (a table too small, or one directory).
+    pub splits_refused: u64,
+    pub kills: u64,
+    /// Kills whose tables another live server recovered (else the next incarnation did).
+    pub failovers: u64,
+    pub replays: u64,
+    pub flushes: u64,
+    pub checkpoints: u64,
+    pub dropped_replies: u64,
+}
+
+/// A member's admission in the simulation: by the tables the operation's ids fall in, as
+/// `cluster_host::ClusterHost::admit_op` does without the participant's lease (the world
+/// keeps every server's lease).
+struct SimMember {
+    ranges: Arc<RwLock<Ranges>>,
+}
+
+fn wrong_server() -> Reply {
+    Reply::WrongServer {
+        map_version: 0,
+        owner: None,
+        addr: None,
+    }
+}
+
+impl Member for SimMember {
+    fn admit_op(&self, core: &Core, client: u64, op: &Op) -> Result<Vec<TableId>, Refusal> {
+        let ranges = self.ranges.read().unwrap_or_else(|p| p.into_inner());
+        let tables = ranges.tables_of(core.op_ids(client, op)).map_err(|id| {
+            Refusal::Reply(Box::new(Reply::Error(kochab_meta::not_in_any_table(id))))
+        })?;
+        let here = |t: &TableId| core.engine.table_index(t.0).is_some();
+        match tables.first() {
+            None => Ok(tables),
+            Some(first) if !here(first) => Err(Refusal::Reply(Box::new(wrong_server()))),
+            Some(_) if tables.iter().all(here) => Ok(tables),
+            Some(_) => Err(Refusal::Borrow(tables)),
+        }
+    }
+
+    fn fix_reply(
+        &self,
+        engine: &mut Engine,
+        admitted: &[TableId],
+        reply: Reply,
+    ) -> Result<Reply, Refusal> {
+        let Reply::WrongServer { owner: None, .. } = reply else {
+            return Ok(reply);
+        };
+        let ranges = self.ranges.read().unwrap_or_else(|p| p.into_inner());
+        match engine
+            .last_not_hosted
+            .take()
+            .and_then(|id| ranges.table_of(id))
+        {
+            Some(t) if !admitted.is_empty() && !admitted.contains(&t) => {
+                let mut tables = admitted.to_vec();
+                tables.push(t);
+                Err(Refusal::Borrow(tables))
+            }
+            _ => Ok(reply),
+        }
+    }
+
+    fn op_done(&self, _tables: Vec<TableId>, _lsn: u64, _durable: u64) {}
+
+    fn can_ack(&self) -> bool {
+        true
+    }
+
+    fn coord_addrs(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// A request answered early whose record may not be durable in the journal `at`.
+struct Kept {
+    req: Request,
+    reply: Reply,
+    lsn: u64,
+    at: JournalId,
+    tag: kochab_proto::auth::ReplayTag,
+    planned: Option<Planned>,
+}
+
+struct Client {
+    session: u64,
+    next_seq: u64,
+    model: Model,
+    dirs: [InodeId; DIRS],
+    kept: Vec<Kept>,
+    lost: Option<(Request, Option<Planned>)>,
+}
+
+impl Client {
+    fn seq_floor(&self) -> u64 {
+        let kept = self.kept.iter().map(|k| k.req.seq);
+        let lost = self.lost.iter().map(|(r, _)| r.seq);
+        kept.chain(lost).min().unwrap_or(self.next_seq)
+    }
+}
+
+/// One server id: its live incarnation.
+struct Server {
+    id: u64,
+    epoch: u64,
+    live: Arc<Shared>,
+}
+
+/// What a routed request got: the reply, its LSN, whether it left early, and where.
+struct Routed {
+    reply: Reply,
+    lsn: u64,
+    early: bool,
+    at: usize,
+}
+
+struct World {
+    cfg: ClusterConfig,
+    rng: Rng,
+    store: MemStore,
+    engine: EngineConfig,
+    key: kochab_proto::auth::ClusterKey,
+    ranges: Arc<RwLock<Ranges>>,
+    servers: Vec<Server>,
+    /// The map: which server holds each table (by its first id).
+    owner: BTreeMap<u64, usize>,
+    /// Borrowed tables and the server each is to go back to.
+    lent: BTreeMap<u64, usize>,
+    clients: Vec<Client>,
+    shared_dir: InodeId,
+    stats: ClusterStats,
+    _rt: tokio::runtime::Runtime,
+}
+
+/// Runs one seed of the cluster simulation; `Err` says which invariant broke, at which step.
+pub fn run_cluster(cfg: ClusterConfig) -> Result<ClusterStats, String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|e| format!("no runtime: {e}"))?;
+    let _enter = rt.enter();
+    let seed = cfg.seed;
+    let mut w = World::new(cfg, rt)?;
+    w.setup().map_err(|e| format!("seed {seed} set-up: {e}"))?;
+    for step in 0..w.cfg.steps {
+        w.step()
+            .and_then(|()| w.check())
+            .map_err(|e| format!("seed {seed} step {step}: {e}"))?;
+    }
+    for i in 0..w.servers.len() {
+        w.flush(i)?;
+    }
+    w.after_flush();
+    w.check()
+        .map_err(|e| format!("seed {seed} at the end: {e}"))?;
+    Ok(w.stats)
+}
+
+/// Runs seeds `first..first + n` of the cluster simulation over the machine's cores; on
+/// failure, the error of the lowest failing seed.
+pub fn run_cluster_seeds(
+    first: u64,
+    n: u64,
+    adjust: impl Fn(&mut ClusterConfig) + Sync,
+) -> Result<Vec<ClusterStats>, String> {
+    crate::spread(first, n, |seed| {
+        let mut cfg = ClusterConfig::new(seed);
+        adjust(&mut cfg);
+        run_cluster(cfg)
+    })
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl World {
+    fn new(cfg: ClusterConfig, rt: tokio::runtime::Runtime) -> Result<World, String> {
+        let mut rng = Rng::new(cfg.seed);
+        let engine = EngineConfig::with_key([rng.next_u64(), rng.next_u64()]);
+        let policy = IdPolicy::new(engine.id_policy.clone()).map_err(err)?;
+        let ranges = initial_table_ranges(&policy, engine.primary_tables).map_err(err)?;
+        let mut key = [0u8; 32];
+        for (i, b) in key.iter_mut().enumerate() {
+            *b = (rng.next_u64() >> (i % 8)) as u8;
+        }
+        Ok(World {
+            cfg,
+            rng,
+            store: MemStore::new(),
+            engine,
+            key,
+            ranges: Arc::new(RwLock::new(Ranges::new(ranges))),
+            servers: Vec::new(),
+            owner: BTreeMap::new(),
+            lent: BTreeMap::new(),
+            clients: Vec::new(),
+            shared_dir: 0,
+            stats: ClusterStats::default(),
+            _rt: rt,
+        })
+    }
+
+    fn trace(&self, what: impl FnOnce() -> String) {
+        if self.cfg.trace {
+            eprintln!("[{}] {}", self.cfg.seed, what());
+        }
+    }
+
+    fn ranges(&self) -> Ranges {
+        self.ranges
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// A new incarnation of server `id` at `epoch`, starting with the tables `ranges`
+    /// (a new cluster's root is made by whoever starts with its table).
+    fn start(&self, id: u64, epoch: u64, ranges: &[(u64, u64)]) -> Result<Arc<Shared>, String> {
+        let me = JournalId { server: id, epoch };
+        let store: Arc<dyn ObjectStore> = Arc::new(self.store.clone());
+        let recovered = kochab_server::recovery::recover_tables(
+            store.as_ref(),
+            self.engine.clone(),
+            ranges,
+            me,
+            None,
+            None,
+            Vec::new(),
+        )
+        .map_err(|e| format!("start of {me}: {e}"))?;
+        let sim = SimulatedServer {
+            store,
+            key: self.key,
+            me,
+            journal: JournalOptions {
+                segment_bytes: SEGMENT_BYTES,
+                fsync: true,
+                lazy_flush: NEVER,
+                breaks: self.cfg.breaks,
+                spare_inline: true,
+            },
+            crashed: false,
+            breaks: self.cfg.breaks,
+            member: Some(Arc::new(SimMember {
+                ranges: self.ranges.clone(),
+            })),
+        };
+        core_for_simulation(sim, recovered).map_err(|e| format!("start of {me}: {e}"))
+    }
+
+    /// Server 0 makes the cluster with every table, the clients' directories, then the
+    /// tables spread over the servers at random.
+    fn setup(&mut self) -> Result<(), String> {
+        let all = self.ranges().as_slice().to_vec();
+        for i in 0..self.cfg.servers {
+            let mine = if i == 0 { all.clone() } else { Vec::new() };
+            let live = self.start(i as u64 + 1, 1, &mine)?;
+            self.servers.push(Server {
+                id: i as u64 + 1,
+                epoch: 1,
+                live,
+            });
+        }
+        for &(lo, _) in &all {
+            self.owner.insert(lo, 0);
+        }
+        let root = self.servers[0].live.root();
+        let mkdir = |w: &mut World, name: String| -> Result<InodeId, String> {
+            let op = Op::Mkdir {
+                parent: root,
+                name: name.into_bytes(),
+                mode: 0o777,
+            };
+            let r = w.route(SETUP_SESSION, Request::plain(&Credentials::root(), op))?;
+            r.reply
+                .entry()
+                .map(|a| a.id)
+                .ok_or_else(|| format!("set-up mkdir answered {:?}", r.reply))
+        };
+        self.shared_dir = mkdir(self, "shared".into())?;
+        for c in 0..self.cfg.clients {
+            let mut dirs = [self.shared_dir; DIRS];
+            for (d, slot) in dirs.iter_mut().enumerate().filter(|(d, _)| *d != SHARED) {
+                *slot = mkdir(self, format!("c{c}-{d}"))?;
+            }
+            self.clients.push(Client {
+                session: 100 + c as u64,
+                next_seq: 1,
+                model: Model::new(&format!("c{c}-")),
+                dirs,
+                kept: Vec::new(),
+                lost: None,
+            });
+        }
+        for &(lo, _) in &all {
+            let to = self.rng.range(0, self.cfg.servers as u64 - 1) as usize;
+            if to != 0 {
+                self.migrate(lo, to)?;
+            }
+        }
+        for i in 0..self.servers.len() {
+            self.flush(i)?;
+        }
+        self.after_flush();
+        self.check()
+    }
+
+    /// The server the map names for the table of `id`.
+    fn owner_of(&self, id: InodeId) -> Result<(u64, usize), String> {
+        let t = self
+            .ranges()
+            .table_of(id)
+            .ok_or_else(|| format!("{id:#x} is in no table"))?;
+        let at = self
+            .owner
+            .get(&t.0)
+            .copied()
+            .ok_or_else(|| format!("table {:016x} has no owner in the map", t.0))?;
+        Ok((t.0, at))
+    }
+
+    /// Runs `req` of `session` where the map says its first id's table is, borrowing the
+    /// tables it needs from other servers there first (as a member's host does); a reply
+    /// that is not early waits for its record.
+    fn route(&mut self, session: u64, req: Request) -> Result<Routed, String> {
+        let first = req
+            .op
+            .inode_ids()
+            .into_iter()
+            .flatten()
+            .next()
+            .ok_or_else(|| format!("{} names no inode", req.op.name()))?;
+        for _ in 0..ROUTE_TRIES {
+            let (_, at) = self.owner_of(first)?;
+            let s = self.servers[at].live.clone();
+            let mut replies = Vec::with_capacity(1);
+            let parked = s.execute_batch(session, &[(1, req.clone())], &mut replies);
+            match parked.into_iter().next() {
+                Some((_, Parked::Borrow(tables))) => {
+                    self.borrow(at, &tables)?;
+                    continue;
+                }
+                Some((_, Parked::Flush(ids))) => {
+                    return Err(format!("a request waited for flush callbacks {ids:?}"));
+                }
+                None => {}
+            }
+            let a = replies
+                .pop()
+                .ok_or_else(|| "a request got no reply".to_string())?;
+            if let Reply::WrongServer { .. } = a.reply {
+                return Err(format!(
+                    "server {} answered WRONG_SERVER to {:?}, whose first table the map gives it",
+                    self.servers[at].id, req.op
+                ));
+            }
+            let early = req.mode == ReplyMode::Early && a.early_by(s.journal().durable_lsn());
+            if !early && !s.journal().wait_durable(s.journal().last_lsn()) {
+                return Err(format!(
+                    "the journal of server {} failed",
+                    self.servers[at].id
+                ));
+            }
+            return Ok(Routed {
+                reply: a.reply,
+                lsn: a.lsn,
+                early,
+                at,
+            });
+        }
+        Err(format!(
+            "{:?} still needed other tables after {ROUTE_TRIES} borrows",
+            req.op
+        ))
+    }
+
+    /// Brings `tables` to server `to` for an operation there: each is lent by its holder
+    /// (and goes back to whoever first lent it, see [`World::give_back`]).
+    fn borrow(&mut self, to: usize, tables: &[TableId]) -> Result<(), String> {
+        for t in tables {
+            let from = self
+                .owner
+                .get(&t.0)
+                .copied()
+                .ok_or_else(|| format!("a borrow names table {:016x}, not in the map", t.0))?;
+            if from == to {
+                continue;
+            }
+            self.trace(|| format!("borrow {:016x}: {} -> {}", t.0, from, to));
+            self.move_table(t.0, from, to)?;
+            self.lent.entry(t.0).or_insert(from);
+            self.stats.borrows += 1;
+        }
+        Ok(())
+    }
+
+    /// Moves table `lo` to server `to` for good.
+    fn migrate(&mut self, lo: u64, to: usize) -> Result<(), String> {
+        let from = self.owner[&lo];
+        if from == to {
+            return Ok(());
+        }
+        self.trace(|| format!("migrate {lo:016x}: {from} -> {to}"));
+        self.move_table(lo, from, to)?;
+        self.lent.remove(&lo);
+        self.stats.migrations += 1;
+        Ok(())
+    }
+
+    /// The real DROP at `from` and ADD at `to`.
+    fn move_table(&mut self, lo: u64, from: usize, to: usize) -> Result<(), String> {
+        let hi = self
+            .ranges()
+            .as_slice()
+            .iter()
+            .find(|r| r.0 == lo)
+            .map(|r| r.1)
+            .ok_or_else(|| format!("table {lo:016x} is not in the ranges"))?;
+        self.servers[from]
+            .live
+            .drop_table(lo)
+            .map_err(|e| format!("drop of {lo:016x} at server {}: {e}", self.servers[from].id))?;
+        self.servers[to]
+            .live
+            .add_table_to(lo, Some(hi))
+            .map_err(|e| format!("add of {lo:016x} at server {}: {e}", self.servers[to].id))?;
+        self.owner.insert(lo, to);
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<(), String> {
+        match self.rng.range(0, 99) {
+            0..=64 => {
+                let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
+                self.client_op(c)
+            }
+            65..=76 => {
+                let i = self.rng.range(0, self.servers.len() as u64 - 1) as usize;
+                self.flush(i)?;
+                if self.rng.chance(800) {
+                    self.after_flush();
+                }
+                Ok(())
+            }
+            77..=79 => self.checkpoint(),
+            80..=85 => self.give_back(),
+            86..=89 => self.random_migration(),
+            90..=92 => self.split(),
+            _ => self.kill(),
+        }
+    }
+
+    fn next_request(&mut self, c: usize) -> Result<(Request, Option<Planned>), String> {
+        if let Some(again) = self.clients[c].lost.take() {
+            return Ok(again);
+        }
+        let floor = self.clients[c].seq_floor();
+        let (op, planned) = if self.rng.chance(700) {
+            let cl = &self.clients[c];
+            let p = cl.model.plan(&mut self.rng, &cl.dirs);
+            (p.op.clone(), Some(p))
+        } else {
+            // A lookup first, as a client's would, wherever the directory is now.
+            let dir = self.shared_dir;
+            let (_, at) = self.owner_of(dir)?;
+            let s = self.servers[at].live.clone();
+            (
+                shared_op(&mut self.rng, dir, |name| s.lookup(dir, name)),
+                None,
+            )
+        };
+        let cl = &mut self.clients[c];
+        let seq = cl.next_seq;
+        cl.next_seq += 1;
+        let mode = if self.rng.chance(900) {
+            ReplyMode::Early
+        } else {
+            ReplyMode::Durable
+        };
+        let req = Request {
+            cred: Credentials::root(),
+            seq,
+            seq_floor: floor,
+            map_version: 0,
+            mode,
+            op,
+        };
+        Ok((req, planned))
+    }
+
+    fn client_op(&mut self, c: usize) -> Result<(), String> {
+        let (req, planned) = self.next_request(c)?;
+        let session = self.clients[c].session;
+        let r = self.route(session, req.clone())?;
+        self.stats.ops += 1;
+        if self.rng.chance(40) {
+            self.stats.dropped_replies += 1;
+            self.trace(|| format!("client {c}: reply to seq {} lost", req.seq));
+            self.clients[c].lost = Some((req, planned));
+            return Ok(());
+        }
+        self.accept(c, req, planned, r)
+    }
+
+    /// Client `c` takes in a reply: checked against its model, and kept for replay while
+    /// its record may not be durable.
+    fn accept(
+        &mut self,
+        c: usize,
+        req: Request,
+        planned: Option<Planned>,
+        r: Routed,
+    ) -> Result<(), String> {
+        self.trace(|| {
+            format!(
+                "client {c}: seq {} {:?} -> {:?} @{} at server {}",
+                req.seq, req.op, r.reply, r.lsn, self.servers[r.at].id
+            )
+        });
+        let s = self.servers[r.at].live.clone();
+        let cl = &mut self.clients[c];
+        match &planned {
+            Some(p) => {
+                let created = Model::check(p, &r.reply).map_err(|e| format!("client {c}: {e}"))?;
+                cl.model.apply(p.change, created);
+            }
+            None => check_shared(&r.reply).map_err(|e| format!("client {c}: {e}"))?,
+        }
+        if r.early && r.lsn > s.journal().durable_lsn() && !matches!(r.reply, Reply::Error(_)) {
+            let tag = SessionTags::new(s.replay_key(), cl.session).tag(&req, &r.reply);
+            cl.kept.push(Kept {
+                req,
+                reply: r.reply,
+                lsn: r.lsn,
+                at: s.journal().id(),
+                tag,
+                planned,
+            });
+        }
+        Ok(())
+    }
+
+    /// Makes everything server `i` appended durable.
+    fn flush(&mut self, i: usize) -> Result<(), String> {
+        let s = &self.servers[i].live;
+        s.journal().flush_now();
+        if !s.journal().wait_durable(s.journal().last_lsn()) {
+            return Err(format!(
+                "the journal of server {} failed",
+                self.servers[i].id
+            ));
+        }
+        self.stats.flushes += 1;
+        self.trace(|| {
+            format!(
+                "flush of {} to {}",
+                s.journal().id(),
+                s.journal().durable_lsn()
+            )
+        });
+        Ok(())
+    }
+
+    /// The clients learn what every live journal holds, and drop those kept requests.
+    fn after_flush(&mut self) {
+        let durable: Vec<(JournalId, u64)> = self
+            .servers
+            .iter()
+            .map(|s| (s.live.journal().id(), s.live.journal().durable_lsn()))
+            .collect();
+        for cl in &mut self.clients {
+            cl.kept
+                .retain(|k| !durable.iter().any(|&(j, d)| j == k.at && k.lsn <= d));
+        }
+    }
+
+    fn checkpoint(&mut self) -> Result<(), String> {
+        let i = self.rng.range(0, self.servers.len() as u64 - 1) as usize;
+        let s = self.servers[i].live.clone();
+        s.checkpointer()
+            .round(&s)
+            .map_err(|e| format!("checkpoint at server {}: {e}", self.servers[i].id))?;
+        self.stats.checkpoints += 1;
+        self.trace(|| format!("checkpoint at {}", s.journal().id()));
+        Ok(())
+    }
+
+    /// A borrowed table goes back to its lender (RETURN).
+    fn give_back(&mut self) -> Result<(), String> {
+        if self.lent.is_empty() {
+            return Ok(());
+        }
+        let k = self.rng.range(0, self.lent.len() as u64 - 1) as usize;
+        let Some((&lo, &lender)) = self.lent.iter().nth(k) else {
+            return Ok(());
+        };
+        let holder = self.owner[&lo];
+        self.trace(|| format!("return {lo:016x}: {holder} -> {lender}"));
+        if holder != lender {
+            self.move_table(lo, holder, lender)?;
+        }
+        self.lent.remove(&lo);
+        self.stats.returns += 1;
+        Ok(())
+    }
+
+    /// A table moves for good to another server (the balancer's choice).
+    fn random_migration(&mut self) -> Result<(), String> {
+        let tables: Vec<u64> = self.owner.keys().copied().collect();
+        let lo = tables[self.rng.range(0, tables.len() as u64 - 1) as usize];
+        let to = self.rng.range(0, self.servers.len() as u64 - 1) as usize;
+        self.migrate(lo, to)
+    }
+
+    /// A table is split where its holder's engine says (a lent table's upper half is lent
+    /// too).
+    fn split(&mut self) -> Result<(), String> {
+        let tables: Vec<u64> = self.owner.keys().copied().collect();
+        let lo = tables[self.rng.range(0, tables.len() as u64 - 1) as usize];
+        let at_server = self.owner[&lo];
+        let s = self.servers[at_server].live.clone();
+        match s.split_table(lo, None) {
+            Ok(Ok(at)) => {
+                self.trace(|| format!("split {lo:016x} at {at:016x} on {at_server}"));
+                self.ranges
+                    .write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .split([(lo, at)]);
+                self.owner.insert(at, at_server);
+                if let Some(&lender) = self.lent.get(&lo) {
+                    self.lent.insert(at, lender);
+                }
+                self.stats.splits += 1;
+                Ok(())
+            }
+            Ok(Err(_)) => {
+                self.stats.splits_refused += 1;
+                Ok(())
+            }
+            Err(e) => Err(format!("split of {lo:016x}: {e}")),
+        }
+    }
+
+    /// kill -9 of a server: what it wrote stays, what it had not flushed is gone. Its
+    /// tables are recovered from its journal by another live server or by its next
+    /// incarnation (which starts either way), and the clients replay what it answered
+    /// early.
+    fn kill(&mut self) -> Result<(), String> {
+        self.stats.kills += 1;
+        let i = self.rng.range(0, self.servers.len() as u64 - 1) as usize;
+        let dead = self.servers[i].live.journal().id();
+        // Nothing it appended from now on is written: the process is gone.
+        self.servers[i]
+            .live
+            .journal()
+            .fail_stop("killed (simulated)".into());
+        let epoch = self.servers[i].epoch + 1;
+        let next = self.start(self.servers[i].id, epoch, &[])?;
+        self.servers[i] = Server {
+            id: self.servers[i].id,
+            epoch,
+            live: next,
+        };
+        let ranges = self.ranges();
+        let tables: Vec<(u64, Option<u64>)> = ranges
+            .as_slice()
+            .iter()
+            .filter(|(lo, _)| self.owner.get(lo) == Some(&i))
+            .map(|&(lo, hi)| (lo, Some(hi)))
+            .collect();
+        let others: Vec<usize> = (0..self.servers.len()).filter(|&j| j != i).collect();
+        let to = match others.is_empty() || self.rng.chance(500) {
+            true => i,
+            false => others[self.rng.range(0, others.len() as u64 - 1) as usize],
+        };
+        if to != i {
+            self.stats.failovers += 1;
+        }
+        self.trace(|| format!("kill -9 of {dead}; its {} tables to {to}", tables.len()));
+        let s = self.servers[to].live.clone();
+        if !tables.is_empty() {
+            s.recover_tables_to(&tables, dead)
+                .map_err(|e| format!("recovery of {dead}'s tables at {to}: {e}"))?;
+            // Its clients replay what it acknowledged early and lost (as the host does).
+            s.replay_window().open();
+        }
+        for (lo, _) in &tables {
+            self.owner.insert(*lo, to);
+        }
+        self.replay(dead)?;
+        s.replay_window().close();
+        for j in 0..self.servers.len() {
+            self.flush(j)?;
+        }
+        self.after_flush();
+        Ok(())
+    }
+
+    /// Every client replays what `dead` answered it early, each in its own order, the
+    /// clients interleaved at random, each replay where the map sends it now.
+    fn replay(&mut self, dead: JournalId) -> Result<(), String> {
+        let mut queues: Vec<(usize, VecDeque<Kept>)> = Vec::new();
+        for (c, cl) in self.clients.iter_mut().enumerate() {
+            let (theirs, rest): (Vec<Kept>, Vec<Kept>) = std::mem::take(&mut cl.kept)
+                .into_iter()
+                .partition(|k| k.at == dead);
+            cl.kept = rest;
+            queues.push((c, theirs.into()));
+        }
+        loop {
+            queues.retain(|(_, q)| !q.is_empty());
+            if queues.is_empty() {
+                return Ok(());
+            }
+            let i = self.rng.range(0, queues.len() as u64 - 1) as usize;
+            let c = queues[i].0;
+            let Some(k) = queues[i].1.pop_front() else {
+                continue;
+            };
+            self.replay_one(c, k)?;
+        }
+    }
+
+    fn replay_one(&mut self, c: usize, k: Kept) -> Result<(), String> {
+        self.stats.replays += 1;
+        let want_id = k.reply.created();
+        let mut req = k.req.clone();
+        req.mode = ReplyMode::Replay {
+            want_id,
+            tag: k.tag,
+        };
+        req.seq_floor = self.clients[c].seq_floor().min(req.seq);
+        let session = self.clients[c].session;
+        let r = self.route(session, req)?;
+        self.trace(|| {
+            format!(
+                "client {c}: replay seq {} @{} of {} {:?} -> {:?} at server {}",
+                k.req.seq, k.lsn, k.at, k.req.op, r.reply, self.servers[r.at].id
+            )
+        });
+        let done_since = matches!(r.reply, Reply::Empty) && want_id != 0;
+        let same = match (&k.planned, &r.reply) {
+            _ if done_since => true,
+            (Some(p), reply) => {
+                Model::check(p, reply).is_ok() && (want_id == 0 || reply.created() == want_id)
+            }
+            (None, Reply::Error(_)) => false,
+            (None, reply) => want_id == 0 || reply.created() == want_id,
+        };
+        if !same {
+            return Err(format!(
+                "client {c}: seq {} ({}) was answered {:?} early by {}, its replay {:?}",
+                k.req.seq,
+                k.req.op.name(),
+                k.reply,
+                k.at,
+                r.reply
+            ));
+        }
+        Ok(())
+    }
+
+    /// The invariants (see the module).
+    fn check(&self) -> Result<(), String> {
+        let cores: Vec<_> = self.servers.iter().map(|s| s.live.core()).collect();
+        for (lo, _) in self.ranges().as_slice() {
+            let holders: Vec<u64> = cores
+                .iter()
+                .zip(&self.servers)
+                .filter(|(core, _)| core.engine.tables().iter().any(|t| t.lo == *lo))
+                .map(|(_, s)| s.id)
+                .collect();
+            let want = self.owner.get(lo).map(|&i| self.servers[i].id);
+            if holders.len() != 1 || Some(holders[0]) != want {
+                return Err(format!(
+                    "table {lo:016x} is held by servers {holders:?}, the map says {want:?}"
+                ));
+            }
+        }
+        for (core, s) in cores.iter().zip(&self.servers) {
+            let problems = core.engine.check_invariants();
+            if !problems.is_empty() {
+                return Err(format!("server {}: {}", s.id, problems.join("; ")));
+            }
+        }
+        let engines: Vec<&Engine> = cores.iter().map(|c| &c.engine).collect();
+        let problems = kochab_meta::links::check_cluster(&kochab_meta::links::gather(&engines));
+        if !problems.is_empty() {
+            return Err(format!("links between servers: {}", problems.join("; ")));
+        }
+        for (c, cl) in self.clients.iter().enumerate() {
+            if cl.lost.is_some() {
+                continue;
+            }
+            for (d, &dir) in cl.dirs.iter().enumerate() {
+                let (_, at) = self.owner_of(dir)?;
+                for name in NAMES {
+                    let want = cl.model.names.get(&(d, name)).map(|e| e.0);
+                    let have = cores[at].engine.child(dir, &cl.model.name_of((d, name)));
+                    if want != have {
+                        return Err(format!(
+                            "client {c}: {d}/{name} is {have:?} at server {}, {want:?} as \
+                             acknowledged (an acknowledged change lost or applied twice)",
+                            self.servers[at].id
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

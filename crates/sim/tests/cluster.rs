@@ -1,0 +1,92 @@
+//! The simulation of several real server cores with tables moving between them
+//! (`kochab_sim::run_cluster`). `SIM_CLUSTER_SEEDS=n` runs n seeds (default 1000) from
+//! `SIM_FIRST` (default 0); `SIM_SEED=s` replays one (`SIM_TRACE=1` prints its steps);
+//! `SIM_BREAK=NAME` runs with a deliberate bug switched on in the real code and must fail.
+//! Without `SIM_BREAK`, the breaks of tables that move are run here too and must be
+//! caught within 100 seeds.
+
+use kochab_breaks::{Break, Breaks};
+use kochab_sim::{ClusterConfig, ClusterStats, run_cluster, run_cluster_seeds};
+
+/// The breaks only tables moving between servers can show (the single-server
+/// simulation, `tests/sim.rs`, catches every other one).
+const CLUSTER_BREAKS: [Break; 1] = [Break::ReleaseBeforeDurable];
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+fn breaks() -> Breaks {
+    match std::env::var("SIM_BREAK") {
+        Ok(name) => match Break::parse(&name) {
+            Some(b) => Breaks::NONE.with(b),
+            None => panic!(
+                "SIM_BREAK={name}: not one of {:?}",
+                Break::ALL.map(|b| b.name())
+            ),
+        },
+        Err(_) => Breaks::NONE,
+    }
+}
+
+#[test]
+fn cluster_seeds_pass() {
+    let breaks = breaks();
+    if let Some(seed) = env_u64("SIM_SEED") {
+        let mut cfg = ClusterConfig::new(seed);
+        cfg.breaks = breaks;
+        cfg.trace = std::env::var("SIM_TRACE").is_ok();
+        match run_cluster(cfg) {
+            Ok(stats) => eprintln!("seed {seed}: {stats:?}"),
+            Err(e) => panic!("{e}"),
+        }
+        return;
+    }
+    let n = env_u64("SIM_CLUSTER_SEEDS").unwrap_or(1000);
+    let first = env_u64("SIM_FIRST").unwrap_or(0);
+    let started = std::time::Instant::now();
+    let result = run_cluster_seeds(first, n, |c| c.breaks = breaks);
+    if breaks != Breaks::NONE {
+        let e = result.expect_err("a deliberate bug went unnoticed");
+        eprintln!("caught: {e}");
+        return;
+    }
+    let stats = result.unwrap_or_else(|e| panic!("{e}"));
+    let sum = |f: fn(&ClusterStats) -> u64| stats.iter().map(f).sum::<u64>();
+    eprintln!(
+        "{n} cluster seeds passed in {:.1} s: {} operations, {} borrows, {} returns, {} \
+         migrations, {} splits ({} refused), {} kill -9 ({} failed over to another server), \
+         {} replays, {} checkpoints, {} replies lost",
+        started.elapsed().as_secs_f64(),
+        sum(|s| s.ops),
+        sum(|s| s.borrows),
+        sum(|s| s.returns),
+        sum(|s| s.migrations),
+        sum(|s| s.splits),
+        sum(|s| s.splits_refused),
+        sum(|s| s.kills),
+        sum(|s| s.failovers),
+        sum(|s| s.replays),
+        sum(|s| s.checkpoints),
+        sum(|s| s.dropped_replies),
+    );
+}
+
+/// Each break of moving tables is caught within 100 seeds.
+#[test]
+fn every_cluster_break_is_caught() {
+    if std::env::var("SIM_BREAK").is_ok() || env_u64("SIM_SEED").is_some() {
+        return;
+    }
+    for b in CLUSTER_BREAKS {
+        let caught = (0..100).find_map(|seed| {
+            let mut cfg = ClusterConfig::new(seed);
+            cfg.breaks = Breaks::NONE.with(b);
+            run_cluster(cfg).err().map(|e| (seed, e))
+        });
+        match caught {
+            Some((seed, e)) => eprintln!("{}: caught at seed {seed}: {e}", b.name()),
+            None => panic!("SIM_BREAK={} was not caught within 100 seeds", b.name()),
+        }
+    }
+}
