@@ -85,7 +85,10 @@ pub struct ClusterStats {
     /// Splits the engine refused (a table too small, or one directory).
     pub splits_refused: u64,
     pub kills: u64,
-    /// Kills whose tables another live server recovered (else the next incarnation did).
+    /// Pauses after which another incarnation took the server's tables while it still
+    /// ran (and served one more change).
+    pub pauses: u64,
+    /// Kills and pauses whose tables another live server recovered (else the next incarnation did).
     pub failovers: u64,
     pub replays: u64,
     pub flushes: u64,
@@ -533,7 +536,8 @@ impl World {
             80..=85 => self.give_back(),
             86..=89 => self.random_migration(),
             90..=92 => self.split(),
-            _ => self.kill(),
+            93..=96 => self.kill(false),
+            _ => self.kill(true),
         }
     }
 
@@ -598,13 +602,29 @@ impl World {
         planned: Option<Planned>,
         r: Routed,
     ) -> Result<(), String> {
+        let s = self.servers[r.at].live.clone();
+        self.accept_from(c, &s, req, planned, r)
+    }
+
+    /// [`World::accept`] of a reply from server `s` (which may no longer be in the map).
+    fn accept_from(
+        &mut self,
+        c: usize,
+        s: &Arc<Shared>,
+        req: Request,
+        planned: Option<Planned>,
+        r: Routed,
+    ) -> Result<(), String> {
         self.trace(|| {
             format!(
-                "client {c}: seq {} {:?} -> {:?} @{} at server {}",
-                req.seq, req.op, r.reply, r.lsn, self.servers[r.at].id
+                "client {c}: seq {} {:?} -> {:?} @{} at {}",
+                req.seq,
+                req.op,
+                r.reply,
+                r.lsn,
+                s.journal().id()
             )
         });
-        let s = self.servers[r.at].live.clone();
         let cl = &mut self.clients[c];
         match &planned {
             Some(p) => {
@@ -732,15 +752,21 @@ impl World {
     /// tables are recovered from its journal by another live server or by its next
     /// incarnation (which starts either way), and the clients replay what it answered
     /// early.
-    fn kill(&mut self) -> Result<(), String> {
-        self.stats.kills += 1;
+    ///
+    /// Or a pause instead of the kill (`paused`): the process stops answering long enough
+    /// that its tables are taken over (its journal sealed) while it still runs, and a
+    /// client whose connection still reaches it sends it one more change.
+    fn kill(&mut self, paused: bool) -> Result<(), String> {
         let i = self.rng.range(0, self.servers.len() as u64 - 1) as usize;
-        let dead = self.servers[i].live.journal().id();
-        // Nothing it appended from now on is written: the process is gone.
-        self.servers[i]
-            .live
-            .journal()
-            .fail_stop("killed (simulated)".into());
+        let old = self.servers[i].live.clone();
+        let dead = old.journal().id();
+        if paused {
+            self.stats.pauses += 1;
+        } else {
+            self.stats.kills += 1;
+            // Nothing it appended from now on is written: the process is gone.
+            old.journal().fail_stop("killed (simulated)".into());
+        }
         let epoch = self.servers[i].epoch + 1;
         let next = self.start(self.servers[i].id, epoch, &[])?;
         self.servers[i] = Server {
@@ -763,7 +789,10 @@ impl World {
         if to != i {
             self.stats.failovers += 1;
         }
-        self.trace(|| format!("kill -9 of {dead}; its {} tables to {to}", tables.len()));
+        self.trace(|| {
+            let what = if paused { "pause" } else { "kill -9" };
+            format!("{what} of {dead}; its {} tables to {to}", tables.len())
+        });
         let s = self.servers[to].live.clone();
         if !tables.is_empty() {
             s.recover_tables_to(&tables, dead)
@@ -774,12 +803,66 @@ impl World {
         for (lo, _) in &tables {
             self.owner.insert(*lo, to);
         }
+        if paused {
+            self.late_change(i, &old)?;
+        }
+        drop(old);
         self.replay(dead)?;
         s.replay_window().close();
         for j in 0..self.servers.len() {
             self.flush(j)?;
         }
         self.after_flush();
+        Ok(())
+    }
+
+    /// A client still connected to `old`, whose tables were taken over while it was
+    /// paused, sends it a change: it may be answered early (the client keeps it and
+    /// replays it at the new owner), but the sealed journal must never call it durable.
+    /// Then the old process goes.
+    fn late_change(&mut self, i: usize, old: &Arc<Shared>) -> Result<(), String> {
+        let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
+        let (mut req, planned) = self.next_request(c)?;
+        req.mode = ReplyMode::Early;
+        let session = self.clients[c].session;
+        let mut replies = Vec::with_capacity(1);
+        let parked = old.execute_batch(session, &[(1, req.clone())], &mut replies);
+        let answered = replies.pop().filter(|_| parked.is_empty());
+        match answered {
+            Some(a) if !matches!(a.reply, Reply::WrongServer { .. }) => {
+                let early = a.early_by(old.journal().durable_lsn());
+                self.trace(|| {
+                    format!(
+                        "client {c}: seq {} sent to the paused {}",
+                        req.seq,
+                        old.journal().id()
+                    )
+                });
+                if early || old.journal().wait_durable(a.lsn) {
+                    let r = Routed {
+                        reply: a.reply,
+                        lsn: a.lsn,
+                        early,
+                        at: i,
+                    };
+                    self.accept_from(c, old, req, planned, r)?;
+                } else {
+                    // No reply leaves: the client sends it again to the new owner.
+                    self.clients[c].lost = Some((req, planned));
+                }
+            }
+            // Not run there (it needed a table the old process did not have): sent again.
+            _ => self.clients[c].lost = Some((req, planned)),
+        }
+        old.journal().flush_now();
+        if old.journal().wait_durable(old.journal().last_lsn()) {
+            // The old journal says durable: its clients believe it.
+            let (j, durable) = (old.journal().id(), old.journal().durable_lsn());
+            for cl in &mut self.clients {
+                cl.kept.retain(|k| k.at != j || k.lsn > durable);
+            }
+        }
+        old.journal().fail_stop("the paused process ends".into());
         Ok(())
     }
 

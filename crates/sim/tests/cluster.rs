@@ -55,7 +55,7 @@ fn cluster_seeds_pass() {
     let sum = |f: fn(&ClusterStats) -> u64| stats.iter().map(f).sum::<u64>();
     eprintln!(
         "{n} cluster seeds passed in {:.1} s: {} operations, {} borrows, {} returns, {} \
-         migrations, {} splits ({} refused), {} kill -9 ({} failed over to another server), \
+         migrations, {} splits ({} refused), {} kill -9 and {} pauses ({} failed over to another server), \
          {} replays, {} checkpoints, {} replies lost",
         started.elapsed().as_secs_f64(),
         sum(|s| s.ops),
@@ -65,6 +65,7 @@ fn cluster_seeds_pass() {
         sum(|s| s.splits),
         sum(|s| s.splits_refused),
         sum(|s| s.kills),
+        sum(|s| s.pauses),
         sum(|s| s.failovers),
         sum(|s| s.replays),
         sum(|s| s.checkpoints),
