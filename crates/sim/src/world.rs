@@ -229,6 +229,7 @@ impl World {
             },
             crashed,
             breaks: self.cfg.breaks,
+            clock: kochab_server::clock::Clock::system(),
         };
         core_for_simulation(sim, recovered).map_err(|e| format!("start: {e}"))
     }
