@@ -32,11 +32,15 @@ pub enum Break {
     /// A callback's answer is accepted from any session, not only from the one it was
     /// sent to: a change proceeds while the real holder still caches what it changes.
     CallbackOtherSession,
+    /// The server takes a lease for run out at half its length, while the holder trusts
+    /// its cache for the whole lease: a change after that calls nobody back, and proceeds
+    /// while the holder still caches what it changes.
+    LeaseExpiryEarly,
 }
 
 impl Break {
     /// Every switch, in the order of [`Break::name`]'s list.
-    pub const ALL: [Break; 7] = [
+    pub const ALL: [Break; 8] = [
         Break::Fencing,
         Break::ReplyBeforeDurable,
         Break::ReplyCache,
@@ -44,6 +48,7 @@ impl Break {
         Break::DependentEarly,
         Break::ReplayedWriteSkipped,
         Break::CallbackOtherSession,
+        Break::LeaseExpiryEarly,
     ];
 
     /// The name `SIM_BREAK` takes.
@@ -56,6 +61,7 @@ impl Break {
             Break::DependentEarly => "dependent-early",
             Break::ReplayedWriteSkipped => "replayed-write-skipped",
             Break::CallbackOtherSession => "callback-other-session",
+            Break::LeaseExpiryEarly => "lease-expiry-early",
         }
     }
 

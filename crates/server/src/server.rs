@@ -334,6 +334,7 @@ fn assemble(
     let orphans = engine.orphans();
     let mut core = Core::new(engine, replies);
     core.callbacks.breaks = breaks;
+    core.leases.breaks = breaks;
     let shared = Arc::new(Shared::new(SharedParts {
         core,
         journal,
