@@ -37,11 +37,15 @@ pub enum Break {
     /// durable: a crash of the old server then loses the half of an operation that
     /// another server's table also shows, or a reply its next owner says ran.
     ReleaseBeforeDurable,
+    /// The server takes a lease for run out at half its length, while the holder trusts
+    /// its cache for the whole lease: a change after that calls nobody back, and proceeds
+    /// while the holder still caches what it changes.
+    LeaseExpiryEarly,
 }
 
 impl Break {
     /// Every switch, in the order of [`Break::name`]'s list.
-    pub const ALL: [Break; 8] = [
+    pub const ALL: [Break; 9] = [
         Break::Fencing,
         Break::ReplyBeforeDurable,
         Break::ReplyCache,
@@ -50,6 +54,7 @@ impl Break {
         Break::ReplayedWriteSkipped,
         Break::CallbackOtherSession,
         Break::ReleaseBeforeDurable,
+        Break::LeaseExpiryEarly,
     ];
 
     /// The name `SIM_BREAK` takes.
@@ -63,6 +68,7 @@ impl Break {
             Break::ReplayedWriteSkipped => "replayed-write-skipped",
             Break::CallbackOtherSession => "callback-other-session",
             Break::ReleaseBeforeDurable => "release-before-durable",
+            Break::LeaseExpiryEarly => "lease-expiry-early",
         }
     }
 

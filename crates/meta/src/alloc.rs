@@ -278,16 +278,20 @@ impl Engine {
         Ok((id, claim))
     }
 
-    /// The id a replayed create asks for, if it may have it: free here, and, in an overflow
-    /// region, no further than [`REPLAY_LEAD_MAX`] past the region's allocation point
-    /// (which then moves past it: the id was handed out before a crash lost its record).
-    /// Whoever set `want_id` checked that the request is a genuine replay (the server
-    /// verifies its replay tag); the engine bounds what even a genuine one may take.
+    /// The id a replayed create asks for, if it may have it: unused here, and, in an
+    /// overflow region, no further than [`REPLAY_LEAD_MAX`] past the region's allocation
+    /// point (which then moves past it: the id was handed out before a crash lost its
+    /// record). Whoever set `want_id` checked that the request is a genuine replay (the
+    /// server verifies its replay tag); the engine bounds what even a genuine one may take.
+    /// A quarantined id is taken too: the incarnation that handed it out respected its
+    /// quarantine, and one here comes from a replayed removal of its last inode (both
+    /// records lost, found by the simulation once its time ran past a quarantine).
     fn wanted(&mut self) -> Option<(InodeId, Claim)> {
-        let id = self.want_id.take().filter(|&id| self.is_free(id))?;
+        let id = self.want_id.take().filter(|&id| self.is_unused(id))?;
         let r = Region::of(id);
         if r == Region::Primary {
             // A directory's allocator is not moved by it: it skips taken ids.
+            self.unquarantine(id);
             return Some((id, Claim::default()));
         }
         let next = self.region_next(r)?;
@@ -295,6 +299,7 @@ impl Engine {
         if unit < self.region_first(r) || unit >= next.saturating_add(REPLAY_LEAD_MAX) {
             return None;
         }
+        self.unquarantine(id);
         let claim = if unit >= next {
             Claim::region(r, unit + 1)
         } else {

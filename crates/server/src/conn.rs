@@ -842,12 +842,13 @@ async fn read_loop(
         // After a crash only replays change anything for a while: a new change waits, so
         // that it cannot take a name or an id that a replayed one needs (reads go on).
         // Every request still in replay mode here carried a tag that verified.
-        if let Some(until) = shared.replay_window().until()
+        let window = shared.replay_window().left();
+        if !window.is_zero()
             && reqs.iter().any(|(_, r)| {
                 !matches!(r.mode, ReplyMode::Replay { .. }) && waits_for_replays(&r.op)
             })
         {
-            tokio::time::sleep_until(until.into()).await;
+            tokio::time::sleep(window).await;
         }
         if !reqs.is_empty() {
             let started = Instant::now();

@@ -5,6 +5,7 @@
 //! journal order is execution order. Replies wait until the journal is durable up to the
 //! last LSN the batch could have observed: nothing a client sees can be lost in a crash.
 
+use crate::clock::Clock;
 use crate::data::DataStore;
 use crate::leases::{Answered, Callbacks, Expired, Flushes, LeaseKey, Leases, Leasing, Urgency};
 use crate::locks::LockTable;
@@ -25,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 /// The payload of one journal record: one operation's mutations plus what the reply cache
 /// needs to answer a retry of it after a crash.
@@ -280,13 +281,21 @@ impl Core {
     /// Notes that `changer`'s mutations `muts` were journaled at `lsn` (the journal durable
     /// up to `durable`), and calls back every other session that holds a lease on what
     /// they change; the replies to `changer` wait for those callbacks (see
-    /// `leases::Board`). Returns the LSN of another session's record, not durable, that the
-    /// change depended on (0: none): an early reply to it must wait for that record.
-    pub fn journaled(&mut self, changer: u64, muts: &[Mutation], lsn: u64, durable: u64) -> u64 {
+    /// `leases::Board`), at `now`. Returns the LSN of another session's record, not
+    /// durable, that the change depended on (0: none): an early reply to it must wait for
+    /// that record.
+    pub fn journaled(
+        &mut self,
+        changer: u64,
+        muts: &[Mutation],
+        lsn: u64,
+        durable: u64,
+        now: Instant,
+    ) -> u64 {
         note_modified(&mut self.modified, muts, lsn);
         let depended = self.unsettled.note(changer, muts, lsn, durable);
         self.depended = self.depended.max(depended);
-        self.call_back_leases(changer, muts);
+        self.call_back_leases(changer, muts, now);
         depended
     }
 
@@ -295,15 +304,15 @@ impl Core {
         std::mem::take(&mut self.depended)
     }
 
-    fn call_back_leases(&mut self, changer: u64, muts: &[Mutation]) {
+    fn call_back_leases(&mut self, changer: u64, muts: &[Mutation], now: Instant) {
         if !self.flushes.is_empty() {
-            self.end_promises(changer, muts);
+            self.end_promises(changer, muts, now);
         }
         if self.leases.keys() == 0 {
             return;
         }
-        for (holder, list, until) in self.leases.changed(changer, muts, Instant::now()) {
-            self.call_back(changer, holder, &list, until, Urgency::Drop);
+        for (holder, list, until) in self.leases.changed(changer, muts, now) {
+            self.call_back(changer, holder, &list, until, Urgency::Drop, now);
         }
     }
 
@@ -311,7 +320,7 @@ impl Core {
     /// leases granted under the promise (below, in `journaled`), may hold writes back
     /// again: told so by a `Hold` callback, sent on the connection its flush callbacks
     /// took (so a later flush callback reaches it after this one).
-    fn end_promises(&mut self, changer: u64, muts: &[Mutation]) {
+    fn end_promises(&mut self, changer: u64, muts: &[Mutation], now: Instant) {
         // `wrote` forgets the promise it ends: an inode put twice is told once.
         let mut ended = Vec::new();
         for m in muts {
@@ -322,13 +331,14 @@ impl Core {
             }
         }
         if !ended.is_empty() {
-            let until = Instant::now() + crate::leases::LEASE;
-            self.call_back(0, changer, &ended, until, Urgency::Work);
+            let until = now + crate::leases::LEASE;
+            self.call_back(0, changer, &ended, until, Urgency::Work, now);
         }
     }
 
     /// Sends one callback to `holder` on one of its connections, to be waited for by
-    /// `changer`'s replies until `until` (the holder's lease ends then anyway). Returns
+    /// `changer`'s replies until `until` (the holder's lease ends then anyway), sent at
+    /// `now`. Returns
     /// its id, which is not pending if it could not be sent (the holder's connections are
     /// gone, and its leases with them); `None` if the holder is in default (nothing is
     /// sent to it).
@@ -339,8 +349,8 @@ impl Core {
         list: &[Invalidation],
         until: Instant,
         urgency: Urgency,
+        now: Instant,
     ) -> Option<u64> {
-        let now = Instant::now();
         let id = self.callbacks.issue(changer, holder, until, urgency, now)?;
         let mut frame = Vec::new();
         let sent = encode_frame(&mut frame, FrameKind::Callback, id, &list).is_ok()
@@ -440,7 +450,7 @@ impl Core {
             // 0 is no session): a writer that never answers holds it up for a lease once,
             // and is then in default (asked for nothing, waited for by nobody).
             let until = now + crate::leases::LEASE;
-            if let Some(cb) = self.call_back(0, w, &list, until, Urgency::Work) {
+            if let Some(cb) = self.call_back(0, w, &list, until, Urgency::Work, now) {
                 self.flushes.called(w, &ids, cb, now);
                 if self.callbacks.is_pending(cb) {
                     wait.push(cb);
@@ -465,7 +475,8 @@ impl Core {
                 // connection) before any reply that grants again. Answering it is owed
                 // as any callback is.
                 let all = [Invalidation::Everything];
-                self.call_back(0, session, &all, now + crate::leases::LEASE, Urgency::Work);
+                let until = now + crate::leases::LEASE;
+                self.call_back(0, session, &all, until, Urgency::Work, now);
             }
         }
         let failed = matches!(reply, Reply::Error(_) | Reply::WrongServer { .. });
@@ -632,6 +643,8 @@ pub struct Shared {
     slice_work: crate::slicework::SliceWork,
     /// Deliberate bugs switched on (only a simulation sets any, see `kochab_breaks`).
     breaks: Breaks,
+    /// The clock of everything the core times (see `clock`).
+    clock: Clock,
 }
 
 /// What a server's start chose for its [`Shared`] state; the rest (counters, clocks, the
@@ -652,6 +665,7 @@ pub(crate) struct SharedParts {
     pub replay_key: kochab_proto::auth::ReplayKey,
     pub slice_work: crate::slicework::SliceWork,
     pub breaks: Breaks,
+    pub clock: Clock,
 }
 
 impl Shared {
@@ -679,10 +693,11 @@ impl Shared {
             bad_frame_log: Default::default(),
             cluster: parts.cluster,
             incarnation: kochab_proto::auth::random_u64(),
-            replay_window: Default::default(),
+            replay_window: ReplayWindow::new(parts.clock.clone()),
             replay_key: parts.replay_key,
             slice_work: parts.slice_work,
             breaks: parts.breaks,
+            clock: parts.clock,
         }
     }
 
@@ -791,6 +806,12 @@ impl Shared {
         &self.slice_work
     }
 
+    /// The clock of everything the core times: leases, callbacks, sessions, the replay
+    /// window, file times (the system's, but in a simulation).
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
     /// Whether the deliberate bug `b` is switched on (only ever in a simulation).
     pub(crate) fn has_break(&self, b: Break) -> bool {
         self.breaks.has(b)
@@ -873,12 +894,14 @@ impl Shared {
 
     /// A connection of `session` ended (see [`Core::detach`]).
     pub fn detach(&self, session: u64, conn_id: u64) {
-        self.core().detach(session, conn_id, Instant::now());
+        let now = self.clock.now();
+        self.core().detach(session, conn_id, now);
     }
 
     /// Session `from` answered the callbacks `ids` (see [`Core::callbacks_answered`]).
     pub fn callbacks_answered(&self, from: u64, ids: &[u64]) -> (bool, usize) {
-        self.core().callbacks_answered(from, ids, Instant::now())
+        let now = self.clock.now();
+        self.core().callbacks_answered(from, ids, now)
     }
 
     /// The board where the replies of `changer` wait for the callbacks its changes caused.
@@ -893,7 +916,8 @@ impl Shared {
 
     /// Ends the callbacks whose deadline passed (their holders go into default).
     pub fn expire_callbacks(&self) -> Expired {
-        self.core().expire_callbacks(Instant::now())
+        let now = self.clock.now();
+        self.core().expire_callbacks(now)
     }
 
     /// Up to `max` reclaim entries after `after` (id, generation), in order.
@@ -944,29 +968,46 @@ pub const REPLAY_WINDOW: std::time::Duration = crate::leases::LEASE;
 /// The window after a crash in which only replayed changes run; other changes wait for its
 /// end (reads do not). A replay is admitted only with a replay tag that verifies for its
 /// session (see `replaytags::SessionTags`): setting the mode is not enough.
-#[derive(Default)]
-pub struct ReplayWindow(Mutex<Option<Instant>>);
+pub struct ReplayWindow {
+    until: Mutex<Option<Instant>>,
+    clock: Clock,
+}
 
 impl ReplayWindow {
+    /// A closed window, timed by `clock`.
+    pub fn new(clock: Clock) -> ReplayWindow {
+        ReplayWindow {
+            until: Mutex::new(None),
+            clock,
+        }
+    }
+
     /// Opens (or extends) the window for [`REPLAY_WINDOW`] from now.
     pub fn open(&self) {
-        let until = Instant::now() + REPLAY_WINDOW;
-        let mut w = self.0.lock();
+        let until = self.clock.now() + REPLAY_WINDOW;
+        let mut w = self.until.lock();
         *w = Some(w.map_or(until, |u| u.max(until)));
     }
 
     /// Ends the window now: every client has replayed what it kept (a simulation, whose
-    /// clients replay at once and whose clock does not run, says so; a served core waits
-    /// the window out).
+    /// clients replay at once, says so; a served core waits the window out).
     pub fn close(&self) {
-        *self.0.lock() = None;
+        *self.until.lock() = None;
+    }
+
+    /// How long until the window ends (zero when it is not open), on its clock: what a
+    /// new change waits.
+    pub fn left(&self) -> std::time::Duration {
+        self.until().map_or(std::time::Duration::ZERO, |u| {
+            u.saturating_duration_since(self.clock.now())
+        })
     }
 
     /// The end of the window, while it is open.
     pub fn until(&self) -> Option<Instant> {
-        let mut w = self.0.lock();
+        let mut w = self.until.lock();
         match *w {
-            Some(u) if u > Instant::now() => Some(u),
+            Some(u) if u > self.clock.now() => Some(u),
             Some(_) => {
                 *w = None;
                 None
@@ -976,12 +1017,10 @@ impl ReplayWindow {
     }
 }
 
-/// Nanoseconds since the epoch from the system clock.
+/// Nanoseconds since the epoch from the system clock (for tools beside the core; the
+/// core stamps files by [`Shared::clock`]).
 pub fn now_ns() -> TimeNs {
-    match SystemTime::now().duration_since(UNIX_EPOCH) {
-        Ok(d) => d.as_nanos().min(i64::MAX as u128) as i64,
-        Err(e) => -(e.duration().as_nanos().min(i64::MAX as u128) as i64),
-    }
+    Clock::system().wall_ns()
 }
 
 /// Appends one engine result to the journal; the caller holds the core lock.
@@ -1077,7 +1116,7 @@ impl Shared {
             if core.flushes.is_empty() {
                 return;
             }
-            core.call_flushes(reader, ids.iter().copied(), Instant::now())
+            core.call_flushes(reader, ids.iter().copied(), self.clock.now())
         };
         if !wait.is_empty() {
             self.wait_answered(&wait).await;
@@ -1141,11 +1180,11 @@ impl Shared {
         replies: &mut Vec<Answer>,
         flushes: bool,
     ) -> Vec<(u64, Parked)> {
-        let now = now_ns();
+        let now = self.clock.wall_ns();
         let mut parked = Vec::new();
         let mut core = self.core();
         let leasing = core.lease_conns.contains_key(&client);
-        let granted = Instant::now();
+        let granted = self.clock.now();
         let mut depended = false;
         for (rid, req) in reqs {
             core.take_depended();
@@ -1329,7 +1368,7 @@ impl Shared {
                 &muts,
             );
             let durable = self.journal.durable_lsn();
-            core.journaled(client, &muts, lsn, durable);
+            core.journaled(client, &muts, lsn, durable, self.clock.now());
             if noop_change
                 && let Op::Rename {
                     parent,

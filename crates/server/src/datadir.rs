@@ -537,7 +537,12 @@ mod tests {
         assert_eq!(results.iter().filter(|r| r.1).count(), 1, "created once");
         let mut epochs: Vec<u64> = results.iter().flat_map(|r| r.2.clone()).collect();
         epochs.sort_unstable();
-        assert_eq!(epochs, (1..=20).collect::<Vec<_>>(), "every epoch once");
+        epochs.dedup();
+        // Never one epoch twice. Not necessarily 1..=20: a start whose version was
+        // written but that then sees a newer one (`swap_version`'s stale check) gives
+        // its epoch up and takes the next, leaving a gap nobody uses.
+        assert_eq!(epochs.len(), 20, "every epoch once: {epochs:?}");
+        assert!(epochs[0] >= 1);
     }
 
     #[test]

@@ -69,7 +69,8 @@ pub(crate) fn journal_write(
         return (shared.journal_now(core, client, muts), false);
     }
     let lsn = journal_entry(shared.journal(), client, how.seq, 0, Some(id), muts);
-    let depended = core.journaled(client, muts, lsn, shared.journal().durable_lsn());
+    let durable = shared.journal().durable_lsn();
+    let depended = core.journaled(client, muts, lsn, durable, shared.clock().now());
     if how.seq != 0 {
         core.replies.insert(client, how.seq, Some(id));
     }

@@ -7,7 +7,7 @@
 //! (`filelocks`) orders writes against truncation, so that a truncation's data trim can
 //! never destroy a later write and only that file waits for it.
 
-use crate::core::{Cleanup, Core, Shared, journal_entry, now_ns};
+use crate::core::{Cleanup, Core, Shared, journal_entry};
 use crate::data::chunk_batches;
 use crate::fileaccess::{
     DATA_BATCH_CHUNKS, WriteReq, blocking, current_generation, end_within_limit, fail,
@@ -63,10 +63,12 @@ impl Shared {
         match &req.op {
             Op::Open { id, flags, handle } => {
                 match core.engine.check_open(&req.cred, *id, *flags) {
-                    Ok(attr) => match register(core, client, *handle, &attr, *flags) {
-                        Ok(()) => Reply::Entry(attr),
-                        Err(e) => Reply::Error(e),
-                    },
+                    Ok(attr) => {
+                        match register(core, client, *handle, &attr, *flags, self.clock().now()) {
+                            Ok(()) => Reply::Entry(attr),
+                            Err(e) => Reply::Error(e),
+                        }
+                    }
                     Err(kochab_meta::Fail::Fs(e)) => Reply::Error(e),
                     Err(kochab_meta::Fail::NotHosted(id)) => {
                         Reply::Error(kochab_meta::not_in_any_table(id))
@@ -170,10 +172,12 @@ impl Shared {
             // not hold its table (the first attempt borrowed it), WRONG_SERVER: the
             // member borrows the table and answers then.
             return match core.engine.attr_for_retry(id) {
-                Ok(Some(attr)) => match register(core, client, handle, &attr, flags) {
-                    Ok(()) => Reply::Entry(attr),
-                    Err(e) => Reply::Error(e),
-                },
+                Ok(Some(attr)) => {
+                    match register(core, client, handle, &attr, flags, self.clock().now()) {
+                        Ok(()) => Reply::Entry(attr),
+                        Err(e) => Reply::Error(e),
+                    }
+                }
                 Err(wrong_server) => *wrong_server,
                 Ok(None) => Reply::Error(fs_err!(
                     ESTALE,
@@ -216,12 +220,13 @@ impl Shared {
                 Some(attr.id),
                 &muts,
             );
-            core.journaled(client, &muts, lsn, self.journal().durable_lsn());
+            let durable = self.journal().durable_lsn();
+            core.journaled(client, &muts, lsn, durable, self.clock().now());
             if cached {
                 core.replies.insert(client, req.seq, Some(attr.id));
             }
         }
-        match register(core, client, handle, &attr, flags) {
+        match register(core, client, handle, &attr, flags, self.clock().now()) {
             Ok(()) => Reply::Entry(attr),
             Err(e) => Reply::Error(e),
         }
@@ -229,7 +234,8 @@ impl Shared {
 
     /// Ends the sessions of clients gone longer than the grace period (see
     /// [`Shared::end_session`]).
-    pub fn end_expired_sessions(&self, now: Instant) {
+    pub fn end_expired_sessions(&self) {
+        let now = self.clock().now();
         let mut core = self.core();
         for client in core.sessions.expired(self.session_grace(), now) {
             tracing::info!(
@@ -334,7 +340,8 @@ impl Shared {
             return 0;
         }
         let lsn = journal_entry(self.journal(), client, 0, 0, None, muts);
-        core.journaled(client, muts, lsn, self.journal().durable_lsn());
+        let durable = self.journal().durable_lsn();
+        core.journaled(client, muts, lsn, durable, self.clock().now());
         self.journal().flush_now();
         lsn
     }
@@ -393,13 +400,15 @@ pub fn check_close_many(handles: &[u64]) -> Result<(), FsError> {
     Ok(())
 }
 
-/// Registers a handle, counting the open once; EMFILE past the client's handle limit.
+/// Registers a handle at `now`, counting the open once; EMFILE past the client's handle
+/// limit.
 fn register(
     core: &mut Core,
     client: u64,
     handle: u64,
     attr: &Attr,
     flags: u32,
+    now: Instant,
 ) -> Result<(), FsError> {
     let file = OpenFile {
         id: attr.id,
@@ -413,11 +422,9 @@ fn register(
                 core.flushes.opened(attr.id, client);
                 // Others' cached size and data of it go first: this client may hold its
                 // writes back, unseen by the server, until someone looks again.
-                let revoked = core
-                    .leases
-                    .opened_for_writing(client, attr.id, Instant::now());
+                let revoked = core.leases.opened_for_writing(client, attr.id, now);
                 for (holder, list, until) in revoked {
-                    core.call_back(client, holder, &list, until, Urgency::Drop);
+                    core.call_back(client, holder, &list, until, Urgency::Drop, now);
                 }
             }
             if core.arrived.get(&(client, handle)) == Some(&attr.id) {
@@ -448,9 +455,11 @@ pub async fn data_op(shared: Arc<Shared>, client: u64, key_id: u32, req: Request
             req.op,
             Op::Read { .. } | Op::Fsync { .. } | Op::DataGrant { .. } | Op::Layout { .. }
         )
-        && let Some(until) = shared.replay_window().until()
     {
-        tokio::time::sleep_until(until.into()).await;
+        let left = shared.replay_window().left();
+        if !left.is_zero() {
+            tokio::time::sleep(left).await;
+        }
     }
     // What others may hold back of the file is sent before it is read, truncated or
     // appended to (a plain write needs nothing: overlapping writes of two clients land in
@@ -504,7 +513,9 @@ async fn run_data_op(
             };
             let (observed, atime_set) = {
                 let mut core = shared.core();
-                let set = core.engine.touch_atime(of.id, atime, now_ns());
+                let set = core
+                    .engine
+                    .touch_atime(of.id, atime, shared.clock().wall_ns());
                 (core.observed(of.id), set)
             };
             if atime_set {
@@ -569,7 +580,8 @@ async fn run_data_op(
             let _file = shared.file_locks().exclusive(id).await;
             let reply = {
                 let mut core = shared.core();
-                let reply = shared.execute_traced(&mut core, client, &req, now_ns());
+                let now = shared.clock().wall_ns();
+                let reply = shared.execute_traced(&mut core, client, &req, now);
                 // The objects the cut dropped go once it is durable.
                 shared.take_freed(&mut core);
                 reply
@@ -665,7 +677,7 @@ async fn write(
         current_generation(&core, &of)?;
         let (muts, attr) = core
             .engine
-            .write_done(how.cred, of.id, end, now_ns())
+            .write_done(how.cred, of.id, end, shared.clock().wall_ns())
             .map_err(fail)?;
         // Answered early: a replay of it, once durable, is answered by the reply cache.
         // Answered durably: the reply does not wait for the record.
@@ -757,7 +769,7 @@ async fn fallocate(
     let lsn = if changed {
         let (muts, _) = core
             .engine
-            .write_done(cred, of.id, new_end, now_ns())
+            .write_done(cred, of.id, new_end, shared.clock().wall_ns())
             .map_err(fail)?;
         shared.journal_now(&mut core, client, &muts)
     } else {

@@ -1,5 +1,7 @@
 //! Capabilities for file data that clients move themselves (issue 31): how long a grant
-//! lives, the object ids a server hands out, and the clock tokens expire by.
+//! lives and the object ids a server hands out. Tokens expire by the core's wall clock in
+//! Unix seconds (`Clock::unix_secs`): a client compares nothing with it, and servers of a
+//! cluster agree within the GC margin.
 //!
 //! A grant is stateless: its commit tokens are MACs under the cluster's grant key
 //! ([`kochab_proto::auth::GrantKey`]), so any server of the cluster verifies them, and its
@@ -34,14 +36,6 @@ pub fn grant_secs() -> u64 {
 /// [`grant_secs`] as a duration.
 pub fn grant_life() -> Duration {
     Duration::from_secs(grant_secs())
-}
-
-/// The server's wall clock in Unix seconds: grants' expiry is stated in it (a client
-/// compares nothing with it; servers of a cluster agree within the GC margin).
-pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 /// Slice object ids: unique per file generation in practice, never 0 (the zeros ref), never

@@ -53,6 +53,8 @@ impl LeaseKey {
 pub struct Leases {
     held: FxHashMap<LeaseKey, Vec<(u64, Instant)>>,
     grants: usize,
+    /// Deliberate bugs switched on (only a simulation sets any, see `kochab_breaks`).
+    pub(crate) breaks: Breaks,
 }
 
 /// Invalidations for one holder.
@@ -66,7 +68,10 @@ impl Leases {
             self.grants = 0;
             self.sweep(now);
         }
-        let until = now + LEASE;
+        let until = match self.breaks.has(Break::LeaseExpiryEarly) {
+            false => now + LEASE,
+            true => now + LEASE / 2,
+        };
         let holders = self.held.entry(key).or_default();
         match holders.iter_mut().find(|(s, _)| *s == session) {
             Some(h) => h.1 = h.1.max(until),

@@ -3,6 +3,7 @@
 //! - [`server`]: start (recover, then serve), the checkpointer thread, shutdown.
 //! - [`conn`]: one connection: handshake, batched execution, durable replies.
 //! - [`core`]: the engine and reply cache behind one lock; journal records.
+//! - [`clock`]: the one clock the core reads (the system's, or a simulation's).
 //! - [`checkpoint`] / [`recovery`]: per-table incremental checkpoints, versioned manifests
 //!   that name each table's owner and journals, and start-up.
 //! - [`cluster_host`]: a member's participant in the coordinator's protocols (admission,
@@ -16,6 +17,7 @@
 //!   operations; [`filelocks`]: the per-file lock that orders writes against truncation.
 
 pub mod checkpoint;
+pub mod clock;
 pub mod cluster_host;
 pub mod conn;
 pub mod core;

@@ -59,10 +59,11 @@ impl Shared {
             };
             // Whoever serves the table next knows nothing of the leases granted here:
             // its holders drop what they cache of it before it leaves.
-            let revoked = core.leases.revoke_range(table.lo, table.hi, Instant::now());
+            let now = self.clock().now();
+            let revoked = core.leases.revoke_range(table.lo, table.hi, now);
             for (holder, list, until) in revoked {
                 // Names of whole directories: as long as dropping them takes.
-                core.call_back(SERVER_ITSELF, holder, &list, until, Urgency::Work);
+                core.call_back(SERVER_ITSELF, holder, &list, until, Urgency::Work, now);
             }
             (table, handover, self.journal().last_lsn())
         };

@@ -1,8 +1,9 @@
 //! Starting, running and stopping one metadata server.
 
 use crate::checkpoint::Checkpointer;
+use crate::clock::Clock;
 use crate::conn::Accepted;
-use crate::core::{Cleanup, Core, Shared, SharedParts, journal_entry, now_ns};
+use crate::core::{Cleanup, Core, Shared, SharedParts, journal_entry};
 use crate::data::DataStore;
 use crate::datadir::{DataDir, DataDirLock};
 use crate::metrics::Metrics;
@@ -280,6 +281,7 @@ fn assemble(
     options: JournalOptions,
     keys: Arc<crate::keys::KeyStore>,
     breaks: Breaks,
+    clock: Clock,
 ) -> io::Result<(Arc<Shared>, Vec<InodeId>)> {
     let crate::recovery::Recovered {
         mut engine,
@@ -311,7 +313,7 @@ fn assemble(
     )?;
     // A new cluster's root, made by whoever hosts its table (a member without it has none).
     if engine.table_index(engine.root()).is_some() && !engine.has_root() {
-        let muts = engine.bootstrap(now_ns());
+        let muts = engine.bootstrap(clock.wall_ns());
         for m in &muts {
             engine.apply(m).map_err(io::Error::other)?;
         }
@@ -336,6 +338,7 @@ fn assemble(
     let orphans = engine.orphans();
     let mut core = Core::new(engine, replies);
     core.callbacks.breaks = breaks;
+    core.leases.breaks = breaks;
     let shared = Arc::new(Shared::new(SharedParts {
         core,
         journal,
@@ -359,6 +362,7 @@ fn assemble(
         replay_key: kochab_proto::auth::ReplayKey::derive(&dir.key),
         slice_work: crate::slicework::SliceWork::new(&dir.key, dir.me.server, dir.me.epoch),
         breaks,
+        clock,
     }));
     if dir.replay_window {
         tracing::info!(
@@ -391,6 +395,8 @@ pub struct SimulatedServer {
     /// A member's admission, standing in for the cluster host (its engine then answers
     /// WRONG_SERVER for what it does not host); `None`: a single server.
     pub member: Option<Arc<dyn crate::core::Member>>,
+    /// The simulation's clock (see `clock::SimulatedClock`): every incarnation reads one.
+    pub clock: Clock,
 }
 
 /// The core of a server recovered from `recovered` (a single server's: every table; a
@@ -419,7 +425,15 @@ pub fn core_for_simulation(
         replay_window: sim.crashed,
     };
     let keys = Arc::new(crate::keys::KeyStore::for_cluster(sim.key));
-    let (shared, _orphans) = assemble(&config, &member, recovered, sim.journal, keys, sim.breaks)?;
+    let (shared, _orphans) = assemble(
+        &config,
+        &member,
+        recovered,
+        sim.journal,
+        keys,
+        sim.breaks,
+        sim.clock,
+    )?;
     Ok(shared)
 }
 
@@ -440,7 +454,15 @@ async fn serve(
         // A single server's are in its data directory.
         None => Arc::new(crate::keys::KeyStore::load(&dir.data_path, dir.key)?),
     };
-    let (shared, orphans) = assemble(&config, &dir, recovered, options, keys, Breaks::NONE)?;
+    let (shared, orphans) = assemble(
+        &config,
+        &dir,
+        recovered,
+        options,
+        keys,
+        Breaks::NONE,
+        Clock::system(),
+    )?;
     let metrics = shared.metrics().clone();
     let root = shared.root();
     // Group commits written on this runtime's own thread when it has one worker, not
@@ -573,13 +595,12 @@ async fn accept_loop(
 /// Ends sessions of clients gone longer than the grace period and drops open-unlinked files
 /// nobody reopened after a restart.
 async fn maintenance_loop(shared: Arc<Shared>, mut orphans: Vec<InodeId>) {
-    let orphan_deadline = Instant::now() + shared.session_grace();
+    let orphan_deadline = shared.clock().now() + shared.session_grace();
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tick.tick().await;
-        let now = Instant::now();
-        shared.end_expired_sessions(now);
-        if !orphans.is_empty() && now >= orphan_deadline {
+        shared.end_expired_sessions();
+        if !orphans.is_empty() && shared.clock().now() >= orphan_deadline {
             // However many there are, in bounded records (see `Cleanup`).
             let ids = std::mem::take(&mut orphans);
             shared.queue_cleanup(Cleanup::Orphans(ids.into_iter()));
@@ -599,10 +620,11 @@ async fn cleanup_loop(shared: Arc<Shared>) {
     };
     let callbacks = async {
         loop {
+            // Deadlines are on the core's clock; the timer that waits for them is tokio's.
             let next = shared.next_callback_deadline();
-            let now = Instant::now();
+            let now = shared.clock().now();
             let wake = next.map_or(now + CALLBACK_CHECK, |d| d.min(now + CALLBACK_CHECK));
-            tokio::time::sleep_until(wake.into()).await;
+            tokio::time::sleep(wake.saturating_duration_since(now)).await;
             let expired = shared.expire_callbacks();
             if expired.missed > 0 {
                 shared

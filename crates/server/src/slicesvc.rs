@@ -18,13 +18,13 @@
 //!   from before its PUT until its commit returned, so that the collector never counts it
 //!   as an orphan however slow the PUT.
 
-use crate::core::{Core, Shared, now_ns};
+use crate::core::{Core, Shared};
 use crate::data::slices::COMPACT_REFS_MAX;
 use crate::fileaccess::{
     WriteReq, blocking, current_generation, end_within_limit, fail, journal_write, lock_file,
     write_done_before,
 };
-use crate::grants::{GRANT_OBJECTS_MAX, grant_life, object_name, unix_now};
+use crate::grants::{GRANT_OBJECTS_MAX, grant_life, object_name};
 use crate::session::OpenFile;
 use crate::slicework::{OwnPuts, SliceWork};
 use kochab_proto::auth::GrantTokenInput;
@@ -96,7 +96,7 @@ pub(crate) async fn grant(
         ));
     }
     current_generation(&shared.core(), &of)?;
-    let expires = unix_now() + grant_life().as_secs();
+    let expires = shared.clock().unix_secs() + grant_life().as_secs();
     let work = shared.slice_work();
     let mut granted = Vec::with_capacity(objects as usize);
     for _ in 0..objects {
@@ -225,14 +225,14 @@ pub(crate) async fn commit(
         current_generation(&core, &of)?;
         // Verified under the core lock, right before the commit: a token that verifies here
         // is committed at once, so the collector's wait past expiry is enough (see `gc`).
-        let now = unix_now();
+        let now = shared.clock().unix_secs();
         for s in &slices {
             verify_token(work, key_id, &of, s, now)?;
         }
         let refs: Vec<(u64, SliceRef)> = slices.iter().map(|s| (s.chunk, s.r)).collect();
         let (muts, attr, freed) = core
             .engine
-            .commit_slices(how.cred, of.id, &refs, end, now_ns())
+            .commit_slices(how.cred, of.id, &refs, end, shared.clock().wall_ns())
             .map_err(fail)?;
         let (lsn, depended) = journal_write(shared, &mut core, client, &how, of.id, &muts);
         after_commit(shared, &core, &of, &refs, &freed, lsn);
@@ -293,7 +293,7 @@ pub(crate) async fn layout(
         let span = first_chunk..first_chunk.saturating_add(u64::from(chunks));
         (size, core.engine.layout(of.id, span), core.observed(of.id))
     };
-    let expires = unix_now() + grant_life().as_secs();
+    let expires = shared.clock().unix_secs() + grant_life().as_secs();
     let mut out = Vec::with_capacity(refs.len());
     for (chunk, refs) in refs {
         let mut get_urls = Vec::with_capacity(refs.len());
@@ -455,7 +455,7 @@ pub(crate) async fn write(
         current_generation(&core, of)?;
         let (muts, attr, freed) = core
             .engine
-            .commit_slices(how.cred, of.id, &refs, end, now_ns())
+            .commit_slices(how.cred, of.id, &refs, end, shared.clock().wall_ns())
             .map_err(fail)?;
         let (lsn, depended) = journal_write(shared, &mut core, client, how, of.id, &muts);
         after_commit(shared, &core, of, &refs, &freed, lsn);
@@ -503,7 +503,7 @@ pub(crate) fn zero(
     for batch in zeros.chunks(COMMIT_SLICES_MAX) {
         let (muts, _, freed) = core
             .engine
-            .commit_slices(cred, of.id, batch, 0, now_ns())
+            .commit_slices(cred, of.id, batch, 0, shared.clock().wall_ns())
             .map_err(fail)?;
         let lsn = shared.journal_now(core, client, &muts);
         after_commit(shared, core, of, batch, &freed, lsn);

@@ -37,7 +37,8 @@ use kochab_server::server::{SimulatedServer, core_for_simulation};
 use kochab_store::{MemStore, ObjectStore};
 
 use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
-use crate::world::{NEVER, SEGMENT_BYTES, check_shared, shared_op};
+use crate::world::{NEVER, SEGMENT_BYTES, STEP_MS_MAX, WALL_START_NS, check_shared, shared_op};
+use kochab_server::clock::SimulatedClock;
 
 /// Session of the set-up requests.
 const SETUP_SESSION: u64 = 1;
@@ -218,6 +219,9 @@ struct World {
     clients: Vec<Client>,
     shared_dir: InodeId,
     stats: ClusterStats,
+    /// Every server's clock (no leases here: it only moves so that file times depend on
+    /// the seed alone).
+    clock: SimulatedClock,
     _rt: tokio::runtime::Runtime,
 }
 
@@ -286,6 +290,7 @@ impl World {
             clients: Vec::new(),
             shared_dir: 0,
             stats: ClusterStats::default(),
+            clock: SimulatedClock::new(WALL_START_NS),
             _rt: rt,
         })
     }
@@ -334,6 +339,7 @@ impl World {
             member: Some(Arc::new(SimMember {
                 ranges: self.ranges.clone(),
             })),
+            clock: self.clock.clock(),
         };
         core_for_simulation(sim, recovered).map_err(|e| format!("start of {me}: {e}"))
     }
@@ -519,6 +525,8 @@ impl World {
     }
 
     fn step(&mut self) -> Result<(), String> {
+        let ms = self.rng.range(1, STEP_MS_MAX);
+        self.clock.advance(std::time::Duration::from_millis(ms));
         match self.rng.range(0, 99) {
             0..=64 => {
                 let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;

@@ -15,6 +15,10 @@
 //! path: every file reads exactly as the acknowledged writes say, but for bytes no fsync
 //! covered at a power loss, which may read as they did at the last one.
 //!
+//! A lease holder (`lease`) caches a file a writer changes: callbacks, lease expiry and
+//! callback deadlines run on the simulated clock the core reads
+//! (`kochab_server::clock::SimulatedClock`), which moves between steps and jumps in pauses.
+//!
 //! The journal flushes only when the simulation asks, so a seed replays exactly.
 //! `SIM_BREAK=NAME` switches on a deliberate bug in the real code (`kochab_breaks`).
 

@@ -23,6 +23,15 @@ pub struct SimStats {
     pub data_ops: u64,
     /// Callbacks a lease holder answered.
     pub callbacks: u64,
+    /// Pauses of everything (the clock jumped, up to past a lease).
+    pub pauses: u64,
+    /// Times the holder's cache ran out with its lease (on its own clock).
+    pub leases_run_out: u64,
+    /// Writes acknowledged only once a stalled holder's callback ran out (or it answered
+    /// late).
+    pub late_acks: u64,
+    /// Times the holder went into default (a callback missed, or answered too slowly).
+    pub defaults: u64,
 }
 
 /// What one step needs of the world.

@@ -2,12 +2,14 @@
 //! replies and replay them, and faults, with the invariants checked after every step.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kochab_breaks::{Break, Breaks};
 use kochab_cluster::sim::Rng;
 use kochab_journal::{JournalId, JournalOptions};
 use kochab_meta::{EngineConfig, IdPolicy, initial_table_ranges};
 use kochab_proto::{Credentials, InodeId, Op, Reply, ReplyMode, Request, mode};
+use kochab_server::clock::SimulatedClock;
 use kochab_server::core::Shared;
 use kochab_server::replaytags::SessionTags;
 use kochab_server::server::{SimulatedServer, core_for_simulation};
@@ -30,6 +32,15 @@ pub(crate) const NEVER: std::time::Duration = std::time::Duration::from_secs(24 
 /// simulated client makes): rollovers happen within a run, and every crash image copies
 /// less (a segment is zero-filled to full length when made).
 pub(crate) const SEGMENT_BYTES: u64 = 64 << 10;
+/// The simulated clock's wall time at the start of every run (2026-01-01 UTC): file
+/// times depend on the seed alone.
+pub(crate) const WALL_START_NS: i64 = 1_767_225_600_000_000_000;
+/// Time between two steps, at most (at least 1 ms: no two steps happen at one instant,
+/// as none do on a real machine): 200 steps take a few seconds, about a lease.
+pub(crate) const STEP_MS_MAX: u64 = 25;
+/// A pause of everything (a stopped VM, a stalled machine): up to past a lease and a
+/// callback deadline, from less than `CALLBACK_SLOW`.
+const PAUSE_MS: (u64, u64) = (200, 8000);
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -109,6 +120,9 @@ struct World {
     leases: Option<LeaseClients>,
     shared_dir: InodeId,
     stats: SimStats,
+    /// The time of every incarnation's core and of the clients: it moves only between
+    /// steps (and in pauses), so a seed replays exactly.
+    clock: SimulatedClock,
     _rt: tokio::runtime::Runtime,
 }
 
@@ -136,7 +150,9 @@ pub fn run(cfg: SimConfig) -> Result<SimStats, String> {
                 format!("step {step}: durable {d} of {l}, lost (session, seq, cached) {lost:?}")
             });
         }
-        w.step()
+        w.tick()
+            .and_then(|()| w.step())
+            .and_then(|()| w.settle())
             .and_then(|()| w.check())
             .map_err(|e| format!("seed {} step {step}: {e}", w.cfg.seed))?;
     }
@@ -176,6 +192,7 @@ impl World {
             leases: None,
             shared_dir: 0,
             stats: SimStats::default(),
+            clock: SimulatedClock::new(WALL_START_NS),
             _rt: rt,
         })
     }
@@ -230,6 +247,7 @@ impl World {
             crashed,
             breaks: self.cfg.breaks,
             member: None,
+            clock: self.clock.clock(),
         };
         core_for_simulation(sim, recovered).map_err(|e| format!("start: {e}"))
     }
@@ -286,7 +304,7 @@ impl World {
     }
 
     fn step(&mut self) -> Result<(), String> {
-        match self.rng.range(0, 99) {
+        match self.rng.range(0, 101) {
             54..=65 if !self.data.is_empty() => self.data_op(),
             66..=71 if self.leases.is_some() => self.lease_op(),
             0..=71 => {
@@ -297,7 +315,54 @@ impl World {
             84..=86 => self.checkpoint(),
             87..=90 => self.kill(),
             91..=94 => self.power_loss(),
-            _ => self.fence(),
+            95..=99 => self.fence(),
+            _ => self.pause(),
+        }
+    }
+
+    /// Time passes between two steps: a few milliseconds.
+    fn tick(&mut self) -> Result<(), String> {
+        let by = Duration::from_millis(self.rng.range(1, STEP_MS_MAX));
+        self.advance(by)
+    }
+
+    /// Everything stops for a while (up to past a lease): leases run out, callbacks reach
+    /// their deadlines.
+    fn pause(&mut self) -> Result<(), String> {
+        self.stats.pauses += 1;
+        let by = Duration::from_millis(self.rng.range(PAUSE_MS.0, PAUSE_MS.1));
+        self.trace(|| format!("pause of {by:?}"));
+        self.advance(by)
+    }
+
+    /// Moves the clock on by `by`, and the live server does what its timers do then: the
+    /// callbacks whose deadline passed end (as `server::cleanup_loop` ends them).
+    fn advance(&mut self, by: Duration) -> Result<(), String> {
+        let s = self.live()?.clone();
+        if let Some(l) = &mut self.leases {
+            let mut cx = Ctx {
+                rng: &mut self.rng,
+                rt: &self._rt,
+                stats: &mut self.stats,
+                trace: self.cfg.trace.then_some(self.cfg.seed),
+            };
+            l.before_time_passes(&mut cx, &s)?;
+        }
+        self.clock.advance(by);
+        let expired = s.expire_callbacks();
+        if expired.missed > 0 {
+            self.stats.defaults += expired.defaulted.len() as u64;
+            self.trace(|| format!("callbacks ran out: {expired:?}"));
+        }
+        Ok(())
+    }
+
+    /// Writes whose callbacks are now done are acknowledged (checked).
+    fn settle(&mut self) -> Result<(), String> {
+        let s = self.live()?.clone();
+        match &mut self.leases {
+            Some(l) => l.settle(&mut self.stats, &s),
+            None => Ok(()),
         }
     }
 

@@ -50,7 +50,8 @@ fn seeds_pass() {
     eprintln!(
         "{n} seeds passed in {:.1} s: {} operations, {} replays, {} kill -9, {} power \
          losses, {} fences, {} checkpoints ({} old journals deleted), {} replies lost, {} data \
-         operations, {} callbacks answered",
+         operations, {} callbacks answered; {} pauses, {} leases run out, {} writes acknowledged \
+         late, {} defaults",
         started.elapsed().as_secs_f64(),
         sum(|s| s.ops),
         sum(|s| s.replays),
@@ -62,6 +63,10 @@ fn seeds_pass() {
         sum(|s| s.dropped_replies),
         sum(|s| s.data_ops),
         sum(|s| s.callbacks),
+        sum(|s| s.pauses),
+        sum(|s| s.leases_run_out),
+        sum(|s| s.late_acks),
+        sum(|s| s.defaults),
     );
 }
 
