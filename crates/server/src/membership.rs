@@ -22,9 +22,6 @@ use kochab_journal::JournalId;
 use std::io::{self, ErrorKind};
 use std::time::{Duration, Instant};
 
-/// Reply-cache entries handed over with a released table at most (a well-behaved client's
-/// are only its requests in flight).
-pub(crate) const HANDED_OVER_REPLIES_MAX: usize = 4096;
 /// The session id the server's own callbacks are counted under (no client has it: session
 /// ids are MACs, and this one is reserved).
 const SERVER_ITSELF: u64 = u64::MAX;
@@ -81,7 +78,7 @@ impl Shared {
         let (replies, exported) = {
             let core = self.core();
             (
-                core.replies.export(HANDED_OVER_REPLIES_MAX),
+                core.replies.export(crate::replycache::HANDED_OVER_MAX),
                 self.journal().last_lsn(),
             )
         };

@@ -189,7 +189,7 @@ pub fn recover_tables(
         // (as a release hands entries over) until then: a crash of this server first must
         // not lose a reply a client may still ask for again (the operation would run twice,
         // or a create answer EEXIST to its own retry).
-        let carried = replies.export(crate::membership::HANDED_OVER_REPLIES_MAX);
+        let carried = replies.export(crate::replycache::HANDED_OVER_MAX);
         for m in manifests.values_mut() {
             m.replies = carried.clone();
         }

@@ -33,6 +33,11 @@ const EVICT_TO_PERCENT: usize = 90;
 /// The outcome of a completed non-idempotent operation: the inode it created or linked.
 pub type Outcome = Option<InodeId>;
 
+/// Reply-cache entries a table's manifest carries at most: handed over with a released
+/// table, or recovered by the server that took a failed one's over (a well-behaved
+/// client's are only its requests in flight).
+pub(crate) const HANDED_OVER_MAX: usize = 4096;
+
 /// Reply-cache entries handed from a server that releases a table to its next owner (in
 /// the table's manifest).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
