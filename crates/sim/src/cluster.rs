@@ -19,7 +19,10 @@
 //! most one writer); each engine's own invariants; the links between servers' tables
 //! ([`kochab_meta::links::check_cluster`], as `kochab fsck` checks a running cluster);
 //! and every client's names read as its accepted replies say, at whichever server holds
-//! the directory now.
+//! the directory now; every data client's files ([`data`]) read as its acknowledged writes
+//! say, at whichever server holds the file now.
+
+mod data;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, RwLock};
@@ -36,7 +39,9 @@ use kochab_server::replaytags::SessionTags;
 use kochab_server::server::{SimulatedServer, core_for_simulation};
 use kochab_store::{MemStore, ObjectStore};
 
+use crate::data::{DataClients, dir_name};
 use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
+use crate::step::SimStats;
 use crate::world::{NEVER, SEGMENT_BYTES, STEP_MS_MAX, WALL_START_NS, check_shared, shared_op};
 use kochab_server::clock::SimulatedClock;
 
@@ -54,18 +59,21 @@ pub struct ClusterConfig {
     pub steps: u64,
     pub servers: usize,
     pub clients: usize,
+    /// Clients of file data (see [`data`]).
+    pub data_clients: usize,
     pub breaks: Breaks,
     pub trace: bool,
 }
 
 impl ClusterConfig {
-    /// The default run of `seed`: three servers, three clients.
+    /// The default run of `seed`: three servers, three clients, two data clients.
     pub fn new(seed: u64) -> ClusterConfig {
         ClusterConfig {
             seed,
             steps: 200,
             servers: 3,
             clients: 3,
+            data_clients: 2,
             breaks: Breaks::NONE,
             trace: false,
         }
@@ -95,6 +103,17 @@ pub struct ClusterStats {
     pub flushes: u64,
     pub checkpoints: u64,
     pub dropped_replies: u64,
+    /// Creates, writes, reads and fsyncs of file data.
+    pub data_ops: u64,
+    /// Writes answered early replayed after their server went.
+    pub data_replays: u64,
+    /// Handles reopened (a reclaim) where their file's table went after a kill or pause.
+    pub reopens: u64,
+    /// Writes a paused old process answered (early) after its tables were taken over.
+    pub writes_at_old: u64,
+    /// Table moves (migrations, borrows, returns) that carried an open handle of a data
+    /// client's file.
+    pub open_moves: u64,
 }
 
 /// A member's admission in the simulation: by the tables the operation's ids fall in, as
@@ -218,7 +237,10 @@ struct World {
     lent: BTreeMap<u64, usize>,
     clients: Vec<Client>,
     shared_dir: InodeId,
+    data: DataClients,
     stats: ClusterStats,
+    /// What the data clients count.
+    data_stats: SimStats,
     /// Every server's clock (no leases here: it only moves so that file times depend on
     /// the seed alone).
     clock: SimulatedClock,
@@ -246,6 +268,7 @@ pub fn run_cluster(cfg: ClusterConfig) -> Result<ClusterStats, String> {
     w.after_flush();
     w.check()
         .map_err(|e| format!("seed {seed} at the end: {e}"))?;
+    w.data_totals();
     Ok(w.stats)
 }
 
@@ -289,7 +312,9 @@ impl World {
             lent: BTreeMap::new(),
             clients: Vec::new(),
             shared_dir: 0,
+            data: DataClients::default(),
             stats: ClusterStats::default(),
+            data_stats: SimStats::default(),
             clock: SimulatedClock::new(WALL_START_NS),
             _rt: rt,
         })
@@ -388,6 +413,12 @@ impl World {
                 lost: None,
             });
         }
+        let mut data_dirs = Vec::with_capacity(self.cfg.data_clients);
+        for c in 0..self.cfg.data_clients {
+            let name = String::from_utf8_lossy(&dir_name(c)).into_owned();
+            data_dirs.push(mkdir(self, name)?);
+        }
+        self.data = DataClients::in_dirs(&data_dirs);
         for &(lo, _) in &all {
             let to = self.rng.range(0, self.cfg.servers as u64 - 1) as usize;
             if to != 0 {
@@ -512,6 +543,7 @@ impl World {
             .find(|r| r.0 == lo)
             .map(|r| r.1)
             .ok_or_else(|| format!("table {lo:016x} is not in the ranges"))?;
+        self.data_table_moves(lo, hi);
         self.servers[from]
             .live
             .drop_table(lo)
@@ -528,6 +560,7 @@ impl World {
         let ms = self.rng.range(1, STEP_MS_MAX);
         self.clock.advance(std::time::Duration::from_millis(ms));
         match self.rng.range(0, 99) {
+            50..=64 if !self.data.is_empty() => self.data_op(),
             0..=64 => {
                 let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
                 self.client_op(c)
@@ -687,6 +720,7 @@ impl World {
             cl.kept
                 .retain(|k| !durable.iter().any(|&(j, d)| j == k.at && k.lsn <= d));
         }
+        self.data_after_flush(&durable);
     }
 
     fn checkpoint(&mut self) -> Result<(), String> {
@@ -719,10 +753,14 @@ impl World {
         Ok(())
     }
 
-    /// A table moves for good to another server (the balancer's choice).
+    /// A table moves for good to another server (the balancer's choice; often one with
+    /// a data client's open file, see [`World::data_table`]).
     fn random_migration(&mut self) -> Result<(), String> {
         let tables: Vec<u64> = self.owner.keys().copied().collect();
-        let lo = tables[self.rng.range(0, tables.len() as u64 - 1) as usize];
+        let lo = match self.data_table() {
+            Some(lo) => lo,
+            None => tables[self.rng.range(0, tables.len() as u64 - 1) as usize],
+        };
         let to = self.rng.range(0, self.servers.len() as u64 - 1) as usize;
         self.migrate(lo, to)
     }
@@ -812,10 +850,12 @@ impl World {
             self.owner.insert(*lo, to);
         }
         if paused {
+            self.data_write_at_old(&old, &tables)?;
             self.late_change(i, &old)?;
         }
         drop(old);
         self.replay(dead)?;
+        self.data_replay(dead, &tables)?;
         s.replay_window().close();
         for j in 0..self.servers.len() {
             self.flush(j)?;
@@ -869,6 +909,7 @@ impl World {
             for cl in &mut self.clients {
                 cl.kept.retain(|k| k.at != j || k.lsn > durable);
             }
+            self.data_after_flush(&[(j, durable)]);
         }
         old.journal().fail_stop("the paused process ends".into());
         Ok(())
@@ -966,6 +1007,9 @@ impl World {
         if !problems.is_empty() {
             return Err(format!("links between servers: {}", problems.join("; ")));
         }
+        drop(cores);
+        self.data_check()?;
+        let cores: Vec<_> = self.servers.iter().map(|s| s.live.core()).collect();
         for (c, cl) in self.clients.iter().enumerate() {
             if cl.lost.is_some() {
                 continue;

@@ -2,7 +2,11 @@
 //! (answered early and kept until durable, as the mount does, or durable-mode), reads them
 //! back and fsyncs them, through the real data path (`filesvc::data_op`, chunks in the
 //! in-memory store). After a crash each reopens its handles as the mount does (a reclaim)
-//! and replays the writes it kept, in order.
+//! and replays the writes it kept, in order; a server that does not know a handle (its
+//! file's table came from another server) answers EBADF, and the client reopens it there
+//! and sends the request again, as the mount does. A request is planned here
+//! ([`DataClients::plan`]) and run by the world where it belongs: at the one server
+//! ([`DataClients::step`]), or where the cluster's map puts its file (`cluster::data`).
 //!
 //! What a client knows of a file is, per byte, the values it may hold: one after an
 //! acknowledged write; after a power loss also what the last fsync made durable (a write is
@@ -11,10 +15,12 @@
 
 use std::sync::Arc;
 
+use kochab_journal::JournalId;
 use kochab_meta::files::open_flags::O_RDWR;
 use kochab_proto::auth::ReplayTag;
 use kochab_proto::{
-    AtimeRule, Credentials, InodeId, OPEN_RECLAIM, Op, Reply, ReplyMode, Request, WRITE_AT_END,
+    AtimeRule, Credentials, Errno, InodeId, OPEN_RECLAIM, Op, Reply, ReplyMode, Request,
+    WRITE_AT_END,
 };
 use kochab_server::core::Shared;
 use kochab_server::replaytags::SessionTags;
@@ -80,11 +86,13 @@ enum What {
     },
 }
 
-/// A write answered early whose record may not be durable: kept to replay.
+/// A write answered early whose record may not be durable in the journal `at`: kept to
+/// replay.
 struct Kept {
     req: Request,
     what: What,
     lsn: u64,
+    at: JournalId,
     tag: ReplayTag,
 }
 
@@ -131,6 +139,78 @@ impl Client {
     }
 }
 
+/// Where a data client's request about file `id` runs: the one server, or the server the
+/// map names for the file's table.
+pub(crate) type ServerOf<'a> = &'a dyn Fn(InodeId) -> Result<Arc<Shared>, String>;
+
+/// A data client's next request, planned: the world runs it where it belongs (a create
+/// where its directory is, anything else where its file is) and hands the reply to
+/// [`DataClients::answered`].
+pub(crate) struct Next {
+    c: usize,
+    session: u64,
+    req: Request,
+    kind: Kind,
+}
+
+enum Kind {
+    /// A create or a write (`crashed`: see [`Lost`]).
+    Send {
+        what: What,
+        crashed: bool,
+    },
+    Read {
+        f: usize,
+        offset: u64,
+        len: u32,
+    },
+    Fsync {
+        f: usize,
+    },
+}
+
+impl Next {
+    pub(crate) fn session(&self) -> u64 {
+        self.session
+    }
+
+    pub(crate) fn req(&self) -> &Request {
+        &self.req
+    }
+
+    /// A create: a request of the batch path, routed by its directory.
+    pub(crate) fn is_create(&self) -> bool {
+        matches!(
+            self.kind,
+            Kind::Send {
+                what: What::Create(_),
+                ..
+            }
+        )
+    }
+
+    /// The file a data operation is about (none for a create).
+    pub(crate) fn file(&self, data: &DataClients) -> Option<InodeId> {
+        let f = match self.kind {
+            Kind::Send {
+                what: What::Create(_),
+                ..
+            } => return None,
+            Kind::Send {
+                what: What::Write { file, .. },
+                ..
+            } => file,
+            Kind::Read { f, .. } | Kind::Fsync { f } => f,
+        };
+        data.clients[self.c].files[f].id.map(|(id, _)| id)
+    }
+
+    /// Whether `s` would answer it from its reply cache (a resend).
+    pub(crate) fn cached_at(&self, s: &Shared) -> bool {
+        self.req.seq != 0 && s.reply_cached(self.session, self.req.seq).is_some()
+    }
+}
+
 /// The data clients of one run.
 #[derive(Default)]
 pub struct DataClients {
@@ -140,52 +220,105 @@ pub struct DataClients {
 impl DataClients {
     /// `n` clients, each in its own directory, made now (durable) under `root` of `s`.
     pub fn setup(n: usize, s: &Arc<Shared>, root: InodeId) -> Result<DataClients, String> {
-        let mut clients = Vec::with_capacity(n);
+        let mut dirs = Vec::with_capacity(n);
         for c in 0..n {
-            let session = FIRST_SESSION + c as u64;
             let op = Op::Mkdir {
                 parent: root,
-                name: format!("data{c}").into_bytes(),
+                name: dir_name(c),
                 mode: 0o777,
             };
+            let session = FIRST_SESSION + c as u64;
             let reply = run_meta(s, session, Request::plain(&Credentials::root(), op))?.0;
             let dir = reply
                 .entry()
                 .map(|a| a.id)
                 .ok_or_else(|| format!("data set-up mkdir answered {reply:?}"))?;
-            let files = (0..FILES)
-                .map(|f| File {
-                    name: format!("f{f}").into_bytes(),
-                    handle: f as u64 + 1,
-                    id: None,
-                    size: 0,
-                    now: vec![Values::one(0); SPAN as usize],
-                    durable: vec![Values::one(0); SPAN as usize],
-                })
-                .collect();
-            clients.push(Client {
-                session,
+            dirs.push(dir);
+        }
+        Ok(DataClients::in_dirs(&dirs))
+    }
+
+    /// A client in each of `dirs` (made by the world, see [`dir_name`]), no file yet.
+    pub(crate) fn in_dirs(dirs: &[InodeId]) -> DataClients {
+        let clients = dirs
+            .iter()
+            .enumerate()
+            .map(|(c, &dir)| Client {
+                session: FIRST_SESSION + c as u64,
                 next_seq: 1,
                 dir,
-                files,
+                files: (0..FILES)
+                    .map(|f| File {
+                        name: format!("f{f}").into_bytes(),
+                        handle: f as u64 + 1,
+                        id: None,
+                        size: 0,
+                        now: vec![Values::one(0); SPAN as usize],
+                        durable: vec![Values::one(0); SPAN as usize],
+                    })
+                    .collect(),
                 kept: Vec::new(),
                 lost: None,
-            });
-        }
-        Ok(DataClients { clients })
+            })
+            .collect();
+        DataClients { clients }
     }
 
     pub fn is_empty(&self) -> bool {
         self.clients.is_empty()
     }
 
-    /// One operation of a client picked at random: its lost request again, or a create,
-    /// a write, a read or an fsync.
+    /// One operation of a client picked at random ([`DataClients::plan`]), run at `s`.
     pub fn step(&mut self, cx: &mut Ctx, s: &Arc<Shared>) -> Result<(), String> {
+        let next = self.plan(cx);
+        let cached = next.cached_at(s);
+        let (reply, lsn) = match next.is_create() {
+            true => run_meta(s, next.session, next.req.clone())?,
+            false => self.run_at(cx, s, &next)?,
+        };
+        self.answered(cx, s, next, cached, reply, lsn)
+    }
+
+    /// Runs `next`, an operation of a handle, at `s` (see [`run_handle`]).
+    pub(crate) fn run_at(
+        &self,
+        cx: &mut Ctx,
+        s: &Arc<Shared>,
+        next: &Next,
+    ) -> Result<(Reply, u64), String> {
+        let f = match next.kind {
+            Kind::Send {
+                what: What::Write { file, .. },
+                ..
+            } => file,
+            Kind::Read { f, .. } | Kind::Fsync { f } => f,
+            Kind::Send {
+                what: What::Create(_),
+                ..
+            } => return Err("a create is not an operation of a handle".into()),
+        };
+        let cl = &self.clients[next.c];
+        run_handle(cx, s, next.c, cl, f, next.req.clone())
+    }
+
+    /// The next request of a client picked at random: its lost request again, or a
+    /// create, a write, a read or an fsync.
+    pub(crate) fn plan(&mut self, cx: &mut Ctx) -> Next {
         let c = cx.rng.range(0, self.clients.len() as u64 - 1) as usize;
         let cl = &mut self.clients[c];
+        let session = cl.session;
+        let next = |req, kind| Next {
+            c,
+            session,
+            req,
+            kind,
+        };
         if let Some(lost) = cl.lost.take() {
-            return send(cx, s, c, cl, lost.req, lost.what, lost.crashed);
+            let kind = Kind::Send {
+                what: lost.what,
+                crashed: lost.crashed,
+            };
+            return next(lost.req, kind);
         }
         let f = cx.rng.range(0, FILES as u64 - 1) as usize;
         let file = &cl.files[f];
@@ -198,7 +331,11 @@ impl DataClients {
                 handle: file.handle,
             };
             let req = cl.request(op, ReplyMode::Durable, true);
-            return send(cx, s, c, cl, req, What::Create(f), false);
+            let kind = Kind::Send {
+                what: What::Create(f),
+                crashed: false,
+            };
+            return next(req, kind);
         };
         let handle = file.handle;
         match cx.rng.range(0, 9) {
@@ -231,10 +368,64 @@ impl DataClients {
                     len,
                     value,
                 };
-                send(cx, s, c, cl, req, what, false)
+                let kind = Kind::Send {
+                    what,
+                    crashed: false,
+                };
+                next(req, kind)
             }
-            6..=8 => read(cx, s, c, cl, f),
-            _ => fsync(cx, s, c, cl, f),
+            6..=8 => {
+                let offset = cx.rng.range(0, SPAN - 1);
+                let len = cx.rng.range(1, SPAN - offset) as u32;
+                let op = Op::Read {
+                    handle,
+                    offset,
+                    len,
+                    atime: AtimeRule::Never,
+                };
+                let req = Request::plain(&Credentials::root(), op);
+                next(req, Kind::Read { f, offset, len })
+            }
+            _ => {
+                let op = Op::Fsync {
+                    handle,
+                    datasync: false,
+                };
+                next(Request::plain(&Credentials::root(), op), Kind::Fsync { f })
+            }
+        }
+    }
+
+    /// Client `next.c` takes in what `s` answered to `next` (`cached`: from its reply
+    /// cache, see [`Next::cached_at`]); a create's or a write's reply may be lost on the
+    /// way (the request is sent again later).
+    pub(crate) fn answered(
+        &mut self,
+        cx: &mut Ctx,
+        s: &Arc<Shared>,
+        next: Next,
+        cached: bool,
+        reply: Reply,
+        lsn: u64,
+    ) -> Result<(), String> {
+        cx.stats.data_ops += 1;
+        let (c, req) = (next.c, next.req);
+        let cl = &mut self.clients[c];
+        match next.kind {
+            Kind::Send { what, crashed } => {
+                if cx.rng.chance(40) {
+                    cx.stats.dropped_replies += 1;
+                    cx.trace(|| format!("data client {c}: reply to {} lost", req.op.name()));
+                    cl.lost = Some(Lost { req, what, crashed });
+                    return Ok(());
+                }
+                // A resend that the server answers from its reply cache after a crash did
+                // not write again: what it wrote before may have been lost with the crash.
+                let unsure = crashed && cached;
+                accept(cx, s, c, cl, req, what, reply, lsn, unsure)
+            }
+            Kind::Read { f, offset, len } => read_back(c, cl, f, offset, len, reply),
+            Kind::Fsync { f } => fsynced(cx, s, c, cl, f, reply),
         }
     }
 
@@ -242,6 +433,14 @@ impl DataClients {
     pub fn after_flush(&mut self, durable: u64) {
         for cl in &mut self.clients {
             cl.kept.retain(|k| k.lsn > durable);
+        }
+    }
+
+    /// Each journal of `durable` is durable up to its LSN, and the clients know it.
+    pub(crate) fn after_flush_at(&mut self, durable: &[(JournalId, u64)]) {
+        for cl in &mut self.clients {
+            cl.kept
+                .retain(|k| !durable.iter().any(|&(j, d)| j == k.at && k.lsn <= d));
         }
     }
 
@@ -285,16 +484,24 @@ impl DataClients {
     }
 
     /// A pause (see `World::fence`): a client whose connection still reaches the old
-    /// process `old`, whose journal a successor sealed, writes there. A write it answers
-    /// early is kept (the old journal never makes it durable) and replayed at the
-    /// successor.
-    pub fn write_at_old(&mut self, cx: &mut Ctx, old: &Arc<Shared>) -> Result<(), String> {
+    /// process `old`, whose journal a successor sealed, writes there to a file `old`
+    /// served (`served`). A write it answers early is kept (the old journal never makes
+    /// it durable) and replayed at the successor.
+    pub fn write_at_old(
+        &mut self,
+        cx: &mut Ctx,
+        old: &Arc<Shared>,
+        served: &dyn Fn(InodeId) -> bool,
+    ) -> Result<(), String> {
         let c = cx.rng.range(0, self.clients.len() as u64 - 1) as usize;
         let cl = &mut self.clients[c];
         let f = cx.rng.range(0, FILES as u64 - 1) as usize;
         // Only to a file with data: the first write of a file waits for the failed journal
         // (`mark_data`), which tells only on its next check, a second later.
-        if cl.lost.is_some() || cl.files[f].id.is_none() || cl.files[f].size == 0 {
+        let Some((id, _)) = cl.files[f].id.filter(|_| cl.lost.is_none()) else {
+            return Ok(());
+        };
+        if cl.files[f].size == 0 || !served(id) {
             return Ok(());
         }
         let offset = cx.rng.range(0, SPAN - 1);
@@ -306,7 +513,7 @@ impl DataClients {
             data: vec![value; len as usize],
         };
         let req = cl.request(op, ReplyMode::Early, true);
-        let (reply, lsn) = run_data(cx, old, cl.session, req.clone())?;
+        let (reply, lsn) = run_handle(cx, old, c, cl, f, req.clone())?;
         cx.stats.data_ops += 1;
         let what = What::Write {
             file: f,
@@ -321,29 +528,42 @@ impl DataClients {
     /// After a restart: every client reopens its handles at the new server (a reclaim, as
     /// the mount does on EBADF) and replays the writes it kept, in order.
     pub fn replay(&mut self, cx: &mut Ctx, s: &Arc<Shared>) -> Result<(), String> {
+        self.replay_at(cx, &|_| Ok(s.clone()), &|_| true, &|_| true)
+    }
+
+    /// After a failover: every client reopens its handles on the files `lost` says lost
+    /// theirs (a reclaim, as the mount does on EBADF) and replays the writes it kept in
+    /// the journals `gone` says are gone, in order, each where `server_of` says its file
+    /// is now.
+    pub(crate) fn replay_at(
+        &mut self,
+        cx: &mut Ctx,
+        server_of: ServerOf,
+        lost: &dyn Fn(InodeId) -> bool,
+        gone: &dyn Fn(JournalId) -> bool,
+    ) -> Result<(), String> {
         for c in 0..self.clients.len() {
             let cl = &mut self.clients[c];
-            for f in &cl.files {
-                let Some((id, _)) = f.id else { continue };
-                let op = Op::Open {
-                    id,
-                    flags: O_RDWR | OPEN_RECLAIM,
-                    handle: f.handle,
+            for f in 0..cl.files.len() {
+                let Some((id, _)) = cl.files[f].id.filter(|&(id, _)| lost(id)) else {
+                    continue;
                 };
-                let reply = run_meta(s, cl.session, Request::plain(&Credentials::root(), op))?.0;
-                if reply.entry().is_none() {
-                    return Err(format!("data client {c}: reopen answered {reply:?}"));
-                }
+                reclaim(cx, &server_of(id)?, c, cl, f)?;
             }
-            for k in std::mem::take(&mut cl.kept) {
-                replay_one(cx, s, c, cl, k)?;
+            let (theirs, rest) = std::mem::take(&mut cl.kept)
+                .into_iter()
+                .partition(|k| gone(k.at));
+            cl.kept = rest;
+            for k in theirs {
+                replay_one(cx, server_of, c, cl, k)?;
             }
         }
         Ok(())
     }
 
-    /// Every file reads at the server as its client's acknowledged writes say.
-    pub fn check(&self, s: &Shared) -> Result<(), String> {
+    /// Every file reads as its client's acknowledged writes say, at the server
+    /// `server_of` names for it.
+    pub fn check(&self, server_of: ServerOf) -> Result<(), String> {
         for (c, cl) in self.clients.iter().enumerate() {
             let in_doubt = match cl.lost.as_ref().map(|l| l.what) {
                 Some(What::Create(f) | What::Write { file: f, .. }) => Some(f),
@@ -353,6 +573,7 @@ impl DataClients {
                 let Some((id, generation)) = file.id.filter(|_| in_doubt != Some(f)) else {
                     continue;
                 };
+                let s = server_of(id)?;
                 let size = s.file_size(id);
                 if size != Some(file.size) {
                     return Err(format!(
@@ -371,6 +592,25 @@ impl DataClients {
         }
         Ok(())
     }
+
+    /// The ids of the clients' files (made so far).
+    pub(crate) fn file_ids(&self) -> Vec<InodeId> {
+        let files = self.clients.iter().flat_map(|cl| &cl.files);
+        files.filter_map(|f| f.id.map(|(id, _)| id)).collect()
+    }
+
+    /// How many of the clients' files have ids in `lo..hi` (open handles that move with
+    /// that table).
+    pub(crate) fn files_in(&self, lo: InodeId, hi: InodeId) -> usize {
+        let ids = self.clients.iter().flat_map(|cl| &cl.files);
+        ids.filter(|f| f.id.is_some_and(|(id, _)| (lo..hi).contains(&id)))
+            .count()
+    }
+}
+
+/// The name of data client `c`'s directory.
+pub(crate) fn dir_name(c: usize) -> Vec<u8> {
+    format!("data{c}").into_bytes()
 }
 
 /// `bytes`, read at `offset`, may be what `allowed` says.
@@ -389,35 +629,6 @@ fn check_bytes(allowed: &[Values], offset: u64, bytes: &[u8]) -> Result<(), Stri
         }
     }
     Ok(())
-}
-
-/// Sends `req` of client `c`; its reply may be lost on the way (sent again later).
-#[allow(clippy::too_many_arguments)]
-fn send(
-    cx: &mut Ctx,
-    s: &Arc<Shared>,
-    c: usize,
-    cl: &mut Client,
-    req: Request,
-    what: What,
-    crashed: bool,
-) -> Result<(), String> {
-    // A resend that the server answers from its reply cache after a crash did not write
-    // again: what it wrote before may have been lost with the crash.
-    let cached = req.seq != 0 && s.reply_cached(cl.session, req.seq).is_some();
-    let (reply, lsn) = match what {
-        What::Create(_) => run_meta(s, cl.session, req.clone())?,
-        What::Write { .. } => run_data(cx, s, cl.session, req.clone())?,
-    };
-    cx.stats.data_ops += 1;
-    if cx.rng.chance(40) {
-        cx.stats.dropped_replies += 1;
-        cx.trace(|| format!("data client {c}: reply to {} lost", req.op.name()));
-        cl.lost = Some(Lost { req, what, crashed });
-        return Ok(());
-    }
-    let crashed = crashed && cached;
-    accept(cx, s, c, cl, req, what, reply, lsn, crashed)
 }
 
 /// Client `c` takes in the reply to `req` from `s` (`unsure`: a resend after a crash that
@@ -481,6 +692,7 @@ fn accept(
                     req,
                     what,
                     lsn,
+                    at: s.journal().id(),
                     tag,
                 });
             }
@@ -489,19 +701,65 @@ fn accept(
     }
 }
 
-/// Reads a random range of file `f` through the server and checks it.
-fn read(cx: &mut Ctx, s: &Arc<Shared>, c: usize, cl: &mut Client, f: usize) -> Result<(), String> {
-    let offset = cx.rng.range(0, SPAN - 1);
-    let len = cx.rng.range(1, SPAN - offset) as u32;
+/// Reopens client `c`'s handle of file `f` at `s`, as the mount does where a server does
+/// not know it (a reclaim: same number, no truncation).
+fn reclaim(cx: &mut Ctx, s: &Arc<Shared>, c: usize, cl: &Client, f: usize) -> Result<(), String> {
     let file = &cl.files[f];
-    let op = Op::Read {
+    let id = file
+        .id
+        .map(|(id, _)| id)
+        .ok_or_else(|| format!("data client {c}: a reopen of file {f}, never made"))?;
+    let op = Op::Open {
+        id,
+        flags: O_RDWR | OPEN_RECLAIM,
         handle: file.handle,
-        offset,
-        len,
-        atime: AtimeRule::Never,
     };
-    let (reply, _) = run_data(cx, s, cl.session, Request::plain(&Credentials::root(), op))?;
-    cx.stats.data_ops += 1;
+    let reply = run_meta(s, cl.session, Request::plain(&Credentials::root(), op))?.0;
+    cx.stats.reopens += 1;
+    cx.trace(|| {
+        format!(
+            "data client {c}: reopen of file {f} at {}",
+            s.journal().id()
+        )
+    });
+    if reply.entry().is_none() {
+        return Err(format!("data client {c}: reopen answered {reply:?}"));
+    }
+    Ok(())
+}
+
+/// Runs `req`, an operation of client `c`'s handle of file `f`, at `s` as the mount does
+/// (`kochab_client`'s `with_handle`): a server that does not know the handle (its file's
+/// table came from another server, which kept it) answers EBADF; the handle is then
+/// reopened there and the request sent once more.
+fn run_handle(
+    cx: &mut Ctx,
+    s: &Arc<Shared>,
+    c: usize,
+    cl: &Client,
+    f: usize,
+    req: Request,
+) -> Result<(Reply, u64), String> {
+    let (reply, lsn) = run_data(cx, s, cl.session, req.clone())?;
+    match &reply {
+        Reply::Error(e) if e.errno == Errno::EBADF => {
+            reclaim(cx, s, c, cl, f)?;
+            run_data(cx, s, cl.session, req)
+        }
+        _ => Ok((reply, lsn)),
+    }
+}
+
+/// Checks the reply to client `c`'s read of `len` bytes at `offset` of file `f`.
+fn read_back(
+    c: usize,
+    cl: &Client,
+    f: usize,
+    offset: u64,
+    len: u32,
+    reply: Reply,
+) -> Result<(), String> {
+    let file = &cl.files[f];
     let Reply::Bytes(bytes) = reply else {
         return Err(format!("data client {c}: read answered {reply:?}"));
     };
@@ -516,34 +774,43 @@ fn read(cx: &mut Ctx, s: &Arc<Shared>, c: usize, cl: &mut Client, f: usize) -> R
     check_bytes(&file.now, offset, &bytes).map_err(|e| format!("data client {c}: read: {e}"))
 }
 
-/// fsync of file `f`: once answered, what it holds is durable.
-fn fsync(cx: &mut Ctx, s: &Arc<Shared>, c: usize, cl: &mut Client, f: usize) -> Result<(), String> {
-    let op = Op::Fsync {
-        handle: cl.files[f].handle,
-        datasync: false,
-    };
-    let (reply, _) = run_data(cx, s, cl.session, Request::plain(&Credentials::root(), op))?;
-    cx.stats.data_ops += 1;
+/// fsync of file `f` answered by `s`: what it holds is durable.
+fn fsynced(
+    cx: &mut Ctx,
+    s: &Arc<Shared>,
+    c: usize,
+    cl: &mut Client,
+    f: usize,
+    reply: Reply,
+) -> Result<(), String> {
     if reply != Reply::Empty {
         return Err(format!("data client {c}: fsync answered {reply:?}"));
     }
     cx.trace(|| format!("data client {c}: fsync of file {f}"));
     let file = &mut cl.files[f];
     file.durable = file.now.clone();
-    // It flushed the journal too: everything kept is durable.
-    let durable = s.journal().durable_lsn();
-    cl.kept.retain(|k| k.lsn > durable);
+    // It flushed its journal too: everything kept there is durable.
+    let (at, durable) = (s.journal().id(), s.journal().durable_lsn());
+    cl.kept.retain(|k| k.at != at || k.lsn > durable);
     Ok(())
 }
 
 fn replay_one(
     cx: &mut Ctx,
-    s: &Arc<Shared>,
+    server_of: ServerOf,
     c: usize,
     cl: &mut Client,
     k: Kept,
 ) -> Result<(), String> {
     cx.stats.replays += 1;
+    let What::Write { file, .. } = k.what else {
+        return Err(format!("data client {c}: kept a {:?}", k.what));
+    };
+    let id = cl.files[file]
+        .id
+        .map(|(id, _)| id)
+        .ok_or_else(|| format!("data client {c}: kept a write of file {file}, never made"))?;
+    let s = server_of(id)?;
     let mut req = k.req.clone();
     req.mode = ReplyMode::Replay {
         want_id: 0,
@@ -558,11 +825,15 @@ fn replay_one(
     }
     // Found in the reply cache, the write is not run again (its record was durable).
     let cached = s.reply_cached(cl.session, req.seq).is_some();
-    let (reply, _) = run_data(cx, s, cl.session, req)?;
+    let (reply, _) = run_handle(cx, &s, c, cl, file, req)?;
     cx.trace(|| {
         format!(
-            "data client {c}: replay seq {} {:?} @{} (cached {cached}) -> {reply:?}",
-            k.req.seq, k.what, k.lsn
+            "data client {c}: replay seq {} {:?} @{} of {} at {} (cached {cached}) -> {reply:?}",
+            k.req.seq,
+            k.what,
+            k.lsn,
+            k.at,
+            s.journal().id()
         )
     });
     if !matches!(reply, Reply::Attr(_)) {

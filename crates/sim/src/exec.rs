@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use kochab_proto::{Reply, ReplyMode, Request};
-use kochab_server::core::Shared;
+use kochab_server::core::{Refusal, Shared};
 use kochab_server::filesvc::data_op;
 
 use crate::step::Ctx;
@@ -46,14 +46,28 @@ pub(crate) fn exec_at(s: &Shared, session: u64, req: Request) -> Result<Answered
     })
 }
 
-/// Runs one data operation at `s` to its end, as the connection's task would. One that is
-/// not answered early flushes the journal: done before the next event (see `exec_at`).
+/// Runs one data operation at `s` to its end, as the connection's task would
+/// (`cluster_host::task_op`: a member admits it first, by the table of its file). One that
+/// is not answered early flushes the journal: done before the next event (see `exec_at`).
 pub(crate) fn run_data(
     cx: &mut Ctx,
     s: &Arc<Shared>,
     session: u64,
     req: Request,
 ) -> Result<(Reply, u64), String> {
+    if let Some(member) = s.cluster() {
+        let core = s.core();
+        match member.admit_op(&core, session, &req.op) {
+            Ok(_) => {}
+            Err(Refusal::Reply(reply)) => return Ok((*reply, 0)),
+            Err(Refusal::Borrow(tables)) => {
+                return Err(format!(
+                    "a data operation needed other tables {tables:?}: {:?}",
+                    req.op
+                ));
+            }
+        }
+    }
     let flushes = req.mode != ReplyMode::Early;
     let (reply, lsn) = cx.rt.block_on(data_op(s.clone(), session, 0, req));
     if flushes {

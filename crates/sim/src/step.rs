@@ -21,6 +21,8 @@ pub struct SimStats {
     pub dropped_replies: u64,
     /// Creates, writes, reads and fsyncs of file data.
     pub data_ops: u64,
+    /// Handles data clients reopened (a reclaim) after their server went.
+    pub reopens: u64,
     /// Callbacks a lease holder answered.
     pub callbacks: u64,
     /// Pauses of everything (the clock jumped, up to past a lease).

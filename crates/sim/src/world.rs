@@ -581,7 +581,7 @@ impl World {
                 stats: &mut self.stats,
                 trace: self.cfg.trace.then_some(self.cfg.seed),
             };
-            self.data.write_at_old(&mut cx, &old)?;
+            self.data.write_at_old(&mut cx, &old, &|_| true)?;
         }
         let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
         self.trace(|| {
@@ -705,7 +705,7 @@ impl World {
     /// directories read as its accepted replies say.
     fn check(&self) -> Result<(), String> {
         let s = self.live()?;
-        self.data.check(s)?;
+        self.data.check(&|_| Ok(s.clone()))?;
         if let Some(l) = &self.leases {
             l.check(s)?;
         }

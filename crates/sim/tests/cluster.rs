@@ -56,7 +56,8 @@ fn cluster_seeds_pass() {
     eprintln!(
         "{n} cluster seeds passed in {:.1} s: {} operations, {} borrows, {} returns, {} \
          migrations, {} splits ({} refused), {} kill -9 and {} pauses ({} failed over to another server), \
-         {} replays, {} checkpoints, {} replies lost",
+         {} replays, {} checkpoints, {} replies lost; {} data operations, {} table moves with \
+         open handles, {} handles reopened, {} data writes replayed, {} written at a paused process",
         started.elapsed().as_secs_f64(),
         sum(|s| s.ops),
         sum(|s| s.borrows),
@@ -70,6 +71,11 @@ fn cluster_seeds_pass() {
         sum(|s| s.replays),
         sum(|s| s.checkpoints),
         sum(|s| s.dropped_replies),
+        sum(|s| s.data_ops),
+        sum(|s| s.open_moves),
+        sum(|s| s.reopens),
+        sum(|s| s.data_replays),
+        sum(|s| s.writes_at_old),
     );
 }
 
