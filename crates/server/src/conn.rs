@@ -949,7 +949,7 @@ async fn read_loop(
 /// True for the changes that wait out a replay window: those that make, remove or change
 /// names and inodes (a replay could find its name taken, its source gone or a newer
 /// change undone). Reads, locks, status, maps and administration go on.
-fn waits_for_replays(op: &Op) -> bool {
+pub fn waits_for_replays(op: &Op) -> bool {
     op.needs_reply_cache()
         || matches!(
             op,

@@ -30,7 +30,34 @@ impl Shared {
     /// Gives up the table whose id is `lo` (see the module). Afterwards another server can
     /// [`Shared::add_table`] it; operations on it here get WRONG_SERVER.
     pub fn drop_table(&self, lo: u64) -> io::Result<()> {
+        self.drop_table_waiting(lo, wait_until)
+    }
+
+    /// [`Shared::drop_table`], with `wait` in place of its waits: first for the end of
+    /// the replay window (the table still served here), then for the callbacks that
+    /// revoke the table's leases (once they are sent, the table no longer served here).
+    /// Each time `wait` is called with a test of whether the drop may go on, and the drop
+    /// goes on when it returns. A served core blocks its thread until the test passes or
+    /// a lease has passed ([`wait_until`]); a simulation, which owns time and the
+    /// holders, delivers the callbacks, lets the holders answer or moves its clock on,
+    /// and returns once the test passes.
+    pub fn drop_table_waiting(
+        &self,
+        lo: u64,
+        mut wait: impl FnMut(&dyn Fn() -> bool),
+    ) -> io::Result<()> {
         let started = std::time::Instant::now();
+        // In a replay window (this incarnation recovered a failed server's tables) no
+        // change runs here, for two reasons that a table's next owner knows nothing of:
+        // a lease the failed server granted may still be cached, and nobody can call its
+        // holder back; and the failed server's clients are still replaying. So a table
+        // leaves only once the window is over, served here until then (replays land):
+        // else its next owner ran changes at once, acknowledged while another mount
+        // still cached what they changed (the cluster simulation, seed 71: a table
+        // recovered by the failed server's next incarnation, migrated in its window, a
+        // chmod at the new owner acknowledged while the holder cached the old mode).
+        let window = self.replay_window();
+        wait(&|| window.left().is_zero());
         let mut ckpt = self.checkpointer();
         if ckpt.manifest(lo).is_none() {
             return Err(io::Error::new(
@@ -64,7 +91,10 @@ impl Shared {
             }
             (table, handover, self.journal().last_lsn())
         };
-        self.wait_callbacks(SERVER_ITSELF);
+        let board = self.callback_board(SERVER_ITSELF);
+        let ticket = board.ticket();
+        let revoked = board.subscribe();
+        wait(&|| *revoked.borrow() >= ticket);
         // Taken after the table left the engine: no operation on it can add one now. The
         // entries are of every table (the cache is per session), and the next owner
         // answers a replay from them as done: each one's record must be durable before
@@ -113,17 +143,6 @@ impl Shared {
         }
         tracing::info!("released table {lo:016x} in {:?}", started.elapsed());
         Ok(())
-    }
-
-    /// Waits until the callbacks `changer` caused so far are done (answered, or their
-    /// leases ran out). Blocking: for the table paths that run on blocking threads.
-    fn wait_callbacks(&self, changer: u64) {
-        let board = self.callback_board(changer);
-        let (ticket, done) = (board.ticket(), board.subscribe());
-        let deadline = Instant::now() + crate::leases::LEASE + Duration::from_millis(100);
-        while *done.borrow() < ticket && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-        }
     }
 
     /// Splits the hosted, drained table `lo` (see [`crate::checkpoint::Checkpointer::split`]).
@@ -291,5 +310,15 @@ impl crate::server::RunningServer {
             self.shared().drop_table(lo)?;
         }
         Ok(los)
+    }
+}
+
+/// Waits until `ready` (the replay window is over; the callbacks a drop sent are answered,
+/// or their leases ran out), for a lease at most (the window is a lease long, and so is
+/// the longest callback). Blocking: for the table paths that run on blocking threads.
+fn wait_until(ready: &dyn Fn() -> bool) {
+    let deadline = Instant::now() + crate::leases::LEASE + Duration::from_millis(100);
+    while !ready() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
     }
 }

@@ -569,3 +569,49 @@ async fn a_retry_after_two_takeovers_is_answered_from_the_reply_cache() {
     b.shutdown().await;
     a.shutdown().await;
 }
+
+/// A table leaves a server in its replay window only once the window is over: its next
+/// owner would run changes at once, while a lease the failed server granted may still be
+/// cached (found by the cluster simulation, seed 71).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_leaves_a_server_in_its_replay_window_only_after_the_window() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_a, root, lo, sa) = server_a(tmp.path()).await;
+    assert!(matches!(create(&sa, root, "f", 1), Some(Reply::Entry(_))));
+    sa.replay_window().open();
+    let s = sa.clone();
+    let waits = blocking(move || {
+        let mut waits = Vec::new();
+        s.drop_table_waiting(lo, |ready| {
+            let served = s.core().engine.table_index(lo).is_some();
+            waits.push((ready(), served));
+            if !ready() {
+                // The window's time passes (a simulation's clock would move on).
+                s.replay_window().close();
+            }
+        })
+        .unwrap();
+        waits
+    });
+    assert_eq!(
+        waits,
+        vec![(false, true), (true, false)],
+        "the drop waits for the window with the table still served, then for its \
+         revocations (none) with the table gone"
+    );
+    let s = sa.clone();
+    sa.replay_window().open();
+    let started = std::time::Instant::now();
+    let lo2 = {
+        let core = s.core();
+        core.engine.tables().iter().map(|t| t.lo).find(|&t| t != lo)
+    };
+    if let Some(lo2) = lo2 {
+        blocking(move || s.drop_table(lo2)).unwrap();
+        assert!(
+            started.elapsed()
+                >= kochab_server::core::REPLAY_WINDOW - std::time::Duration::from_millis(50),
+            "a served core's drop waits the window out"
+        );
+    }
+}

@@ -20,7 +20,8 @@
 //! ([`kochab_meta::links::check_cluster`], as `kochab fsck` checks a running cluster);
 //! and every client's names read as its accepted replies say, at whichever server holds
 //! the directory now; every data client's files ([`data`]) read as its acknowledged writes
-//! say, at whichever server holds the file now.
+//! say, at whichever server holds the file now; and a lease holder caches nothing any
+//! server changed unless called back or its lease ran out (`cluster_lease`).
 
 mod data;
 
@@ -40,11 +41,20 @@ use kochab_server::server::{SimulatedServer, core_for_simulation};
 use kochab_store::{MemStore, ObjectStore};
 
 use crate::data::{DataClients, dir_name};
+use crate::cluster_lease::{ClusterLeases, LeaseCounts};
 use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
 use crate::step::SimStats;
 use crate::world::{NEVER, SEGMENT_BYTES, STEP_MS_MAX, WALL_START_NS, check_shared, shared_op};
 use kochab_server::clock::SimulatedClock;
+use kochab_server::conn::waits_for_replays;
+use kochab_server::leases::LEASE;
+use std::time::Duration;
 
+/// A pause of everything (a stopped VM, a stalled machine): up to past a lease and a
+/// callback deadline, from less than `CALLBACK_SLOW` (as in the single-server world).
+const PAUSE_MS: (u64, u64) = (200, 8000);
+/// Time a drop waits between two looks at its revocations (a stalled holder's).
+const REVOKE_WAIT_MS: (u64, u64) = (50, 800);
 /// Session of the set-up requests.
 const SETUP_SESSION: u64 = 1;
 /// How many times one request follows borrows before the run counts it as stuck (each
@@ -114,6 +124,13 @@ pub struct ClusterStats {
     /// Table moves (migrations, borrows, returns) that carried an open handle of a data
     /// client's file.
     pub open_moves: u64,
+    /// Pauses of everything (the clock jumped, up to past a lease).
+    pub time_jumps: u64,
+    /// Tries of a change that found its server in a replay window (it waits: sent again
+    /// at a later step).
+    pub window_waits: u64,
+    /// What the lease holder and its writer did.
+    pub leases: LeaseCounts,
 }
 
 /// A member's admission in the simulation: by the tables the operation's ids fall in, as
@@ -241,8 +258,10 @@ struct World {
     stats: ClusterStats,
     /// What the data clients count.
     data_stats: SimStats,
-    /// Every server's clock (no leases here: it only moves so that file times depend on
-    /// the seed alone).
+    /// A lease holder and a writer of one file.
+    leases: Option<ClusterLeases>,
+    /// Every server's clock and the holder's: it moves between steps, in pauses of
+    /// everything, and while a change or a drop waits.
     clock: SimulatedClock,
     _rt: tokio::runtime::Runtime,
 }
@@ -259,6 +278,7 @@ pub fn run_cluster(cfg: ClusterConfig) -> Result<ClusterStats, String> {
     w.setup().map_err(|e| format!("seed {seed} set-up: {e}"))?;
     for step in 0..w.cfg.steps {
         w.step()
+            .and_then(|()| w.settle())
             .and_then(|()| w.check())
             .map_err(|e| format!("seed {seed} step {step}: {e}"))?;
     }
@@ -315,6 +335,7 @@ impl World {
             data: DataClients::default(),
             stats: ClusterStats::default(),
             data_stats: SimStats::default(),
+            leases: None,
             clock: SimulatedClock::new(WALL_START_NS),
             _rt: rt,
         })
@@ -419,6 +440,8 @@ impl World {
             data_dirs.push(mkdir(self, name)?);
         }
         self.data = DataClients::in_dirs(&data_dirs);
+        let trace = self.cfg.trace.then_some(self.cfg.seed);
+        self.leases = Some(ClusterLeases::setup(&self.servers[0].live, root, trace)?);
         for &(lo, _) in &all {
             let to = self.rng.range(0, self.cfg.servers as u64 - 1) as usize;
             if to != 0 {
@@ -544,10 +567,11 @@ impl World {
             .map(|r| r.1)
             .ok_or_else(|| format!("table {lo:016x} is not in the ranges"))?;
         self.data_table_moves(lo, hi);
-        self.servers[from]
-            .live
-            .drop_table(lo)
+        let s = self.servers[from].live.clone();
+        let mut revoked = Ok(());
+        s.drop_table_waiting(lo, |ready| revoked = self.wait_revoked(ready))
             .map_err(|e| format!("drop of {lo:016x} at server {}: {e}", self.servers[from].id))?;
+        revoked?;
         self.servers[to]
             .live
             .add_table_to(lo, Some(hi))
@@ -558,8 +582,10 @@ impl World {
 
     fn step(&mut self) -> Result<(), String> {
         let ms = self.rng.range(1, STEP_MS_MAX);
-        self.clock.advance(std::time::Duration::from_millis(ms));
-        match self.rng.range(0, 99) {
+        self.advance(Duration::from_millis(ms))?;
+        match self.rng.range(0, 111) {
+            100..=109 => self.lease_op(),
+            110..=111 => self.time_jump(),
             50..=64 if !self.data.is_empty() => self.data_op(),
             0..=64 => {
                 let c = self.rng.range(0, self.cfg.clients as u64 - 1) as usize;
@@ -622,6 +648,11 @@ impl World {
 
     fn client_op(&mut self, c: usize) -> Result<(), String> {
         let (req, planned) = self.next_request(c)?;
+        if self.waits_window(&req)? {
+            // It waits at the server, the client with it: sent again at a later step.
+            self.clients[c].lost = Some((req, planned));
+            return Ok(());
+        }
         let session = self.clients[c].session;
         let r = self.route(session, req.clone())?;
         self.stats.ops += 1;
@@ -854,9 +885,13 @@ impl World {
             self.late_change(i, &old)?;
         }
         drop(old);
+        if let Some(l) = &mut self.leases {
+            l.server_gone(dead, &mut self.stats.leases);
+        }
         self.replay(dead)?;
         self.data_replay(dead, &tables)?;
-        s.replay_window().close();
+        // The window stays open for its time (a lease): the holders of leases the dead
+        // incarnation granted may cache them until then, and nobody can call them back.
         for j in 0..self.servers.len() {
             self.flush(j)?;
         }
@@ -981,6 +1016,11 @@ impl World {
 
     /// The invariants (see the module).
     fn check(&self) -> Result<(), String> {
+        if let Some(l) = &self.leases {
+            let (_, at) = self.owner_of(l.file())?;
+            let live = self.live();
+            l.check(&live, &live[at])?;
+        }
         let cores: Vec<_> = self.servers.iter().map(|s| s.live.core()).collect();
         for (lo, _) in self.ranges().as_slice() {
             let holders: Vec<u64> = cores
@@ -1030,5 +1070,124 @@ impl World {
             }
         }
         Ok(())
+    }
+}
+
+/// Time, the lease holder and the waits that time ends.
+impl World {
+    /// Every server's live incarnation, in the order of `servers`.
+    fn live(&self) -> Vec<Arc<Shared>> {
+        self.servers.iter().map(|s| s.live.clone()).collect()
+    }
+
+    /// Moves the clock on by `by`: the holder first takes in what was sent to it, and
+    /// every live server then ends the callbacks whose deadline passed (as its
+    /// `server::cleanup_loop` does).
+    fn advance(&mut self, by: Duration) -> Result<(), String> {
+        let live = self.live();
+        if let Some(l) = &mut self.leases {
+            l.before_time_passes(&live, &mut self.stats.leases)?;
+        }
+        self.clock.advance(by);
+        for s in &live {
+            let expired = s.expire_callbacks();
+            if expired.missed > 0 {
+                self.stats.leases.defaults += expired.defaulted.len() as u64;
+                self.trace(|| format!("callbacks ran out at {}: {expired:?}", s.journal().id()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Everything stops for a while (up to past a lease).
+    fn time_jump(&mut self) -> Result<(), String> {
+        self.stats.time_jumps += 1;
+        let by = Duration::from_millis(self.rng.range(PAUSE_MS.0, PAUSE_MS.1));
+        self.trace(|| format!("pause of everything: {by:?}"));
+        self.advance(by)
+    }
+
+    /// Whether `req`, a change (not a replay), waits out the replay window of the server
+    /// that holds its first table, as the connection makes it wait
+    /// (`conn::waits_for_replays`); meanwhile the world goes on.
+    fn waits_window(&mut self, req: &Request) -> Result<bool, String> {
+        let replay = matches!(req.mode, ReplyMode::Replay { .. });
+        let Some(first) = req.op.inode_ids().into_iter().flatten().next() else {
+            return Ok(false);
+        };
+        let (_, at) = self.owner_of(first)?;
+        let left = self.servers[at].live.replay_window().left();
+        if replay || left.is_zero() || !waits_for_replays(&req.op) {
+            return Ok(false);
+        }
+        self.stats.window_waits += 1;
+        self.trace(|| {
+            format!(
+                "{} waits {left:?} for the replay window at {at}",
+                req.op.name()
+            )
+        });
+        Ok(true)
+    }
+
+    /// A drop sent the callbacks that revoke its table's leases and waits until `ready`:
+    /// the holder gets them and answers, or time passes until it does or they run out.
+    fn wait_revoked(&mut self, ready: &dyn Fn() -> bool) -> Result<(), String> {
+        let started = self.clock.now();
+        loop {
+            let live = self.live();
+            if let Some(l) = &mut self.leases {
+                l.revoked(&mut self.rng, &live, &mut self.stats.leases)?;
+            }
+            if ready() {
+                return Ok(());
+            }
+            let waited = self.clock.now().saturating_duration_since(started);
+            if waited > LEASE + Duration::from_secs(1) {
+                return Err(format!("a drop waited {waited:?} for its revocations"));
+            }
+            let ms = self.rng.range(REVOKE_WAIT_MS.0, REVOKE_WAIT_MS.1);
+            self.advance(Duration::from_millis(ms))?;
+        }
+    }
+
+    /// One step of the lease holder or of its writer, at the server that holds the file.
+    fn lease_op(&mut self) -> Result<(), String> {
+        let Some(file) = self.leases.as_ref().map(|l| l.file()) else {
+            return Ok(());
+        };
+        let live = self.live();
+        let change = match &mut self.leases {
+            Some(l) => l.next_is_change(&mut self.rng, &live, &mut self.stats.leases)?,
+            None => false,
+        };
+        let (_, at) = self.owner_of(file)?;
+        if change {
+            let set = kochab_proto::SetAttrs::default();
+            let chmod = Request::plain(&Credentials::root(), Op::SetAttr { id: file, set });
+            if self.waits_window(&chmod)? {
+                return Ok(());
+            }
+        }
+        let live = self.live();
+        match &mut self.leases {
+            Some(l) if change => l.change(&mut self.rng, &live[at], &live, &mut self.stats.leases),
+            Some(l) => l.look(&live[at], &live, &mut self.stats.leases),
+            None => Ok(()),
+        }
+    }
+
+    /// After a step: the holder takes in what reached it, and a change that waited for it
+    /// is acknowledged once its callbacks are done.
+    fn settle(&mut self) -> Result<(), String> {
+        let Some(file) = self.leases.as_ref().map(|l| l.file()) else {
+            return Ok(());
+        };
+        let (_, at) = self.owner_of(file)?;
+        let live = self.live();
+        match &mut self.leases {
+            Some(l) => l.settle(&live, &live[at], &mut self.stats.leases),
+            None => Ok(()),
+        }
     }
 }

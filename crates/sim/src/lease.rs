@@ -356,7 +356,7 @@ impl LeaseClients {
 }
 
 /// Whether `i` makes the holder drop what it caches of `id`.
-fn drops(i: &Invalidation, id: InodeId) -> bool {
+pub(crate) fn drops(i: &Invalidation, id: InodeId) -> bool {
     match i {
         Invalidation::Inode { id: of } => *of == id,
         Invalidation::Everything => true,
@@ -365,7 +365,7 @@ fn drops(i: &Invalidation, id: InodeId) -> bool {
 }
 
 /// A callback frame's id and list (`None` for any other frame).
-fn callback_of(frame: &[u8]) -> Option<(u64, Vec<Invalidation>)> {
+pub(crate) fn callback_of(frame: &[u8]) -> Option<(u64, Vec<Invalidation>)> {
     let h = parse_header(frame).ok()??;
     if h.kind != FrameKind::Callback {
         return None;

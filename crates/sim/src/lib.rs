@@ -23,6 +23,7 @@
 //! `SIM_BREAK=NAME` switches on a deliberate bug in the real code (`kochab_breaks`).
 
 mod cluster;
+mod cluster_lease;
 mod data;
 mod exec;
 mod lease;
@@ -31,6 +32,7 @@ mod step;
 mod world;
 
 pub use cluster::{ClusterConfig, ClusterStats, run_cluster, run_cluster_seeds};
+pub use cluster_lease::LeaseCounts;
 pub use step::SimStats;
 pub use world::{SimConfig, describe, run};
 

@@ -9,8 +9,13 @@ use kochab_breaks::{Break, Breaks};
 use kochab_sim::{ClusterConfig, ClusterStats, run_cluster, run_cluster_seeds};
 
 /// The breaks only tables moving between servers can show (the single-server
-/// simulation, `tests/sim.rs`, catches every other one).
-const CLUSTER_BREAKS: [Break; 1] = [Break::ReleaseBeforeDurable];
+/// simulation, `tests/sim.rs`, catches every other one), and those of leases, which the
+/// cluster's holder must catch across moves too.
+const CLUSTER_BREAKS: [Break; 3] = [
+    Break::ReleaseBeforeDurable,
+    Break::LeaseExpiryEarly,
+    Break::CallbackOtherSession,
+];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -57,7 +62,11 @@ fn cluster_seeds_pass() {
         "{n} cluster seeds passed in {:.1} s: {} operations, {} borrows, {} returns, {} \
          migrations, {} splits ({} refused), {} kill -9 and {} pauses ({} failed over to another server), \
          {} replays, {} checkpoints, {} replies lost; {} data operations, {} table moves with \
-         open handles, {} handles reopened, {} data writes replayed, {} written at a paused process",
+         open handles, {} handles reopened, {} data writes replayed, {} written at a paused process; \
+         {} pauses of everything, {} tries of a \
+         change that waited for a replay window; lease holder: {} leases cached, {} changes of its file, \
+         {} callbacks answered, {} revocations by drops, {} leases outlived their server, \
+         {} run out, {} changes acknowledged late, {} defaults",
         started.elapsed().as_secs_f64(),
         sum(|s| s.ops),
         sum(|s| s.borrows),
@@ -76,6 +85,16 @@ fn cluster_seeds_pass() {
         sum(|s| s.reopens),
         sum(|s| s.data_replays),
         sum(|s| s.writes_at_old),
+        sum(|s| s.time_jumps),
+        sum(|s| s.window_waits),
+        sum(|s| s.leases.cached),
+        sum(|s| s.leases.changes),
+        sum(|s| s.leases.callbacks),
+        sum(|s| s.leases.revocations),
+        sum(|s| s.leases.orphaned),
+        sum(|s| s.leases.leases_run_out),
+        sum(|s| s.leases.late_acks),
+        sum(|s| s.leases.defaults),
     );
 }
 
