@@ -948,17 +948,19 @@ async fn read_loop(
 
 /// True for the changes that wait out a replay window: those that make, remove or change
 /// names and inodes (a replay could find its name taken, its source gone or a newer
-/// change undone). Reads, locks, status, maps and administration go on.
+/// change undone). Reads, locks, status, maps and administration go on, and so does a
+/// reclaim (an open of a handle a client had, without truncation): it is how a client
+/// replays the writes it made through that handle, which must land in the window, before
+/// anyone's new writes (see `filesvc::data_op`).
 pub fn waits_for_replays(op: &Op) -> bool {
-    op.needs_reply_cache()
-        || matches!(
-            op,
-            Op::SetAttr { .. }
-                | Op::Open { .. }
-                | Op::Close { .. }
-                | Op::CloseMany { .. }
-                | Op::EndSession
-        )
+    let reclaim = |flags: u32| {
+        flags & OPEN_RECLAIM != 0 && flags & kochab_meta::files::open_flags::O_TRUNC == 0
+    };
+    match op {
+        Op::Open { flags, .. } => !reclaim(*flags),
+        Op::SetAttr { .. } | Op::Close { .. } | Op::CloseMany { .. } | Op::EndSession => true,
+        _ => op.needs_reply_cache(),
+    }
 }
 
 /// The next callback frame for this connection; never, if it holds no leases.
@@ -1134,6 +1136,33 @@ async fn write_loop(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_reclaim_does_not_wait_out_a_replay_window_but_other_opens_do() {
+        const O_TRUNC: u32 = kochab_meta::files::open_flags::O_TRUNC;
+        let open = |flags| Op::Open {
+            id: 5,
+            flags,
+            handle: 1,
+        };
+        assert!(
+            !waits_for_replays(&open(OPEN_RECLAIM | 0o2)),
+            "a reclaim replays"
+        );
+        assert!(
+            waits_for_replays(&open(OPEN_RECLAIM | O_TRUNC | 0o2)),
+            "it truncates"
+        );
+        assert!(waits_for_replays(&open(0o2)), "a new open");
+        assert!(waits_for_replays(&Op::Unlink {
+            parent: 1,
+            name: b"a".to_vec(),
+        }));
+        assert!(!waits_for_replays(&Op::Lookup {
+            parent: 1,
+            name: b"a".to_vec(),
+        }));
+    }
     use super::*;
 
     fn request_frames(n: u64) -> Vec<u8> {

@@ -443,19 +443,23 @@ fn register(
     }
 }
 
+/// True for the data operations that wait out a replay window: anything but a replay, a
+/// read, an fsync, a grant or a layout (see [`data_op`]).
+pub fn data_waits_for_replays(req: &Request) -> bool {
+    !matches!(req.mode, ReplyMode::Replay { .. })
+        && !matches!(
+            req.op,
+            Op::Read { .. } | Op::Fsync { .. } | Op::DataGrant { .. } | Op::Layout { .. }
+        )
+}
+
 /// Runs one data operation of a session of client key `key_id`; returns the reply and the
 /// LSN that must be durable first.
 pub async fn data_op(shared: Arc<Shared>, client: u64, key_id: u32, req: Request) -> (Reply, u64) {
     // After a crash, as for the metadata changes (conn.rs): a new write, truncation or
     // fallocate waits out the replay window, so that a client's replayed write cannot
     // land after (and undo) a newer change to the same bytes.
-    let replay = matches!(req.mode, ReplyMode::Replay { .. });
-    if !replay
-        && !matches!(
-            req.op,
-            Op::Read { .. } | Op::Fsync { .. } | Op::DataGrant { .. } | Op::Layout { .. }
-        )
-    {
+    if data_waits_for_replays(&req) {
         let left = shared.replay_window().left();
         if !left.is_zero() {
             tokio::time::sleep(left).await;
