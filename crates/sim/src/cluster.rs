@@ -40,8 +40,8 @@ use kochab_server::replaytags::SessionTags;
 use kochab_server::server::{SimulatedServer, core_for_simulation};
 use kochab_store::{MemStore, ObjectStore};
 
-use crate::data::{DataClients, dir_name};
 use crate::cluster_lease::{ClusterLeases, LeaseCounts};
+use crate::data::{DataClients, dir_name};
 use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
 use crate::step::SimStats;
 use crate::world::{NEVER, SEGMENT_BYTES, STEP_MS_MAX, WALL_START_NS, check_shared, shared_op};
@@ -258,6 +258,8 @@ struct World {
     stats: ClusterStats,
     /// What the data clients count.
     data_stats: SimStats,
+    /// A data client's request that waits out a replay window (sent at a later step).
+    data_waiting: Option<crate::data::Next>,
     /// A lease holder and a writer of one file.
     leases: Option<ClusterLeases>,
     /// Every server's clock and the holder's: it moves between steps, in pauses of
@@ -335,6 +337,7 @@ impl World {
             data: DataClients::default(),
             stats: ClusterStats::default(),
             data_stats: SimStats::default(),
+            data_waiting: None,
             leases: None,
             clock: SimulatedClock::new(WALL_START_NS),
             _rt: rt,

@@ -151,6 +151,8 @@ pub(crate) struct Next {
     session: u64,
     req: Request,
     kind: Kind,
+    /// Sent before, its reply lost.
+    resent: bool,
 }
 
 enum Kind {
@@ -301,6 +303,25 @@ impl DataClients {
         run_handle(cx, s, next.c, cl, f, next.req.clone())
     }
 
+    /// Takes back `next`, which waits (a replay window) and is sent at a later step: a
+    /// request sent before whose reply was lost is again in doubt until then (returns
+    /// `None`; the client sends it again when next picked), a new one is returned to be
+    /// kept by the caller.
+    pub(crate) fn wait(&mut self, next: Next) -> Option<Next> {
+        let cl = &mut self.clients[next.c];
+        match next.kind {
+            Kind::Send { what, crashed } if cl.lost.is_none() && next.resent => {
+                cl.lost = Some(Lost {
+                    req: next.req,
+                    what,
+                    crashed,
+                });
+                None
+            }
+            _ => Some(next),
+        }
+    }
+
     /// The next request of a client picked at random: its lost request again, or a
     /// create, a write, a read or an fsync.
     pub(crate) fn plan(&mut self, cx: &mut Ctx) -> Next {
@@ -312,13 +333,17 @@ impl DataClients {
             session,
             req,
             kind,
+            resent: false,
         };
         if let Some(lost) = cl.lost.take() {
             let kind = Kind::Send {
                 what: lost.what,
                 crashed: lost.crashed,
             };
-            return next(lost.req, kind);
+            return Next {
+                resent: true,
+                ..next(lost.req, kind)
+            };
         }
         let f = cx.rng.range(0, FILES as u64 - 1) as usize;
         let file = &cl.files[f];

@@ -60,7 +60,23 @@ impl World {
     /// One request of a data client, where its file (a create: its directory) is now.
     pub(super) fn data_op(&mut self) -> Result<(), String> {
         let mut data = std::mem::take(&mut self.data);
-        let next = data.plan(&mut self.data_cx());
+        let next = match self.data_waiting.take() {
+            Some(next) => next,
+            None => data.plan(&mut self.data_cx()),
+        };
+        match self.data_waits_window(&data, &next) {
+            Ok(false) => {}
+            Ok(true) => {
+                // Sent again at a later step; no other new data request goes meanwhile.
+                self.data_waiting = data.wait(next);
+                self.data = data;
+                return Ok(());
+            }
+            Err(e) => {
+                self.data = data;
+                return Err(e);
+            }
+        }
         let result = self
             .data_send(&data, &next)
             .and_then(|(s, cached, reply, lsn)| {
@@ -68,6 +84,28 @@ impl World {
             });
         self.data = data;
         result
+    }
+
+    /// Whether `next` waits out the replay window of the server it goes to, as the server
+    /// makes it wait (a create by the metadata rule, a write by the data path's).
+    fn data_waits_window(&mut self, data: &DataClients, next: &Next) -> Result<bool, String> {
+        if next.is_create() {
+            return self.waits_window(next.req());
+        }
+        if !kochab_server::filesvc::data_waits_for_replays(next.req()) {
+            return Ok(false);
+        }
+        let id = next
+            .file(data)
+            .ok_or_else(|| "a data operation on a file never made".to_string())?;
+        let (_, at) = self.owner_of(id)?;
+        let left = self.servers[at].live.replay_window().left();
+        if left.is_zero() {
+            return Ok(false);
+        }
+        self.stats.window_waits += 1;
+        self.trace(|| format!("a data write waits {left:?} for the replay window at {at}"));
+        Ok(true)
     }
 
     /// Runs `next` where it belongs: the server that answered, whether it answered from
@@ -103,6 +141,10 @@ impl World {
         tables: &[(u64, Option<u64>)],
     ) -> Result<(), String> {
         if self.data.is_empty() || !self.rng.chance(500) {
+            return Ok(());
+        }
+        if !old.replay_window().left().is_zero() {
+            // The old process makes a write wait out its own window: it would never run.
             return Ok(());
         }
         let before = self.data_stats.data_ops;
