@@ -6,9 +6,9 @@
 //! it and every earlier one returned (see `objects` for the chain this makes).
 
 use crate::objects::{self, OBJECT_BODY_BYTES_MAX, encode_records, object_name, record_lsn};
+use crate::observer::JournalObserver;
 use crate::record::record_len;
 use crate::segment::JournalId;
-use crate::writer::JournalObserver;
 use kochab_store::ObjectStore;
 use parking_lot::{Condvar, Mutex};
 use std::collections::{BTreeMap, VecDeque};

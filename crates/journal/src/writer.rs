@@ -35,6 +35,7 @@
 //! The flusher, the buffers and the durability published are the same for both.
 
 use crate::objects::{self, Content, Listing};
+use crate::observer::JournalObserver;
 use crate::record::{MAX_RECORD_BYTES, encode_record_with, record_len};
 use crate::segment::{
     self, BLOCK, JournalId, SEGMENT_DATA_START, SEGMENT_HEADER_BYTES, encode_header, segment_name,
@@ -91,14 +92,6 @@ impl Default for JournalOptions {
             spare_inline: false,
         }
     }
-}
-
-/// Observations of the flusher, for metrics.
-pub trait JournalObserver: Send + Sync {
-    /// One group commit (in segments: one durable write; as objects: one object, reported
-    /// when it is acknowledged): records and bytes written, how long the durable write or
-    /// the PUT took, and how long its first record had waited for it.
-    fn on_commit(&self, records: u64, bytes: u64, sync_seconds: f64, waited_seconds: f64);
 }
 
 struct State {
