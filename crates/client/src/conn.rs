@@ -129,9 +129,9 @@ impl Conn {
         leases: bool,
     ) -> Result<Arc<Conn>, ConnError> {
         let lost = |e: std::io::Error| ConnError::Lost(format!("{addr}: {e}"));
-        // A lane's connection is served on the lane's runtime (see `pool::set_lane`).
+        // A lane's connection is served on the lane's runtime (see `lane::set_lane`).
         let serve_here =
-            crate::pool::lane().and_then(|_| tokio::runtime::Handle::try_current().ok());
+            crate::lane::lane().and_then(|_| tokio::runtime::Handle::try_current().ok());
         let (rd, mut wr): (Rd, Wr) = match kochab_local::connect(addr, serve_here) {
             // A server of this process: no socket, no TLS (nothing crosses a wire); the
             // key handshake below still runs.
@@ -335,7 +335,7 @@ async fn read_frame(frames: &mut Frames) -> Result<Frame, ConnError> {
 }
 
 /// Fails the connection however its reader ends, also when its task is dropped unfinished
-/// (with the runtime it ran on: a lane's, see `pool::set_lane`), so that no caller waits
+/// (with the runtime it ran on: a lane's, see `lane::set_lane`), so that no caller waits
 /// for a reply that cannot come and the next one reconnects.
 struct Ended {
     pending: Arc<Pending>,

@@ -10,6 +10,7 @@ pub mod complete;
 pub mod conn;
 pub mod dircache;
 pub mod direct;
+mod lane;
 mod pool;
 pub mod replay;
 pub mod routing;
@@ -32,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub use kochab_proto as proto;
-pub use pool::set_lane;
+pub use lane::set_lane;
 
 /// Most symlinks followed while resolving one path (Linux's limit).
 pub const SYMLINK_FOLLOW_MAX: u32 = 40;
@@ -1471,7 +1472,7 @@ impl Client {
             });
             return;
         }
-        let lane = pool::lane();
+        let lane = lane::lane();
         let addr = known.servers[0].clone();
         if self.inner.closes.push(lane, addr, handle, known) {
             let client = self.clone();

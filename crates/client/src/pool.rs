@@ -1,13 +1,13 @@
 //! Connections to every server the client talks to: a few multiplexed connections per
 //! address, opened on first use and reopened after a failure, and one per lane (see
-//! [`set_lane`]).
+//! `lane::set_lane`).
 
 use crate::conn::{Conn, ConnError};
+use crate::lane::lane;
 use kochab_proto::auth::ClientKey;
 use kochab_proto::*;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use std::cell::Cell;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,25 +18,6 @@ use std::time::Duration;
 /// hundreds). Lanes sharing a connection reach it across threads; they are one mount's
 /// queues, which end together.
 const MAX_LANES: usize = 16;
-
-thread_local! {
-    static LANE: Cell<Option<usize>> = const { Cell::new(None) };
-}
-
-/// Gives the requests this thread makes connections of their own, lane `lane`'s, opened
-/// from this thread: their I/O tasks, and for a server of this process the server's side
-/// of them, run on the runtime this thread drives. A thread that drives a current-thread
-/// runtime (the mount's per-CPU FUSE queues) then serves a request from start to end
-/// without waking another thread. Requests made on other threads never use a lane's
-/// connections; `None` returns this thread to the shared ones.
-pub fn set_lane(lane: Option<usize>) {
-    LANE.with(|l| l.set(lane));
-}
-
-/// This thread's lane, if it has one.
-pub(crate) fn lane() -> Option<usize> {
-    LANE.with(Cell::get)
-}
 
 type Slot = Arc<tokio::sync::Mutex<Option<Arc<Conn>>>>;
 
