@@ -13,8 +13,8 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use crate::error::CoordError;
+use crate::net::ReplicaStatus;
 use crate::net::{ClientReply, ClientRequest, Conn, Request, Response};
-use crate::replica::ReplicaStatus;
 use crate::wire::{ClusterKey, WireError};
 use crate::{ReplicaId, ReplicatedState};
 

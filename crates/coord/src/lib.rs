@@ -29,10 +29,8 @@ use std::marker::PhantomData;
 
 pub use client::{ClientConfig, CoordClient};
 pub use error::CoordError;
-pub use net::ReplicaTls;
-pub use replica::{
-    CoordView, Replica, ReplicaConfig, ReplicaStatus, Timing, run_replica_until_signal,
-};
+pub use net::{ReplicaStatus, ReplicaTls};
+pub use replica::{CoordView, Replica, ReplicaConfig, Timing, run_replica_until_signal};
 pub use wire::{CLUSTER_KEY_BYTES, ClusterKey};
 
 /// A replica's id within its group (nonzero by convention, unique in the group).

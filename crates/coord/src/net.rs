@@ -4,7 +4,7 @@
 //! One request, one response, in order, per connection. Replication keeps its connection;
 //! a failed call drops it and the next call dials again.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -24,9 +24,33 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::error::CoordError;
-use crate::replica::ReplicaStatus;
 use crate::wire::{self, ClusterKey, WireError};
 use crate::{ReplicaId, ReplicatedState, TypeConfig};
+
+/// One replica's view of the group, for `kochab status`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaStatus {
+    /// This replica.
+    pub id: ReplicaId,
+    /// Leader, Follower, Candidate, Learner or Shutdown.
+    pub role: String,
+    /// The leader it follows, if any.
+    pub leader: Option<ReplicaId>,
+    /// Current term.
+    pub term: u64,
+    /// Index of the last log entry it holds.
+    pub last_log_index: Option<u64>,
+    /// Index of the last entry applied to its state.
+    pub last_applied: Option<u64>,
+    /// Index its latest snapshot covers.
+    pub snapshot: Option<u64>,
+    /// Index up to which its log is purged.
+    pub purged: Option<u64>,
+    /// Voting members and their addresses.
+    pub voters: BTreeMap<ReplicaId, String>,
+    /// Non-voting members and their addresses.
+    pub learners: BTreeMap<ReplicaId, String>,
+}
 
 type C<S> = TypeConfig<S>;
 

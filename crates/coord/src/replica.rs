@@ -9,14 +9,13 @@ use std::time::Duration;
 
 use openraft::error::{CheckIsLeaderError, ClientWriteError, InitializeError, RaftError};
 use openraft::{BasicNode, ChangeMembers, Config, ServerState, SnapshotPolicy};
-use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
 
 use crate::error::CoordError;
 use crate::log_store::LogStore;
-use crate::net::{ClientReply, ClientRequest, Network, Request, Response};
+use crate::net::{ClientReply, ClientRequest, Network, ReplicaStatus, Request, Response};
 use crate::sm_store::SmStore;
 use crate::wire::{self, ClusterKey, WireError};
 use crate::{Raft, ReplicaId, ReplicatedState};
@@ -81,31 +80,6 @@ pub struct ReplicaConfig {
     pub timing: Timing,
     /// TLS on its listener and its dials to peers (default: none).
     pub tls: crate::net::ReplicaTls,
-}
-
-/// One replica's view of the group, for `kochab status`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReplicaStatus {
-    /// This replica.
-    pub id: ReplicaId,
-    /// Leader, Follower, Candidate, Learner or Shutdown.
-    pub role: String,
-    /// The leader it follows, if any.
-    pub leader: Option<ReplicaId>,
-    /// Current term.
-    pub term: u64,
-    /// Index of the last log entry it holds.
-    pub last_log_index: Option<u64>,
-    /// Index of the last entry applied to its state.
-    pub last_applied: Option<u64>,
-    /// Index its latest snapshot covers.
-    pub snapshot: Option<u64>,
-    /// Index up to which its log is purged.
-    pub purged: Option<u64>,
-    /// Voting members and their addresses.
-    pub voters: BTreeMap<ReplicaId, String>,
-    /// Non-voting members and their addresses.
-    pub learners: BTreeMap<ReplicaId, String>,
 }
 
 /// What `subscribe` delivers: the applied state and whether this replica leads.
