@@ -31,8 +31,8 @@ use std::sync::{Arc, RwLock};
 use kochab_breaks::Breaks;
 use kochab_cluster::host::ranges::Ranges;
 use kochab_cluster::sim::Rng;
-use kochab_journal::{JournalId, JournalOptions};
-use kochab_meta::{Engine, EngineConfig, IdPolicy, initial_table_ranges};
+use kochab_journal::JournalId;
+use kochab_meta::{Engine, EngineConfig};
 use kochab_proto::cluster::TableId;
 use kochab_proto::{Credentials, InodeId, Op, Reply, ReplyMode, Request};
 use kochab_server::core::{Core, Member, Parked, Refusal, Shared};
@@ -43,8 +43,9 @@ use kochab_store::{MemStore, ObjectStore};
 use crate::cluster_lease::{ClusterLeases, LeaseCounts};
 use crate::data::{DataClients, dir_name};
 use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
+use crate::names::{Client, Kept};
 use crate::step::SimStats;
-use crate::world::{NEVER, SEGMENT_BYTES, STEP_MS_MAX, WALL_START_NS, check_shared, shared_op};
+use crate::world::{STEP_MS_MAX, Seeded, WALL_START_NS, check_shared, journal_options, shared_op};
 use kochab_server::clock::SimulatedClock;
 use kochab_server::conn::waits_for_replays;
 use kochab_server::leases::LEASE;
@@ -198,33 +199,6 @@ impl Member for SimMember {
     }
 }
 
-/// A request answered early whose record may not be durable in the journal `at`.
-struct Kept {
-    req: Request,
-    reply: Reply,
-    lsn: u64,
-    at: JournalId,
-    tag: kochab_proto::auth::ReplayTag,
-    planned: Option<Planned>,
-}
-
-struct Client {
-    session: u64,
-    next_seq: u64,
-    model: Model,
-    dirs: [InodeId; DIRS],
-    kept: Vec<Kept>,
-    lost: Option<(Request, Option<Planned>)>,
-}
-
-impl Client {
-    fn seq_floor(&self) -> u64 {
-        let kept = self.kept.iter().map(|k| k.req.seq);
-        let lost = self.lost.iter().map(|(r, _)| r.seq);
-        kept.chain(lost).min().unwrap_or(self.next_seq)
-    }
-}
-
 /// One server id: its live incarnation.
 struct Server {
     id: u64,
@@ -308,20 +282,14 @@ pub fn run_cluster_seeds(
     })
 }
 
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
-
 impl World {
     fn new(cfg: ClusterConfig, rt: tokio::runtime::Runtime) -> Result<World, String> {
         let mut rng = Rng::new(cfg.seed);
-        let engine = EngineConfig::with_key([rng.next_u64(), rng.next_u64()]);
-        let policy = IdPolicy::new(engine.id_policy.clone()).map_err(err)?;
-        let ranges = initial_table_ranges(&policy, engine.primary_tables).map_err(err)?;
-        let mut key = [0u8; 32];
-        for (i, b) in key.iter_mut().enumerate() {
-            *b = (rng.next_u64() >> (i % 8)) as u8;
-        }
+        let Seeded {
+            engine,
+            ranges,
+            key,
+        } = Seeded::draw(&mut rng)?;
         Ok(World {
             cfg,
             rng,
@@ -376,13 +344,7 @@ impl World {
             store,
             key: self.key,
             me,
-            journal: JournalOptions {
-                segment_bytes: SEGMENT_BYTES,
-                fsync: true,
-                lazy_flush: NEVER,
-                breaks: self.cfg.breaks,
-                spare_inline: true,
-            },
+            journal: journal_options(self.cfg.breaks),
             crashed: false,
             breaks: self.cfg.breaks,
             member: Some(Arc::new(SimMember {
@@ -428,14 +390,7 @@ impl World {
             for (d, slot) in dirs.iter_mut().enumerate().filter(|(d, _)| *d != SHARED) {
                 *slot = mkdir(self, format!("c{c}-{d}"))?;
             }
-            self.clients.push(Client {
-                session: 100 + c as u64,
-                next_seq: 1,
-                model: Model::new(&format!("c{c}-")),
-                dirs,
-                kept: Vec::new(),
-                lost: None,
-            });
+            self.clients.push(Client::new(c, dirs));
         }
         let mut data_dirs = Vec::with_capacity(self.cfg.data_clients);
         for c in 0..self.cfg.data_clients {
@@ -995,16 +950,7 @@ impl World {
                 k.req.seq, k.lsn, k.at, k.req.op, r.reply, self.servers[r.at].id
             )
         });
-        let done_since = matches!(r.reply, Reply::Empty) && want_id != 0;
-        let same = match (&k.planned, &r.reply) {
-            _ if done_since => true,
-            (Some(p), reply) => {
-                Model::check(p, reply).is_ok() && (want_id == 0 || reply.created() == want_id)
-            }
-            (None, Reply::Error(_)) => false,
-            (None, reply) => want_id == 0 || reply.created() == want_id,
-        };
-        if !same {
+        if !k.replay_agrees(&r.reply) {
             return Err(format!(
                 "client {c}: seq {} ({}) was answered {:?} early by {}, its replay {:?}",
                 k.req.seq,

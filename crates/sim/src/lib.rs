@@ -28,6 +28,7 @@ mod data;
 mod exec;
 mod lease;
 pub mod model;
+mod names;
 mod step;
 mod world;
 

@@ -19,6 +19,7 @@ use crate::data::DataClients;
 use crate::exec::{Answered, exec_at};
 use crate::lease::LeaseClients;
 use crate::model::{DIRS, Model, NAMES, Planned, SHARED};
+use crate::names::{Client, Kept};
 use crate::step::{Ctx, SimStats};
 
 /// Session of the set-up requests (the clients' directories).
@@ -27,11 +28,11 @@ const SETUP_SESSION: u64 = 1;
 /// [`SimConfig::cross_client`]): one client's change may depend on another's.
 pub(crate) const SHARED_NAMES: [&str; 4] = ["s0", "s1", "s2", "s3"];
 /// A journal that flushes only when the simulation asks: longer than any run.
-pub(crate) const NEVER: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+const NEVER: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 /// Small segments (a server takes at least 256 KiB, for the largest records, which no
 /// simulated client makes): rollovers happen within a run, and every crash image copies
 /// less (a segment is zero-filled to full length when made).
-pub(crate) const SEGMENT_BYTES: u64 = 64 << 10;
+const SEGMENT_BYTES: u64 = 64 << 10;
 /// The simulated clock's wall time at the start of every run (2026-01-01 UTC): file
 /// times depend on the seed alone.
 pub(crate) const WALL_START_NS: i64 = 1_767_225_600_000_000_000;
@@ -41,6 +42,43 @@ pub(crate) const STEP_MS_MAX: u64 = 25;
 /// A pause of everything (a stopped VM, a stalled machine): up to past a lease and a
 /// callback deadline, from less than `CALLBACK_SLOW`.
 const PAUSE_MS: (u64, u64) = (200, 8000);
+
+/// What a seed draws first, the same in both worlds: the engine's keys, the tables the id
+/// policy makes, the cluster key.
+pub(crate) struct Seeded {
+    pub(crate) engine: EngineConfig,
+    pub(crate) ranges: Vec<(u64, u64)>,
+    pub(crate) key: kochab_proto::auth::ClusterKey,
+}
+
+impl Seeded {
+    pub(crate) fn draw(rng: &mut Rng) -> Result<Seeded, String> {
+        let engine = EngineConfig::with_key([rng.next_u64(), rng.next_u64()]);
+        let policy = IdPolicy::new(engine.id_policy.clone()).map_err(err)?;
+        let ranges = initial_table_ranges(&policy, engine.primary_tables).map_err(err)?;
+        let mut key = [0u8; 32];
+        for (i, b) in key.iter_mut().enumerate() {
+            *b = (rng.next_u64() >> (i % 8)) as u8;
+        }
+        Ok(Seeded {
+            engine,
+            ranges,
+            key,
+        })
+    }
+}
+
+/// A simulated server's journal: small segments, flushed only when the simulation asks,
+/// its spare segment prepared inline (a seed replays exactly).
+pub(crate) fn journal_options(breaks: Breaks) -> JournalOptions {
+    JournalOptions {
+        segment_bytes: SEGMENT_BYTES,
+        fsync: true,
+        lazy_flush: NEVER,
+        breaks,
+        spare_inline: true,
+    }
+}
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -74,35 +112,6 @@ impl SimConfig {
             cross_client: true,
             trace: false,
         }
-    }
-}
-
-/// A request answered early whose record may not be durable: kept to replay.
-struct Kept {
-    req: Request,
-    reply: Reply,
-    lsn: u64,
-    tag: kochab_proto::auth::ReplayTag,
-    planned: Option<Planned>,
-}
-
-struct Client {
-    session: u64,
-    next_seq: u64,
-    model: Model,
-    dirs: [InodeId; DIRS],
-    kept: Vec<Kept>,
-    /// Sent, its reply lost: sent again (same sequence number) before anything else.
-    lost: Option<(Request, Option<Planned>)>,
-}
-
-impl Client {
-    /// The lowest sequence number the client may still send again: the server may forget
-    /// the replies below it.
-    fn seq_floor(&self) -> u64 {
-        let kept = self.kept.iter().map(|k| k.req.seq);
-        let lost = self.lost.iter().map(|(r, _)| r.seq);
-        kept.chain(lost).min().unwrap_or(self.next_seq)
     }
 }
 
@@ -171,13 +180,11 @@ fn err(e: impl std::fmt::Display) -> String {
 impl World {
     fn new(cfg: SimConfig, rt: tokio::runtime::Runtime) -> Result<World, String> {
         let mut rng = Rng::new(cfg.seed);
-        let engine = EngineConfig::with_key([rng.next_u64(), rng.next_u64()]);
-        let policy = IdPolicy::new(engine.id_policy.clone()).map_err(err)?;
-        let ranges = initial_table_ranges(&policy, engine.primary_tables).map_err(err)?;
-        let mut key = [0u8; 32];
-        for (i, b) in key.iter_mut().enumerate() {
-            *b = (rng.next_u64() >> (i % 8)) as u8;
-        }
+        let Seeded {
+            engine,
+            ranges,
+            key,
+        } = Seeded::draw(&mut rng)?;
         Ok(World {
             cfg,
             rng,
@@ -237,13 +244,7 @@ impl World {
             store,
             key: self.key,
             me,
-            journal: JournalOptions {
-                segment_bytes: SEGMENT_BYTES,
-                fsync: true,
-                lazy_flush: NEVER,
-                breaks: self.cfg.breaks,
-                spare_inline: true,
-            },
+            journal: journal_options(self.cfg.breaks),
             crashed,
             breaks: self.cfg.breaks,
             member: None,
@@ -280,14 +281,7 @@ impl World {
             for (d, slot) in dirs.iter_mut().enumerate().filter(|(d, _)| *d != SHARED) {
                 *slot = mkdir(self, format!("c{c}-{d}"))?;
             }
-            self.clients.push(Client {
-                session: 100 + c as u64,
-                next_seq: 1,
-                model: Model::new(&format!("c{c}-")),
-                dirs,
-                kept: Vec::new(),
-                lost: None,
-            });
+            self.clients.push(Client::new(c, dirs));
         }
         let s = self.live()?.clone();
         self.data = DataClients::setup(self.cfg.data_clients, &s, root)?;
@@ -455,6 +449,7 @@ impl World {
                 req,
                 reply,
                 lsn,
+                at: s.journal().id(),
                 tag,
                 planned,
             });
@@ -681,16 +676,7 @@ impl World {
             )
         });
         // The replay must tell the same story as the early reply the client acted on.
-        // A create's replay may be told it is done (nothing made): its record was durable
-        // and a later change of the client's removed what it made.
-        let done_since = matches!(reply, Reply::Empty) && want_id != 0;
-        let same = match (&k.planned, &reply) {
-            _ if done_since => true,
-            (Some(p), r) => Model::check(p, r).is_ok() && (want_id == 0 || r.created() == want_id),
-            (None, Reply::Error(_)) => false,
-            (None, r) => want_id == 0 || r.created() == want_id,
-        };
-        if !same {
+        if !k.replay_agrees(&reply) {
             return Err(format!(
                 "client {c}: seq {} ({}) was answered {:?} early, its replay {reply:?}",
                 k.req.seq,

@@ -5,6 +5,9 @@
 //! Without `SIM_BREAK`, the breaks of tables that move are run here too and must be
 //! caught within 100 seeds.
 
+mod common;
+
+use common::{breaks, env_u64};
 use kochab_breaks::{Break, Breaks};
 use kochab_sim::{ClusterConfig, ClusterStats, run_cluster, run_cluster_seeds};
 
@@ -16,23 +19,6 @@ const CLUSTER_BREAKS: [Break; 3] = [
     Break::LeaseExpiryEarly,
     Break::CallbackOtherSession,
 ];
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
-}
-
-fn breaks() -> Breaks {
-    match std::env::var("SIM_BREAK") {
-        Ok(name) => match Break::parse(&name) {
-            Some(b) => Breaks::NONE.with(b),
-            None => panic!(
-                "SIM_BREAK={name}: not one of {:?}",
-                Break::ALL.map(|b| b.name())
-            ),
-        },
-        Err(_) => Breaks::NONE,
-    }
-}
 
 #[test]
 fn cluster_seeds_pass() {

@@ -3,25 +3,11 @@
 //! `SIM_BREAK=NAME` runs with a deliberate bug switched on in the real code and must fail.
 //! Without `SIM_BREAK`, every break is also run here and must be caught within 100 seeds.
 
+mod common;
+
+use common::{breaks, env_u64};
 use kochab_breaks::{Break, Breaks};
 use kochab_sim::{SimConfig, run, run_seeds};
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
-}
-
-fn breaks() -> Breaks {
-    match std::env::var("SIM_BREAK") {
-        Ok(name) => match Break::parse(&name) {
-            Some(b) => Breaks::NONE.with(b),
-            None => panic!(
-                "SIM_BREAK={name}: not one of {:?}",
-                Break::ALL.map(|b| b.name())
-            ),
-        },
-        Err(_) => Breaks::NONE,
-    }
-}
 
 #[test]
 fn seeds_pass() {
