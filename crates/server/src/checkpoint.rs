@@ -12,8 +12,8 @@
 //!
 //! The store layout the checkpoints write (manifests and images) is in `manifest`.
 
-use crate::core::Shared;
 use crate::replycache::HandedOver;
+use crate::shared::Shared;
 use kochab_journal::JournalId;
 use kochab_journal::record::encode_record_with;
 use kochab_meta::{BoxImage, BoxSet, Table};

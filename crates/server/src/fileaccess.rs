@@ -2,9 +2,11 @@
 //! open file's data lock and generation check, the pending trim finished before any data
 //! operation, storage work on the blocking pool, and the write request's bounds.
 
-use crate::core::{Core, Shared, journal_entry};
+use crate::core::Core;
+
 use crate::filelocks::FileGuard;
 use crate::session::OpenFile;
+use crate::shared::Shared;
 use kochab_meta::{Mutation, Reclaim};
 use kochab_proto::*;
 
@@ -65,17 +67,17 @@ pub(crate) fn journal_write(
     id: InodeId,
     muts: &[Mutation],
 ) -> (u64, bool) {
+    let now = shared.now();
     if how.mode == ReplyMode::Durable && how.seq == 0 {
-        return (shared.journal_now(core, client, muts), false);
+        return (core.journal_change(client, muts, now), false);
     }
-    let lsn = journal_entry(shared.journal(), client, how.seq, 0, Some(id), muts);
-    let durable = shared.journal().durable_lsn();
-    let depended = core.journaled(client, muts, lsn, durable, shared.clock().now());
+    let lsn = core.append(client, how.seq, 0, Some(id), muts);
+    let depended = core.journaled(client, muts, lsn, now.durable, now.instant);
     if how.seq != 0 {
         core.replies.insert(client, how.seq, Some(id));
     }
     if how.mode == ReplyMode::Durable {
-        shared.journal().flush_now();
+        core.flush_soon();
     }
     // An early reply to a write that depended on another session's change not yet
     // durable waits for its record instead (see `unsettled`).

@@ -15,9 +15,9 @@
 //! is taking that lock: after it, none is half-applied; their replies wait for durability,
 //! which the drop waits for too before it releases the table.
 
-use crate::core::Shared;
 use crate::leases::Urgency;
 use crate::manifest::{Handover, Manifest, manifests_covering};
+use crate::shared::Shared;
 use kochab_journal::JournalId;
 use std::io::{self, ErrorKind};
 use std::time::{Duration, Instant};

@@ -18,7 +18,8 @@
 //!   from before its PUT until its commit returned, so that the collector never counts it
 //!   as an orphan however slow the PUT.
 
-use crate::core::{Core, Shared};
+use crate::core::Core;
+
 use crate::data::slices::COMPACT_REFS_MAX;
 use crate::fileaccess::{
     WriteReq, blocking, current_generation, end_within_limit, fail, journal_write, lock_file,
@@ -26,6 +27,7 @@ use crate::fileaccess::{
 };
 use crate::grants::{GRANT_OBJECTS_MAX, grant_life, object_name};
 use crate::session::OpenFile;
+use crate::shared::Shared;
 use crate::slicework::{OwnPuts, SliceWork};
 use kochab_proto::auth::GrantTokenInput;
 use kochab_proto::layout::{ChunkLayout, CommittedSlice, Grant, GrantedObject, Layout, SliceRef};
