@@ -495,3 +495,156 @@ fn retry_reply(engine: &mut Engine, op: &Op, outcome: Outcome, replay: bool) -> 
         _ => Reply::Empty,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The step driven alone: no runtime, journal, store or clock, only events in and
+    //! effects out.
+    use super::*;
+    use crate::core::JournalEntry;
+    use crate::replycache::ReplyCache;
+    use kochab_meta::EngineConfig;
+
+    struct NoEnv;
+
+    impl Env for NoEnv {
+        fn member(&self) -> Option<&dyn Member> {
+            None
+        }
+        fn status(&self, _: &Core) -> StatusReport {
+            unreachable!("no status asked")
+        }
+        fn capacity(&self) -> std::io::Result<kochab_store::Capacity> {
+            Err(std::io::Error::other("no store"))
+        }
+    }
+
+    fn core() -> Core {
+        let mut e = Engine::new_cluster(EngineConfig::with_key([5, 6])).unwrap();
+        for m in e.bootstrap(1) {
+            e.apply(&m).unwrap();
+        }
+        let mut c = Core::new(e, ReplyCache::default());
+        c.number_records_from(10);
+        c
+    }
+
+    fn at(instant: Instant, durable: u64) -> Now {
+        Now {
+            wall: 1_000,
+            instant,
+            durable,
+        }
+    }
+
+    fn mkdir(parent: InodeId, name: &str) -> Request {
+        Request::plain(
+            &Credentials::root(),
+            Op::Mkdir {
+                parent,
+                name: name.as_bytes().to_vec(),
+                mode: 0o755,
+            },
+        )
+    }
+
+    #[test]
+    fn a_change_comes_out_as_a_numbered_record_and_a_reply_that_waits_for_it() {
+        let mut c = core();
+        let root = c.engine.root();
+        let t0 = Instant::now();
+        let reqs = [(1, mkdir(root, "a")), (2, mkdir(root, "b"))];
+        let fx = c.step(
+            Event::Requests {
+                client: 7,
+                reqs: &reqs,
+                flushes: true,
+            },
+            at(t0, 9),
+            &NoEnv,
+        );
+        let records: Vec<(u64, JournalEntry)> = fx
+            .out
+            .records()
+            .map(|(lsn, p)| (lsn, postcard::from_bytes(p).unwrap()))
+            .collect();
+        assert_eq!(records.iter().map(|r| r.0).collect::<Vec<_>>(), [10, 11]);
+        assert!(
+            records
+                .iter()
+                .all(|(_, e)| e.client == 7 && !e.muts.is_empty())
+        );
+        // Each reply waits for its own record; a durable request asks for a flush now.
+        assert_eq!(
+            fx.answers.iter().map(|a| a.lsn).collect::<Vec<_>>(),
+            [10, 11]
+        );
+        assert!(fx.out.flush);
+        assert!(fx.parked.is_empty());
+        // A read journals nothing and waits for what it observed: the root, last changed
+        // by the second.
+        let lookup = Request::plain(
+            &Credentials::root(),
+            Op::Lookup {
+                parent: root,
+                name: b"a".to_vec(),
+            },
+        );
+        let fx = c.step(
+            Event::Requests {
+                client: 8,
+                reqs: &[(3, lookup)],
+                flushes: true,
+            },
+            at(t0, 9),
+            &NoEnv,
+        );
+        assert_eq!(fx.out.records().count(), 0);
+        assert_eq!(fx.answers[0].lsn, 11);
+        assert_eq!(c.last_lsn(), 11);
+    }
+
+    #[test]
+    fn a_change_to_what_another_session_leased_comes_out_as_a_callback() {
+        let mut c = core();
+        let root = c.engine.root();
+        let t0 = Instant::now();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        c.attach(1, 1, Some(tx));
+        let lookup = Request::plain(
+            &Credentials::root(),
+            Op::Lookup {
+                parent: root,
+                name: b"x".to_vec(),
+            },
+        );
+        // Session 1 caches the absence of "x" (a lease on the root's names).
+        let fx = c.step(
+            Event::Requests {
+                client: 1,
+                reqs: &[(1, lookup)],
+                flushes: true,
+            },
+            at(t0, 0),
+            &NoEnv,
+        );
+        assert!(fx.out.callbacks.is_empty());
+        // Session 2 makes "x": session 1 is called back, through the outbox only.
+        let fx = c.step(
+            Event::Requests {
+                client: 2,
+                reqs: &[(2, mkdir(root, "x"))],
+                flushes: true,
+            },
+            at(t0, 0),
+            &NoEnv,
+        );
+        assert_eq!(fx.out.callbacks.len(), 1);
+        assert!(rx.try_recv().is_err(), "the core sent nothing itself");
+        // Unanswered, it runs out a lease later: the holder goes into default.
+        let later = t0 + crate::leases::LEASE + Duration::from_secs(1);
+        let fx = c.step(Event::ExpireCallbacks, at(later, 0), &NoEnv);
+        assert_eq!(fx.expired.missed, 1);
+        assert_eq!(fx.expired.defaulted, [1]);
+    }
+}
