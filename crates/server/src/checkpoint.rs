@@ -169,7 +169,7 @@ impl Checkpointer {
     fn save_replies(&self, shared: &Shared) -> io::Result<u64> {
         let (replies, lsn) = {
             let core = shared.core();
-            (core.replies.export(usize::MAX), shared.journal().last_lsn())
+            (core.replies.export(usize::MAX), core.last_lsn())
         };
         if !shared.journal().wait_durable(lsn) {
             return Err(io::Error::other("journal failed; checkpoint abandoned"));
@@ -207,7 +207,7 @@ impl Checkpointer {
         let started = Instant::now();
         let (start_lsn, set, full) = {
             let mut core = shared.core();
-            let lsn = shared.journal().last_lsn();
+            let lsn = core.last_lsn();
             let Some(i) = hosted_index(&core.engine, lo) else {
                 return Ok((0, 0));
             };
@@ -549,7 +549,7 @@ impl Checkpointer {
             if let Err(e) = core.engine.split_table(lo, at) {
                 return Ok(Err(e.into()));
             }
-            let lsn = shared.journal().last_lsn();
+            let lsn = core.last_lsn();
             // Both halves get full images: their dirty marks are covered.
             let mut all_boxes = |t: u64| {
                 let i = hosted_index(&core.engine, t).ok_or_else(|| {

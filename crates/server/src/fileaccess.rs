@@ -7,7 +7,7 @@ use crate::core::Core;
 use crate::filelocks::FileGuard;
 use crate::session::OpenFile;
 use crate::shared::Shared;
-use kochab_meta::{Mutation, Reclaim};
+use kochab_meta::Reclaim;
 use kochab_proto::*;
 
 /// Chunks one blocking call of a long data operation (a reclaim's deletions, a fallocate's
@@ -42,46 +42,12 @@ pub(crate) fn end_within_limit(offset: u64, len: u64) -> Result<u64, FsError> {
 }
 
 /// Who writes, and how the reply is wanted.
-pub(crate) struct WriteReq<'a> {
+pub struct WriteReq<'a> {
     pub cred: &'a Credentials,
     /// The request's sequence number (0: none). An append has one, and so does a write
     /// answered early: a retry or a replay of one already done is answered, not run again.
     pub seq: u64,
     pub mode: ReplyMode,
-}
-
-/// Journals a write's change (`muts`: size and times, or committed refs) as one record of
-/// `client`; returns its LSN (0: nothing to journal).
-///
-/// Rule: a write with a sequence number (answered early, or an append) is journaled with
-/// it and enters the reply cache, so that a retry or a replay of it, after a crash too, is
-/// answered and not run again (an append run twice adds its bytes twice). One answered
-/// durably is flushed now, and its reply does not wait (a write is not durable before
-/// fsync anyway); one answered early goes with the next flush. Returns the record's LSN
-/// (0: none) and whether an early reply must wait for it.
-pub(crate) fn journal_write(
-    shared: &Shared,
-    core: &mut Core,
-    client: u64,
-    how: &WriteReq<'_>,
-    id: InodeId,
-    muts: &[Mutation],
-) -> (u64, bool) {
-    let now = shared.now();
-    if how.mode == ReplyMode::Durable && how.seq == 0 {
-        return (core.journal_change(client, muts, now), false);
-    }
-    let lsn = core.append(client, how.seq, 0, Some(id), muts);
-    let depended = core.journaled(client, muts, lsn, now.durable, now.instant);
-    if how.seq != 0 {
-        core.replies.insert(client, how.seq, Some(id));
-    }
-    if how.mode == ReplyMode::Durable {
-        core.flush_soon();
-    }
-    // An early reply to a write that depended on another session's change not yet
-    // durable waits for its record instead (see `unsettled`).
-    (lsn, how.mode != ReplyMode::Durable && depended != 0)
 }
 
 /// The reply to a write (sequence number `seq` of `client`) that already ran: its file's

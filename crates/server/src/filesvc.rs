@@ -8,9 +8,10 @@
 //! never destroy a later write and only that file waits for it.
 
 use crate::data::chunk_batches;
+use crate::datapass::{DataChange, DataDone};
 use crate::fileaccess::{
-    DATA_BATCH_CHUNKS, WriteReq, blocking, current_generation, end_within_limit, fail,
-    journal_write, lock_file, run_reclaim, write_done_before,
+    DATA_BATCH_CHUNKS, WriteReq, blocking, current_generation, end_within_limit, lock_file,
+    run_reclaim, write_done_before,
 };
 use crate::session::OpenFile;
 use crate::shared::Shared;
@@ -69,6 +70,11 @@ impl Shared {
         }
         Ok(of)
     }
+}
+
+/// A data step answered with another kind of answer than the change it was given (a bug).
+fn unexpected(what: &str) -> FsError {
+    fs_err!(EIO, "the core answered a {what} with something else")
 }
 
 /// True for the data operations that wait out a replay window: anything but a replay, a
@@ -143,12 +149,12 @@ async fn run_data_op(
                 })
                 .await?
             };
-            let (observed, atime_set) = {
-                let mut core = shared.core();
-                let set = core
-                    .engine
-                    .touch_atime(of.id, atime, shared.clock().wall_ns());
-                (core.observed(of.id), set)
+            let DataDone::Read {
+                observed,
+                atime_set,
+            } = shared.data_step(client, DataChange::Read { of, atime })?
+            else {
+                return Err(unexpected("read"));
             };
             if atime_set {
                 Ok((Reply::ReadAtime(bytes), observed))
@@ -210,15 +216,14 @@ async fn run_data_op(
             // Truncation: no write of this file may run between the size change and the
             // trim of the data beyond it.
             let _file = shared.file_locks().exclusive(id).await;
-            let reply = {
-                let mut core = shared.core();
-                let now = shared.clock().wall_ns();
-                let reply = shared.execute_traced(&mut core, client, &req, now);
-                // The objects the cut dropped go once it is durable.
-                shared.take_freed(&mut core);
-                reply
+            let DataDone::Reply(reply) =
+                shared.data_step(client, DataChange::Truncate { req: &req })?
+            else {
+                return Err(unexpected("truncation"));
             };
-            shared.journal().flush_now();
+            // The objects the cut dropped go once it is durable (queued at an LSN not
+            // below its record's).
+            shared.take_freed(&mut shared.core());
             // This truncation's trim, and any other of the file's left pending.
             let pending = {
                 let core = shared.core();
@@ -289,8 +294,8 @@ async fn write(
         let (attr, lsn) =
             crate::slicesvc::write(shared, client, &how, &of, offset, end, bytes).await?;
         if append && seq != 0 {
-            let mut core = shared.core();
-            core.appended.insert((client, handle), (seq, attr.clone()));
+            let attr = attr.clone();
+            shared.data_step(client, DataChange::Appended { handle, seq, attr })?;
         }
         return Ok((Reply::Attr(attr), if kept { lsn } else { 0 }));
     }
@@ -304,22 +309,23 @@ async fn write(
         })
         .await?;
     }
-    let (attr, lsn, depended) = {
-        let mut core = shared.core();
-        current_generation(&core, &of)?;
-        let (muts, attr) = core
-            .engine
-            .write_done(how.cred, of.id, end, shared.clock().wall_ns())
-            .map_err(fail)?;
-        // Answered early: a replay of it, once durable, is answered by the reply cache.
-        // Answered durably: the reply does not wait for the record.
-        let (lsn, depended) = journal_write(shared, &mut core, client, &how, of.id, &muts);
-        let lsn = if kept { lsn } else { 0 };
-        if append && seq != 0 {
-            core.appended.insert((client, handle), (seq, attr.clone()));
-        }
-        (attr, lsn, depended)
+    // Answered early: a replay of it, once durable, is answered by the reply cache.
+    // Answered durably: the reply does not wait for the record.
+    let written = DataChange::Written {
+        how: &how,
+        of,
+        end,
+        append: (append && seq != 0).then_some((handle, seq)),
     };
+    let DataDone::Written {
+        attr,
+        lsn,
+        depended,
+    } = shared.data_step(client, written)?
+    else {
+        return Err(unexpected("write"));
+    };
+    let lsn = if kept { lsn } else { 0 };
     if depended {
         crate::fileaccess::answer_when_durable(shared, lsn).await?;
     }
@@ -393,31 +399,24 @@ async fn fallocate(
             .await?;
         }
     }
-    let mut core = shared.core();
-    current_generation(&core, &of)?;
-    let size = core.engine.inode(of.id).map_or(0, |i| i.size);
-    let new_end = if keep_size || end <= size { size } else { end };
-    let changed = punch || zero_range || new_end != size;
-    let lsn = if changed {
-        let (muts, _) = core
-            .engine
-            .write_done(cred, of.id, new_end, shared.clock().wall_ns())
-            .map_err(fail)?;
-        shared.journal_now(&mut core, client, &muts)
-    } else {
-        0
+    let done = DataChange::Fallocated {
+        cred,
+        of,
+        end,
+        keep_size,
+        rewrote: punch || zero_range,
     };
-    Ok((Reply::Empty, lsn))
+    match shared.data_step(client, done)? {
+        DataDone::Lsn(lsn) => Ok((Reply::Empty, lsn)),
+        _ => Err(unexpected("fallocate")),
+    }
 }
 
 /// Makes the file's "may have data" mark durable before its first chunk object exists,
 /// so that deleting the file can never miss an object (a no-op once the mark is set).
 async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), FsError> {
-    let lsn = {
-        let mut core = shared.core();
-        current_generation(&core, of)?;
-        let muts = core.engine.mark_data(of.id).map_err(fail)?;
-        shared.journal_now(&mut core, client, &muts)
+    let DataDone::Lsn(lsn) = shared.data_step(client, DataChange::MarkData { of: *of })? else {
+        return Err(unexpected("data mark"));
     };
     if lsn != 0 {
         crate::fileaccess::wait_durable(shared, lsn).await?;

@@ -26,6 +26,7 @@ pub mod conn;
 pub mod core;
 pub mod data;
 pub mod datadir;
+pub mod datapass;
 pub mod fileaccess;
 pub mod filelocks;
 pub mod filesvc;

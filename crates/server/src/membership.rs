@@ -89,7 +89,7 @@ impl Shared {
                 // Names of whole directories: as long as dropping them takes.
                 core.call_back(SERVER_ITSELF, holder, &list, until, Urgency::Work, now);
             }
-            (table, handover, self.journal().last_lsn())
+            (table, handover, core.last_lsn())
         };
         let board = self.callback_board(SERVER_ITSELF);
         let ticket = board.ticket();
@@ -104,12 +104,12 @@ impl Shared {
         // "done" from the next owner of that table too, its record lost with this
         // server's journal: tests/cluster.rs `a_released_table_hands_over_only_durable_replies`).
         // Every entry is cached under the core lock right after its record is appended,
-        // so the journal's last LSN read under the same lock covers all exported.
+        // so the last LSN the core numbered, read under the same lock, covers all exported.
         let (replies, exported) = {
             let core = self.core();
             (
                 core.replies.export(crate::replycache::HANDED_OVER_MAX),
-                self.journal().last_lsn(),
+                core.last_lsn(),
             )
         };
         handover.replies = replies;

@@ -166,6 +166,17 @@ impl Shared {
         fx
     }
 
+    /// Runs the metadata part of a data operation of `client` (see `datapass`).
+    pub(crate) fn data_step(
+        &self,
+        client: u64,
+        change: crate::datapass::DataChange<'_>,
+    ) -> Result<crate::datapass::DataDone, FsError> {
+        let fx = self.step(Event::Data { client, change });
+        fx.data
+            .unwrap_or_else(|| Err(fs_err!(EIO, "the core answered no data step")))
+    }
+
     /// Appends `out`'s records to the journal in order (the caller holds the core lock, so
     /// they get the LSNs the core gave them) and sends its callbacks. Returns whether a
     /// journal flush is to start once the lock is let go.
@@ -674,23 +685,6 @@ impl Shared {
         fx.parked
     }
 
-    /// Runs one engine operation with the reply cache and the journal, outside a batch
-    /// (the caller holds the core lock); its mutations stay readable in
-    /// `core.last_mutations()` until the next one.
-    pub(crate) fn execute_traced(
-        &self,
-        core: &mut Core,
-        client: u64,
-        req: &Request,
-        now: TimeNs,
-    ) -> Reply {
-        let now = Now {
-            wall: now,
-            ..self.now()
-        };
-        core.execute_one(client, req, now)
-    }
-
     /// The server's state for `kochab status`.
     pub fn status(&self, core: &Core) -> StatusReport {
         let tables = core
@@ -722,7 +716,7 @@ impl Shared {
             dentries,
             journal_bytes: self.journal.bytes(),
             journal_segments: self.journal.segments(),
-            applied_lsn: self.journal.last_lsn(),
+            applied_lsn: core.last_lsn(),
             durable_lsn: self.journal.durable_lsn(),
             rss_bytes: crate::metrics::rss_bytes(),
             connections: self.connections.load(Ordering::Relaxed),

@@ -22,8 +22,7 @@ use crate::core::Core;
 
 use crate::data::slices::COMPACT_REFS_MAX;
 use crate::fileaccess::{
-    WriteReq, blocking, current_generation, end_within_limit, fail, journal_write, lock_file,
-    write_done_before,
+    WriteReq, blocking, current_generation, end_within_limit, fail, lock_file, write_done_before,
 };
 use crate::grants::{GRANT_OBJECTS_MAX, grant_life, object_name};
 use crate::session::OpenFile;
@@ -236,7 +235,7 @@ pub(crate) async fn commit(
             .engine
             .commit_slices(how.cred, of.id, &refs, end, shared.clock().wall_ns())
             .map_err(fail)?;
-        let (lsn, depended) = journal_write(shared, &mut core, client, &how, of.id, &muts);
+        let (lsn, depended) = core.journal_write(client, &how, of.id, &muts, shared.now());
         after_commit(shared, &core, &of, &refs, &freed, lsn);
         (attr, lsn, depended)
     };
@@ -258,11 +257,7 @@ fn after_commit(
 ) {
     let work = shared.slice_work();
     // No record (nothing changed): what was freed is free now.
-    let lsn = if lsn == 0 {
-        shared.journal().last_lsn()
-    } else {
-        lsn
-    };
+    let lsn = if lsn == 0 { core.last_lsn() } else { lsn };
     work.free(lsn, of.id, of.generation, freed);
     let mut last = None;
     for &(chunk, _) in refs {
@@ -459,7 +454,7 @@ pub(crate) async fn write(
             .engine
             .commit_slices(how.cred, of.id, &refs, end, shared.clock().wall_ns())
             .map_err(fail)?;
-        let (lsn, depended) = journal_write(shared, &mut core, client, how, of.id, &muts);
+        let (lsn, depended) = core.journal_write(client, how, of.id, &muts, shared.now());
         after_commit(shared, &core, of, &refs, &freed, lsn);
         (attr, lsn, depended)
     };
@@ -521,7 +516,9 @@ impl Shared {
         if freed.is_empty() {
             return;
         }
-        let lsn = self.journal().last_lsn();
+        // The record that freed them may still be in the core's outbox: its LSN is the
+        // core's, not yet the journal's.
+        let lsn = core.last_lsn();
         for (id, generation, object) in freed {
             self.slice_work().free(lsn, id, generation, &[object]);
         }
@@ -666,11 +663,7 @@ pub async fn compact(
                 match core.engine.replace_chunk(id, chunk, &expected, new) {
                     Ok((muts, freed)) => {
                         let lsn = shared.journal_now(&mut core, 0, &muts);
-                        let lsn = if lsn == 0 {
-                            shared.journal().last_lsn()
-                        } else {
-                            lsn
-                        };
+                        let lsn = if lsn == 0 { core.last_lsn() } else { lsn };
                         work.free(lsn, id, generation, &freed);
                         Ok(())
                     }

@@ -17,6 +17,7 @@
 use crate::core::{
     Answer, Cleanup, Core, JournalEntryRef, MODIFIED_PRUNE_AT, Member, Parked, Refusal,
 };
+use crate::datapass::{DataChange, DataDone};
 use crate::leases::Expired;
 use crate::outbox::Outbox;
 use crate::replycache::Outcome;
@@ -56,6 +57,8 @@ pub enum Event<'a> {
     ExpireSessions { grace: Duration },
     /// Run one batch of queued cleanup.
     Cleanup,
+    /// The metadata part of a data operation of `client` (its data I/O is the shell's).
+    Data { client: u64, change: DataChange<'a> },
 }
 
 /// What the shell is to do after a step (besides its outbox, which it carries out first).
@@ -77,6 +80,8 @@ pub struct Effects {
     pub ended_sessions: Vec<u64>,
     /// More cleanup is queued: step `Cleanup` again (after letting others have the lock).
     pub more_cleanup: bool,
+    /// For `Data`: what it answers.
+    pub data: Option<Result<DataDone, FsError>>,
 }
 
 /// What the core reads of its surroundings during a step: the member's admission, and the
@@ -114,6 +119,9 @@ impl Core {
                 fx.more_cleanup = !self.cleanup.is_empty();
             }
             Event::Cleanup => fx.more_cleanup = self.cleanup_batch(now),
+            Event::Data { client, change } => {
+                fx.data = Some(self.data_change(client, change, now));
+            }
         }
         fx.out = self.take_outbox();
         fx
