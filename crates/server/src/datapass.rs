@@ -4,10 +4,12 @@
 //! waits for.
 
 use crate::core::Core;
+use crate::data::slices::COMPACT_REFS_MAX;
 use crate::fileaccess::{WriteReq, current_generation, fail};
 use crate::session::OpenFile;
 use crate::step::Now;
 use kochab_meta::Mutation;
+use kochab_proto::layout::SliceRef;
 use kochab_proto::*;
 
 /// What landed, or is to change, of an open file.
@@ -36,8 +38,40 @@ pub enum DataChange<'a> {
         keep_size: bool,
         rewrote: bool,
     },
-    /// A truncation (a setattr with a size), run as the request says.
+    /// A truncation (a setattr with a size), run as the request says; the slice objects it
+    /// dropped go once it is durable.
     Truncate { req: &'a Request },
+    /// Slices of `of` put by the client (or by the server for a write) become its refs, the
+    /// file at least `end` long. `verify`: checks the client's commit tokens, run under
+    /// the lock right before the commit (so the collector's wait past their expiry is
+    /// enough, see `gc`).
+    SlicesCommitted {
+        how: &'a WriteReq<'a>,
+        of: OpenFile,
+        refs: &'a [(u64, SliceRef)],
+        end: u64,
+        verify: Option<&'a (dyn Fn() -> Result<(), FsError> + Sync)>,
+    },
+    /// A hole punched or a range zeroed on slices: a zeros ref over the part of each chunk
+    /// in the range that holds refs (the caller holds the file's exclusive lock).
+    ZeroSlices {
+        cred: &'a Credentials,
+        of: OpenFile,
+        offset: u64,
+        len: u64,
+    },
+    /// A compaction's object replaces the refs `expected` of a chunk (ESTALE: they
+    /// changed, or the file is gone).
+    ChunkCompacted {
+        id: InodeId,
+        generation: u64,
+        chunk: u64,
+        expected: &'a [SliceRef],
+        new: Vec<SliceRef>,
+    },
+    /// Objects the engine freed outside a commit (truncations): queued for deletion once
+    /// what freed them is durable.
+    TakeFreed,
 }
 
 /// What a data step answers.
@@ -128,11 +162,145 @@ impl Core {
             }
             DataChange::Truncate { req } => {
                 let reply = self.execute_one(client, req, now);
+                self.take_freed();
                 // Its reply waits for the flush started now.
                 self.flush_soon();
                 Ok(DataDone::Reply(reply))
             }
+            DataChange::SlicesCommitted {
+                how,
+                of,
+                refs,
+                end,
+                verify,
+            } => {
+                current_generation(self, &of)?;
+                if let Some(verify) = verify {
+                    verify()?;
+                }
+                let (muts, attr, freed) = self
+                    .engine
+                    .commit_slices(how.cred, of.id, refs, end, now.wall)
+                    .map_err(fail)?;
+                let (lsn, depended) = self.journal_write(client, how, of.id, &muts, now);
+                self.after_commit(&of, refs, freed, lsn);
+                Ok(DataDone::Written {
+                    attr,
+                    lsn,
+                    depended,
+                })
+            }
+            DataChange::ZeroSlices {
+                cred,
+                of,
+                offset,
+                len,
+            } => {
+                current_generation(self, &of)?;
+                self.zero_slices(client, cred, &of, offset, len, now)?;
+                Ok(DataDone::Noted)
+            }
+            DataChange::ChunkCompacted {
+                id,
+                generation,
+                chunk,
+                expected,
+                new,
+            } => {
+                match self.engine.inode(id) {
+                    Some(i) if i.btime as u64 == generation => {}
+                    _ => return Err(fs_err!(ESTALE, "the file is gone")),
+                }
+                let (muts, freed) = self
+                    .engine
+                    .replace_chunk(id, chunk, expected, new)
+                    .map_err(fail)?;
+                let lsn = self.journal_change(0, &muts, now);
+                let lsn = if lsn == 0 { self.last_lsn() } else { lsn };
+                self.out.frees.push((lsn, id, generation, freed));
+                Ok(DataDone::Noted)
+            }
+            DataChange::TakeFreed => {
+                self.take_freed();
+                Ok(DataDone::Noted)
+            }
         }
+    }
+
+    /// Queues the objects the engine freed outside a commit for deletion once the record
+    /// that freed them (the last one numbered) is durable.
+    fn take_freed(&mut self) {
+        let freed = self.engine.take_freed_objects();
+        if freed.is_empty() {
+            return;
+        }
+        let lsn = self.last_lsn();
+        for (id, generation, object) in freed {
+            self.out.frees.push((lsn, id, generation, vec![object]));
+        }
+    }
+
+    /// After refs were committed by record `lsn`: the objects they hid are queued for
+    /// deletion, and chunks with too many refs for compaction.
+    fn after_commit(&mut self, of: &OpenFile, refs: &[(u64, SliceRef)], freed: Vec<u64>, lsn: u64) {
+        // No record (nothing changed): what was freed is free now.
+        let lsn = if lsn == 0 { self.last_lsn() } else { lsn };
+        if !freed.is_empty() {
+            self.out.frees.push((lsn, of.id, of.generation, freed));
+        }
+        let mut last = None;
+        for &(chunk, _) in refs {
+            if last == Some(chunk) {
+                continue;
+            }
+            last = Some(chunk);
+            if self.engine.chunk_refs(of.id, chunk).len() > COMPACT_REFS_MAX {
+                self.out.compact.push((of.id, of.generation, chunk));
+            }
+        }
+    }
+
+    /// Zeros `offset..offset + len` of `of` on slices (see [`DataChange::ZeroSlices`]).
+    fn zero_slices(
+        &mut self,
+        client: u64,
+        cred: &Credentials,
+        of: &OpenFile,
+        offset: u64,
+        len: u64,
+        now: Now,
+    ) -> Result<(), FsError> {
+        let end = offset.saturating_add(len);
+        let span = crate::data::chunk_span(offset, len);
+        let span = *span.start()..span.end().saturating_add(1);
+        let mut zeros = Vec::new();
+        for (chunk, refs) in self.engine.layout(of.id, span) {
+            let lo = chunk * CHUNK_BYTES;
+            let from = (offset.max(lo) - lo) as u32;
+            let to = (end.min(lo + CHUNK_BYTES) - lo) as u32;
+            // Past the last byte any ref covers, the chunk reads as zeros already.
+            let covered = refs.iter().map(SliceRef::end).max().unwrap_or(0);
+            let to = to.min(covered);
+            if from < to {
+                zeros.push((
+                    chunk,
+                    SliceRef {
+                        object: 0,
+                        pos: from,
+                        len: to - from,
+                    },
+                ));
+            }
+        }
+        for batch in zeros.chunks(COMMIT_SLICES_MAX) {
+            let (muts, _, freed) = self
+                .engine
+                .commit_slices(cred, of.id, batch, 0, now.wall)
+                .map_err(fail)?;
+            let lsn = self.journal_change(client, &muts, now);
+            self.after_commit(of, batch, freed, lsn);
+        }
+        Ok(())
     }
 
     /// Journals a write's change (`muts`: size and times, or committed refs) as one record

@@ -10,8 +10,8 @@
 use crate::data::chunk_batches;
 use crate::datapass::{DataChange, DataDone};
 use crate::fileaccess::{
-    DATA_BATCH_CHUNKS, WriteReq, blocking, current_generation, end_within_limit, lock_file,
-    run_reclaim, write_done_before,
+    DATA_BATCH_CHUNKS, WriteReq, blocking, end_within_limit, lock_file, run_reclaim,
+    write_done_before,
 };
 use crate::session::OpenFile;
 use crate::shared::Shared;
@@ -221,9 +221,6 @@ async fn run_data_op(
             else {
                 return Err(unexpected("truncation"));
             };
-            // The objects the cut dropped go once it is durable (queued at an LSN not
-            // below its record's).
-            shared.take_freed(&mut shared.core());
             // This truncation's trim, and any other of the file's left pending.
             let pending = {
                 let core = shared.core();
@@ -362,9 +359,13 @@ async fn fallocate(
     let (_file, _) = lock_file(shared, &of, punch || zero_range).await?;
     let (id, generation) = (of.id, of.generation);
     if (punch || zero_range) && shared.data().slices().is_some() {
-        let mut core = shared.core();
-        current_generation(&core, &of)?;
-        crate::slicesvc::zero(shared, &mut core, client, cred, &of, offset, len)?;
+        let zero = DataChange::ZeroSlices {
+            cred,
+            of,
+            offset,
+            len,
+        };
+        shared.data_step(client, zero)?;
     } else if shared.data().slices().is_some() {
         // Nothing to reserve in an object store, and no object to account for.
     } else if punch || zero_range {

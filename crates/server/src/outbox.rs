@@ -20,12 +20,22 @@ pub struct Outbox {
     pub(crate) flush: bool,
     /// Cleanup is queued: wake the task that works through it.
     pub(crate) wake_cleanup: bool,
+    /// Slice objects freed by a record (lsn, inode, generation, objects): deleted once it
+    /// is durable.
+    pub(crate) frees: Vec<(u64, u64, u64, Vec<u64>)>,
+    /// Chunks with too many refs (inode, generation, chunk): compacted later.
+    pub(crate) compact: Vec<(u64, u64, u64)>,
 }
 
 impl Outbox {
     /// True if there is nothing to carry out.
     pub fn is_empty(&self) -> bool {
-        self.ends.is_empty() && self.callbacks.is_empty() && !self.flush && !self.wake_cleanup
+        self.ends.is_empty()
+            && self.callbacks.is_empty()
+            && !self.flush
+            && !self.wake_cleanup
+            && self.frees.is_empty()
+            && self.compact.is_empty()
     }
 
     /// The records, in LSN order: (lsn, payload).

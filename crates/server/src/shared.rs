@@ -199,6 +199,12 @@ impl Shared {
         if std::mem::take(&mut out.wake_cleanup) {
             self.wake_cleanup();
         }
+        for (lsn, id, generation, objects) in out.frees.drain(..) {
+            self.slice_work().free(lsn, id, generation, &objects);
+        }
+        for (id, generation, chunk) in out.compact.drain(..) {
+            self.slice_work().compact_later(id, generation, chunk);
+        }
         out.flush
     }
 
