@@ -52,6 +52,7 @@ pub mod slicesvc;
 pub mod slicework;
 pub mod step;
 pub mod stop_reason;
+pub mod tablepass;
 pub mod unsettled;
 pub use kochab_tls as tls;
 

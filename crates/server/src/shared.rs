@@ -159,11 +159,24 @@ impl Shared {
         let now = self.now();
         let mut fx = core.step(event, now, self);
         let flush = self.carry_out(&mut fx.out);
+        core.reuse_outbox(&mut fx.out);
         drop(core);
         if flush {
             self.journal.flush_now();
         }
         fx
+    }
+
+    /// Runs the core's part of a table's move (see `tablepass`).
+    pub(crate) fn table_step(
+        &self,
+        change: crate::tablepass::TableChange<'_>,
+    ) -> crate::tablepass::TableDone {
+        match self.step(Event::Table(change)).table {
+            Some(done) => done,
+            // Every table step answers; this is only the type's other case.
+            None => crate::tablepass::TableDone::NotHosted,
+        }
     }
 
     /// Runs the metadata part of a data operation of `client` (see `datapass`).
@@ -507,7 +520,9 @@ impl Drop for CoreGuard<'_> {
             false
         } else {
             let mut out = core.take_outbox();
-            self.shared.carry_out(&mut out)
+            let flush = self.shared.carry_out(&mut out);
+            core.reuse_outbox(&mut out);
+            flush
         };
         drop(core);
         if flush {

@@ -21,6 +21,7 @@ use crate::datapass::{DataChange, DataDone};
 use crate::leases::Expired;
 use crate::outbox::Outbox;
 use crate::replycache::Outcome;
+use crate::tablepass::{TableChange, TableDone};
 use kochab_breaks::Break;
 use kochab_meta::{Engine, Mutation};
 use kochab_proto::cluster::TableId;
@@ -57,6 +58,8 @@ pub enum Event<'a> {
     ExpireSessions { grace: Duration },
     /// Run one batch of queued cleanup.
     Cleanup,
+    /// A table leaving or arriving (its waits and store I/O are the shell's).
+    Table(TableChange<'a>),
     /// The metadata part of a data operation of `client` (its data I/O is the shell's).
     Data { client: u64, change: DataChange<'a> },
 }
@@ -82,6 +85,8 @@ pub struct Effects {
     pub more_cleanup: bool,
     /// For `Data`: what it answers.
     pub data: Option<Result<DataDone, FsError>>,
+    /// For `Table`: what it answers.
+    pub table: Option<TableDone>,
 }
 
 /// What the core reads of its surroundings during a step: the member's admission, and the
@@ -119,6 +124,7 @@ impl Core {
                 fx.more_cleanup = !self.cleanup.is_empty();
             }
             Event::Cleanup => fx.more_cleanup = self.cleanup_batch(now),
+            Event::Table(change) => fx.table = Some(self.table_change(change, now)),
             Event::Data { client, change } => {
                 fx.data = Some(self.data_change(client, change, now));
             }
@@ -140,6 +146,19 @@ impl Core {
         );
         debug_assert_eq!(taken.first_lsn + taken.ends.len() as u64, first_lsn);
         taken
+    }
+
+    /// Takes back the buffers of an outbox carried out, for the next step's records (a
+    /// batch's records are a few KiB: not worth an allocation each time).
+    pub(crate) fn reuse_outbox(&mut self, spent: &mut Outbox) {
+        if self.out.bytes.capacity() == 0 {
+            spent.bytes.clear();
+            self.out.bytes = std::mem::take(&mut spent.bytes);
+        }
+        if self.out.ends.capacity() == 0 {
+            spent.ends.clear();
+            self.out.ends = std::mem::take(&mut spent.ends);
+        }
     }
 
     /// Journals one record: `muts` of `client`'s request `seq` (0: not cached), with its
