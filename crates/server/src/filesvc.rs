@@ -491,7 +491,8 @@ mod tests {
     /// What a restart in the middle of a truncation leaves: the size is cut and the trim
     /// is pending, but the data beyond the cut is still in the store.
     fn leave_trim_pending(shared: &Shared, id: InodeId, generation: u64, size: u64) {
-        let mut core = shared.core();
+        let mut guard = shared.core();
+        let core = guard.by_hand();
         let mut inode = core.engine.inode(id).unwrap().clone();
         inode.size = size;
         for m in [
@@ -560,7 +561,7 @@ mod tests {
         };
         let first = size(data_op(shared.clone(), CLIENT, 0, append.clone()).await.0);
         assert_eq!(first, 2 * CHUNK_BYTES + 3);
-        shared.core().appended.clear();
+        shared.core().by_hand().appended.clear();
         let again = size(data_op(shared.clone(), CLIENT, 0, append).await.0);
         assert_eq!(again, first, "appended once");
         server.shutdown().await;

@@ -13,7 +13,6 @@ use crate::replycache::Outcome;
 use crate::step::{Effects, Env, Event, Now};
 use kochab_breaks::{Break, Breaks};
 use kochab_journal::Journal;
-use kochab_meta::Mutation;
 use kochab_proto::*;
 use kochab_store::ObjectStore;
 use parking_lot::Mutex;
@@ -155,12 +154,13 @@ impl Shared {
     /// Runs one event through the core ([`Core::step`]) and carries out its records and
     /// callbacks before the lock is let go; returns the rest of its effects.
     pub fn step(&self, event: Event<'_>) -> Effects {
-        let mut core = self.core();
+        let mut guard = self.core();
+        let core = guard.stepping();
         let now = self.now();
         let mut fx = core.step(event, now, self);
         let flush = self.carry_out(&mut fx.out);
         core.reuse_outbox(&mut fx.out);
-        drop(core);
+        drop(guard);
         if flush {
             self.journal.flush_now();
         }
@@ -403,13 +403,20 @@ impl Shared {
         conn_id: u64,
         callbacks: Option<CallbackTx>,
     ) -> Arc<crate::leases::Board> {
-        self.core().attach(session, conn_id, callbacks)
+        let attach = Event::Attach {
+            session,
+            conn_id,
+            callbacks,
+        };
+        match self.step(attach).board {
+            Some(board) => board,
+            None => unreachable!("an attach step answers with a board"),
+        }
     }
 
     /// A connection of `session` ended (see [`Core::detach`]).
     pub fn detach(&self, session: u64, conn_id: u64) {
-        let now = self.clock.now();
-        self.core().detach(session, conn_id, now);
+        self.step(Event::Detach { session, conn_id });
     }
 
     /// Session `from` answered the callbacks `ids` (see [`Core::callbacks_answered`]).
@@ -418,9 +425,18 @@ impl Shared {
         (fx.slow_answer, fx.ignored_answers)
     }
 
+    /// Sets the most handles a client may hold open to `limit` (configuration: tests use a
+    /// small one in place of the real million). Sessions known so far are forgotten.
+    pub fn set_handle_limit(&self, limit: usize) {
+        self.core().stepping().sessions = crate::session::Sessions::with_handle_limit(limit);
+    }
+
     /// The board where the replies of `changer` wait for the callbacks its changes caused.
     pub fn callback_board(&self, changer: u64) -> Arc<crate::leases::Board> {
-        self.core().callbacks.board(changer)
+        match self.step(Event::Board { session: changer }).board {
+            Some(board) => board,
+            None => unreachable!("a board step answers with a board"),
+        }
     }
 
     /// When the next callback in flight runs out, if any is.
@@ -443,12 +459,6 @@ impl Shared {
                 "client {client:016x} gone for {grace:?}: closing its files, releasing its locks"
             );
         }
-    }
-
-    /// Journals `muts` (if any) of `client` as one record now (the caller holds the core
-    /// lock); returns its LSN or 0.
-    pub(crate) fn journal_now(&self, core: &mut Core, client: u64, muts: &[Mutation]) -> u64 {
-        core.journal_change(client, muts, self.now())
     }
 
     /// Up to `max` reclaim entries after `after` (id, generation), in order.
@@ -474,18 +484,12 @@ impl Shared {
     /// Journals the reclaim entries `done` as finished (their deletions are durable), in
     /// one record.
     pub fn finish_reclaims(&self, done: &[kochab_meta::Reclaim]) {
-        let mut core = self.core();
-        let muts: Vec<_> = done
-            .iter()
-            .flat_map(|r| core.engine.finish_reclaim(r))
-            .collect();
-        self.journal_now(&mut core, 0, &muts);
+        self.step(Event::ReclaimsDone { done });
     }
 
     /// Queues cleanup work and wakes the task that works through it.
     pub fn queue_cleanup(&self, work: Cleanup) {
-        self.core().cleanup.push_back(work);
-        self.wake_cleanup();
+        self.step(Event::QueueCleanup(work));
     }
 }
 
@@ -505,9 +509,16 @@ impl std::ops::Deref for CoreGuard<'_> {
     }
 }
 
-impl std::ops::DerefMut for CoreGuard<'_> {
-    fn deref_mut(&mut self) -> &mut Core {
+impl CoreGuard<'_> {
+    /// The core to step: the one way to change it ([`Shared::step`]).
+    fn stepping(&mut self) -> &mut Core {
         self.core.as_mut().expect("core guard in use after drop")
+    }
+
+    /// The core to change by hand, in a unit test that stages a state.
+    #[cfg(test)]
+    pub(crate) fn by_hand(&mut self) -> &mut Core {
+        self.stepping()
     }
 }
 
@@ -624,13 +635,7 @@ impl Shared {
     /// them back has sent them (or failed to answer within a lease).
     /// Once: a writer that did not answer within a lease is not asked again.
     pub async fn wait_flushes(&self, reader: u64, ids: &[InodeId]) {
-        let wait = {
-            let mut core = self.core();
-            if core.flushes.is_empty() {
-                return;
-            }
-            core.call_flushes(reader, ids.iter().copied(), self.clock.now())
-        };
+        let wait = self.step(Event::CallFlushes { reader, ids }).wait;
         if !wait.is_empty() {
             self.wait_answered(&wait).await;
         }

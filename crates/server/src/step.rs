@@ -19,7 +19,7 @@ use crate::core::{
 };
 use crate::datapass::{DataChange, DataDone};
 use crate::leases::Expired;
-use crate::outbox::Outbox;
+use crate::outbox::{CallbackTx, Outbox};
 use crate::replycache::Outcome;
 use crate::tablepass::{TableChange, TableDone};
 use kochab_breaks::Break;
@@ -58,7 +58,25 @@ pub enum Event<'a> {
     ExpireSessions { grace: Duration },
     /// Run one batch of queued cleanup.
     Cleanup,
-    /// A table leaving or arriving (its waits and store I/O are the shell's).
+    /// Connection `conn_id` of `session` begins; `callbacks`: where its callbacks go, if
+    /// it asked for leases.
+    Attach {
+        session: u64,
+        conn_id: u64,
+        callbacks: Option<CallbackTx>,
+    },
+    /// The board where `session`'s replies wait for the callbacks its changes caused.
+    Board { session: u64 },
+    /// Connection `conn_id` of `session` ended.
+    Detach { session: u64, conn_id: u64 },
+    /// `reader` is about to see `ids`: call back the sessions that may hold writes of them.
+    CallFlushes { reader: u64, ids: &'a [InodeId] },
+    /// The deletions of these reclaim entries are durable: journal them as finished.
+    ReclaimsDone { done: &'a [kochab_meta::Reclaim] },
+    /// Internal work to do in bounded batches (see `Cleanup`).
+    QueueCleanup(Cleanup),
+    /// A table leaving or arriving, or checkpointed (its waits and store I/O are the
+    /// shell's).
     Table(TableChange<'a>),
     /// The metadata part of a data operation of `client` (its data I/O is the shell's).
     Data { client: u64, change: DataChange<'a> },
@@ -87,6 +105,11 @@ pub struct Effects {
     pub data: Option<Result<DataDone, FsError>>,
     /// For `Table`: what it answers.
     pub table: Option<TableDone>,
+    /// For `Attach`: the session's board (its replies wait there for the callbacks its
+    /// changes caused).
+    pub board: Option<std::sync::Arc<crate::leases::Board>>,
+    /// For `CallFlushes`: the callbacks to wait for.
+    pub wait: Vec<u64>,
 }
 
 /// What the core reads of its surroundings during a step: the member's admission, and the
@@ -124,6 +147,29 @@ impl Core {
                 fx.more_cleanup = !self.cleanup.is_empty();
             }
             Event::Cleanup => fx.more_cleanup = self.cleanup_batch(now),
+            Event::Attach {
+                session,
+                conn_id,
+                callbacks,
+            } => fx.board = Some(self.attach(session, conn_id, callbacks)),
+            Event::Board { session } => fx.board = Some(self.callbacks.board(session)),
+            Event::Detach { session, conn_id } => self.detach(session, conn_id, now.instant),
+            Event::CallFlushes { reader, ids } => {
+                if !self.flushes.is_empty() {
+                    fx.wait = self.call_flushes(reader, ids.iter().copied(), now.instant);
+                }
+            }
+            Event::ReclaimsDone { done } => {
+                let muts: Vec<_> = done
+                    .iter()
+                    .flat_map(|r| self.engine.finish_reclaim(r))
+                    .collect();
+                self.journal_change(0, &muts, now);
+            }
+            Event::QueueCleanup(work) => {
+                self.cleanup.push_back(work);
+                self.out.wake_cleanup = true;
+            }
             Event::Table(change) => fx.table = Some(self.table_change(change, now)),
             Event::Data { client, change } => {
                 fx.data = Some(self.data_change(client, change, now));

@@ -9,7 +9,7 @@ use crate::leases::Urgency;
 use crate::manifest::{Handover, Manifest};
 use crate::replycache::{HandedOver, ReplyCache};
 use crate::step::Now;
-use kochab_meta::Table;
+use kochab_meta::{BoxSet, Table};
 
 /// The session id the server's own callbacks are counted under (no client has it: session
 /// ids are MACs, and this one is reserved).
@@ -35,6 +35,17 @@ pub enum TableChange<'a> {
         replies: ReplyCache,
         live: bool,
     },
+    /// A checkpoint of table `lo` begins: the boxes changed since the last (all of them if
+    /// `full`, or if the table must have a full image) are taken as saved.
+    Snapshot { lo: u64, full: bool },
+    /// A checkpoint of `lo` failed: its boxes `set` are unsaved again (`full`: and it
+    /// still needs a full image).
+    Unsaved { lo: u64, set: BoxSet, full: bool },
+    /// Table `lo`'s manifest now says replay starts after record `after`.
+    ReplayFrom { lo: u64, after: u64 },
+    /// Table `lo` splits at `at` (`None`: where the engine would); both halves get full
+    /// images.
+    Split { lo: u64, at: Option<u64> },
 }
 
 /// What a table step answers.
@@ -59,6 +70,20 @@ pub enum TableDone {
         inserted: usize,
         failed: Option<String>,
     },
+    /// The boxes a checkpoint saves, whether its image is full, and the last record
+    /// numbered (every change in the boxes is at or below).
+    Snapshot { set: BoxSet, full: bool, last: u64 },
+    /// The table split at `at`: the halves' boxes, and the last record numbered.
+    Split {
+        at: u64,
+        lower: BoxSet,
+        upper: BoxSet,
+        last: u64,
+    },
+    /// Not split (nothing changed).
+    SplitRefused(kochab_meta::TableError),
+    /// Noted.
+    Noted,
 }
 
 impl Core {
@@ -133,6 +158,70 @@ impl Core {
                     failed: None,
                 }
             }
+            TableChange::Snapshot { lo, full } => {
+                let last = self.last_lsn();
+                let Some(t) = self.hosted_mut(lo) else {
+                    return TableDone::NotHosted;
+                };
+                // A table loaded from format-1 images replaces all of them at once.
+                let full = t.take_needs_full() || full;
+                let dirty = t.take_dirty();
+                let set = if full { t.all_boxes() } else { dirty };
+                TableDone::Snapshot { set, full, last }
+            }
+            TableChange::Unsaved { lo, set, full } => {
+                if let Some(t) = self.hosted_mut(lo) {
+                    t.mark_dirty(&set);
+                    if full {
+                        t.set_needs_full();
+                    }
+                }
+                TableDone::Noted
+            }
+            TableChange::ReplayFrom { lo, after } => {
+                if let Some(t) = self.hosted_mut(lo) {
+                    t.replay_from = after;
+                }
+                TableDone::Noted
+            }
+            TableChange::Split { lo, at } => {
+                let at = match at {
+                    Some(at) => at,
+                    None => match self.engine.split_point(lo) {
+                        Ok(at) => at,
+                        Err(e) => return TableDone::SplitRefused(e),
+                    },
+                };
+                if let Err(e) = self.engine.split_table(lo, at) {
+                    return TableDone::SplitRefused(e);
+                }
+                let last = self.last_lsn();
+                // Both halves get full images: their dirty marks are covered.
+                let mut all_boxes = |t: u64| {
+                    let t = self.hosted_mut(t)?;
+                    t.take_needs_full();
+                    t.take_dirty();
+                    Some(t.all_boxes())
+                };
+                match (all_boxes(lo), all_boxes(at)) {
+                    (Some(lower), Some(upper)) => TableDone::Split {
+                        at,
+                        lower,
+                        upper,
+                        last,
+                    },
+                    _ => TableDone::NotHosted,
+                }
+            }
         }
+    }
+
+    /// The hosted table whose id is `lo` (not one that merely covers it).
+    fn hosted_mut(&mut self, lo: u64) -> Option<&mut Table> {
+        let i = self
+            .engine
+            .table_index(lo)
+            .filter(|&i| self.engine.tables()[i].lo == lo)?;
+        Some(&mut self.engine.tables_mut()[i])
     }
 }
