@@ -3,14 +3,38 @@
 //! core checks the handle's file, changes the inode, journals, and says what the reply
 //! waits for.
 
+use crate::clock::Now;
 use crate::core::Core;
 use crate::data::slices::COMPACT_REFS_MAX;
-use crate::fileaccess::{WriteReq, current_generation, fail};
 use crate::session::OpenFile;
-use crate::step::Now;
 use kochab_meta::Mutation;
 use kochab_proto::layout::SliceRef;
 use kochab_proto::*;
+
+/// Who writes, and how the reply is wanted.
+pub struct WriteReq<'a> {
+    pub cred: &'a Credentials,
+    /// The request's sequence number (0: none). An append has one, and so does a write
+    /// answered early: a retry or a replay of one already done is answered, not run again.
+    pub seq: u64,
+    pub mode: ReplyMode,
+}
+
+/// An engine failure as the client's error.
+pub(crate) fn fail(f: kochab_meta::Fail) -> FsError {
+    match f {
+        kochab_meta::Fail::Fs(e) => e,
+        kochab_meta::Fail::NotHosted(id) => kochab_meta::not_in_any_table(id),
+    }
+}
+
+/// Checks that the handle's file is still the same generation (ids are reused).
+pub(crate) fn current_generation(core: &Core, of: &OpenFile) -> Result<(), FsError> {
+    match core.engine.inode(of.id) {
+        Some(i) if i.btime as u64 == of.generation => Ok(()),
+        _ => Err(fs_err!(ESTALE, "the file of this handle is gone")),
+    }
+}
 
 /// What landed, or is to change, of an open file.
 pub enum DataChange<'a> {

@@ -2,7 +2,7 @@
 //! open file's data lock and generation check, the pending trim finished before any data
 //! operation, storage work on the blocking pool, and the write request's bounds.
 
-use crate::core::Core;
+use crate::datapass::current_generation;
 
 use crate::filelocks::FileGuard;
 use crate::session::OpenFile;
@@ -39,15 +39,6 @@ pub(crate) fn end_within_limit(offset: u64, len: u64) -> Result<u64, FsError> {
                 "range at {offset} of {len} bytes passes the largest file size {FILE_BYTES_MAX}"
             )
         })
-}
-
-/// Who writes, and how the reply is wanted.
-pub struct WriteReq<'a> {
-    pub cred: &'a Credentials,
-    /// The request's sequence number (0: none). An append has one, and so does a write
-    /// answered early: a retry or a replay of one already done is answered, not run again.
-    pub seq: u64,
-    pub mode: ReplyMode,
 }
 
 /// The reply to a write (sequence number `seq` of `client`) that already ran: its file's
@@ -154,21 +145,6 @@ pub(crate) async fn delete_reclaimed(
     let data = shared.data().clone();
     blocking("reclaim", move || data.end_reclaim(&r)).await?;
     Ok((!plan.chunks.is_empty()).then(|| crate::data::DataStore::durable_dir(&r)))
-}
-
-pub(crate) fn fail(f: kochab_meta::Fail) -> FsError {
-    match f {
-        kochab_meta::Fail::Fs(e) => e,
-        kochab_meta::Fail::NotHosted(id) => kochab_meta::not_in_any_table(id),
-    }
-}
-
-/// Checks that the handle's file is still the same generation (ids are reused).
-pub(crate) fn current_generation(core: &Core, of: &OpenFile) -> Result<(), FsError> {
-    match core.engine.inode(of.id) {
-        Some(i) if i.btime as u64 == of.generation => Ok(()),
-        _ => Err(fs_err!(ESTALE, "the file of this handle is gone")),
-    }
 }
 
 /// A change answered early that depended on another session's change not yet durable

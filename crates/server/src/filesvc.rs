@@ -8,10 +8,9 @@
 //! never destroy a later write and only that file waits for it.
 
 use crate::data::chunk_batches;
-use crate::datapass::{DataChange, DataDone};
+use crate::datapass::{DataChange, DataDone, WriteReq};
 use crate::fileaccess::{
-    DATA_BATCH_CHUNKS, WriteReq, blocking, end_within_limit, lock_file, run_reclaim,
-    write_done_before,
+    DATA_BATCH_CHUNKS, blocking, end_within_limit, lock_file, run_reclaim, write_done_before,
 };
 use crate::session::OpenFile;
 use crate::shared::Shared;

@@ -2,10 +2,10 @@
 //! end of a session. They run inside a step's pass like any metadata operation (see
 //! `step`); their records and callbacks leave through the core's outbox.
 
+use crate::clock::Now;
 use crate::core::{Cleanup, Core};
 use crate::leases::Urgency;
 use crate::session::{OpenFile, Registered};
-use crate::step::Now;
 use kochab_meta::files::{open_flags, reads, writes};
 use kochab_proto::*;
 use std::time::Instant;

@@ -4,13 +4,14 @@
 //! records in the order the core numbered them, sends callbacks, starts flushes).
 
 use crate::clock::Clock;
+use crate::clock::Now;
 use crate::core::{Answer, Cleanup, Core, Member, Parked};
 use crate::data::DataStore;
 use crate::leases::Expired;
 use crate::metrics::Metrics;
 use crate::outbox::{CallbackTx, Outbox};
 use crate::replycache::Outcome;
-use crate::step::{Effects, Env, Event, Now};
+use crate::step::{Effects, Env, Event};
 use kochab_breaks::{Break, Breaks};
 use kochab_journal::Journal;
 use kochab_proto::*;
@@ -133,8 +134,8 @@ impl Shared {
     }
 
     /// Takes the core lock: the one place it is taken, so that it can be measured. Hold it
-    /// briefly (no I/O, no await): every request of every connection waits for it. What
-    /// the holder makes the core journal or call back is carried out when it lets go.
+    /// briefly (no I/O, no await): every request of every connection waits for it. It
+    /// reads; [`Shared::step`] changes.
     pub fn core(&self) -> CoreGuard<'_> {
         CoreGuard {
             core: Some(self.core.lock()),
@@ -493,9 +494,10 @@ impl Shared {
     }
 }
 
-/// The core lock held ([`Shared::core`]): the core, and on letting go, the records and
-/// callbacks it made carried out first (so journal order is execution order whoever took
-/// the lock).
+/// The core lock held ([`Shared::core`]): read access to the core. Changes go through
+/// [`Shared::step`] only; should the core's outbox still hold anything when the lock is let
+/// go (a change made by hand in a unit test), it is carried out first, so journal order
+/// stays execution order.
 pub struct CoreGuard<'a> {
     core: Option<parking_lot::MutexGuard<'a, Core>>,
     shared: &'a Shared,

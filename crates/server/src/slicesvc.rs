@@ -21,9 +21,8 @@
 use crate::datapass::{DataChange, DataDone};
 
 use crate::data::slices::COMPACT_REFS_MAX;
-use crate::fileaccess::{
-    WriteReq, blocking, current_generation, end_within_limit, lock_file, write_done_before,
-};
+use crate::datapass::{WriteReq, current_generation};
+use crate::fileaccess::{blocking, end_within_limit, lock_file, write_done_before};
 use crate::grants::{GRANT_OBJECTS_MAX, grant_life, object_name};
 use crate::session::OpenFile;
 use crate::shared::Shared;

@@ -8,12 +8,12 @@
 //! one pass per request (admit, run the engine, journal, leases and callbacks, reply).
 //!
 //! The shell ([`crate::shared::Shared::step`]) holds the core lock across the step and the
-//! appends it returns, so that journal order is execution order; conn.rs, the data path,
-//! the maintenance loops and the simulation all go through it. Code that takes the lock to
-//! change the core directly (the data path, table moves) leaves its records and callbacks
-//! in the same outbox, which the lock's guard carries out before it lets go
-//! ([`crate::shared::CoreGuard`]).
+//! appends it returns, so that journal order is execution order; conn.rs, the data path
+//! (`datapass`), table moves and checkpoints (`tablepass`), the maintenance loops and the
+//! simulation all go through it. Nothing else can change the core: the lock's guard
+//! ([`crate::shared::CoreGuard`]) gives read access only.
 
+use crate::clock::Now;
 use crate::core::{
     Answer, Cleanup, Core, JournalEntryRef, MODIFIED_PRUNE_AT, Member, Parked, Refusal,
 };
@@ -26,19 +26,7 @@ use kochab_breaks::Break;
 use kochab_meta::{Engine, Mutation};
 use kochab_proto::cluster::TableId;
 use kochab_proto::*;
-use std::time::{Duration, Instant};
-
-/// The time as the shell read it for one step.
-#[derive(Clone, Copy, Debug)]
-pub struct Now {
-    /// Wall-clock nanoseconds (file times).
-    pub wall: TimeNs,
-    /// The monotonic instant (leases, callbacks, sessions).
-    pub instant: Instant,
-    /// The journal durable up to here when the step began (it only grows: a step that
-    /// reads it early is conservative).
-    pub durable: u64,
-}
+use std::time::Duration;
 
 /// What the core is told.
 pub enum Event<'a> {
@@ -577,6 +565,7 @@ mod tests {
     use crate::core::JournalEntry;
     use crate::replycache::ReplyCache;
     use kochab_meta::EngineConfig;
+    use std::time::Instant;
 
     struct NoEnv;
 

@@ -4,11 +4,11 @@
 //! ids), calls back the leases on it, hands over its reply-cache entries, and puts tables
 //! in with what came with them.
 
+use crate::clock::Now;
 use crate::core::Core;
 use crate::leases::Urgency;
 use crate::manifest::{Handover, Manifest};
 use crate::replycache::{HandedOver, ReplyCache};
-use crate::step::Now;
 use kochab_meta::{BoxSet, Table};
 
 /// The session id the server's own callbacks are counted under (no client has it: session
