@@ -594,7 +594,7 @@ fn fsck_of_a_running_cluster_checks_links_across_servers() {
     let (ok, out, crossing) = loop {
         let (ok, out, crossing) = fsck_placed(&server, &all);
         tries += 1;
-        if count(&crossing[top.len()..]) > 0 || tries == 3 {
+        if count(&crossing[top.len()..]) > 0 || tries == 5 {
             break (ok, out, crossing);
         }
         let (with_a, _) = owner_of(&server, a).expect("owner");
@@ -621,6 +621,11 @@ fn fsck_of_a_running_cluster_checks_links_across_servers() {
             .arg(server.data.join("cluster.key"))
             .output()
             .expect("kochab table move");
+        // The balancer may be moving that table right now: look again once it is done.
+        if String::from_utf8_lossy(&moved.stderr).contains("is already moving") {
+            std::thread::sleep(Duration::from_secs(1));
+            continue;
+        }
         assert!(moved.status.success(), "move: {moved:?}");
     };
     assert!(ok, "fsck with names across servers: {out}");
