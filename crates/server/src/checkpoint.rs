@@ -157,6 +157,11 @@ impl Checkpointer {
         // The records after the reply cache's snapshot stay too: their entries are in no
         // image.
         let keep_from = self.replay_from().min(replies_lsn) + 1;
+        // txn (issue 33): open transaction records stay (recovery reads them).
+        let keep_from = match shared.cluster_host().and_then(|h| h.txn_host()) {
+            Some(t) => keep_from.min(t.keep_from()),
+            None => keep_from,
+        };
         report.trimmed_segments = shared.journal().trim(keep_from)?;
         report.journals_deleted = self.collect_journals(shared.store().as_ref())?;
         Ok(report)

@@ -1,0 +1,647 @@
+//! The host of a member's multi-server transactions (issue 33): it owns this server's
+//! `txn::Initiator` and `txn::Participant` (pure state machines, `kochab_cluster::txn`),
+//! feeds them requests, messages, durable records and ticks, and carries out their
+//! effects: messages to other members, records into this server's journal, checks and
+//! commits through the engine, replies to the waiting client request. No protocol
+//! decision is made here.
+//!
+//! - Messages travel as `ControlBody::Txn` over the member protocol with the cluster key
+//!   ([`link`]), to the address the delegation map gives for a server id (whoever holds
+//!   that journal now; after a restart, the new incarnation).
+//! - Records are journal entries with a trailer (`txn_wire`); a participant's commit is
+//!   one record holding its engine mutations and its `Applied` record.
+//! - An operation outside transactions that names a locked key is answered "ask again"
+//!   (the WRONG_SERVER without owner that a client already retries after refreshing its
+//!   map): [`TxnHost::blocks`]. It does not wait on the server.
+//! - On start, the previous incarnation's journal is read for transaction records; both
+//!   sides are recovered from them and what is still open is journaled again here (so it
+//!   outlives that journal); journal trimming keeps every open record ([`keep_from`]).
+
+mod link;
+
+use crate::cluster_host::ClusterHost;
+use crate::core::Shared;
+use crate::txn_plan::{self, NoPlan};
+use crate::txn_wire;
+use kochab_cluster::txn::initiator::{self, Initiator};
+use kochab_cluster::txn::participant::{self, Participant};
+use kochab_cluster::txn::{Decision, Effect, Msg, Outcome, Part, Record, TxnConfig, TxnId};
+use kochab_journal::JournalId;
+use kochab_meta::Mutation;
+use kochab_proto::cluster::ServerId;
+use kochab_proto::{Reply, Request, fs_err};
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// How multi-server operations run (`--multi-server`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum MultiServer {
+    /// Borrow every table (BORROW/RETURN), as before issue 33.
+    #[default]
+    Borrow,
+    /// A transaction where a plan covers the operation, else borrow.
+    Txn,
+    /// For now the same as `Txn`: the affinity rule (migrate a table one server keeps
+    /// borrowing) does not exist yet.
+    Auto,
+}
+
+impl std::str::FromStr for MultiServer {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "borrow" => Ok(MultiServer::Borrow),
+            "txn" => Ok(MultiServer::Txn),
+            "auto" => Ok(MultiServer::Auto),
+            other => Err(format!("--multi-server {other}: txn, borrow or auto")),
+        }
+    }
+}
+
+/// Ticks of both state machines (resends, inquiries, timeouts): well under their timers
+/// (`TxnConfig::resend_ms` 200, `wait_max_ms` 500).
+const TICK: Duration = Duration::from_millis(50);
+
+/// Most time a client request waits for its transaction's answer before it is told to
+/// ask again (its retry, same seq, gets the answer once decided).
+const REPLY_WAIT: Duration = Duration::from_secs(10);
+
+/// A test switch that aborts the process at one step (crash tests).
+const CRASH_ENV: &str = "KOCHAB_TXN_CRASH";
+
+/// Where [`CRASH_ENV`] aborts the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CrashAt {
+    /// A participant's prepare record is durable (before its vote leaves).
+    Prepared,
+    /// The initiator's commit record is durable (before anyone is told).
+    Decided,
+}
+
+fn crash_at() -> Option<CrashAt> {
+    match std::env::var(CRASH_ENV).ok()?.as_str() {
+        "after-prepared" => Some(CrashAt::Prepared),
+        "after-decided" => Some(CrashAt::Decided),
+        _ => None,
+    }
+}
+
+struct Sides {
+    init: Initiator,
+    part: Participant,
+}
+
+/// The transaction host of one member incarnation.
+pub struct TxnHost {
+    mode: MultiServer,
+    me: ServerId,
+    cfg: TxnConfig,
+    sides: OnceLock<Mutex<Sides>>,
+    shared: OnceLock<Weak<Shared>>,
+    host: OnceLock<Weak<ClusterHost>>,
+    /// Client requests waiting for their answer: (client, seq).
+    waiting: Mutex<HashMap<(u64, u64), Vec<oneshot::Sender<Outcome>>>>,
+    /// A commit's engine mutations, between its `Apply` and its `Applied` record.
+    applies: Mutex<HashMap<TxnId, Vec<Mutation>>>,
+    /// Parts prepared here without an outcome yet (a decision to commit is taken in only
+    /// once their tables are hosted here).
+    prepared: Mutex<HashMap<TxnId, Part>>,
+    /// Journal LSNs of the records recovery still needs: prepares without an outcome,
+    /// commit decisions not forgotten.
+    open: Mutex<BTreeMap<(TxnId, bool), u64>>,
+    out: OnceLock<mpsc::UnboundedSender<(ServerId, Msg)>>,
+    /// Itself, for the tasks that wait for a record to be durable.
+    this: OnceLock<Weak<TxnHost>>,
+    base: Instant,
+    crash: Option<CrashAt>,
+}
+
+impl TxnHost {
+    /// The host for `mode` (none for `Borrow`: nothing changes).
+    pub fn for_mode(mode: MultiServer, me: ServerId) -> Option<Arc<TxnHost>> {
+        if mode == MultiServer::Borrow {
+            return None;
+        }
+        Some(Arc::new(TxnHost {
+            mode,
+            me,
+            cfg: TxnConfig::default(),
+            sides: OnceLock::new(),
+            shared: OnceLock::new(),
+            host: OnceLock::new(),
+            waiting: Mutex::new(HashMap::new()),
+            applies: Mutex::new(HashMap::new()),
+            prepared: Mutex::new(HashMap::new()),
+            open: Mutex::new(BTreeMap::new()),
+            out: OnceLock::new(),
+            this: OnceLock::new(),
+            base: Instant::now(),
+            crash: crash_at(),
+        }))
+    }
+
+    pub fn mode(&self) -> MultiServer {
+        self.mode
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.base.elapsed().as_millis() as u64
+    }
+
+    fn shared(&self) -> Option<Arc<Shared>> {
+        self.shared.get()?.upgrade()
+    }
+
+    /// Starts the host once the server runs: recovers both sides from the previous
+    /// incarnation's journal (if that fails, transactions stay off and every
+    /// multi-server operation borrows), then ticks and sends.
+    pub fn attach(self: &Arc<Self>, host: &Arc<ClusterHost>, shared: &Arc<Shared>) {
+        if self.shared.set(Arc::downgrade(shared)).is_err() {
+            return;
+        }
+        let _ = self.host.set(Arc::downgrade(host));
+        let _ = self.this.set(Arc::downgrade(self));
+        let me = host.journal_id();
+        let sides = match self.recover(shared, me) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(
+                    "transactions are off on this server (every multi-server operation borrows): {e}"
+                );
+                return;
+            }
+        };
+        let _ = self.sides.set(Mutex::new(sides));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = self.out.set(tx);
+        let key = shared.keys().admin().key;
+        tokio::spawn(send_loop(Arc::downgrade(self), rx, key, me));
+        tokio::spawn(tick_loop(Arc::downgrade(self)));
+    }
+
+    /// Rebuilds both sides from the transaction records of this server's previous
+    /// journal, and journals again what they still need.
+    fn recover(&self, shared: &Shared, me: JournalId) -> Result<Sides, String> {
+        let records = previous_records(shared, me)?;
+        let init =
+            Initiator::recover(self.me, me.epoch, self.cfg, &records).map_err(|e| e.to_string())?;
+        let (part, _replayed) =
+            Participant::recover(self.me, self.cfg, &records).map_err(|e| e.to_string())?;
+        // Journaled again here, in their order: prepares without an outcome and commits
+        // not forgotten. (The tables come back through their own checkpoints and
+        // journals; the commits' `Apply`s are in them.)
+        // Keyed by (attempt, initiator side): a server may be both sides of one attempt.
+        let mut open: BTreeMap<(TxnId, bool), Record> = BTreeMap::new();
+        for r in &records {
+            match r {
+                Record::Prepared { txn, .. } => {
+                    open.insert((*txn, false), r.clone());
+                }
+                Record::Decided {
+                    txn,
+                    decision: Decision::Commit,
+                    ..
+                } => {
+                    open.insert((*txn, true), r.clone());
+                }
+                Record::Applied { txn, .. } => {
+                    open.remove(&(*txn, false));
+                }
+                Record::Forgotten { txn } => {
+                    open.remove(&(*txn, true));
+                }
+                Record::Decided { .. } => {}
+            }
+        }
+        let n = open.len();
+        for (key, r) in open {
+            if let Record::Prepared { txn, part, .. } = &r {
+                self.prepared.lock().insert(*txn, part.clone());
+            }
+            let lsn = self.journal_record(shared, &r, &[]);
+            self.open.lock().insert(key, lsn);
+        }
+        if !records.is_empty() {
+            tracing::info!(
+                "transactions: {} records of the last incarnation read, {n} still open",
+                records.len()
+            );
+        }
+        Ok(Sides { init, part })
+    }
+
+    /// The oldest LSN of this journal that recovery still needs (`u64::MAX`: none).
+    pub fn keep_from(&self) -> u64 {
+        self.open.lock().values().copied().min().unwrap_or(u64::MAX)
+    }
+
+    /// True if `op` names a key a transaction holds here: the caller answers "ask again".
+    /// Called under the core lock (lock order: core, then the sides).
+    pub fn blocks(&self, op: &kochab_proto::Op) -> bool {
+        let Some(sides) = self.sides.get() else {
+            return false;
+        };
+        let sides = sides.lock();
+        let locks = sides.part.locks();
+        if locks.load() == (0, 0) {
+            return false;
+        }
+        txn_plan::op_keys(op).iter().any(|k| locks.is_locked(k))
+    }
+
+    /// Runs a multi-server request as a transaction. `None`: it has no plan, or its
+    /// preconditions failed somewhere; the caller borrows instead (which answers the
+    /// errno a single server would).
+    pub async fn run(
+        self: &Arc<Self>,
+        shared: &Shared,
+        client: u64,
+        req: &Request,
+    ) -> Option<(Reply, u64)> {
+        let host = self.host.get()?.upgrade()?;
+        self.sides.get()?;
+        if req.seq != 0 && shared.reply_cached(client, req.seq).is_some() {
+            // Answered already (by a transaction or a borrow): the batch path answers
+            // from the reply cache once it runs it.
+            return None;
+        }
+        let plan = {
+            let core = shared.core();
+            let now = shared.clock().wall_ns();
+            txn_plan::plan_op(&core.engine, &req.cred, &req.op, now, |id| {
+                host.owner_of(id)
+            })
+        };
+        let plan = match plan {
+            Ok(p) => p,
+            Err(NoPlan::NotCovered(why)) => {
+                tracing::debug!("{} borrows: {why}", req.op.name());
+                return None;
+            }
+            Err(NoPlan::NoOwner(id)) => {
+                tracing::debug!("{} borrows: no owner known for {id:#x}", req.op.name());
+                return None;
+            }
+        };
+        let (tx, rx) = oneshot::channel();
+        self.waiting
+            .lock()
+            .entry((client, req.seq))
+            .or_default()
+            .push(tx);
+        shared.metrics().txn_ops.inc();
+        let ev = initiator::Event::Request {
+            client,
+            seq: req.seq,
+            plan,
+        };
+        self.step_init(ev);
+        let outcome = match tokio::time::timeout(REPLY_WAIT, rx).await {
+            Ok(Ok(o)) => o,
+            _ => Outcome::Busy,
+        };
+        match outcome {
+            Outcome::Committed => Some((Reply::Empty, 0)),
+            Outcome::Refused | Outcome::Invalid => {
+                shared.metrics().txn_fallbacks.inc();
+                None
+            }
+            Outcome::Busy => Some((host.not_ready(), 0)),
+            Outcome::TooOld => Some((
+                Reply::Error(fs_err!(EIO, "the answer of this request is no longer kept")),
+                0,
+            )),
+        }
+    }
+
+    /// A message from the server holding `from`'s journal.
+    pub fn deliver(&self, from: ServerId, bytes: &[u8]) {
+        match txn_wire::decode_msg(bytes) {
+            Ok(msg) => self.on_msg(from, msg),
+            Err(e) => tracing::warn!("a bad transaction message from server {}: {e}", from.0),
+        }
+    }
+
+    fn on_msg(&self, from: ServerId, msg: Msg) {
+        if msg.to_initiator() {
+            self.step_init(initiator::Event::Message { from, msg });
+            return;
+        }
+        // A commit is taken in only where it can be applied: every table of the part is
+        // here (after a restart they come back by ADD; the initiator resends meanwhile).
+        if let Msg::Decision {
+            txn, commit: true, ..
+        } = &msg
+            && !self.hosted(txn)
+        {
+            return;
+        }
+        self.step_part(participant::Event::Message { from, msg });
+    }
+
+    fn hosted(&self, txn: &TxnId) -> bool {
+        let Some(part) = self.prepared.lock().get(txn).cloned() else {
+            return true;
+        };
+        let Some(shared) = self.shared() else {
+            return false;
+        };
+        let core = shared.core();
+        part.locks
+            .iter()
+            .all(|k| core.engine.table_index(txn_plan::table_key(k)).is_some())
+    }
+
+    fn step_init(&self, ev: initiator::Event) {
+        let Some(sides) = self.sides.get() else {
+            return;
+        };
+        let now = self.now_ms();
+        let effects = sides.lock().init.step(ev, now);
+        self.carry(effects);
+    }
+
+    fn step_part(&self, ev: participant::Event) {
+        let Some(sides) = self.sides.get() else {
+            return;
+        };
+        let now = self.now_ms();
+        let effects = sides.lock().part.step(ev, now);
+        self.carry(effects);
+    }
+
+    fn tick(&self) {
+        let Some(sides) = self.sides.get() else {
+            return;
+        };
+        let now = self.now_ms();
+        let effects = {
+            let mut s = sides.lock();
+            let mut e = s.init.step(initiator::Event::Tick, now);
+            e.extend(s.part.step(participant::Event::Tick, now));
+            e
+        };
+        self.carry(effects);
+    }
+
+    /// Carries out effects in order; a check's answer is fed back at once (its effects
+    /// join the queue). Never holds the sides' lock while taking the core's.
+    fn carry(&self, effects: Vec<Effect>) {
+        let Some(shared) = self.shared() else {
+            return;
+        };
+        let mut queue: VecDeque<Effect> = effects.into();
+        while let Some(e) = queue.pop_front() {
+            match e {
+                Effect::Send { to, msg } => {
+                    if let Some(out) = self.out.get() {
+                        let _ = out.send((to, msg));
+                    }
+                }
+                Effect::Append(record) => self.append(&shared, record),
+                Effect::Check { txn, part } => {
+                    let ok = {
+                        let core = shared.core();
+                        txn_plan::check_part(&core.engine, &part)
+                    };
+                    if let Err(why) = &ok {
+                        tracing::debug!("transaction {txn:?} refused here: {why}");
+                    }
+                    let ev = participant::Event::Checked {
+                        txn,
+                        ok: ok.is_ok(),
+                    };
+                    let Some(sides) = self.sides.get() else {
+                        return;
+                    };
+                    let now = self.now_ms();
+                    queue.extend(sides.lock().part.step(ev, now));
+                }
+                Effect::Apply { txn, mutations } => {
+                    let muts = {
+                        let core = shared.core();
+                        txn_plan::apply_part(&core.engine, &mutations)
+                    };
+                    match muts {
+                        Ok(m) => {
+                            self.applies.lock().insert(txn, m);
+                        }
+                        // Its keys were locked since the check: this is a bug, or the
+                        // table left while the transaction held it. The commit is not
+                        // acknowledged (its locks stay; the initiator keeps asking).
+                        Err(e) => tracing::error!("transaction {txn:?} cannot be applied: {e}"),
+                    }
+                }
+                // Operations on these keys were told to ask again; nothing waits here.
+                Effect::Released { .. } => {}
+                Effect::Reply {
+                    client,
+                    seq,
+                    outcome,
+                } => {
+                    if outcome == Outcome::Committed && seq != 0 {
+                        shared.core().replies.insert(client, seq, None);
+                    }
+                    let waiters = self.waiting.lock().remove(&(client, seq));
+                    for w in waiters.into_iter().flatten() {
+                        let _ = w.send(outcome);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Journals a record (a commit's `Applied` with its engine mutations, applied to the
+    /// tables under the same hold of the core lock) and tells its side once durable.
+    fn append(&self, shared: &Arc<Shared>, record: Record) {
+        let muts = match &record {
+            Record::Applied { txn, commit: true } => match self.applies.lock().remove(txn) {
+                Some(m) => m,
+                None => {
+                    tracing::error!("transaction {txn:?}: a commit without its changes");
+                    return;
+                }
+            },
+            _ => Vec::new(),
+        };
+        let lsn = self.journal_record(shared, &record, &muts);
+        match &record {
+            Record::Prepared { txn, part, .. } => {
+                self.prepared.lock().insert(*txn, part.clone());
+                self.open.lock().insert((*txn, false), lsn);
+            }
+            Record::Applied { txn, .. } => {
+                self.prepared.lock().remove(txn);
+                self.open.lock().remove(&(*txn, false));
+            }
+            Record::Decided {
+                txn,
+                decision: Decision::Commit,
+                ..
+            } => {
+                self.open.lock().insert((*txn, true), lsn);
+            }
+            Record::Forgotten { txn } => {
+                self.open.lock().remove(&(*txn, true));
+            }
+            Record::Decided { .. } => {}
+        }
+        let Some(this) = self.this.get().cloned() else {
+            return;
+        };
+        let mut durable = shared.journal().subscribe();
+        tokio::spawn(async move {
+            if durable.wait_for(|d| *d >= lsn).await.is_err() {
+                return;
+            }
+            if let Some(t) = this.upgrade() {
+                t.durable(record);
+            }
+        });
+    }
+
+    fn durable(&self, record: Record) {
+        match (&record, self.crash) {
+            (Record::Prepared { .. }, Some(CrashAt::Prepared))
+            | (
+                Record::Decided {
+                    decision: Decision::Commit,
+                    ..
+                },
+                Some(CrashAt::Decided),
+            ) => {
+                tracing::error!("{CRASH_ENV}: aborting after {record:?} is durable");
+                std::process::abort();
+            }
+            _ => {}
+        }
+        if record.by_initiator() {
+            self.step_init(initiator::Event::Durable(record));
+        } else {
+            self.step_part(participant::Event::Durable(record));
+        }
+    }
+
+    /// One journal record for `record` (and a commit's mutations, applied here first);
+    /// returns its LSN.
+    fn journal_record(&self, shared: &Shared, record: &Record, muts: &[Mutation]) -> u64 {
+        // A commit decision carries its client and seq in the entry, so the reply cache
+        // rebuilt from the journal answers a retry; other records name no request.
+        let (client, seq) = match record {
+            Record::Decided {
+                client,
+                seq,
+                decision: Decision::Commit,
+                ..
+            } => (*client, *seq),
+            _ => (0, 0),
+        };
+        let mut core = shared.core();
+        for m in muts {
+            if let Err(e) = core.engine.apply(m) {
+                // Checked while locked, the tables present (see `hosted`): a bug.
+                panic!("a committed transaction's mutation failed: {e}");
+            }
+        }
+        let journal = shared.journal();
+        let lsn = journal.append_deferred(|buf| {
+            let taken = std::mem::take(buf);
+            *buf = txn_wire::encode_entry(taken, client, seq, muts, record);
+        });
+        if !muts.is_empty() {
+            let durable = journal.durable_lsn();
+            let now = shared.clock().now();
+            core.journaled(0, muts, lsn, durable, now);
+        }
+        drop(core);
+        journal.flush_now();
+        lsn
+    }
+}
+
+/// The transaction records of this server's previous incarnation's journal, in order
+/// (none if there is none). Its records are all there: trimming keeps every open one.
+fn previous_records(shared: &Shared, me: JournalId) -> Result<Vec<Record>, String> {
+    let store = shared.store();
+    let journals = kochab_journal::segment::list_journals(store.as_ref())
+        .map_err(|e| format!("cannot list journals: {e}"))?;
+    let Some(prev) = journals
+        .into_iter()
+        .filter(|j| j.server == me.server && j.epoch < me.epoch)
+        .max_by_key(|j| j.epoch)
+    else {
+        return Ok(Vec::new());
+    };
+    let ins = kochab_journal::inspect(store.as_ref(), prev)
+        .map_err(|e| format!("cannot read {prev}: {e}"))?;
+    let first = ins
+        .segments
+        .iter()
+        .filter_map(|s| s.lsns.map(|(f, _)| f))
+        .min();
+    let Some(first) = first else {
+        return Ok(Vec::new());
+    };
+    let mut records = Vec::new();
+    kochab_journal::recover_range(
+        store.as_ref(),
+        prev,
+        first - 1,
+        Some(ins.chain_end),
+        |_, payload| {
+            if let Some(r) = txn_wire::decode_entry(payload)? {
+                records.push(r);
+            }
+            Ok(())
+        },
+    )
+    .map_err(|e| format!("cannot read {prev}: {e}"))?;
+    Ok(records)
+}
+
+async fn tick_loop(host: Weak<TxnHost>) {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match host.upgrade() {
+            Some(h) => h.tick(),
+            None => return,
+        }
+    }
+}
+
+/// Sends each message to the member that holds its journal now (by the cached map), or
+/// to this server's own sides. A message that cannot go is dropped: the protocol resends.
+async fn send_loop(
+    host: Weak<TxnHost>,
+    mut rx: mpsc::UnboundedReceiver<(ServerId, Msg)>,
+    key: kochab_proto::auth::ClusterKey,
+    me: JournalId,
+) {
+    let mut links = link::Links::new(key, me);
+    while let Some((to, msg)) = rx.recv().await {
+        let Some(h) = host.upgrade() else {
+            return;
+        };
+        if to == h.me {
+            h.on_msg(to, msg);
+            continue;
+        }
+        let Some(addr) = h
+            .host
+            .get()
+            .and_then(|c| c.upgrade())
+            .and_then(|c| c.server_addr(to))
+        else {
+            tracing::debug!("no address known for server {}", to.0);
+            continue;
+        };
+        let from = h.me;
+        drop(h);
+        links.send(&addr, from, txn_wire::encode_msg(&msg));
+    }
+}
