@@ -139,6 +139,26 @@ impl Participant {
         Ok((p, replay))
     }
 
+    /// Takes over an attempt another incarnation prepared and left in doubt, found in its
+    /// journal by the server that recovered the tables of its keys (a failover, or a
+    /// restart that got its tables back): in-doubt state travels with the tables, as locks
+    /// do. Its locks are held from now on and its origin is asked at the next tick. The
+    /// host journals the `Prepared` record again first. False, and nothing changes, if the
+    /// attempt is known here, over by its origin's watermark, malformed, or a key is held.
+    pub fn adopt(&mut self, txn: TxnId, age: Age, part: Part) -> bool {
+        if !part_ok(&part)
+            || self.txns.contains_key(&txn)
+            || self.finished.contains_key(&txn)
+            || self.below_watermark(txn)
+            || !self.locks.restore(txn, age, &part.locks)
+        {
+            return false;
+        }
+        let state = State::Prepared { asked_ms: None };
+        self.txns.insert(txn, Txn { age, part, state });
+        true
+    }
+
     /// The server this participant speaks for.
     pub fn server(&self) -> ServerId {
         self.server
@@ -665,6 +685,33 @@ mod tests {
             p.step(prepare(1, "a", 1), 0).is_empty(),
             "below the watermark: a late duplicate"
         );
+    }
+
+    #[test]
+    fn an_adopted_attempt_is_in_doubt_here_until_its_origin_answers() {
+        let mut p = Participant::new(ServerId(1), TxnConfig::default());
+        let empty = Part {
+            locks: vec![],
+            mutations: vec![],
+        };
+        assert!(!p.adopt(t(1), age(1), empty), "malformed");
+        assert!(p.adopt(t(2), age(2), part("a")));
+        assert!(!p.adopt(t(2), age(2), part("a")), "known already");
+        assert!(!p.adopt(t(3), age(3), part("a")), "a key is held");
+        assert_eq!(p.load(), (1, 1));
+        assert!(p.locks().is_locked(&part("a").locks[0]));
+        assert_eq!(
+            sent(&p.step(Event::Tick, 0)),
+            vec![Msg::Inquiry { txn: t(2) }],
+            "asks its origin"
+        );
+        let e = p.step(decision(2, true, 1), 0);
+        assert!(matches!(e[0], Effect::Apply { .. }), "{e:?}");
+        // Over by the watermark: not taken.
+        let mut q = Participant::new(ServerId(1), TxnConfig::default());
+        q.step(prepare(5, "b", 4), 0);
+        assert!(!q.adopt(t(2), age(2), part("a")));
+        assert!(!q.locks().is_locked(&part("a").locks[0]));
     }
 
     #[test]
