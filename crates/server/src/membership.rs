@@ -225,6 +225,10 @@ impl Shared {
             }
             ranges.push((lo, covered_end(&pieces, lo)));
         }
+        // txn (issue 33): what the journal left in doubt on these tables comes along.
+        if let Some(t) = self.cluster_host().and_then(|h| h.txn_host()) {
+            t.adopt_from(self, journal, &ranges);
+        }
         self.load_tables(&ranges, false)
     }
 

@@ -69,7 +69,9 @@ const TICK: Duration = Duration::from_millis(50);
 /// ask again (its retry, same seq, gets the answer once decided).
 const REPLY_WAIT: Duration = Duration::from_secs(10);
 
-/// A test switch that aborts the process at one step (crash tests).
+/// A test switch that aborts the process at one step (crash tests): `STEP` or
+/// `STEP:FILE`, STEP `after-prepared` or `after-decided`; with FILE, only the process
+/// that creates FILE first aborts (once in a cluster whose servers all have the switch).
 const CRASH_ENV: &str = "KOCHAB_TXN_CRASH";
 
 /// Where [`CRASH_ENV`] aborts the process.
@@ -81,12 +83,39 @@ enum CrashAt {
     Decided,
 }
 
-fn crash_at() -> Option<CrashAt> {
-    match std::env::var(CRASH_ENV).ok()?.as_str() {
-        "after-prepared" => Some(CrashAt::Prepared),
-        "after-decided" => Some(CrashAt::Decided),
-        _ => None,
+fn crash_at() -> Option<(CrashAt, Option<std::path::PathBuf>)> {
+    let v = std::env::var(CRASH_ENV).ok()?;
+    let (step, file) = match v.split_once(':') {
+        Some((s, f)) => (s.to_string(), Some(std::path::PathBuf::from(f))),
+        None => (v, None),
+    };
+    let at = match step.as_str() {
+        "after-prepared" => CrashAt::Prepared,
+        "after-decided" => CrashAt::Decided,
+        _ => return None,
+    };
+    Some((at, file))
+}
+
+/// Aborts the process if the crash switch names `at` (and this process is first).
+fn maybe_crash(switch: &Option<(CrashAt, Option<std::path::PathBuf>)>, at: CrashAt) {
+    let Some((want, file)) = switch else {
+        return;
+    };
+    if *want != at {
+        return;
     }
+    if let Some(f) = file
+        && std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(f)
+            .is_err()
+    {
+        return;
+    }
+    tracing::error!("{CRASH_ENV}: aborting after the {at:?} record is durable");
+    std::process::abort();
 }
 
 struct Sides {
@@ -116,7 +145,7 @@ pub struct TxnHost {
     /// Itself, for the tasks that wait for a record to be durable.
     this: OnceLock<Weak<TxnHost>>,
     base: Instant,
-    crash: Option<CrashAt>,
+    crash: Option<(CrashAt, Option<std::path::PathBuf>)>,
 }
 
 impl TxnHost {
@@ -182,55 +211,104 @@ impl TxnHost {
         tokio::spawn(tick_loop(Arc::downgrade(self)));
     }
 
-    /// Rebuilds both sides from the transaction records of this server's previous
-    /// journal, and journals again what they still need.
+    /// Rebuilds the initiator from the decisions in this server's previous journal (the
+    /// origin answers for its old attempts) and journals again the commits not yet
+    /// forgotten. The participant starts empty: what the last incarnation left in doubt
+    /// travels with its tables and is taken over by whoever recovers them
+    /// ([`TxnHost::adopt_from`]), this server too if they come back here.
     fn recover(&self, shared: &Shared, me: JournalId) -> Result<Sides, String> {
-        let records = previous_records(shared, me)?;
+        let records = match previous_journal(shared, me)? {
+            Some(prev) => journal_records(shared, prev)?,
+            None => Vec::new(),
+        };
         let init =
             Initiator::recover(self.me, me.epoch, self.cfg, &records).map_err(|e| e.to_string())?;
-        let (part, _replayed) =
-            Participant::recover(self.me, self.cfg, &records).map_err(|e| e.to_string())?;
-        // Journaled again here, in their order: prepares without an outcome and commits
-        // not forgotten. (The tables come back through their own checkpoints and
-        // journals; the commits' `Apply`s are in them.)
-        // Keyed by (attempt, initiator side): a server may be both sides of one attempt.
-        let mut open: BTreeMap<(TxnId, bool), Record> = BTreeMap::new();
+        let mut open: BTreeMap<TxnId, Record> = BTreeMap::new();
         for r in &records {
             match r {
-                Record::Prepared { txn, .. } => {
-                    open.insert((*txn, false), r.clone());
-                }
                 Record::Decided {
                     txn,
                     decision: Decision::Commit,
                     ..
                 } => {
-                    open.insert((*txn, true), r.clone());
-                }
-                Record::Applied { txn, .. } => {
-                    open.remove(&(*txn, false));
+                    open.insert(*txn, r.clone());
                 }
                 Record::Forgotten { txn } => {
-                    open.remove(&(*txn, true));
+                    open.remove(txn);
                 }
-                Record::Decided { .. } => {}
+                _ => {}
             }
         }
         let n = open.len();
-        for (key, r) in open {
-            if let Record::Prepared { txn, part, .. } = &r {
-                self.prepared.lock().insert(*txn, part.clone());
-            }
+        for (txn, r) in open {
             let lsn = self.journal_record(shared, &r, &[]);
-            self.open.lock().insert(key, lsn);
+            self.open.lock().insert((txn, true), lsn);
         }
         if !records.is_empty() {
             tracing::info!(
-                "transactions: {} records of the last incarnation read, {n} still open",
+                "transactions: {} records of the last incarnation read, {n} commits still told",
                 records.len()
             );
         }
-        Ok(Sides { init, part })
+        Ok(Sides {
+            init,
+            part: Participant::new(self.me, self.cfg),
+        })
+    }
+
+    /// Takes over what the fenced journal `journal` left in doubt on the tables `ranges`
+    /// this server is about to recover from it: each attempt prepared there without an
+    /// outcome, whose keys lie in those tables, is journaled here again (durable before
+    /// the tables are served) and held in doubt here until its origin answers. Runs on a
+    /// blocking thread (table loads do).
+    pub fn adopt_from(&self, shared: &Shared, journal: JournalId, ranges: &[(u64, u64)]) {
+        let Some(sides) = self.sides.get() else {
+            return;
+        };
+        let records = match journal_records(shared, journal) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!("transactions in doubt in {journal} not taken over: {e}");
+                return;
+            }
+        };
+        let mut doubt: BTreeMap<TxnId, Record> = BTreeMap::new();
+        for r in records {
+            match &r {
+                Record::Prepared { txn, .. } => {
+                    doubt.insert(*txn, r);
+                }
+                Record::Applied { txn, .. } => {
+                    doubt.remove(txn);
+                }
+                _ => {}
+            }
+        }
+        let ours = |k: &kochab_cluster::txn::Key| {
+            let id = txn_plan::table_key(k);
+            ranges.iter().any(|&(lo, hi)| lo <= id && id < hi)
+        };
+        let mut last = 0;
+        for r in doubt.into_values() {
+            let Record::Prepared { txn, age, part } = &r else {
+                continue;
+            };
+            if !part.locks.iter().any(ours) {
+                continue;
+            }
+            let taken = sides.lock().part.adopt(*txn, *age, part.clone());
+            if !taken {
+                tracing::info!("transaction {txn:?} of {journal}: over or known here");
+                continue;
+            }
+            tracing::info!("transaction {txn:?} of {journal}: in doubt, taken over here");
+            self.prepared.lock().insert(*txn, part.clone());
+            last = self.journal_record(shared, &r, &[]);
+            self.open.lock().insert((*txn, false), last);
+        }
+        if last > 0 && !shared.journal().wait_durable(last) {
+            tracing::error!("the journal failed while taking over transactions in doubt");
+        }
     }
 
     /// The oldest LSN of this journal that recovery still needs (`u64::MAX`: none).
@@ -504,18 +582,12 @@ impl TxnHost {
     }
 
     fn durable(&self, record: Record) {
-        match (&record, self.crash) {
-            (Record::Prepared { .. }, Some(CrashAt::Prepared))
-            | (
-                Record::Decided {
-                    decision: Decision::Commit,
-                    ..
-                },
-                Some(CrashAt::Decided),
-            ) => {
-                tracing::error!("{CRASH_ENV}: aborting after {record:?} is durable");
-                std::process::abort();
-            }
+        match &record {
+            Record::Prepared { .. } => maybe_crash(&self.crash, CrashAt::Prepared),
+            Record::Decided {
+                decision: Decision::Commit,
+                ..
+            } => maybe_crash(&self.crash, CrashAt::Decided),
             _ => {}
         }
         if record.by_initiator() {
@@ -562,19 +634,20 @@ impl TxnHost {
     }
 }
 
-/// The transaction records of this server's previous incarnation's journal, in order
-/// (none if there is none). Its records are all there: trimming keeps every open one.
-fn previous_records(shared: &Shared, me: JournalId) -> Result<Vec<Record>, String> {
-    let store = shared.store();
-    let journals = kochab_journal::segment::list_journals(store.as_ref())
+/// This server's previous incarnation's journal, if the store still has it.
+fn previous_journal(shared: &Shared, me: JournalId) -> Result<Option<JournalId>, String> {
+    let journals = kochab_journal::segment::list_journals(shared.store().as_ref())
         .map_err(|e| format!("cannot list journals: {e}"))?;
-    let Some(prev) = journals
+    Ok(journals
         .into_iter()
         .filter(|j| j.server == me.server && j.epoch < me.epoch)
-        .max_by_key(|j| j.epoch)
-    else {
-        return Ok(Vec::new());
-    };
+        .max_by_key(|j| j.epoch))
+}
+
+/// The transaction records of journal `prev`, in order. Every open one is there:
+/// trimming keeps them (`keep_from`).
+fn journal_records(shared: &Shared, prev: JournalId) -> Result<Vec<Record>, String> {
+    let store = shared.store();
     let ins = kochab_journal::inspect(store.as_ref(), prev)
         .map_err(|e| format!("cannot read {prev}: {e}"))?;
     let first = ins
