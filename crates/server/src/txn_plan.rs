@@ -82,14 +82,11 @@ pub fn plan_op(
     {
         return Err(NoPlan::NotCovered("an invalid target name"));
     }
-    let Some(child) = engine.child(*parent, name) else {
+    // The moved inode may live on another server: its entry says what it is, and its
+    // owner checks that (a `Touch` is refused on a directory).
+    let Some((child, kind)) = engine.child_kind(*parent, name) else {
         return Err(NoPlan::NotCovered("no source entry here"));
     };
-    let Some(inode) = engine.inode(child) else {
-        // The child lives on another server: its kind is unknown here.
-        return Err(NoPlan::NotCovered("the moved inode is elsewhere"));
-    };
-    let kind = inode.kind();
     if kind == FileKind::Dir {
         return Err(NoPlan::NotCovered("a directory moves"));
     }
