@@ -69,6 +69,10 @@ const TICK: Duration = Duration::from_millis(50);
 /// ask again (its retry, same seq, gets the answer once decided).
 const REPLY_WAIT: Duration = Duration::from_secs(10);
 
+/// Attempts remembered as applied here (for late duplicate decisions): far more than
+/// are in flight at once (a participant holds at most 4,096).
+const APPLIED_KEPT: usize = 16_384;
+
 /// A test switch that aborts the process at one step (crash tests): `STEP` or
 /// `STEP:FILE`, STEP `after-prepared` or `after-decided`; with FILE, only the process
 /// that creates FILE first aborts (once in a cluster whose servers all have the switch).
@@ -141,7 +145,14 @@ pub struct TxnHost {
     /// Journal LSNs of the records recovery still needs: prepares without an outcome,
     /// commit decisions not forgotten.
     open: Mutex<BTreeMap<(TxnId, bool), u64>>,
-    out: OnceLock<mpsc::UnboundedSender<(ServerId, Msg)>>,
+    /// Attempts applied here lately (a late duplicate decision is acknowledged by the
+    /// participant; one about an attempt never prepared here is not: its part, if any, is
+    /// with whoever recovered this server's last journal).
+    applied: Mutex<std::collections::BTreeSet<TxnId>>,
+    /// Parts taken over from other servers' journals, by attempt: acknowledged for them.
+    adopted: Mutex<HashMap<TxnId, Vec<ServerId>>>,
+    /// Messages to send: (as which server, to which, what).
+    out: OnceLock<mpsc::UnboundedSender<(ServerId, ServerId, Msg)>>,
     /// Itself, for the tasks that wait for a record to be durable.
     this: OnceLock<Weak<TxnHost>>,
     base: Instant,
@@ -165,6 +176,8 @@ impl TxnHost {
             applies: Mutex::new(HashMap::new()),
             prepared: Mutex::new(HashMap::new()),
             open: Mutex::new(BTreeMap::new()),
+            applied: Mutex::new(Default::default()),
+            adopted: Mutex::new(HashMap::new()),
             out: OnceLock::new(),
             this: OnceLock::new(),
             base: Instant::now(),
@@ -272,12 +285,11 @@ impl TxnHost {
                 return;
             }
         };
-        let mut doubt: BTreeMap<TxnId, Record> = BTreeMap::new();
+        // One attempt may have two prepared parts there (its own, and one it took over).
+        let mut doubt: BTreeMap<TxnId, Vec<Record>> = BTreeMap::new();
         for r in records {
             match &r {
-                Record::Prepared { txn, .. } => {
-                    doubt.insert(*txn, r);
-                }
+                Record::Prepared { txn, .. } => doubt.entry(*txn).or_default().push(r),
                 Record::Applied { txn, .. } => {
                     doubt.remove(txn);
                 }
@@ -289,7 +301,8 @@ impl TxnHost {
             ranges.iter().any(|&(lo, hi)| lo <= id && id < hi)
         };
         let mut last = 0;
-        for r in doubt.into_values() {
+        let from = ServerId(journal.server as u32);
+        for r in doubt.into_values().flatten() {
             let Record::Prepared { txn, age, part } = &r else {
                 continue;
             };
@@ -302,7 +315,15 @@ impl TxnHost {
                 continue;
             }
             tracing::info!("transaction {txn:?} of {journal}: in doubt, taken over here");
-            self.prepared.lock().insert(*txn, part.clone());
+            self.prepared
+                .lock()
+                .entry(*txn)
+                .and_modify(|p| {
+                    p.locks.extend(part.locks.iter().cloned());
+                    p.mutations.extend(part.mutations.iter().cloned());
+                })
+                .or_insert_with(|| part.clone());
+            self.adopted.lock().entry(*txn).or_default().push(from);
             last = self.journal_record(shared, &r, &[]);
             self.open.lock().insert((*txn, false), last);
         }
@@ -413,9 +434,14 @@ impl TxnHost {
         if let Msg::Decision {
             txn, commit: true, ..
         } = &msg
-            && !self.hosted(txn)
         {
-            return;
+            let known = self.prepared.lock().contains_key(txn);
+            if !known && !self.applied.lock().contains(txn) {
+                return;
+            }
+            if !self.hosted(txn) {
+                return;
+            }
         }
         self.step_part(participant::Event::Message { from, msg });
     }
@@ -475,9 +501,18 @@ impl TxnHost {
         while let Some(e) = queue.pop_front() {
             match e {
                 Effect::Send { to, msg } => {
-                    if let Some(out) = self.out.get() {
-                        let _ = out.send((to, msg));
+                    let Some(out) = self.out.get() else {
+                        continue;
+                    };
+                    // A part taken over is acknowledged for the server whose it was.
+                    if let Msg::Ack { txn } = &msg
+                        && let Some(for_them) = self.adopted.lock().get(txn)
+                    {
+                        for s in for_them {
+                            let _ = out.send((*s, to, msg.clone()));
+                        }
                     }
+                    let _ = out.send((self.me, to, msg));
                 }
                 Effect::Append(record) => self.append(&shared, record),
                 Effect::Check { txn, part } => {
@@ -554,6 +589,11 @@ impl TxnHost {
             Record::Applied { txn, .. } => {
                 self.prepared.lock().remove(txn);
                 self.open.lock().remove(&(*txn, false));
+                let mut applied = self.applied.lock();
+                applied.insert(*txn);
+                while applied.len() > APPLIED_KEPT {
+                    applied.pop_first();
+                }
             }
             Record::Decided {
                 txn,
@@ -691,17 +731,17 @@ async fn tick_loop(host: Weak<TxnHost>) {
 /// to this server's own sides. A message that cannot go is dropped: the protocol resends.
 async fn send_loop(
     host: Weak<TxnHost>,
-    mut rx: mpsc::UnboundedReceiver<(ServerId, Msg)>,
+    mut rx: mpsc::UnboundedReceiver<(ServerId, ServerId, Msg)>,
     key: kochab_proto::auth::ClusterKey,
     me: JournalId,
 ) {
     let mut links = link::Links::new(key, me);
-    while let Some((to, msg)) = rx.recv().await {
+    while let Some((from, to, msg)) = rx.recv().await {
         let Some(h) = host.upgrade() else {
             return;
         };
         if to == h.me {
-            h.on_msg(to, msg);
+            h.on_msg(from, msg);
             continue;
         }
         let Some(addr) = h
@@ -713,7 +753,6 @@ async fn send_loop(
             tracing::debug!("no address known for server {}", to.0);
             continue;
         };
-        let from = h.me;
         drop(h);
         links.send(&addr, from, txn_wire::encode_msg(&msg));
     }
