@@ -127,6 +127,9 @@ struct Sides {
     part: Participant,
 }
 
+/// Requests waiting for one (client, seq)'s answer (a retry joins the first).
+type Waiters = Vec<oneshot::Sender<Outcome>>;
+
 /// The transaction host of one member incarnation.
 pub struct TxnHost {
     mode: MultiServer,
@@ -136,7 +139,7 @@ pub struct TxnHost {
     shared: OnceLock<Weak<Shared>>,
     host: OnceLock<Weak<ClusterHost>>,
     /// Client requests waiting for their answer: (client, seq).
-    waiting: Mutex<HashMap<(u64, u64), Vec<oneshot::Sender<Outcome>>>>,
+    waiting: Mutex<HashMap<(u64, u64), Waiters>>,
     /// A commit's engine mutations, between its `Apply` and its `Applied` record.
     applies: Mutex<HashMap<TxnId, Vec<Mutation>>>,
     /// Parts prepared here without an outcome yet (a decision to commit is taken in only
