@@ -340,6 +340,17 @@ impl TxnHost {
         self.open.lock().values().copied().min().unwrap_or(u64::MAX)
     }
 
+    /// True if a part prepared here (in doubt or being applied) has a key in the table
+    /// `[lo, hi)`: the table may not leave yet.
+    pub fn holds_range(&self, lo: u64, hi: u64) -> bool {
+        self.prepared.lock().values().any(|p| {
+            p.locks.iter().any(|k| {
+                let id = txn_plan::table_key(k);
+                lo <= id && id < hi
+            })
+        })
+    }
+
     /// True if `op` names a key a transaction holds here: the caller answers "ask again".
     /// Called under the core lock (lock order: core, then the sides).
     pub fn blocks(&self, op: &kochab_proto::Op) -> bool {
@@ -366,9 +377,9 @@ impl TxnHost {
         let host = self.host.get()?.upgrade()?;
         self.sides.get()?;
         if req.seq != 0 && shared.reply_cached(client, req.seq).is_some() {
-            // Answered already (by a transaction or a borrow): the batch path answers
-            // from the reply cache once it runs it.
-            return None;
+            // Answered already (by a transaction or a borrow): a rename's retry is
+            // answered `Empty`, as the batch path's reply cache does, with no borrow.
+            return matches!(req.op, kochab_proto::Op::Rename { .. }).then_some((Reply::Empty, 0));
         }
         let plan = {
             let core = shared.core();
