@@ -204,6 +204,25 @@ fn renames_across_two_servers_commit_as_transactions_and_move_no_table() {
         other.await.expect("creator");
     });
 
+    // Hard links from the other server's directory to files held here: transactions too.
+    rt.block_on(async {
+        for i in [0usize, 2, 4] {
+            let f = c
+                .lookup(&cred, x, format!("h{i}").as_bytes())
+                .await
+                .expect("lookup");
+            let l = format!("l{i}");
+            let got = c
+                .link(&cred, f.id, y, l.as_bytes())
+                .await
+                .unwrap_or_else(|e| panic!("link {l}: {e}"));
+            assert_eq!((got.id, got.nlink), (f.id, 2), "the reply");
+            let again = c.getattr(&cred, f.id).await.expect("getattr");
+            assert_eq!(again.nlink, 2);
+            let named = c.lookup(&cred, y, l.as_bytes()).await.expect("lookup link");
+            assert_eq!(named.id, f.id);
+        }
+    });
     let (in_x, in_y) = rt.block_on(async { (names(&c, x).await, names(&c, y).await) });
     let mut want_x: BTreeSet<String> = (0..40).map(|i| format!("o{i}")).collect();
     let mut want_y = want_x.clone();
@@ -213,6 +232,9 @@ fn renames_across_two_servers_commit_as_transactions_and_move_no_table() {
         } else {
             want_y.insert(format!("g{i}"));
         }
+    }
+    for i in [0, 2, 4] {
+        want_y.insert(format!("l{i}"));
     }
     assert_eq!(in_x, want_x);
     assert_eq!(in_y, want_y);

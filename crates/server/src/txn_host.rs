@@ -29,7 +29,7 @@ use kochab_cluster::txn::{Decision, Effect, Msg, Outcome, Part, Record, TxnConfi
 use kochab_journal::JournalId;
 use kochab_meta::Mutation;
 use kochab_proto::cluster::ServerId;
-use kochab_proto::{Reply, Request, fs_err};
+use kochab_proto::{Op, Reply, Request, fs_err};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, OnceLock, Weak};
@@ -140,6 +140,9 @@ pub struct TxnHost {
     host: OnceLock<Weak<ClusterHost>>,
     /// Client requests waiting for their answer: (client, seq).
     waiting: Mutex<HashMap<(u64, u64), Waiters>>,
+    /// What the reply cache keeps for a request once committed (the inode a link names),
+    /// by (client, seq), until its decision is journaled and answered.
+    outcomes: Mutex<HashMap<(u64, u64), Option<kochab_proto::InodeId>>>,
     /// A commit's engine mutations, between its `Apply` and its `Applied` record.
     applies: Mutex<HashMap<TxnId, Vec<Mutation>>>,
     /// Parts prepared here without an outcome yet (a decision to commit is taken in only
@@ -176,6 +179,7 @@ impl TxnHost {
             shared: OnceLock::new(),
             host: OnceLock::new(),
             waiting: Mutex::new(HashMap::new()),
+            outcomes: Mutex::new(HashMap::new()),
             applies: Mutex::new(HashMap::new()),
             prepared: Mutex::new(HashMap::new()),
             open: Mutex::new(BTreeMap::new()),
@@ -377,13 +381,20 @@ impl TxnHost {
         let host = self.host.get()?.upgrade()?;
         self.sides.get()?;
         if req.seq != 0 && shared.reply_cached(client, req.seq).is_some() {
-            // Answered already (by a transaction or a borrow): a rename's retry is
-            // answered `Empty`, as the batch path's reply cache does, with no borrow.
-            return matches!(req.op, kochab_proto::Op::Rename { .. }).then_some((Reply::Empty, 0));
+            // Answered already (by a transaction or a borrow): answered as the batch
+            // path's reply cache does, with no borrow.
+            return match req.op {
+                Op::Rename { .. } => Some((Reply::Empty, 0)),
+                Op::Link { id, .. } => match shared.core().engine.attr_for_retry(id) {
+                    Ok(Some(attr)) => Some((Reply::Entry(attr), 0)),
+                    _ => None,
+                },
+                _ => None,
+            };
         }
+        let now = shared.clock().wall_ns();
         let plan = {
             let core = shared.core();
-            let now = shared.clock().wall_ns();
             txn_plan::plan_op(&core.engine, &req.cred, &req.op, now, |id| {
                 host.owner_of(id)
             })
@@ -406,6 +417,11 @@ impl TxnHost {
             .or_default()
             .push(tx);
         shared.metrics().txn_ops.inc();
+        let linked = match req.op {
+            Op::Link { id, .. } => Some(id),
+            _ => None,
+        };
+        self.outcomes.lock().insert((client, req.seq), linked);
         let ev = initiator::Event::Request {
             client,
             seq: req.seq,
@@ -417,7 +433,10 @@ impl TxnHost {
             _ => Outcome::Busy,
         };
         match outcome {
-            Outcome::Committed => Some((Reply::Empty, 0)),
+            Outcome::Committed => match linked {
+                None => Some((Reply::Empty, 0)),
+                Some(id) => Some((linked_reply(shared, id, now).await, 0)),
+            },
             Outcome::Refused | Outcome::Invalid => {
                 shared.metrics().txn_fallbacks.inc();
                 None
@@ -569,8 +588,9 @@ impl TxnHost {
                     seq,
                     outcome,
                 } => {
+                    let kept = self.outcomes.lock().remove(&(client, seq)).flatten();
                     if outcome == Outcome::Committed && seq != 0 {
-                        shared.core().replies.insert(client, seq, None);
+                        shared.core().replies.insert(client, seq, kept);
                     }
                     let waiters = self.waiting.lock().remove(&(client, seq));
                     for w in waiters.into_iter().flatten() {
@@ -665,6 +685,10 @@ impl TxnHost {
             } => (*client, *seq),
             _ => (0, 0),
         };
+        let outcome = match seq {
+            0 => None,
+            _ => self.outcomes.lock().get(&(client, seq)).copied().flatten(),
+        };
         let mut core = shared.core();
         for m in muts {
             if let Err(e) = core.engine.apply(m) {
@@ -675,7 +699,7 @@ impl TxnHost {
         let journal = shared.journal();
         let lsn = journal.append_deferred(|buf| {
             let taken = std::mem::take(buf);
-            *buf = txn_wire::encode_entry(taken, client, seq, muts, record);
+            *buf = txn_wire::encode_entry(taken, client, seq, outcome, muts, record);
         });
         if !muts.is_empty() {
             let durable = journal.durable_lsn();
@@ -685,6 +709,36 @@ impl TxnHost {
         drop(core);
         journal.flush_now();
         lsn
+    }
+}
+
+/// Longest a committed link's reply waits for this server's own part to be applied
+/// (normally one local message and one journal write), for its attributes.
+const LINK_ATTR_WAIT: Duration = Duration::from_secs(1);
+
+/// The reply to a committed link: its inode's attributes (held here, see `txn_plan`) once
+/// its part is applied here (its ctime is the plan's `time`), else as they will be; ESTALE
+/// if the inode is gone already (as a retry of a removed link target is answered).
+async fn linked_reply(
+    shared: &Shared,
+    id: kochab_proto::InodeId,
+    time: kochab_proto::TimeNs,
+) -> Reply {
+    let deadline = Instant::now() + LINK_ATTR_WAIT;
+    loop {
+        let inode = shared.core().engine.inode(id).cloned();
+        match inode {
+            Some(i) if i.ctime == time => return Reply::Entry(i.attr(id)),
+            Some(mut i) if Instant::now() >= deadline => {
+                i.nlink += 1;
+                i.ctime = time;
+                return Reply::Entry(i.attr(id));
+            }
+            None => {
+                return Reply::Error(fs_err!(ESTALE, "linked, then removed before the reply"));
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+        }
     }
 }
 

@@ -9,7 +9,8 @@
 //! nothing else changes them, so the change computed at apply time is the one checked.
 //!
 //! Covered: a rename of a non-directory between directories of different servers, flags
-//! 0, onto a name that does not exist. Anything else (a directory moved, a replaced
+//! 0, onto a name that does not exist; a hard link to a non-directory of this server from
+//! a directory of another. Anything else (a directory moved, a replaced
 //! target, an exchange, a sticky directory whose victim lives elsewhere) has no plan, or
 //! its check fails at a participant; the caller then borrows as before, which answers
 //! the exact errno.
@@ -38,6 +39,10 @@ pub enum Change {
     },
     /// The inode (the key) was renamed: its ctime becomes `time`.
     Touch { time: TimeNs },
+    /// The inode (the key) gains a name: the caller may link it (owner, or
+    /// `protected_hardlinks` rules), it is a live non-directory below `LINK_MAX`; nlink
+    /// rises by one and ctime becomes `time`.
+    Link { cred: Credentials, time: TimeNs },
 }
 
 /// Why a plan was not made (the caller borrows instead).
@@ -59,6 +64,95 @@ pub fn plan_op(
     now: TimeNs,
     owner: impl Fn(InodeId) -> Option<ServerId>,
 ) -> Result<Plan, NoPlan> {
+    let keyed = match op {
+        Op::Rename { .. } => rename_keys(engine, cred, op, now)?,
+        Op::Link {
+            id,
+            new_parent,
+            new_name,
+        } => link_keys(engine, cred, *id, *new_parent, new_name, now)?,
+        _ => {
+            return Err(NoPlan::NotCovered(
+                "only rename and link run as transactions",
+            ));
+        }
+    };
+    by_server(keyed, owner)
+}
+
+/// The mutations of a link, each with the id whose table holds its key.
+fn link_keys(
+    engine: &Engine,
+    cred: &Credentials,
+    id: InodeId,
+    new_parent: InodeId,
+    new_name: &[u8],
+    now: TimeNs,
+) -> Result<Vec<(InodeId, TxnMutation)>, NoPlan> {
+    if !name_ok(new_name) {
+        return Err(NoPlan::NotCovered("an invalid name"));
+    }
+    let Some(inode) = engine.inode(id) else {
+        return Err(NoPlan::NotCovered("the inode is elsewhere"));
+    };
+    let kind = inode.kind();
+    if kind == FileKind::Dir {
+        return Err(NoPlan::NotCovered("a directory"));
+    }
+    let put = |c: &Change| Write::Put(encode(c));
+    Ok(vec![
+        (
+            id,
+            TxnMutation {
+                key: Key::Inode(id),
+                expect: Expect::Present,
+                write: put(&Change::Link {
+                    cred: cred.clone(),
+                    time: now,
+                }),
+            },
+        ),
+        (
+            new_parent,
+            TxnMutation {
+                key: Key::Entry {
+                    parent: new_parent,
+                    name: new_name.to_vec(),
+                },
+                expect: Expect::Absent,
+                write: put(&Change::PutEntry { child: id, kind }),
+            },
+        ),
+        (
+            new_parent,
+            TxnMutation {
+                key: Key::Inode(new_parent),
+                expect: Expect::Present,
+                write: put(&Change::Dir {
+                    cred: cred.clone(),
+                    time: now,
+                    victim: None,
+                }),
+            },
+        ),
+    ])
+}
+
+fn name_ok(n: &[u8]) -> bool {
+    !n.is_empty()
+        && !is_dot(n)
+        && n.len() <= kochab_proto::NAME_MAX
+        && !n.contains(&b'/')
+        && !n.contains(&0)
+}
+
+/// The mutations of a rename, each with the id whose table holds its key.
+fn rename_keys(
+    engine: &Engine,
+    cred: &Credentials,
+    op: &Op,
+    now: TimeNs,
+) -> Result<Vec<(InodeId, TxnMutation)>, NoPlan> {
     let Op::Rename {
         parent,
         name,
@@ -67,7 +161,7 @@ pub fn plan_op(
         flags,
     } = op
     else {
-        return Err(NoPlan::NotCovered("only rename runs as a transaction"));
+        return Err(NoPlan::NotCovered("not a rename"));
     };
     if *flags != 0 {
         return Err(NoPlan::NotCovered("rename flags"));
@@ -75,12 +169,8 @@ pub fn plan_op(
     if parent == new_parent {
         return Err(NoPlan::NotCovered("one directory"));
     }
-    if name.is_empty() || new_name.is_empty() || is_dot(name) || is_dot(new_name) {
-        return Err(NoPlan::NotCovered("dot names"));
-    }
-    if new_name.len() > kochab_proto::NAME_MAX || new_name.contains(&b'/') || new_name.contains(&0)
-    {
-        return Err(NoPlan::NotCovered("an invalid target name"));
+    if !name_ok(name) || !name_ok(new_name) {
+        return Err(NoPlan::NotCovered("dot or invalid names"));
     }
     // The moved inode may live on another server: its entry says what it is, and its
     // owner checks that (a `Touch` is refused on a directory).
@@ -95,7 +185,7 @@ pub fn plan_op(
         name: n.to_vec(),
     };
     let put = |c: &Change| Write::Put(encode(c));
-    let keyed = [
+    Ok(vec![
         (
             *parent,
             TxnMutation {
@@ -144,7 +234,14 @@ pub fn plan_op(
                 write: put(&Change::Touch { time: now }),
             },
         ),
-    ];
+    ])
+}
+
+/// Gathers the mutations into one part per server (`owner` of each key's table).
+fn by_server(
+    keyed: Vec<(InodeId, TxnMutation)>,
+    owner: impl Fn(InodeId) -> Option<ServerId>,
+) -> Result<Plan, NoPlan> {
     let mut plan: Plan = Vec::new();
     for (table_key, m) in keyed {
         let server = owner(table_key).ok_or(NoPlan::NoOwner(table_key))?;
@@ -254,6 +351,13 @@ fn check_change(engine: &Engine, key: &Key, change: &Change) -> Result<(), Strin
             Some(i) if !i.is_dir() => Ok(()),
             _ => Err("no such non-directory".into()),
         },
+        (Key::Inode(id), Change::Link { cred, .. }) => {
+            let i = engine.inode(*id).ok_or("no inode")?;
+            if i.is_dir() || i.nlink == 0 || i.nlink >= kochab_proto::LINK_MAX {
+                return Err("not a live non-directory below LINK_MAX".into());
+            }
+            kochab_meta::perm::check_may_link(i, cred).map_err(|e| e.to_string())
+        }
         _ => Err(format!("change {change:?} does not fit key {key:?}")),
     }
 }
@@ -293,6 +397,10 @@ pub fn apply_part(engine: &Engine, mutations: &[TxnMutation]) -> Result<Vec<Muta
                 i.ctime = time;
             })?,
             (Key::Inode(id), Change::Touch { time }) => touched(*id, &|i| i.ctime = time)?,
+            (Key::Inode(id), Change::Link { time, .. }) => touched(*id, &|i| {
+                i.nlink += 1;
+                i.ctime = time;
+            })?,
             (key, change) => return Err(format!("change {change:?} does not fit {key:?}")),
         });
     }
@@ -448,6 +556,51 @@ mod tests {
             "{:?}",
             e.check_invariants()
         );
+    }
+
+    #[test]
+    fn a_link_from_another_server_raises_nlink_where_the_inode_lives() {
+        let (mut e, a, b, owner) = two_servers();
+        let f = file(&mut e, a, b"f");
+        let link = Op::Link {
+            id: f,
+            new_parent: b,
+            new_name: b"l".to_vec(),
+        };
+        let plan = plan_op(&e, &Credentials::root(), &link, 9, &owner).expect("plan");
+        assert_eq!(plan.len(), 2, "{plan:?}");
+        for (_, part) in &plan {
+            check_part(&e, part).expect("check");
+        }
+        let muts: Vec<Mutation> = plan
+            .iter()
+            .flat_map(|(_, p)| apply_part(&e, &p.mutations).expect("apply"))
+            .collect();
+        for m in &muts {
+            e.apply(m).expect("mutation");
+        }
+        assert_eq!(e.child(b, b"l"), Some(f));
+        assert_eq!(e.inode(f).map(|i| (i.nlink, i.ctime)), Some((2, 9)));
+        assert!(
+            e.check_invariants().is_empty(),
+            "{:?}",
+            e.check_invariants()
+        );
+        // Another user may not link root's file (protected hard links).
+        let user = Credentials {
+            uid: 1000,
+            gid: 1000,
+            groups: vec![],
+        };
+        let plan = plan_op(&e, &user, &link, 9, &owner).expect("plan");
+        assert!(plan.iter().any(|(_, p)| check_part(&e, p).is_err()));
+        let d = mkdir(&mut e, a, b"sub");
+        let dir_link = Op::Link {
+            id: d,
+            new_parent: b,
+            new_name: b"d".to_vec(),
+        };
+        assert!(plan_op(&e, &Credentials::root(), &dir_link, 9, &owner).is_err());
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub fn encode_entry(
     buf: Vec<u8>,
     client: u64,
     seq: u64,
+    outcome: Option<kochab_proto::InodeId>,
     muts: &[Mutation],
     record: &Record,
 ) -> Vec<u8> {
@@ -33,7 +34,7 @@ pub fn encode_entry(
         client,
         seq,
         seq_floor: 0,
-        outcome: None,
+        outcome,
         muts,
     };
     // Our own in-memory types into a Vec cannot fail; if they did, the journal would
@@ -101,7 +102,7 @@ mod tests {
             decision: Decision::Commit,
             participants: vec![ServerId(2), ServerId(3)],
         };
-        let bytes = encode_entry(Vec::new(), 5, 9, &[], &r);
+        let bytes = encode_entry(Vec::new(), 5, 9, None, &[], &r);
         assert_eq!(decode_entry(&bytes), Ok(Some(r)));
         // Readers that know nothing of the trailer still read the entry.
         let e: JournalEntry = postcard::from_bytes(&bytes).expect("entry");
@@ -120,13 +121,13 @@ mod tests {
     #[test]
     fn damaged_trailers_are_errors() {
         let r = Record::Forgotten { txn: txn() };
-        let mut bytes = encode_entry(Vec::new(), 0, 0, &[], &r);
+        let mut bytes = encode_entry(Vec::new(), 0, 0, None, &[], &r);
         bytes.push(0);
         assert!(decode_entry(&bytes).is_err(), "trailing byte");
         bytes.pop();
         bytes.pop();
         assert!(decode_entry(&bytes).is_err(), "short record");
-        let mut other = encode_entry(Vec::new(), 0, 0, &[], &r);
+        let mut other = encode_entry(Vec::new(), 0, 0, None, &[], &r);
         let at = other
             .windows(4)
             .rposition(|w| w == TRAILER_MAGIC)
