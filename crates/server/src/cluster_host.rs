@@ -474,7 +474,11 @@ impl ClusterHost {
             return Ok(tables);
         }
         // txn (issue 33) hook: a key a transaction holds here: ask again.
-        if self.txn.as_ref().is_some_and(|t| t.blocks(op)) {
+        if self
+            .txn
+            .as_ref()
+            .is_some_and(|t| t.blocks(&core.engine, op))
+        {
             return refuse(self.not_ready());
         }
         let admit = self.p.lock().admit(&tables, self.now());

@@ -357,7 +357,7 @@ impl TxnHost {
 
     /// True if `op` names a key a transaction holds here: the caller answers "ask again".
     /// Called under the core lock (lock order: core, then the sides).
-    pub fn blocks(&self, op: &kochab_proto::Op) -> bool {
+    pub fn blocks(&self, engine: &kochab_meta::Engine, op: &kochab_proto::Op) -> bool {
         let Some(sides) = self.sides.get() else {
             return false;
         };
@@ -366,7 +366,9 @@ impl TxnHost {
         if locks.load() == (0, 0) {
             return false;
         }
-        txn_plan::op_keys(op).iter().any(|k| locks.is_locked(k))
+        txn_plan::op_keys(engine, op)
+            .iter()
+            .any(|k| locks.is_locked(k))
     }
 
     /// Runs a multi-server request as a transaction. `None`: it has no plan, or its

@@ -408,9 +408,11 @@ pub fn apply_part(engine: &Engine, mutations: &[TxnMutation]) -> Result<Vec<Muta
 }
 
 /// The keys a non-transactional operation reads or writes, as far as a transaction may
-/// hold them: every inode it names by id and every entry it names. An operation on a
-/// locked key waits (see `txn_host::blocks`).
-pub fn op_keys(op: &Op) -> Vec<Key> {
+/// hold them: every inode it names by id, every entry it names, and the inode each of
+/// those entries names here (an rmdir of a directory a transaction adds an entry to, an
+/// unlink of another name of an inode it links). An operation on a locked key waits
+/// (see `txn_host::blocks`).
+pub fn op_keys(engine: &Engine, op: &Op) -> Vec<Key> {
     let mut keys: Vec<Key> = op
         .inode_ids()
         .into_iter()
@@ -421,7 +423,10 @@ pub fn op_keys(op: &Op) -> Vec<Key> {
         keys.push(Key::Entry {
             parent,
             name: name.to_vec(),
-        })
+        });
+        if let Some(child) = engine.child(parent, name) {
+            keys.push(Key::Inode(child));
+        }
     };
     match op {
         Op::Lookup { parent, name }
@@ -641,5 +646,11 @@ mod tests {
             }],
         };
         assert!(check_part(&e, &garbage).is_err(), "undecodable change");
+        // An rmdir names the directory only by its entry: its inode is a key too.
+        let rmdir = Op::Rmdir {
+            parent: e.root(),
+            name: b"b".to_vec(),
+        };
+        assert!(op_keys(&e, &rmdir).contains(&Key::Inode(b)));
     }
 }
