@@ -10,10 +10,10 @@ tmp=$(mktemp -d)
 trap 'pkill -f "kochab up --data $tmp" || true; rm -rf "$tmp"' EXIT
 run() {  # run BIN LABEL
   local bin=$1 label=$2 d="$tmp/$2"
-  rm -rf "$d"
+  rm -rf "$d" "$tmp/out"
   "$bin" up --data "$d" --port $PORT >"$tmp/out" 2>"$tmp/err" &
   local pid=$!
-  for _ in $(seq 100); do grep -q ready "$tmp/out" 2>/dev/null && break; sleep 0.05; done
+  for _ in $(seq 600); do grep -q ready "$tmp/out" 2>/dev/null && break; sleep 0.05; done
   local j; j=$("$bin" bench --cluster 127.0.0.1:$PORT --key-file "$d/cluster.key" --json "${ARGS[@]}")
   kill $pid; wait $pid 2>/dev/null || true
   echo "$label $j"

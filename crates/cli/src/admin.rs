@@ -324,8 +324,14 @@ pub async fn server(cmd: ServerCommand) -> Result<(), String> {
     }
     let started = Instant::now();
     let s = if drain {
+        // Done once no table is here or on its way here or away (a table dropped here
+        // is still migrating until its next owner has added it).
         wait_until(&coord, until, true, "drain", |s| {
-            owns(s, id) == 0 && !s.migrations.values().any(|m| m.to == id)
+            owns(s, id) == 0
+                && !s
+                    .migrations
+                    .values()
+                    .any(|m| m.to == id || m.from.is_some_and(|f| f.server == id))
         })
         .await?
     } else {

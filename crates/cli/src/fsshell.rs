@@ -193,7 +193,7 @@ pub async fn run(client: &Client, cmd: FsCommand) -> Result<(), String> {
                     a,
                 )]
             };
-            let now = kochab_server::core::now_ns();
+            let now = kochab_server::shared::now_ns();
             for (name, at) in entries {
                 let id = if inode {
                     format!("{:>20} ", at.id)

@@ -470,7 +470,7 @@ fn an_open_past_the_handle_limit_is_emfile_and_creates_nothing() {
         config.fsync = false;
         let server = kochab_server::start(config).await.expect("start");
         // A small limit stands in for the real one (a million handles).
-        server.shared().core().sessions = kochab_server::session::Sessions::with_handle_limit(3);
+        server.shared().set_handle_limit(3);
         let client = Client::connect(ClientConfig::new(server.addr, server.key))
             .await
             .expect("connect");

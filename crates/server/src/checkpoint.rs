@@ -12,8 +12,9 @@
 //!
 //! The store layout the checkpoints write (manifests and images) is in `manifest`.
 
-use crate::core::Shared;
 use crate::replycache::HandedOver;
+use crate::shared::Shared;
+use crate::tablepass::{TableChange, TableDone};
 use kochab_journal::JournalId;
 use kochab_journal::record::encode_record_with;
 use kochab_meta::{BoxImage, BoxSet, Table};
@@ -177,7 +178,7 @@ impl Checkpointer {
     fn save_replies(&self, shared: &Shared) -> io::Result<u64> {
         let (replies, lsn) = {
             let core = shared.core();
-            (core.replies.export(usize::MAX), shared.journal().last_lsn())
+            (core.replies.export(usize::MAX), core.last_lsn())
         };
         if !shared.journal().wait_durable(lsn) {
             return Err(io::Error::other("journal failed; checkpoint abandoned"));
@@ -222,18 +223,10 @@ impl Checkpointer {
 
     fn checkpoint_table(&mut self, shared: &Shared, lo: u64) -> io::Result<(usize, u64)> {
         let started = Instant::now();
-        let (start_lsn, set, full) = {
-            let mut core = shared.core();
-            let lsn = shared.journal().last_lsn();
-            let Some(i) = hosted_index(&core.engine, lo) else {
-                return Ok((0, 0));
-            };
-            let t = &mut core.engine.tables_mut()[i];
-            // A table loaded from format-1 images replaces all of them at once.
-            let full = t.take_needs_full() || self.manifests[&lo].wants_full();
-            let dirty = t.take_dirty();
-            let set = if full { t.all_boxes() } else { dirty };
-            (lsn, set, full)
+        let full = self.manifests[&lo].wants_full();
+        let (start_lsn, set, full) = match shared.table_step(TableChange::Snapshot { lo, full }) {
+            TableDone::Snapshot { set, full, last } => (last, set, full),
+            _ => return Ok((0, 0)),
         };
         let m = &self.manifests[&lo];
         let own_after = m.position_in(self.me).map_or(0, |p| p.after);
@@ -265,14 +258,7 @@ impl Checkpointer {
             }
             Err(e) => {
                 // The boxes are still unsaved: track them again for the next round.
-                let mut core = shared.core();
-                if let Some(i) = hosted_index(&core.engine, lo) {
-                    let t = &mut core.engine.tables_mut()[i];
-                    t.mark_dirty(&set);
-                    if full {
-                        t.set_needs_full();
-                    }
-                }
+                shared.table_step(TableChange::Unsaved { lo, set, full });
                 Err(e)
             }
         }
@@ -465,10 +451,8 @@ impl Checkpointer {
             .collect();
         shared.store().delete_many(&names)?;
         if let Some(p) = m.position_in(self.me) {
-            let mut core = shared.core();
-            if let Some(i) = hosted_index(&core.engine, m.lo) {
-                core.engine.tables_mut()[i].replay_from = p.after;
-            }
+            let (lo, after) = (m.lo, p.after);
+            shared.table_step(TableChange::ReplayFrom { lo, after });
         }
         self.manifests.insert(m.lo, m);
         Ok(())
@@ -554,33 +538,21 @@ impl Checkpointer {
         let Some(old) = self.manifests.get(&lo).cloned() else {
             return Ok(Err(SplitRefused::NoManifest(lo)));
         };
-        let (at, start_lsn, lower_set, upper_set) = {
-            let mut core = shared.core();
-            let at = match at {
-                Some(at) => at,
-                None => match core.engine.split_point(lo) {
-                    Ok(at) => at,
-                    Err(e) => return Ok(Err(e.into())),
-                },
+        let (at, start_lsn, lower_set, upper_set) =
+            match shared.table_step(TableChange::Split { lo, at }) {
+                TableDone::Split {
+                    at,
+                    lower,
+                    upper,
+                    last,
+                } => (at, last, lower, upper),
+                TableDone::SplitRefused(e) => return Ok(Err(e.into())),
+                _ => {
+                    return Err(io::Error::other(format!(
+                        "table {lo:016x} is not hosted after its split"
+                    )));
+                }
             };
-            if let Err(e) = core.engine.split_table(lo, at) {
-                return Ok(Err(e.into()));
-            }
-            let lsn = shared.journal().last_lsn();
-            // Both halves get full images: their dirty marks are covered.
-            let mut all_boxes = |t: u64| {
-                let i = hosted_index(&core.engine, t).ok_or_else(|| {
-                    io::Error::other(format!("table {t:016x} is not hosted after its split"))
-                })?;
-                let t = &mut core.engine.tables_mut()[i];
-                t.take_needs_full();
-                t.take_dirty();
-                Ok::<_, io::Error>(t.all_boxes())
-            };
-            let lower = all_boxes(lo)?;
-            let upper = all_boxes(at)?;
-            (at, lsn, lower, upper)
-        };
         let upper_img =
             self.write_image_object(shared, at, Source::Engine(at), &upper_set, 1, true)?;
         let lower_img = self.write_image_object(

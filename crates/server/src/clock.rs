@@ -113,6 +113,18 @@ impl SimulatedClock {
     }
 }
 
+/// The time as the shell read it for one step.
+#[derive(Clone, Copy, Debug)]
+pub struct Now {
+    /// Wall-clock nanoseconds (file times).
+    pub wall: TimeNs,
+    /// The monotonic instant (leases, callbacks, sessions).
+    pub instant: Instant,
+    /// The journal durable up to here when the step began (it only grows: a step that
+    /// reads it early is conservative).
+    pub durable: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,9 +20,11 @@
 //!   [`borrowed_op`] once the coordinator has moved them all here (BORROW); the last
 //!   operation using the borrow returns them (RETURN).
 
-use crate::core::{Core, Member, Parked, Refusal, Shared};
+use crate::core::{Core, Member, Parked, Refusal};
+
 use crate::keys::KeyStore;
 use crate::manifest::read_manifest_by_id;
+use crate::shared::Shared;
 use kochab_cluster::host::borrows::{BORROW_WAIT_MS, Borrows, Granted, Join};
 use kochab_cluster::host::load::{self, ClaimRefused, LoadCounter, LoadPlan};
 use kochab_cluster::host::{ends::Ends, ranges::Ranges};

@@ -6,10 +6,11 @@
 //! credentials then go through that key's policy (root squash, id ranges) before anything
 //! else sees them, and the key's revocation closes the connection at once.
 
-use crate::core::Shared;
 use crate::keys::{KeyConnection, KeyEntry};
 use crate::leases::Board;
 use crate::replaytags::SessionTags;
+use crate::shared::Shared;
+use crate::step::Event;
 use kochab_proto::auth::{
     ADMIN_KEY_ID, ReplayTag, Transcript, prove_server, session_id, verify_client,
 };
@@ -708,7 +709,6 @@ async fn read_loop(
     let mut reqs = Vec::new();
     let mut dones = Vec::new();
     let mut admin = Vec::new();
-    let mut replies = Vec::new();
     let data_slots = Arc::new(Semaphore::new(DATA_OPS_IN_FLIGHT));
     // A bad frame met by the read itself; it ends the connection where a bad frame met in
     // the buffer would (after the batch before it ran).
@@ -852,7 +852,12 @@ async fn read_loop(
         }
         if !reqs.is_empty() {
             let started = Instant::now();
-            let parked = shared.execute_batch(client, &reqs, &mut replies);
+            let fx = shared.step(Event::Requests {
+                client,
+                reqs: &reqs,
+                flushes: true,
+            });
+            let (parked, mut replies) = (fx.parked, fx.answers);
             // Requests that need other servers' tables, or other sessions' flushes, wait
             // for them in their own task; the rest of the connection goes on.
             if !parked.is_empty() {

@@ -5,27 +5,22 @@
 //! journal order is execution order. Replies wait until the journal is durable up to the
 //! last LSN the batch could have observed: nothing a client sees can be lost in a crash.
 
-use crate::clock::Clock;
-use crate::data::DataStore;
 use crate::leases::{Answered, Callbacks, Expired, Flushes, LeaseKey, Leases, Leasing, Urgency};
 use crate::locks::LockTable;
-use crate::metrics::Metrics;
+use crate::outbox::{CallbackTx, Outbox};
 use crate::replycache::{Outcome, ReplyCache};
 use crate::session::{EndedHandles, Sessions};
 use crate::unsettled::Unsettled;
-use kochab_breaks::{Break, Breaks};
+use kochab_breaks::Breaks;
 use kochab_journal::Journal;
 use kochab_meta::{Engine, Mutation};
 use kochab_proto::cluster::TableId;
 use kochab_proto::frame::encode_frame;
 use kochab_proto::*;
-use kochab_store::ObjectStore;
-use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 /// The payload of one journal record: one operation's mutations plus what the reply cache
@@ -135,14 +130,19 @@ pub struct Core {
     pub(crate) appended: FxHashMap<(u64, u64), (u64, kochab_proto::Attr)>,
     /// Writers that may hold writes back, and their flush callbacks (see `leases`).
     pub(crate) flushes: Flushes,
-    scratch: Vec<Mutation>,
+    /// The mutations of the last operation run (see [`Core::last_mutations`]).
+    pub(crate) scratch: Vec<Mutation>,
+    /// The LSN the next record gets: the core numbers its records, and the shell appends
+    /// them in that order under the lock (see `step`).
+    pub(crate) next_lsn: u64,
+    /// Records and callbacks not yet carried out.
+    pub(crate) out: Outbox,
+    /// Deliberate bugs switched on (only a simulation sets any, see `kochab_breaks`).
+    pub(crate) breaks: Breaks,
 }
 
-/// Frames a connection's writer sends ahead of its replies (callbacks).
-pub type CallbackTx = tokio::sync::mpsc::UnboundedSender<Vec<u8>>;
-
 /// Entries of `Core::modified` before it is pruned to the records not yet durable.
-const MODIFIED_PRUNE_AT: usize = 1 << 16;
+pub(crate) const MODIFIED_PRUNE_AT: usize = 1 << 16;
 
 /// Notes that `muts` were journaled at `lsn`.
 pub fn note_modified(modified: &mut FxHashMap<InodeId, u64>, muts: &[Mutation], lsn: u64) {
@@ -244,7 +244,49 @@ impl Core {
             appended: FxHashMap::default(),
             flushes: Flushes::default(),
             scratch: Vec::with_capacity(16),
+            next_lsn: 1,
+            out: Outbox::default(),
+            breaks: Breaks::NONE,
         }
+    }
+
+    /// Switches on deliberate bugs (a simulation's), here and in the lease bookkeeping.
+    pub fn set_breaks(&mut self, breaks: Breaks) {
+        self.breaks = breaks;
+        self.callbacks.breaks = breaks;
+        self.leases.breaks = breaks;
+    }
+
+    /// The next record journaled gets `lsn` (the journal's next).
+    pub(crate) fn number_records_from(&mut self, lsn: u64) {
+        debug_assert!(self.out.ends.is_empty());
+        self.next_lsn = lsn;
+        self.out.first_lsn = lsn;
+    }
+
+    /// True if `session` asked for leases on some connection.
+    pub(crate) fn is_leasing(&self, session: u64) -> bool {
+        self.lease_conns.contains_key(&session)
+    }
+
+    /// Forgets which inodes changed at records now durable, once there are `at` of them.
+    pub(crate) fn prune_modified(&mut self, at: usize, durable: u64) {
+        if self.modified.len() > at {
+            self.modified.retain(|_, lsn| *lsn > durable);
+        }
+    }
+
+    /// Notes the names a change found, for what its early reply depends on (see
+    /// `unsettled`).
+    pub(crate) fn note_found(
+        &mut self,
+        client: u64,
+        found: &[(InodeId, &[u8])],
+        lsn: u64,
+        durable: u64,
+    ) {
+        let depended = self.unsettled.note_found(client, found, lsn, durable);
+        self.depended = self.depended.max(depended);
     }
 
     /// The LSN a reply about `id` must wait for (0 if nothing about it is pending).
@@ -253,7 +295,7 @@ impl Core {
     }
 
     /// The LSN that must be durable before `reply` to `req` can be sent.
-    fn needed_lsn(&self, op: &Op, reply: &Reply) -> u64 {
+    pub(crate) fn needed_lsn(&self, op: &Op, reply: &Reply) -> u64 {
         let mut lsn = op
             .inode_ids()
             .into_iter()
@@ -353,13 +395,17 @@ impl Core {
     ) -> Option<u64> {
         let id = self.callbacks.issue(changer, holder, until, urgency, now)?;
         let mut frame = Vec::new();
-        let sent = encode_frame(&mut frame, FrameKind::Callback, id, &list).is_ok()
-            && self
-                .lease_conns
-                .get(&holder)
-                .is_some_and(|conns| conns.iter().any(|(_, tx)| tx.send(frame.clone()).is_ok()));
-        if !sent {
-            self.callbacks.cancel(id);
+        // To the first of its connections still open; the shell sends it (a connection
+        // that closes meanwhile ends the holder's leases with it, see `detach`).
+        let to = self
+            .lease_conns
+            .get(&holder)
+            .and_then(|conns| conns.iter().find(|(_, tx)| !tx.is_closed()));
+        match to {
+            Some((_, tx)) if encode_frame(&mut frame, FrameKind::Callback, id, &list).is_ok() => {
+                self.out.callbacks.push((tx.clone(), frame));
+            }
+            _ => self.callbacks.cancel(id),
         }
         Some(id)
     }
@@ -536,7 +582,7 @@ fn grant_shown(leases: &mut Leases, session: u64, reply: &Reply, now: Instant) {
 }
 
 /// The inodes whose attributes `reply` shows.
-fn shown_ids(reply: &Reply, out: &mut Vec<InodeId>) {
+pub(crate) fn shown_ids(reply: &Reply, out: &mut Vec<InodeId>) {
     match reply {
         Reply::Entry(a) | Reply::Attr(a) => out.push(a.id),
         Reply::Dir { entries, .. } => {
@@ -591,938 +637,27 @@ pub trait Member: std::any::Any + Send + Sync {
     fn coord_addrs(&self) -> Vec<String>;
 }
 
-/// Everything the connection tasks, the checkpointer and the admin paths share. Its fields
-/// are private: each is reached through a method that says what it is for, and the core
-/// lock is taken in one place, [`Shared::core`].
-pub struct Shared {
-    core: Mutex<Core>,
-    /// The runtime the server was started on: operations that outlive one turn of a
-    /// connection run there, not on a client's runtime that may serve the connection
-    /// (see `kochab_local`) and end before they do.
-    runtime: tokio::runtime::Handle,
-    journal: Journal,
-    store: Arc<dyn ObjectStore>,
-    metrics: Arc<Metrics>,
-    server_id: u64,
-    durable_mode: bool,
-    /// What `kochab status` says of the store (see `ServerConfig::store_description`).
-    store_description: String,
-    started: Instant,
-    /// Connections open, from accept to close (see [`Shared::count_connection`]).
-    connections: AtomicU64,
-    /// Numbers connections (callbacks name the connection they go to).
-    next_conn: AtomicU64,
-    /// File data.
-    data: Arc<DataStore>,
-    /// Orders writes against truncation, per file (see `filelocks`).
-    file_locks: crate::filelocks::FileLocks,
-    /// How long a client may stay disconnected before its session ends.
-    session_grace: std::time::Duration,
-    /// Wakes the task that works through `Core::cleanup`.
-    cleanup_wake: tokio::sync::Notify,
-    /// The manifests of the hosted tables; held for a whole checkpoint round, and by a
-    /// table's drop or add.
-    checkpointer: Mutex<crate::manifest::Checkpointer>,
-    /// Tables this member released lately, for a quick load when they come back.
-    released: Mutex<crate::released::ReleasedTables>,
-    /// The cluster key and the client keys, with their policies.
-    keys: Arc<crate::keys::KeyStore>,
-    /// Rate limit of the warnings about malformed frames (any peer can cause them).
-    bad_frame_log: crate::loglimit::LogLimiter,
-    /// The participant of a member under the coordinator; `None` for the single server of
-    /// `kochab up`, which hosts every table and admits everything.
-    cluster: Option<Arc<dyn Member>>,
-    /// Random per process, sent in the welcome: a client that finds another after losing
-    /// its connection replays what this process acknowledged early.
-    incarnation: u64,
-    /// Until when only replays are served (after a crash, see [`ReplayWindow`]).
-    replay_window: ReplayWindow,
-    /// Tags early replies and checks replays (the same at every server of the cluster).
-    replay_key: kochab_proto::auth::ReplayKey,
-    /// Grants, freed objects and compaction of file data as slice objects (`slicesvc`).
-    slice_work: crate::slicework::SliceWork,
-    /// Deliberate bugs switched on (only a simulation sets any, see `kochab_breaks`).
-    breaks: Breaks,
-    /// The clock of everything the core times (see `clock`).
-    clock: Clock,
-}
-
-/// What a server's start chose for its [`Shared`] state; the rest (counters, clocks, the
-/// incarnation) [`Shared::new`] makes itself.
-pub(crate) struct SharedParts {
-    pub core: Core,
-    pub journal: Journal,
-    pub store: Arc<dyn ObjectStore>,
-    pub metrics: Arc<Metrics>,
-    pub server_id: u64,
-    pub durable_mode: bool,
-    pub store_description: String,
-    pub data: Arc<DataStore>,
-    pub session_grace: std::time::Duration,
-    pub checkpointer: crate::manifest::Checkpointer,
-    pub keys: Arc<crate::keys::KeyStore>,
-    pub cluster: Option<Arc<dyn Member>>,
-    pub replay_key: kochab_proto::auth::ReplayKey,
-    pub slice_work: crate::slicework::SliceWork,
-    pub breaks: Breaks,
-    pub clock: Clock,
-}
-
-impl Shared {
-    /// The shared state of a server starting now, on the current runtime.
-    pub(crate) fn new(parts: SharedParts) -> Shared {
-        Shared {
-            core: Mutex::new(parts.core),
-            runtime: tokio::runtime::Handle::current(),
-            journal: parts.journal,
-            store: parts.store,
-            metrics: parts.metrics,
-            server_id: parts.server_id,
-            durable_mode: parts.durable_mode,
-            store_description: parts.store_description,
-            started: Instant::now(),
-            connections: AtomicU64::new(0),
-            next_conn: AtomicU64::new(1),
-            data: parts.data,
-            file_locks: Default::default(),
-            session_grace: parts.session_grace,
-            cleanup_wake: tokio::sync::Notify::new(),
-            checkpointer: Mutex::new(parts.checkpointer),
-            released: Default::default(),
-            keys: parts.keys,
-            bad_frame_log: Default::default(),
-            cluster: parts.cluster,
-            incarnation: kochab_proto::auth::random_u64(),
-            replay_window: ReplayWindow::new(parts.clock.clone()),
-            replay_key: parts.replay_key,
-            slice_work: parts.slice_work,
-            breaks: parts.breaks,
-            clock: parts.clock,
-        }
-    }
-
-    /// Takes the core lock: the one place it is taken, so that it can be measured. Hold it
-    /// briefly (no I/O, no await): every request of every connection waits for it.
-    pub fn core(&self) -> parking_lot::MutexGuard<'_, Core> {
-        self.core.lock()
-    }
-
-    /// The runtime the server was started on: spawn there what must outlive the turn of a
-    /// connection that starts it.
-    pub fn runtime(&self) -> &tokio::runtime::Handle {
-        &self.runtime
-    }
-
-    /// The journal every change is appended to.
-    pub fn journal(&self) -> &Journal {
-        &self.journal
-    }
-
-    /// The object store of the journal, the checkpoints and the manifests.
-    pub fn store(&self) -> &Arc<dyn ObjectStore> {
-        &self.store
-    }
-
-    /// The Prometheus metrics.
-    pub fn metrics(&self) -> &Arc<Metrics> {
-        &self.metrics
-    }
-
-    /// The number `kochab status` and the welcome name this server by.
-    pub fn server_id(&self) -> u64 {
-        self.server_id
-    }
-
-    /// File data.
-    pub fn data(&self) -> &Arc<DataStore> {
-        &self.data
-    }
-
-    /// The per-file locks that order writes against truncation.
-    pub fn file_locks(&self) -> &crate::filelocks::FileLocks {
-        &self.file_locks
-    }
-
-    /// How long a client may stay disconnected before its session ends.
-    pub fn session_grace(&self) -> std::time::Duration {
-        self.session_grace
-    }
-
-    /// Wakes the task that works through the cleanup queue.
-    pub fn wake_cleanup(&self) {
-        self.cleanup_wake.notify_one();
-    }
-
-    /// Waits until [`Shared::wake_cleanup`] is called.
-    pub async fn cleanup_woken(&self) {
-        self.cleanup_wake.notified().await;
-    }
-
-    /// The manifests of the hosted tables, locked (for a checkpoint round, or a table's
-    /// drop or add).
-    pub fn checkpointer(&self) -> parking_lot::MutexGuard<'_, crate::manifest::Checkpointer> {
-        self.checkpointer.lock()
-    }
-
-    /// The tables this member released lately, locked.
-    pub fn released(&self) -> parking_lot::MutexGuard<'_, crate::released::ReleasedTables> {
-        self.released.lock()
-    }
-
-    /// The cluster key and the client keys.
-    pub fn keys(&self) -> &Arc<crate::keys::KeyStore> {
-        &self.keys
-    }
-
-    /// Whether a warning about a malformed frame may be logged now: `Some(n)` with the
-    /// number suppressed since the last one, `None` while over the rate limit.
-    pub fn may_log_bad_frame(&self) -> Option<u64> {
-        self.bad_frame_log.allow(Instant::now())
-    }
-
-    /// The participant of a member under the coordinator (`None`: the single server).
-    pub fn cluster(&self) -> Option<&Arc<dyn Member>> {
-        self.cluster.as_ref()
-    }
-
-    /// Random per process, sent in the welcome (a client that finds another replays what
-    /// it kept).
-    pub fn incarnation(&self) -> u64 {
-        self.incarnation
-    }
-
-    /// The window after a crash in which only replays run.
-    pub fn replay_window(&self) -> &ReplayWindow {
-        &self.replay_window
-    }
-
-    /// The key that tags early replies and checks replays.
-    pub fn replay_key(&self) -> &kochab_proto::auth::ReplayKey {
-        &self.replay_key
-    }
-
-    /// Grants, freed objects and compaction of file data as slice objects.
-    pub fn slice_work(&self) -> &crate::slicework::SliceWork {
-        &self.slice_work
-    }
-
-    /// The clock of everything the core times: leases, callbacks, sessions, the replay
-    /// window, file times (the system's, but in a simulation).
-    pub fn clock(&self) -> &Clock {
-        &self.clock
-    }
-
-    /// Whether the deliberate bug `b` is switched on (only ever in a simulation).
-    pub(crate) fn has_break(&self, b: Break) -> bool {
-        self.breaks.has(b)
-    }
-
-    /// Counts one more open connection, unless `max` are open already (then false).
-    pub fn count_connection(&self, max: u64) -> bool {
-        if self.connections.fetch_add(1, Ordering::Relaxed) >= max {
-            self.connections.fetch_sub(1, Ordering::Relaxed);
-            return false;
-        }
-        true
-    }
-
-    /// Uncounts a connection [`Shared::count_connection`] counted.
-    pub fn uncount_connection(&self) {
-        self.connections.fetch_sub(1, Ordering::Relaxed);
-    }
-
-    /// The number of connections open.
-    pub fn open_connections(&self) -> u64 {
-        self.connections.load(Ordering::Relaxed)
-    }
-
-    /// A number for a new connection, never given before in this process.
-    pub fn next_conn_id(&self) -> u64 {
-        self.next_conn.fetch_add(1, Ordering::Relaxed)
+/// Encodes one record's payload at the end of `buf`.
+pub(crate) fn encode_entry(buf: Vec<u8>, entry: &JournalEntryRef<'_>) -> Vec<u8> {
+    match postcard::to_extend(entry, buf) {
+        Ok(b) => b,
+        // Serializing our own in-memory types into a Vec cannot fail; if it does the
+        // journal would diverge from memory, so stop loudly.
+        Err(e) => panic!("journal entry does not serialize: {e}"),
     }
 }
 
-/// What the other files ask of the core with one hold of its lock. Each method does one
-/// thing, so the files that take the lock themselves are those that must do several under
-/// one hold (run operations, checkpoint, move tables).
-impl Shared {
-    /// The root directory's inode.
-    pub fn root(&self) -> InodeId {
-        self.core().engine.root()
-    }
-
-    /// The engine's configuration (a member started beside this server uses the same).
-    pub fn engine_config(&self) -> kochab_meta::EngineConfig {
-        self.core().engine.config().clone()
-    }
-
-    /// The tables hosted here, as (lo, hi) bounds of their id ranges.
-    pub fn hosted_tables(&self) -> Vec<(u64, u64)> {
-        let core = self.core();
-        core.engine.tables().iter().map(|t| (t.lo, t.hi)).collect()
-    }
-
-    /// What the engine's invariant checker finds wrong (empty: nothing).
-    pub fn check_invariants(&self) -> Vec<String> {
-        self.core().engine.check_invariants()
-    }
-
-    /// The inode `name` in directory `dir` names, if any.
-    pub fn lookup(&self, dir: InodeId, name: &[u8]) -> Option<InodeId> {
-        self.core().engine.child(dir, name)
-    }
-
-    /// The size of file `id`, if it exists.
-    pub fn file_size(&self, id: InodeId) -> Option<u64> {
-        self.core().engine.inode(id).map(|i| i.size)
-    }
-
-    /// What the reply cache remembers of request `seq` of `session` (`None`: nothing).
-    pub fn reply_cached(&self, session: u64, seq: u64) -> Option<Outcome> {
-        self.core().replies.get(session, seq)
-    }
-
-    /// A connection of `session` begins (see [`Core::attach`]); returns the session's board.
-    pub fn attach(
-        &self,
-        session: u64,
-        conn_id: u64,
-        callbacks: Option<CallbackTx>,
-    ) -> Arc<crate::leases::Board> {
-        self.core().attach(session, conn_id, callbacks)
-    }
-
-    /// A connection of `session` ended (see [`Core::detach`]).
-    pub fn detach(&self, session: u64, conn_id: u64) {
-        let now = self.clock.now();
-        self.core().detach(session, conn_id, now);
-    }
-
-    /// Session `from` answered the callbacks `ids` (see [`Core::callbacks_answered`]).
-    pub fn callbacks_answered(&self, from: u64, ids: &[u64]) -> (bool, usize) {
-        let now = self.clock.now();
-        self.core().callbacks_answered(from, ids, now)
-    }
-
-    /// The board where the replies of `changer` wait for the callbacks its changes caused.
-    pub fn callback_board(&self, changer: u64) -> Arc<crate::leases::Board> {
-        self.core().callbacks.board(changer)
-    }
-
-    /// When the next callback in flight runs out, if any is.
-    pub fn next_callback_deadline(&self) -> Option<Instant> {
-        self.core().callbacks.next_deadline()
-    }
-
-    /// Ends the callbacks whose deadline passed (their holders go into default).
-    pub fn expire_callbacks(&self) -> Expired {
-        let now = self.clock.now();
-        self.core().expire_callbacks(now)
-    }
-
-    /// Up to `max` reclaim entries after `after` (id, generation), in order.
-    pub fn pending_reclaims(&self, after: (InodeId, u64), max: usize) -> Vec<kochab_meta::Reclaim> {
-        self.core().engine.pending_reclaims(after, max)
-    }
-
-    /// The reclaim entry of a file generation as it is now, and whether that generation
-    /// is still live (then the entry is a trim, else the deletion of a removed file).
-    pub fn reclaim_now(
-        &self,
-        id: InodeId,
-        generation: u64,
-    ) -> (Option<kochab_meta::Reclaim>, bool) {
-        let core = self.core();
-        let live = core
-            .engine
-            .inode(id)
-            .is_some_and(|i| i.btime as u64 == generation);
-        (core.engine.reclaim_of(id, generation), live)
-    }
-
-    /// Journals the reclaim entries `done` as finished (their deletions are durable), in
-    /// one record.
-    pub fn finish_reclaims(&self, done: &[kochab_meta::Reclaim]) {
-        let mut core = self.core();
-        let muts: Vec<_> = done
-            .iter()
-            .flat_map(|r| core.engine.finish_reclaim(r))
-            .collect();
-        self.journal_now(&mut core, 0, &muts);
-    }
-
-    /// Queues cleanup work and wakes the task that works through it.
-    pub fn queue_cleanup(&self, work: Cleanup) {
-        self.core().cleanup.push_back(work);
-        self.wake_cleanup();
-    }
-}
-
-/// How long a server recovered from a crash runs no change but replays: clients that hold
-/// early replies the crash lost reconnect (their retries are at most 1.6 s apart) and
-/// replay them before anyone else's new operation can take the names or ids they need.
-/// As long as a lease, too: the crash forgot who caches what, so no change may become
-/// visible before every lease the last incarnation granted ran out.
-pub const REPLAY_WINDOW: std::time::Duration = crate::leases::LEASE;
-
-/// The window after a crash in which only replayed changes run; other changes wait for its
-/// end (reads do not). A replay is admitted only with a replay tag that verifies for its
-/// session (see `replaytags::SessionTags`): setting the mode is not enough.
-pub struct ReplayWindow {
-    until: Mutex<Option<Instant>>,
-    clock: Clock,
-}
-
-impl ReplayWindow {
-    /// A closed window, timed by `clock`.
-    pub fn new(clock: Clock) -> ReplayWindow {
-        ReplayWindow {
-            until: Mutex::new(None),
-            clock,
-        }
-    }
-
-    /// Opens (or extends) the window for [`REPLAY_WINDOW`] from now.
-    pub fn open(&self) {
-        let until = self.clock.now() + REPLAY_WINDOW;
-        let mut w = self.until.lock();
-        *w = Some(w.map_or(until, |u| u.max(until)));
-    }
-
-    /// Ends the window now: every client has replayed what it kept (a simulation, whose
-    /// clients replay at once, says so; a served core waits the window out).
-    pub fn close(&self) {
-        *self.until.lock() = None;
-    }
-
-    /// How long until the window ends (zero when it is not open), on its clock: what a
-    /// new change waits.
-    pub fn left(&self) -> std::time::Duration {
-        self.until().map_or(std::time::Duration::ZERO, |u| {
-            u.saturating_duration_since(self.clock.now())
-        })
-    }
-
-    /// The end of the window, while it is open.
-    pub fn until(&self) -> Option<Instant> {
-        let mut w = self.until.lock();
-        match *w {
-            Some(u) if u > self.clock.now() => Some(u),
-            Some(_) => {
-                *w = None;
-                None
-            }
-            None => None,
-        }
-    }
-}
-
-/// Nanoseconds since the epoch from the system clock (for tools beside the core; the
-/// core stamps files by [`Shared::clock`]).
-pub fn now_ns() -> TimeNs {
-    Clock::system().wall_ns()
-}
-
-/// Appends one engine result to the journal; the caller holds the core lock.
-pub fn journal_entry(
-    journal: &Journal,
-    client: u64,
-    seq: u64,
-    seq_floor: u64,
-    outcome: Outcome,
-    muts: &[Mutation],
-) -> u64 {
+/// Appends a record before the core exists (a new cluster's root); later ones leave
+/// through the core's outbox (see `step`).
+pub fn journal_before_core(journal: &Journal, muts: &[Mutation]) -> u64 {
     let entry = JournalEntryRef {
-        client,
-        seq,
-        seq_floor,
-        outcome,
+        client: 0,
+        seq: 0,
+        seq_floor: 0,
+        outcome: None,
         muts,
     };
-    journal.append_deferred(|buf| {
-        let taken = std::mem::take(buf);
-        *buf = match postcard::to_extend(&entry, taken) {
-            Ok(b) => b,
-            // Serializing our own in-memory types into a Vec cannot fail; if it does the
-            // journal would diverge from memory, so stop loudly.
-            Err(e) => panic!("journal entry does not serialize: {e}"),
-        };
-    })
-}
-
-/// The inode an operation's reply names, remembered for retries.
-fn outcome_of(reply: &Reply) -> Outcome {
-    match reply {
-        Reply::Entry(a) => Some(a.id),
-        _ => None,
-    }
-}
-
-impl Shared {
-    /// Runs at most [`CLEANUP_ITEMS_PER_RECORD`] items of queued cleanup and journals their
-    /// mutations as one record; the caller holds the core lock (and releases it before the
-    /// next batch). True if more is queued.
-    pub fn cleanup_batch(&self, core: &mut Core) -> bool {
-        let mut muts = Vec::new();
-        let mut left = CLEANUP_ITEMS_PER_RECORD;
-        while left > 0 {
-            let Some(work) = core.cleanup.front_mut() else {
-                break;
-            };
-            let taken = left;
-            match work {
-                Cleanup::Closes(handles) => {
-                    for of in handles.by_ref().take(taken) {
-                        muts.extend(core.engine.close_ref(of.id));
-                        left -= 1;
-                    }
-                }
-                Cleanup::Orphans(ids) => {
-                    for id in ids.by_ref().take(taken) {
-                        muts.extend(core.engine.drop_if_orphan(id));
-                        left -= 1;
-                    }
-                }
-                Cleanup::ArrivedCloses(ids) => {
-                    for id in ids.by_ref().take(taken) {
-                        muts.extend(core.engine.close_ref(id));
-                        left -= 1;
-                    }
-                }
-            }
-            if left > 0 {
-                // This item ran dry before the batch was full.
-                core.cleanup.pop_front();
-            }
-        }
-        self.journal_now(core, 0, &muts);
-        !core.cleanup.is_empty()
-    }
-
-    /// Works through the cleanup queue one batch per hold of the core lock, until it is
-    /// empty.
-    pub async fn run_cleanup(&self) {
-        while self.cleanup_batch(&mut self.core()) {
-            tokio::task::yield_now().await;
-        }
-    }
-
-    /// Waits until `reader` may see `ids`: every other session that may hold writes of
-    /// them back has sent them (or failed to answer within a lease).
-    /// Once: a writer that did not answer within a lease is not asked again.
-    pub async fn wait_flushes(&self, reader: u64, ids: &[InodeId]) {
-        let wait = {
-            let mut core = self.core();
-            if core.flushes.is_empty() {
-                return;
-            }
-            core.call_flushes(reader, ids.iter().copied(), self.clock.now())
-        };
-        if !wait.is_empty() {
-            self.wait_answered(&wait).await;
-        }
-    }
-
-    /// Waits until none of the callbacks `ids` is pending (answered, or run out).
-    pub async fn wait_answered(&self, ids: &[u64]) {
-        let started = Instant::now();
-        self.wait_pending(ids).await;
-        self.metrics
-            .flush_wait_seconds
-            .observe(started.elapsed().as_secs_f64());
-    }
-
-    async fn wait_pending(&self, ids: &[u64]) {
-        loop {
-            let mut ended = {
-                let core = self.core();
-                if !ids.iter().any(|&id| core.callbacks.is_pending(id)) {
-                    return;
-                }
-                core.callbacks.watch_ended()
-            };
-            if ended.changed().await.is_err() {
-                return;
-            }
-        }
-    }
-
-    /// Runs a batch of requests of one client; returns each reply with the LSN that must
-    /// be durable before it is sent. Some requests are returned instead of a reply
-    /// ([`Parked`]): those that must wait for other sessions' flushes, and at a member
-    /// those that need tables other servers hold (run them with
-    /// [`crate::cluster_host::parked_op`]).
-    pub fn execute_batch(
-        &self,
-        client: u64,
-        reqs: &[(u64, Request)],
-        replies: &mut Vec<Answer>,
-    ) -> Vec<(u64, Parked)> {
-        self.run_batch(client, reqs, replies, true)
-    }
-
-    /// [`Shared::execute_batch`] for a request that already waited for flushes once: it
-    /// waits for none again (a writer that did not answer within a lease is not asked
-    /// again and again; one that opened the file since wrote after this request began).
-    pub fn execute_flushed(
-        &self,
-        client: u64,
-        req: &(u64, Request),
-        replies: &mut Vec<Answer>,
-    ) -> Vec<(u64, Parked)> {
-        self.run_batch(client, std::slice::from_ref(req), replies, false)
-    }
-
-    fn run_batch(
-        &self,
-        client: u64,
-        reqs: &[(u64, Request)],
-        replies: &mut Vec<Answer>,
-        flushes: bool,
-    ) -> Vec<(u64, Parked)> {
-        let now = self.clock.wall_ns();
-        let mut parked = Vec::new();
-        let mut core = self.core();
-        let leasing = core.lease_conns.contains_key(&client);
-        let granted = self.clock.now();
-        let mut depended = false;
-        for (rid, req) in reqs {
-            core.take_depended();
-            // Files another session may hold writes of: they are sent first (an open of
-            // an existing name by create too: it may truncate, and shows the size).
-            if flushes && !core.flushes.is_empty() {
-                let existing = match &req.op {
-                    Op::Create { parent, name, .. } => core.engine.child(*parent, name),
-                    _ => None,
-                };
-                let ids = req.op.inode_ids().into_iter().flatten().chain(existing);
-                let wait = core.call_flushes(client, ids, granted);
-                if !wait.is_empty() {
-                    parked.push((*rid, Parked::Flush(wait)));
-                    continue;
-                }
-            }
-            // A member runs only what its participant admits (see `cluster_host`).
-            let admitted = match &self.cluster {
-                Some(host) => match host.admit_op(&core, client, &req.op) {
-                    Ok(tables) => tables,
-                    Err(Refusal::Reply(reply)) => {
-                        replies.push(Answer::now(*rid, *reply));
-                        continue;
-                    }
-                    Err(Refusal::Borrow(tables)) => {
-                        parked.push((*rid, Parked::Borrow(tables)));
-                        continue;
-                    }
-                },
-                None => Vec::new(),
-            };
-            let before = self.journal.last_lsn();
-            let global = matches!(
-                req.op,
-                Op::Status | Op::StatFs | Op::Fsck | Op::FsckLinks { .. } | Op::FsckInodes { .. }
-            );
-            // Only a replay whose tag verified gets here in this mode (the connection
-            // refuses the others, see `replaytags::SessionTags`).
-            core.engine.want_id = match req.mode {
-                ReplyMode::Replay { want_id, .. }
-                    if want_id != 0 && !self.breaks.has(Break::WantId) =>
-                {
-                    Some(want_id)
-                }
-                _ => None,
-            };
-            let reply = match req.op {
-                Op::Status => Reply::Status(self.status(&core)),
-                Op::StatFs => self.statfs(&mut core, req, now),
-                Op::Open { .. }
-                | Op::Create { .. }
-                | Op::Close { .. }
-                | Op::CloseMany { .. }
-                | Op::GetLk { .. }
-                | Op::SetLk { .. }
-                | Op::ReleaseLocks { .. }
-                | Op::EndSession => self.session_op(&mut core, client, req, now),
-                _ => self.execute_one(&mut core, client, req, now),
-            };
-            core.engine.want_id = None;
-            let after = self.journal.last_lsn();
-            // An operation that journaled waits for its record; every reply waits for what
-            // it observed; whole-server answers wait for everything.
-            let own = if after > before || global { after } else { 0 };
-            let reply = match &self.cluster {
-                Some(host) => match host.fix_reply(&mut core.engine, &admitted, reply) {
-                    Ok(reply) => reply,
-                    Err(refusal) => {
-                        // It changed nothing (a failed operation emits no mutation).
-                        host.op_done(admitted, 0, 0);
-                        match refusal {
-                            Refusal::Borrow(tables) => parked.push((*rid, Parked::Borrow(tables))),
-                            Refusal::Reply(reply) => replies.push(Answer::now(*rid, *reply)),
-                        }
-                        continue;
-                    }
-                },
-                None => reply,
-            };
-            // Attributes of a file another session may hold writes of, which only the
-            // reply named (a lookup, a listing): asked again after the flush. A change
-            // cannot be undone: the writer is called back, and the reply goes as it is.
-            if flushes && !core.flushes.is_empty() {
-                let mut ids = Vec::new();
-                shown_ids(&reply, &mut ids);
-                let wait = core.call_flushes(client, ids, granted);
-                if !wait.is_empty() && after == before {
-                    if let Some(host) = &self.cluster {
-                        host.op_done(admitted, 0, 0);
-                    }
-                    parked.push((*rid, Parked::Flush(wait)));
-                    continue;
-                }
-            }
-            let needed = match self.breaks.has(Break::ReplyBeforeDurable) {
-                false => own.max(core.needed_lsn(&req.op, &reply)),
-                true => 0,
-            };
-            if let Some(host) = &self.cluster {
-                host.op_done(admitted, needed, self.journal.durable_lsn());
-            }
-            let reply = if after > before {
-                with_changed_dirs(&core.engine, &req.op, reply)
-            } else {
-                reply
-            };
-            if leasing {
-                core.grant_leases(client, &req.op, &reply, granted);
-            }
-            let early_after = match self.breaks.has(Break::DependentEarly) {
-                false => core.take_depended(),
-                true => 0,
-            };
-            depended |= early_after != 0;
-            replies.push(Answer {
-                rid: *rid,
-                reply,
-                lsn: needed,
-                early_after,
-            });
-        }
-        if core.modified.len() > MODIFIED_PRUNE_AT {
-            let durable = self.journal.durable_lsn();
-            core.modified.retain(|_, lsn| *lsn > durable);
-        }
-        drop(core);
-        // Early replies do not wait for the journal: their records go with the next flush
-        // (within `LAZY_FLUSH`); anything else in the batch waits for one now (a change
-        // that depended on another session's too: it is not answered early).
-        if depended || reqs.iter().any(|(_, r)| r.mode != ReplyMode::Early) {
-            self.journal.flush_now();
-        }
-        parked
-    }
-
-    /// Runs one engine operation with the reply cache and the journal; its mutations stay
-    /// readable in `core.last_mutations()` until the next one.
-    pub(crate) fn execute_traced(
-        &self,
-        core: &mut Core,
-        client: u64,
-        req: &Request,
-        now: TimeNs,
-    ) -> Reply {
-        self.execute_one(core, client, req, now)
-    }
-
-    fn execute_one(&self, core: &mut Core, client: u64, req: &Request, now: TimeNs) -> Reply {
-        let cached = req.seq != 0 && req.op.needs_reply_cache();
-        if req.seq_floor != 0 {
-            core.replies.acknowledge(client, req.seq_floor);
-        }
-        if cached
-            && !self.breaks.has(Break::ReplyCache)
-            && let Some(outcome) = core.replies.get(client, req.seq)
-        {
-            core.scratch.clear();
-            let replay = matches!(req.mode, ReplyMode::Replay { .. });
-            return retry_reply(&mut core.engine, &req.op, outcome, replay);
-        }
-        let mut muts = std::mem::take(&mut core.scratch);
-        muts.clear();
-        let reply = core.engine.execute(&req.cred, &req.op, now, &mut muts);
-        // A change that succeeded without changing anything (a rename between two names of
-        // one inode) is journaled too, as a record without mutations: its reply-cache
-        // entry must outlive a crash as any other's, or a replay of its early reply would
-        // run it again on a namespace that later changes moved on.
-        // (Only a success: an error or WRONG_SERVER ran nothing, and a member reruns the
-        // latter once it borrowed the tables, which a cached outcome would answer instead.)
-        let noop_change =
-            cached && muts.is_empty() && matches!(reply, Reply::Empty | Reply::Entry(_));
-        if !muts.is_empty() || noop_change {
-            let outcome = outcome_of(&reply);
-            let lsn = journal_entry(
-                &self.journal,
-                client,
-                if cached { req.seq } else { 0 },
-                req.seq_floor,
-                outcome,
-                &muts,
-            );
-            let durable = self.journal.durable_lsn();
-            core.journaled(client, &muts, lsn, durable, self.clock.now());
-            if noop_change
-                && let Op::Rename {
-                    parent,
-                    name,
-                    new_parent,
-                    new_name,
-                    ..
-                } = &req.op
-            {
-                let found = [
-                    (*parent, name.as_slice()),
-                    (*new_parent, new_name.as_slice()),
-                ];
-                let depended = core.unsettled.note_found(client, &found, lsn, durable);
-                core.depended = core.depended.max(depended);
-            }
-            if cached {
-                core.replies.insert(client, req.seq, outcome);
-            }
-        }
-        core.scratch = muts;
-        reply
-    }
-
-    fn statfs(&self, core: &mut Core, req: &Request, now: TimeNs) -> Reply {
-        let Core {
-            engine, scratch, ..
-        } = core;
-        let reply = engine.execute(&req.cred, &req.op, now, scratch);
-        // File data's store, the cluster's (on S3, a large fixed figure: see
-        // `kochab_s3store::REPORTED_CAPACITY`).
-        match (reply, self.data.capacity()) {
-            (Reply::StatFs(mut s), Ok(c)) => {
-                let bs = s.bsize as u64;
-                s.blocks = c.total_bytes / bs;
-                s.bfree = c.free_bytes / bs;
-                s.bavail = c.free_bytes / bs;
-                Reply::StatFs(s)
-            }
-            (Reply::StatFs(_), Err(e)) => {
-                Reply::Error(fs_err!(EIO, "cannot read store capacity: {e}"))
-            }
-            (other, _) => other,
-        }
-    }
-
-    /// The server's state for `kochab status`.
-    pub fn status(&self, core: &Core) -> StatusReport {
-        let tables = core
-            .engine
-            .tables()
-            .iter()
-            .map(|t| TableStatus {
-                lo: t.lo,
-                hi: t.hi,
-                region: kochab_meta::Region::of(t.lo).label().to_string(),
-                inodes: t.inode_count(),
-                dentries: t.dentry_count(),
-                checkpoint_lsn: t.replay_from,
-            })
-            .collect();
-        let (inodes, dentries) = core.engine.counts();
-        StatusReport {
-            server_id: self.server_id,
-            pid: std::process::id(),
-            epoch: self.journal.id().epoch,
-            coordinators: self
-                .cluster
-                .as_ref()
-                .map(|h| h.coord_addrs())
-                .unwrap_or_default(),
-            uptime_ms: self.started.elapsed().as_millis() as u64,
-            tables,
-            inodes,
-            dentries,
-            journal_bytes: self.journal.bytes(),
-            journal_segments: self.journal.segments(),
-            applied_lsn: self.journal.last_lsn(),
-            durable_lsn: self.journal.durable_lsn(),
-            rss_bytes: crate::metrics::rss_bytes(),
-            connections: self.connections.load(Ordering::Relaxed),
-            durable_mode: self.durable_mode,
-            store: self.store_description.clone(),
-            slices: self.slice_work().counters(),
-        }
-    }
-
-    /// Updates the gauges that are sampled rather than counted.
-    pub fn refresh_gauges(&self) {
-        let m = &self.metrics;
-        m.rss_bytes.set(crate::metrics::rss_bytes() as i64);
-        m.journal_bytes.set(self.journal.bytes() as i64);
-        m.connections
-            .set(self.connections.load(Ordering::Relaxed) as i64);
-        let core = self.core();
-        m.data_reclaims_pending
-            .set(core.engine.pending_reclaim_count() as i64);
-        for t in core.engine.tables() {
-            let label = crate::metrics::TableLabel {
-                table: format!("{:016x}", t.lo),
-            };
-            m.table_inodes
-                .get_or_create(&label)
-                .set(t.inode_count() as i64);
-            m.table_dentries
-                .get_or_create(&label)
-                .set(t.dentry_count() as i64);
-        }
-    }
-}
-
-/// Adds to a namespace change's reply the attributes of the directories it changed (those
-/// hosted here); their changes are in this operation's record, which the reply waits for.
-fn with_changed_dirs(engine: &Engine, op: &Op, reply: Reply) -> Reply {
-    if matches!(reply, Reply::Error(_) | Reply::WrongServer { .. }) {
-        return reply;
-    }
-    let dirs: Vec<Attr> = op
-        .changed_dirs()
-        .into_iter()
-        .flatten()
-        .filter_map(|d| engine.inode(d).map(|i| i.attr(d)))
-        .filter(|a| a.kind() == Some(FileKind::Dir))
-        .collect();
-    if dirs.is_empty() {
-        return reply;
-    }
-    Reply::WithDirs {
-        reply: Box::new(reply),
-        dirs,
-    }
-}
-
-/// The answer to a retry of an operation that already ran. A create's inode may be gone
-/// since (the client removed it): a plain retry (its first reply was lost) is told so
-/// (ESTALE); a replay of an early reply is told it is done, for it is (its record is in
-/// the journal) and its client acted on the first reply long ago. At a member that does
-/// not hold the inode's table (the first attempt borrowed it) the answer is WRONG_SERVER,
-/// as for any operation: the member borrows the table and answers then.
-fn retry_reply(engine: &mut Engine, op: &Op, outcome: Outcome, replay: bool) -> Reply {
-    match (op, outcome) {
-        (Op::Mknod { .. } | Op::Mkdir { .. } | Op::Symlink { .. } | Op::Link { .. }, Some(id)) => {
-            match engine.attr_for_retry(id) {
-                Ok(Some(attr)) => Reply::Entry(attr),
-                Err(wrong_server) => *wrong_server,
-                Ok(None) if replay => Reply::Empty,
-                Ok(None) => Reply::Error(fs_err!(
-                    ESTALE,
-                    "created by the first attempt, removed before this retry"
-                )),
-            }
-        }
-        _ => Reply::Empty,
-    }
+    journal.append_deferred(|buf| *buf = encode_entry(std::mem::take(buf), &entry))
 }
 
 #[cfg(test)]

@@ -2,10 +2,12 @@
 //! open file's data lock and generation check, the pending trim finished before any data
 //! operation, storage work on the blocking pool, and the write request's bounds.
 
-use crate::core::{Core, Shared, journal_entry};
+use crate::datapass::current_generation;
+
 use crate::filelocks::FileGuard;
 use crate::session::OpenFile;
-use kochab_meta::{Mutation, Reclaim};
+use crate::shared::Shared;
+use kochab_meta::Reclaim;
 use kochab_proto::*;
 
 /// Chunks one blocking call of a long data operation (a reclaim's deletions, a fallocate's
@@ -37,49 +39,6 @@ pub(crate) fn end_within_limit(offset: u64, len: u64) -> Result<u64, FsError> {
                 "range at {offset} of {len} bytes passes the largest file size {FILE_BYTES_MAX}"
             )
         })
-}
-
-/// Who writes, and how the reply is wanted.
-pub(crate) struct WriteReq<'a> {
-    pub cred: &'a Credentials,
-    /// The request's sequence number (0: none). An append has one, and so does a write
-    /// answered early: a retry or a replay of one already done is answered, not run again.
-    pub seq: u64,
-    pub mode: ReplyMode,
-}
-
-/// Journals a write's change (`muts`: size and times, or committed refs) as one record of
-/// `client`; returns its LSN (0: nothing to journal).
-///
-/// Rule: a write with a sequence number (answered early, or an append) is journaled with
-/// it and enters the reply cache, so that a retry or a replay of it, after a crash too, is
-/// answered and not run again (an append run twice adds its bytes twice). One answered
-/// durably is flushed now, and its reply does not wait (a write is not durable before
-/// fsync anyway); one answered early goes with the next flush. Returns the record's LSN
-/// (0: none) and whether an early reply must wait for it.
-pub(crate) fn journal_write(
-    shared: &Shared,
-    core: &mut Core,
-    client: u64,
-    how: &WriteReq<'_>,
-    id: InodeId,
-    muts: &[Mutation],
-) -> (u64, bool) {
-    if how.mode == ReplyMode::Durable && how.seq == 0 {
-        return (shared.journal_now(core, client, muts), false);
-    }
-    let lsn = journal_entry(shared.journal(), client, how.seq, 0, Some(id), muts);
-    let durable = shared.journal().durable_lsn();
-    let depended = core.journaled(client, muts, lsn, durable, shared.clock().now());
-    if how.seq != 0 {
-        core.replies.insert(client, how.seq, Some(id));
-    }
-    if how.mode == ReplyMode::Durable {
-        shared.journal().flush_now();
-    }
-    // An early reply to a write that depended on another session's change not yet
-    // durable waits for its record instead (see `unsettled`).
-    (lsn, how.mode != ReplyMode::Durable && depended != 0)
 }
 
 /// The reply to a write (sequence number `seq` of `client`) that already ran: its file's
@@ -186,21 +145,6 @@ pub(crate) async fn delete_reclaimed(
     let data = shared.data().clone();
     blocking("reclaim", move || data.end_reclaim(&r)).await?;
     Ok((!plan.chunks.is_empty()).then(|| crate::data::DataStore::durable_dir(&r)))
-}
-
-pub(crate) fn fail(f: kochab_meta::Fail) -> FsError {
-    match f {
-        kochab_meta::Fail::Fs(e) => e,
-        kochab_meta::Fail::NotHosted(id) => kochab_meta::not_in_any_table(id),
-    }
-}
-
-/// Checks that the handle's file is still the same generation (ids are reused).
-pub(crate) fn current_generation(core: &Core, of: &OpenFile) -> Result<(), FsError> {
-    match core.engine.inode(of.id) {
-        Some(i) if i.btime as u64 == of.generation => Ok(()),
-        _ => Err(fs_err!(ESTALE, "the file of this handle is gone")),
-    }
 }
 
 /// A change answered early that depended on another session's change not yet durable

@@ -1,26 +1,23 @@
-//! The file service: open handles, locks and the data path.
+//! The file service: the data path.
 //!
 //! Session operations (open, create, close, locks) run inside a batch under the core lock
-//! like any metadata operation. Data operations (read, write, fsync, fallocate, and
+//! like any metadata operation (`opens`). Data operations (read, write, fsync, fallocate, and
 //! truncation) run as their own tasks: the core lock is taken only for the metadata part,
 //! the chunk I/O runs on the blocking pool in bounded calls, and the file's own data lock
 //! (`filelocks`) orders writes against truncation, so that a truncation's data trim can
 //! never destroy a later write and only that file waits for it.
 
-use crate::core::{Cleanup, Core, Shared, journal_entry};
 use crate::data::chunk_batches;
+use crate::datapass::{DataChange, DataDone, WriteReq};
 use crate::fileaccess::{
-    DATA_BATCH_CHUNKS, WriteReq, blocking, current_generation, end_within_limit, fail,
-    journal_write, lock_file, run_reclaim, write_done_before,
+    DATA_BATCH_CHUNKS, blocking, end_within_limit, lock_file, run_reclaim, write_done_before,
 };
-use crate::leases::Urgency;
-use crate::session::{OpenFile, Registered};
+use crate::session::OpenFile;
+use crate::shared::Shared;
 use kochab_breaks::Break;
-use kochab_meta::Mutation;
-use kochab_meta::files::{open_flags, reads, writes};
+use kochab_meta::files::{reads, writes};
 use kochab_proto::*;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// Largest read or write in one request (a FUSE request is at most 1 MiB).
 pub const IO_MAX: usize = 4 << 20;
@@ -28,7 +25,6 @@ pub const IO_MAX: usize = 4 << 20;
 const FALLOC_FL_KEEP_SIZE: u32 = 0x01;
 const FALLOC_FL_PUNCH_HOLE: u32 = 0x02;
 const FALLOC_FL_ZERO_RANGE: u32 = 0x10;
-const O_EXCL: u32 = 0o200;
 
 /// True for operations served by [`data_op`] rather than in a batch.
 pub fn is_data_op(op: &Op) -> bool {
@@ -44,240 +40,7 @@ pub fn is_data_op(op: &Op) -> bool {
     ) || matches!(op, Op::SetAttr { set, .. } if set.size.is_some())
 }
 
-fn bad_handle(handle: u64) -> Reply {
-    Reply::Error(fs_err!(
-        EBADF,
-        "unknown file handle {handle} (closed, or the server restarted)"
-    ))
-}
-
 impl Shared {
-    /// Session operations, under the core lock.
-    pub(crate) fn session_op(
-        &self,
-        core: &mut Core,
-        client: u64,
-        req: &Request,
-        now: TimeNs,
-    ) -> Reply {
-        match &req.op {
-            Op::Open { id, flags, handle } => {
-                match core.engine.check_open(&req.cred, *id, *flags) {
-                    Ok(attr) => {
-                        match register(core, client, *handle, &attr, *flags, self.clock().now()) {
-                            Ok(()) => Reply::Entry(attr),
-                            Err(e) => Reply::Error(e),
-                        }
-                    }
-                    Err(kochab_meta::Fail::Fs(e)) => Reply::Error(e),
-                    Err(kochab_meta::Fail::NotHosted(id)) => {
-                        Reply::Error(kochab_meta::not_in_any_table(id))
-                    }
-                }
-            }
-            Op::Create {
-                parent,
-                name,
-                mode,
-                flags,
-                handle,
-            } => self.create(
-                core, client, req, *parent, name, *mode, *flags, *handle, now,
-            ),
-            Op::Close { handle } => {
-                self.close_handle(core, client, *handle);
-                Reply::Empty
-            }
-            Op::CloseMany { handles } => {
-                if let Err(e) = check_close_many(handles) {
-                    return Reply::Error(e);
-                }
-                // Admitted as a whole (every file's table is served here). A handle this
-                // server does not know may be known where its file's table went: then
-                // nothing is closed, and the client closes each, routed by its file.
-                let known = |h: &u64| {
-                    core.sessions.get(client, *h).is_some()
-                        || core.arrived.contains_key(&(client, *h))
-                };
-                if let Some(h) = handles.iter().find(|h| !known(h)) {
-                    return bad_handle(*h);
-                }
-                for handle in handles {
-                    self.close_handle(core, client, *handle);
-                }
-                Reply::Empty
-            }
-            Op::GetLk { handle, lock } => match core.sessions.get(client, *handle) {
-                None => bad_handle(*handle),
-                Some(of) => Reply::Lock(core.locks.conflict(client, of.id, lock).unwrap_or(
-                    LockSpec {
-                        kind: LockKind::Unlock,
-                        ..*lock
-                    },
-                )),
-            },
-            Op::SetLk { handle, lock } => match core.sessions.get(client, *handle) {
-                None => bad_handle(*handle),
-                Some(of) => match lock_access(&of, *handle, lock)
-                    .and_then(|()| core.locks.set(client, of.id, *handle, lock))
-                {
-                    Ok(()) => Reply::Empty,
-                    Err(e) => Reply::Error(e),
-                },
-            },
-            Op::ReleaseLocks { handle, owner } => {
-                let ids = match core.sessions.get(client, *handle) {
-                    Some(of) => vec![of.id],
-                    // As for Close: locks that came here with the file's table.
-                    None => core.locks.inodes_of_handle(client, *handle),
-                };
-                for id in ids {
-                    core.locks.release_owner(client, id, *owner);
-                }
-                Reply::Empty
-            }
-            Op::EndSession => {
-                self.end_session(core, client);
-                Reply::Empty
-            }
-            _ => Reply::Error(fs_err!(
-                ENOSYS,
-                "{} is not a session operation",
-                req.op.name()
-            )),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn create(
-        &self,
-        core: &mut Core,
-        client: u64,
-        req: &Request,
-        parent: InodeId,
-        name: &[u8],
-        mode: u32,
-        flags: u32,
-        handle: u64,
-        now: TimeNs,
-    ) -> Reply {
-        // open(2) takes its descriptor before it creates anything: a client at its handle
-        // limit gets EMFILE and no new file.
-        if !core.sessions.may_open(client, handle) {
-            return Reply::Error(too_many_handles(core.sessions.handle_limit()));
-        }
-        let cached = req.seq != 0;
-        if cached && let Some(Some(id)) = core.replies.get(client, req.seq) {
-            // A retry: the first attempt created (and opened) it. At a member that does
-            // not hold its table (the first attempt borrowed it), WRONG_SERVER: the
-            // member borrows the table and answers then.
-            return match core.engine.attr_for_retry(id) {
-                Ok(Some(attr)) => {
-                    match register(core, client, handle, &attr, flags, self.clock().now()) {
-                        Ok(()) => Reply::Entry(attr),
-                        Err(e) => Reply::Error(e),
-                    }
-                }
-                Err(wrong_server) => *wrong_server,
-                Ok(None) => Reply::Error(fs_err!(
-                    ESTALE,
-                    "created by the first attempt, removed before this retry"
-                )),
-            };
-        }
-        let mknod = Op::Mknod {
-            parent,
-            name: name.to_vec(),
-            mode: mode::S_IFREG | (mode & mode::PERM_MASK),
-            rdev: 0,
-            exclusive: flags & O_EXCL != 0,
-        };
-        let mut muts = Vec::new();
-        let reply = core.engine.execute(&req.cred, &mknod, now, &mut muts);
-        let Reply::Entry(attr) = reply else {
-            return reply;
-        };
-        if attr.kind() != Some(FileKind::File) {
-            return Reply::Error(fs_err!(
-                EEXIST,
-                "{:?} exists and is not a regular file",
-                String::from_utf8_lossy(name)
-            ));
-        }
-        if muts.is_empty() {
-            // An existing file is opened under the usual permission rules; a new one may be
-            // opened as asked even if its mode forbids it (open(2) with O_CREAT).
-            if let Err(kochab_meta::Fail::Fs(e)) = core.engine.check_open(&req.cred, attr.id, flags)
-            {
-                return Reply::Error(e);
-            }
-        } else {
-            let lsn = journal_entry(
-                self.journal(),
-                client,
-                if cached { req.seq } else { 0 },
-                req.seq_floor,
-                Some(attr.id),
-                &muts,
-            );
-            let durable = self.journal().durable_lsn();
-            core.journaled(client, &muts, lsn, durable, self.clock().now());
-            if cached {
-                core.replies.insert(client, req.seq, Some(attr.id));
-            }
-        }
-        match register(core, client, handle, &attr, flags, self.clock().now()) {
-            Ok(()) => Reply::Entry(attr),
-            Err(e) => Reply::Error(e),
-        }
-    }
-
-    /// Ends the sessions of clients gone longer than the grace period (see
-    /// [`Shared::end_session`]).
-    pub fn end_expired_sessions(&self) {
-        let now = self.clock().now();
-        let mut core = self.core();
-        for client in core.sessions.expired(self.session_grace(), now) {
-            tracing::info!(
-                "client {client:016x} gone for {:?}: closing its files, releasing its locks",
-                self.session_grace()
-            );
-            self.end_session(&mut core, client);
-        }
-    }
-
-    /// Closes every handle of a client and releases its locks (explicit end or expiry).
-    /// The closes go through the bounded cleanup queue: a small session ends within this
-    /// call, a large one (any number of open-unlinked files) one bounded record per hold of
-    /// the core lock, with other clients served in between.
-    pub fn end_session(&self, core: &mut Core, client: u64) {
-        core.locks.release_client(client);
-        core.flushes.forget(Some(client), None);
-        if !core.appended.is_empty() {
-            core.appended.retain(|&(c, _), _| c != client);
-        }
-        let mut queued = false;
-        if let Some(handles) = core.sessions.end(client) {
-            core.cleanup.push_back(Cleanup::Closes(handles));
-            queued = true;
-        }
-        let mut arrived = Vec::new();
-        core.arrived.retain(|&(c, _), id| {
-            if c == client {
-                arrived.push(*id);
-            }
-            c != client
-        });
-        if !arrived.is_empty() {
-            core.cleanup
-                .push_back(Cleanup::ArrivedCloses(arrived.into_iter()));
-            queued = true;
-        }
-        if queued && self.cleanup_batch(core) {
-            self.wake_cleanup();
-        }
-    }
-
     /// The open handle `handle` of `client`, checked for the access it needs.
     pub(crate) fn handle(
         &self,
@@ -306,141 +69,11 @@ impl Shared {
         }
         Ok(of)
     }
-
-    /// Journals `muts` (if any) as one record; returns its LSN or 0.
-    /// Closes one handle of `client`: the last close of an open file description ends its
-    /// OFD locks and flock, and the last close of an unlinked file removes it.
-    fn close_handle(&self, core: &mut Core, client: u64, handle: u64) {
-        core.appended.remove(&(client, handle));
-        if let Some(of) = core.sessions.close(client, handle) {
-            if writes(of.flags) {
-                core.flushes.closed(of.id, client);
-            }
-            // (A handle reopened here after its table arrived was converted from
-            // `arrived` when reopened.)
-            core.locks.release_handle(client, of.id, handle);
-            let muts = core.engine.close_ref(of.id);
-            self.journal_now(core, client, &muts);
-        } else {
-            // Opened at another server; its locks may have come here with the file's
-            // table, and so may its open count.
-            for id in core.locks.inodes_of_handle(client, handle) {
-                core.locks.release_handle(client, id, handle);
-            }
-            if let Some(id) = core.arrived.remove(&(client, handle)) {
-                core.flushes.closed(id, client);
-                let muts = core.engine.close_ref(id);
-                self.journal_now(core, client, &muts);
-            }
-        }
-    }
-
-    pub(crate) fn journal_now(&self, core: &mut Core, client: u64, muts: &[Mutation]) -> u64 {
-        if muts.is_empty() {
-            return 0;
-        }
-        let lsn = journal_entry(self.journal(), client, 0, 0, None, muts);
-        let durable = self.journal().durable_lsn();
-        core.journaled(client, muts, lsn, durable, self.clock().now());
-        self.journal().flush_now();
-        lsn
-    }
 }
 
-/// As fcntl(2) on Linux: a read lock needs a handle open for reading, a write lock one
-/// open for writing (EBADF). flock locks any handle.
-fn lock_access(of: &OpenFile, handle: u64, lock: &LockSpec) -> Result<(), FsError> {
-    let (ok, what) = match lock.kind {
-        _ if lock.flock => (true, ""),
-        LockKind::Read => (
-            reads(of.flags),
-            "a read lock needs a handle open for reading",
-        ),
-        LockKind::Write => (
-            writes(of.flags),
-            "a write lock needs a handle open for writing",
-        ),
-        LockKind::Unlock => (true, ""),
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(fs_err!(EBADF, "handle {handle}: {what}"))
-    }
-}
-
-fn too_many_handles(limit: usize) -> FsError {
-    fs_err!(
-        EMFILE,
-        "this client holds {limit} open files, the most a client may"
-    )
-}
-
-/// Refuses a `CloseMany` that would cost more under the core lock than the batch it counts
-/// as (see `CLOSE_MANY_HANDLES_MAX`): too many handles, or one named twice (the client
-/// gathers each close once; copies of a known handle before an unknown one were looked up
-/// for nothing).
-pub fn check_close_many(handles: &[u64]) -> Result<(), FsError> {
-    if handles.len() > CLOSE_MANY_HANDLES_MAX {
-        return Err(fs_err!(
-            EINVAL,
-            "{} handles in one CloseMany; at most {CLOSE_MANY_HANDLES_MAX}",
-            handles.len()
-        ));
-    }
-    let mut sorted = handles.to_vec();
-    sorted.sort_unstable();
-    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-        return Err(fs_err!(
-            EINVAL,
-            "handle {} named twice in one CloseMany",
-            w[0]
-        ));
-    }
-    Ok(())
-}
-
-/// Registers a handle at `now`, counting the open once; EMFILE past the client's handle
-/// limit.
-fn register(
-    core: &mut Core,
-    client: u64,
-    handle: u64,
-    attr: &Attr,
-    flags: u32,
-    now: Instant,
-) -> Result<(), FsError> {
-    let file = OpenFile {
-        id: attr.id,
-        generation: attr.generation,
-        flags: flags & (open_flags::O_ACCMODE | open_flags::O_TRUNC),
-    };
-    match core.sessions.open(client, handle, file) {
-        Registered::Opened => {
-            core.engine.open_ref(attr.id);
-            if writes(file.flags) {
-                core.flushes.opened(attr.id, client);
-                // Others' cached size and data of it go first: this client may hold its
-                // writes back, unseen by the server, until someone looks again.
-                let revoked = core.leases.opened_for_writing(client, attr.id, now);
-                for (holder, list, until) in revoked {
-                    core.call_back(client, holder, &list, until, Urgency::Drop, now);
-                }
-            }
-            if core.arrived.get(&(client, handle)) == Some(&attr.id) {
-                // The client reopened here a handle that came with the table: it is this
-                // server's handle from now on, counted once (the count stays above zero,
-                // so this close drops nothing).
-                core.arrived.remove(&(client, handle));
-                core.flushes.closed(attr.id, client);
-                let muts = core.engine.close_ref(attr.id);
-                debug_assert!(muts.is_empty());
-            }
-            Ok(())
-        }
-        Registered::Known => Ok(()),
-        Registered::TooMany => Err(too_many_handles(core.sessions.handle_limit())),
-    }
+/// A data step answered with another kind of answer than the change it was given (a bug).
+fn unexpected(what: &str) -> FsError {
+    fs_err!(EIO, "the core answered a {what} with something else")
 }
 
 /// True for the data operations that wait out a replay window: anything but a replay, a
@@ -515,12 +148,12 @@ async fn run_data_op(
                 })
                 .await?
             };
-            let (observed, atime_set) = {
-                let mut core = shared.core();
-                let set = core
-                    .engine
-                    .touch_atime(of.id, atime, shared.clock().wall_ns());
-                (core.observed(of.id), set)
+            let DataDone::Read {
+                observed,
+                atime_set,
+            } = shared.data_step(client, DataChange::Read { of, atime })?
+            else {
+                return Err(unexpected("read"));
             };
             if atime_set {
                 Ok((Reply::ReadAtime(bytes), observed))
@@ -582,15 +215,11 @@ async fn run_data_op(
             // Truncation: no write of this file may run between the size change and the
             // trim of the data beyond it.
             let _file = shared.file_locks().exclusive(id).await;
-            let reply = {
-                let mut core = shared.core();
-                let now = shared.clock().wall_ns();
-                let reply = shared.execute_traced(&mut core, client, &req, now);
-                // The objects the cut dropped go once it is durable.
-                shared.take_freed(&mut core);
-                reply
+            let DataDone::Reply(reply) =
+                shared.data_step(client, DataChange::Truncate { req: &req })?
+            else {
+                return Err(unexpected("truncation"));
             };
-            shared.journal().flush_now();
             // This truncation's trim, and any other of the file's left pending.
             let pending = {
                 let core = shared.core();
@@ -661,8 +290,8 @@ async fn write(
         let (attr, lsn) =
             crate::slicesvc::write(shared, client, &how, &of, offset, end, bytes).await?;
         if append && seq != 0 {
-            let mut core = shared.core();
-            core.appended.insert((client, handle), (seq, attr.clone()));
+            let attr = attr.clone();
+            shared.data_step(client, DataChange::Appended { handle, seq, attr })?;
         }
         return Ok((Reply::Attr(attr), if kept { lsn } else { 0 }));
     }
@@ -676,22 +305,23 @@ async fn write(
         })
         .await?;
     }
-    let (attr, lsn, depended) = {
-        let mut core = shared.core();
-        current_generation(&core, &of)?;
-        let (muts, attr) = core
-            .engine
-            .write_done(how.cred, of.id, end, shared.clock().wall_ns())
-            .map_err(fail)?;
-        // Answered early: a replay of it, once durable, is answered by the reply cache.
-        // Answered durably: the reply does not wait for the record.
-        let (lsn, depended) = journal_write(shared, &mut core, client, &how, of.id, &muts);
-        let lsn = if kept { lsn } else { 0 };
-        if append && seq != 0 {
-            core.appended.insert((client, handle), (seq, attr.clone()));
-        }
-        (attr, lsn, depended)
+    // Answered early: a replay of it, once durable, is answered by the reply cache.
+    // Answered durably: the reply does not wait for the record.
+    let written = DataChange::Written {
+        how: &how,
+        of,
+        end,
+        append: (append && seq != 0).then_some((handle, seq)),
     };
+    let DataDone::Written {
+        attr,
+        lsn,
+        depended,
+    } = shared.data_step(client, written)?
+    else {
+        return Err(unexpected("write"));
+    };
+    let lsn = if kept { lsn } else { 0 };
     if depended {
         crate::fileaccess::answer_when_durable(shared, lsn).await?;
     }
@@ -728,9 +358,13 @@ async fn fallocate(
     let (_file, _) = lock_file(shared, &of, punch || zero_range).await?;
     let (id, generation) = (of.id, of.generation);
     if (punch || zero_range) && shared.data().slices().is_some() {
-        let mut core = shared.core();
-        current_generation(&core, &of)?;
-        crate::slicesvc::zero(shared, &mut core, client, cred, &of, offset, len)?;
+        let zero = DataChange::ZeroSlices {
+            cred,
+            of,
+            offset,
+            len,
+        };
+        shared.data_step(client, zero)?;
     } else if shared.data().slices().is_some() {
         // Nothing to reserve in an object store, and no object to account for.
     } else if punch || zero_range {
@@ -765,31 +399,24 @@ async fn fallocate(
             .await?;
         }
     }
-    let mut core = shared.core();
-    current_generation(&core, &of)?;
-    let size = core.engine.inode(of.id).map_or(0, |i| i.size);
-    let new_end = if keep_size || end <= size { size } else { end };
-    let changed = punch || zero_range || new_end != size;
-    let lsn = if changed {
-        let (muts, _) = core
-            .engine
-            .write_done(cred, of.id, new_end, shared.clock().wall_ns())
-            .map_err(fail)?;
-        shared.journal_now(&mut core, client, &muts)
-    } else {
-        0
+    let done = DataChange::Fallocated {
+        cred,
+        of,
+        end,
+        keep_size,
+        rewrote: punch || zero_range,
     };
-    Ok((Reply::Empty, lsn))
+    match shared.data_step(client, done)? {
+        DataDone::Lsn(lsn) => Ok((Reply::Empty, lsn)),
+        _ => Err(unexpected("fallocate")),
+    }
 }
 
 /// Makes the file's "may have data" mark durable before its first chunk object exists,
 /// so that deleting the file can never miss an object (a no-op once the mark is set).
 async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), FsError> {
-    let lsn = {
-        let mut core = shared.core();
-        current_generation(&core, of)?;
-        let muts = core.engine.mark_data(of.id).map_err(fail)?;
-        shared.journal_now(&mut core, client, &muts)
+    let DataDone::Lsn(lsn) = shared.data_step(client, DataChange::MarkData { of: *of })? else {
+        return Err(unexpected("data mark"));
     };
     if lsn != 0 {
         crate::fileaccess::wait_durable(shared, lsn).await?;
@@ -801,6 +428,8 @@ async fn mark_data(shared: &Shared, client: u64, of: &OpenFile) -> Result<(), Fs
 mod tests {
     use super::*;
     use crate::server::{ServerConfig, start};
+    use kochab_meta::Mutation;
+    use kochab_meta::files::open_flags;
     use std::time::Duration;
 
     const CLIENT: u64 = 7;
@@ -861,7 +490,8 @@ mod tests {
     /// What a restart in the middle of a truncation leaves: the size is cut and the trim
     /// is pending, but the data beyond the cut is still in the store.
     fn leave_trim_pending(shared: &Shared, id: InodeId, generation: u64, size: u64) {
-        let mut core = shared.core();
+        let mut guard = shared.core();
+        let core = guard.by_hand();
         let mut inode = core.engine.inode(id).unwrap().clone();
         inode.size = size;
         for m in [
@@ -930,7 +560,7 @@ mod tests {
         };
         let first = size(data_op(shared.clone(), CLIENT, 0, append.clone()).await.0);
         assert_eq!(first, 2 * CHUNK_BYTES + 3);
-        shared.core().appended.clear();
+        shared.core().by_hand().appended.clear();
         let again = size(data_op(shared.clone(), CLIENT, 0, append).await.0);
         assert_eq!(again, first, "appended once");
         server.shutdown().await;

@@ -13,8 +13,8 @@
 //! covers), and it can never become a ref after that. Objects the server itself is putting
 //! are skipped (`SliceWork::is_own_put`).
 
-use crate::core::Shared;
 use crate::grants::grant_life;
+use crate::shared::Shared;
 use crate::slicesvc::DELETES_IN_FLIGHT_MAX;
 use kochab_proto::layout::parse_slice_object_name;
 use kochab_proto::{CHUNK_BYTES, FILE_BYTES_MAX, InodeId};

@@ -2,7 +2,10 @@
 //!
 //! - [`server`]: start (recover, then serve), the checkpointer thread, shutdown.
 //! - [`conn`]: one connection: handshake, batched execution, durable replies.
-//! - [`core`]: the engine and reply cache behind one lock; journal records.
+//! - [`core`]: the engine, reply cache, sessions and leases: the state behind one lock.
+//! - [`step`]: the core's one entry (`Core::step(event, now) -> effects`); [`opens`]: its
+//!   session operations; [`outbox`]: the records and callbacks it hands out.
+//! - [`shared`]: the core's shell: the lock, the journal, the stores, the clock.
 //! - [`clock`]: the one clock the core reads (the system's, or a simulation's).
 //! - [`checkpoint`] / [`recovery`]: per-table incremental checkpoints, versioned manifests
 //!   that name each table's owner and journals, and start-up.
@@ -26,6 +29,7 @@ pub mod conn;
 pub mod core;
 pub mod data;
 pub mod datadir;
+pub mod datapass;
 pub mod fileaccess;
 pub mod filelocks;
 pub mod filesvc;
@@ -38,15 +42,20 @@ pub mod loglimit;
 pub mod manifest;
 pub mod membership;
 pub mod metrics;
+pub mod opens;
+pub mod outbox;
 pub mod recovery;
 pub mod released;
 pub mod replaytags;
 pub mod replycache;
 pub mod server;
 pub mod session;
+pub mod shared;
 pub mod slicesvc;
 pub mod slicework;
+pub mod step;
 pub mod stop_reason;
+pub mod tablepass;
 pub mod txn_host;
 pub mod txn_plan;
 pub mod txn_wire;

@@ -15,16 +15,12 @@
 //! is taking that lock: after it, none is half-applied; their replies wait for durability,
 //! which the drop waits for too before it releases the table.
 
-use crate::core::Shared;
-use crate::leases::Urgency;
-use crate::manifest::{Handover, Manifest, manifests_covering};
+use crate::manifest::{Manifest, manifests_covering};
+use crate::shared::Shared;
+use crate::tablepass::{SERVER_ITSELF, TableChange, TableDone};
 use kochab_journal::JournalId;
 use std::io::{self, ErrorKind};
 use std::time::{Duration, Instant};
-
-/// The session id the server's own callbacks are counted under (no client has it: session
-/// ids are MACs, and this one is reserved).
-const SERVER_ITSELF: u64 = u64::MAX;
 
 impl Shared {
     /// Gives up the table whose id is `lo` (see the module). Afterwards another server can
@@ -73,31 +69,18 @@ impl Shared {
                 format!("table {lo:016x} is not hosted here"),
             ));
         }
-        let (mut table, mut handover, last) = {
-            let mut core = self.core();
-            let table = core.engine.remove_table(lo).ok_or_else(|| {
-                io::Error::new(
+        let (mut table, mut handover, last) = match self.table_step(TableChange::Leaves { lo }) {
+            TableDone::Left {
+                table,
+                handover,
+                last,
+            } => (*table, handover, last),
+            _ => {
+                return Err(io::Error::new(
                     ErrorKind::NotFound,
                     format!("table {lo:016x} is not hosted"),
-                )
-            })?;
-            let (open_handles, open_counts) = core.take_open_handles(table.lo, table.hi);
-            let handover = Handover {
-                open_counts,
-                open_handles,
-                locks: core.locks.take_range(table.lo, table.hi),
-                replies: Default::default(),
-                quarantine: core.engine.take_quarantine(table.lo, table.hi),
-            };
-            // Whoever serves the table next knows nothing of the leases granted here:
-            // its holders drop what they cache of it before it leaves.
-            let now = self.clock().now();
-            let revoked = core.leases.revoke_range(table.lo, table.hi, now);
-            for (holder, list, until) in revoked {
-                // Names of whole directories: as long as dropping them takes.
-                core.call_back(SERVER_ITSELF, holder, &list, until, Urgency::Work, now);
+                ));
             }
-            (table, handover, self.journal().last_lsn())
         };
         let board = self.callback_board(SERVER_ITSELF);
         let ticket = board.ticket();
@@ -112,13 +95,14 @@ impl Shared {
         // "done" from the next owner of that table too, its record lost with this
         // server's journal: tests/cluster.rs `a_released_table_hands_over_only_durable_replies`).
         // Every entry is cached under the core lock right after its record is appended,
-        // so the journal's last LSN read under the same lock covers all exported.
-        let (replies, exported) = {
-            let core = self.core();
-            (
-                core.replies.export(crate::replycache::HANDED_OVER_MAX),
-                self.journal().last_lsn(),
-            )
+        // so the last LSN the core numbered, read under the same lock, covers all exported.
+        let max = crate::replycache::HANDED_OVER_MAX;
+        let TableDone::Exported {
+            replies,
+            last: exported,
+        } = self.table_step(TableChange::ExportReplies { max })
+        else {
+            return Err(io::Error::other("the core exported no reply-cache entries"));
         };
         handover.replies = replies;
         let skip_wait = self.has_break(kochab_breaks::Break::ReleaseBeforeDurable);
@@ -137,14 +121,13 @@ impl Shared {
             Err(e) => {
                 if !self.journal().failed() {
                     // Not released: serve it again rather than lose it.
-                    let mut core = self.core();
-                    if let Err(e2) = core.engine.insert_table(table) {
-                        tracing::error!("table {lo:016x} could not be put back: {e2}");
+                    let back = TableChange::Back {
+                        table: Box::new(table),
+                        handover: &handover,
+                    };
+                    if let TableDone::Back(Err(e2)) = self.table_step(back) {
+                        tracing::error!("{e2}");
                     }
-                    core.engine.add_open_counts(&handover.open_counts);
-                    core.add_arrived_handles(&handover.open_handles);
-                    core.locks.put_moved(&handover.locks);
-                    core.engine.quarantine_arrived(&handover.quarantine);
                 }
                 return Err(e);
             }
@@ -267,22 +250,23 @@ impl Shared {
             kept,
         )?;
         let mut engine = rec.engine;
-        let mut core = self.core();
-        core.replies.merge_from(rec.replies);
-        for m in rec.manifests {
+        let mut tables = Vec::with_capacity(rec.manifests.len());
+        for m in &rec.manifests {
             let table = engine
                 .remove_table(m.lo)
                 .ok_or_else(|| io::Error::other("a loaded table went missing"))?;
-            core.engine
-                .insert_table(table)
-                .map_err(|e| io::Error::new(ErrorKind::AlreadyExists, e))?;
-            if live {
-                core.engine.add_open_counts(&m.open_elsewhere);
-                core.add_arrived_handles(&m.open_handles);
-                core.replies.import(&m.replies);
-                core.locks.put_moved(&m.locks);
-                core.engine.quarantine_arrived(&m.quarantine);
-            }
+            tables.push((table, m));
+        }
+        let arrived = TableChange::Arrived {
+            tables,
+            replies: rec.replies,
+            live,
+        };
+        let (inserted, failed) = match self.table_step(arrived) {
+            TableDone::Arrived { inserted, failed } => (inserted, failed),
+            _ => (0, Some("the core took no table".to_string())),
+        };
+        for m in rec.manifests.into_iter().take(inserted) {
             tracing::info!(
                 "serving table {:016x} from now on (loaded in {:?}{})",
                 m.lo,
@@ -294,6 +278,9 @@ impl Shared {
                 }
             );
             ckpt.adopt(m);
+        }
+        if let Some(why) = failed {
+            return Err(io::Error::new(ErrorKind::AlreadyExists, why));
         }
         for (lower, upper) in &rec.splits {
             tracing::info!("table {lower:016x} was split at {upper:016x}: serving both halves");

@@ -3,10 +3,11 @@
 use crate::checkpoint::Checkpointer;
 use crate::clock::Clock;
 use crate::conn::Accepted;
-use crate::core::{Cleanup, Core, Shared, SharedParts, journal_entry};
+use crate::core::{Cleanup, Core, journal_before_core};
 use crate::data::DataStore;
 use crate::datadir::{DataDir, DataDirLock};
 use crate::metrics::Metrics;
+use crate::shared::{Shared, SharedParts};
 use kochab_breaks::Breaks;
 use kochab_journal::JournalId;
 use kochab_journal::{Journal, JournalObserver, JournalOptions};
@@ -317,7 +318,7 @@ fn assemble(
         for m in &muts {
             engine.apply(m).map_err(io::Error::other)?;
         }
-        let lsn = journal_entry(&journal, 0, 0, 0, None, &muts);
+        let lsn = journal_before_core(&journal, &muts);
         journal.flush_now();
         if !journal.wait_durable(lsn) {
             return Err(io::Error::other("journal failed while creating the root"));
@@ -337,8 +338,7 @@ fn assemble(
     // Open-unlinked files outlive a restart only if a client reopens them in time.
     let orphans = engine.orphans();
     let mut core = Core::new(engine, replies);
-    core.callbacks.breaks = breaks;
-    core.leases.breaks = breaks;
+    core.set_breaks(breaks);
     let shared = Arc::new(Shared::new(SharedParts {
         core,
         journal,
@@ -368,7 +368,7 @@ fn assemble(
         tracing::info!(
             "the last incarnation stopped without a clean shutdown: serving only clients' \
              replays for {:?}",
-            crate::core::REPLAY_WINDOW
+            crate::shared::REPLAY_WINDOW
         );
         shared.replay_window().open();
     }

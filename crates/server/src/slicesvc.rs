@@ -18,14 +18,14 @@
 //!   from before its PUT until its commit returned, so that the collector never counts it
 //!   as an orphan however slow the PUT.
 
-use crate::core::{Core, Shared};
+use crate::datapass::{DataChange, DataDone};
+
 use crate::data::slices::COMPACT_REFS_MAX;
-use crate::fileaccess::{
-    WriteReq, blocking, current_generation, end_within_limit, fail, journal_write, lock_file,
-    write_done_before,
-};
+use crate::datapass::{WriteReq, current_generation};
+use crate::fileaccess::{blocking, end_within_limit, lock_file, write_done_before};
 use crate::grants::{GRANT_OBJECTS_MAX, grant_life, object_name};
 use crate::session::OpenFile;
+use crate::shared::Shared;
 use crate::slicework::{OwnPuts, SliceWork};
 use kochab_proto::auth::GrantTokenInput;
 use kochab_proto::layout::{ChunkLayout, CommittedSlice, Grant, GrantedObject, Layout, SliceRef};
@@ -219,58 +219,39 @@ pub(crate) async fn commit(
         check_slice(s)?;
     }
     let (_file, _) = lock_file(shared, &of, false).await?;
-    let (attr, lsn, depended) = {
-        let work = shared.slice_work();
-        let mut core = shared.core();
-        current_generation(&core, &of)?;
-        // Verified under the core lock, right before the commit: a token that verifies here
-        // is committed at once, so the collector's wait past expiry is enough (see `gc`).
+    // Verified under the core lock, right before the commit: a token that verifies there
+    // is committed at once, so the collector's wait past expiry is enough (see `gc`).
+    let work = shared.slice_work();
+    let verify = || {
         let now = shared.clock().unix_secs();
-        for s in &slices {
-            verify_token(work, key_id, &of, s, now)?;
-        }
-        let refs: Vec<(u64, SliceRef)> = slices.iter().map(|s| (s.chunk, s.r)).collect();
-        let (muts, attr, freed) = core
-            .engine
-            .commit_slices(how.cred, of.id, &refs, end, shared.clock().wall_ns())
-            .map_err(fail)?;
-        let (lsn, depended) = journal_write(shared, &mut core, client, &how, of.id, &muts);
-        after_commit(shared, &core, &of, &refs, &freed, lsn);
-        (attr, lsn, depended)
+        slices
+            .iter()
+            .try_for_each(|s| verify_token(work, key_id, &of, s, now))
     };
+    let refs: Vec<(u64, SliceRef)> = slices.iter().map(|s| (s.chunk, s.r)).collect();
+    let committed = DataChange::SlicesCommitted {
+        how: &how,
+        of,
+        refs: &refs,
+        end,
+        verify: Some(&verify),
+    };
+    let (attr, lsn, depended) = written(shared.data_step(client, committed)?)?;
     if depended {
         crate::fileaccess::answer_when_durable(shared, lsn).await?;
     }
     Ok((Reply::Attr(attr), if kept { lsn } else { 0 }))
 }
 
-/// After refs were committed by record `lsn`: the objects they hid are queued for deletion,
-/// and chunks with too many refs for compaction.
-fn after_commit(
-    shared: &Shared,
-    core: &Core,
-    of: &OpenFile,
-    refs: &[(u64, SliceRef)],
-    freed: &[u64],
-    lsn: u64,
-) {
-    let work = shared.slice_work();
-    // No record (nothing changed): what was freed is free now.
-    let lsn = if lsn == 0 {
-        shared.journal().last_lsn()
-    } else {
-        lsn
-    };
-    work.free(lsn, of.id, of.generation, freed);
-    let mut last = None;
-    for &(chunk, _) in refs {
-        if last == Some(chunk) {
-            continue;
-        }
-        last = Some(chunk);
-        if core.engine.chunk_refs(of.id, chunk).len() > COMPACT_REFS_MAX {
-            work.compact_later(of.id, of.generation, chunk);
-        }
+/// A commit's answer.
+fn written(done: DataDone) -> Result<(Attr, u64, bool), FsError> {
+    match done {
+        DataDone::Written {
+            attr,
+            lsn,
+            depended,
+        } => Ok((attr, lsn, depended)),
+        other => Err(fs_err!(EIO, "the core answered a commit with {other:?}")),
     }
 }
 
@@ -450,80 +431,18 @@ pub(crate) async fn write(
     } else {
         put_write(shared, of, offset, bytes).await?
     };
-    let (attr, lsn, depended) = {
-        let mut core = shared.core();
-        current_generation(&core, of)?;
-        let (muts, attr, freed) = core
-            .engine
-            .commit_slices(how.cred, of.id, &refs, end, shared.clock().wall_ns())
-            .map_err(fail)?;
-        let (lsn, depended) = journal_write(shared, &mut core, client, how, of.id, &muts);
-        after_commit(shared, &core, of, &refs, &freed, lsn);
-        (attr, lsn, depended)
+    let committed = DataChange::SlicesCommitted {
+        how,
+        of: *of,
+        refs: &refs,
+        end,
+        verify: None,
     };
+    let (attr, lsn, depended) = written(shared.data_step(client, committed)?)?;
     if depended {
         crate::fileaccess::answer_when_durable(shared, lsn).await?;
     }
     Ok((attr, lsn))
-}
-
-/// Punching a hole or zeroing a range on slices: a zeros ref over the part of each chunk
-/// in the range that holds refs, committed (the caller holds the file's exclusive lock).
-pub(crate) fn zero(
-    shared: &Shared,
-    core: &mut Core,
-    client: u64,
-    cred: &Credentials,
-    of: &OpenFile,
-    offset: u64,
-    len: u64,
-) -> Result<(), FsError> {
-    let end = offset.saturating_add(len);
-    let span = crate::data::chunk_span(offset, len);
-    let span = *span.start()..span.end().saturating_add(1);
-    let mut zeros = Vec::new();
-    for (chunk, refs) in core.engine.layout(of.id, span) {
-        let lo = chunk * CHUNK_BYTES;
-        let from = (offset.max(lo) - lo) as u32;
-        let to = (end.min(lo + CHUNK_BYTES) - lo) as u32;
-        // Past the last byte any ref covers, the chunk reads as zeros already.
-        let covered = refs.iter().map(SliceRef::end).max().unwrap_or(0);
-        let to = to.min(covered);
-        if from < to {
-            zeros.push((
-                chunk,
-                SliceRef {
-                    object: 0,
-                    pos: from,
-                    len: to - from,
-                },
-            ));
-        }
-    }
-    for batch in zeros.chunks(COMMIT_SLICES_MAX) {
-        let (muts, _, freed) = core
-            .engine
-            .commit_slices(cred, of.id, batch, 0, shared.clock().wall_ns())
-            .map_err(fail)?;
-        let lsn = shared.journal_now(core, client, &muts);
-        after_commit(shared, core, of, batch, &freed, lsn);
-    }
-    Ok(())
-}
-
-impl Shared {
-    /// Queues the objects the engine freed outside a commit (truncations) for deletion once
-    /// what freed them is durable (journaled by now, under the core lock held here).
-    pub(crate) fn take_freed(&self, core: &mut Core) {
-        let freed = core.engine.take_freed_objects();
-        if freed.is_empty() {
-            return;
-        }
-        let lsn = self.journal().last_lsn();
-        for (id, generation, object) in freed {
-            self.slice_work().free(lsn, id, generation, &[object]);
-        }
-    }
 }
 
 /// Deletes freed objects once their records are durable, at most
@@ -532,7 +451,8 @@ pub async fn freed_loop(shared: Arc<Shared>) {
     let mut durable = shared.journal().subscribe();
     let work = shared.slice_work();
     loop {
-        shared.take_freed(&mut shared.core());
+        // An error here is a bug reported as EIO; the objects stay queued in the engine.
+        let _ = shared.data_step(0, DataChange::TakeFreed);
         let batch = work.take_durable(shared.journal().durable_lsn(), DELETES_IN_FLIGHT_MAX);
         if batch.is_empty() {
             tokio::select! {
@@ -656,36 +576,23 @@ pub async fn compact(
         }
     })
     .await?;
-    let swapped = {
-        let mut core = shared.core();
-        match core.engine.inode(id) {
-            Some(i) if i.btime as u64 == generation => {
-                let new: Vec<SliceRef> = merged.into_iter().collect();
-                match core.engine.replace_chunk(id, chunk, &expected, new) {
-                    Ok((muts, freed)) => {
-                        let lsn = shared.journal_now(&mut core, 0, &muts);
-                        let lsn = if lsn == 0 {
-                            shared.journal().last_lsn()
-                        } else {
-                            lsn
-                        };
-                        work.free(lsn, id, generation, &freed);
-                        Ok(())
-                    }
-                    Err(f) => Err(fail(f)),
-                }
-            }
-            _ => Err(fs_err!(ESTALE, "the file is gone")),
-        }
+    let put = merged.is_some();
+    let compacted = DataChange::ChunkCompacted {
+        id,
+        generation,
+        chunk,
+        expected: &expected,
+        new: merged.into_iter().collect(),
     };
+    let swapped = shared.data_step(0, compacted);
     match swapped {
-        Ok(()) => {
+        Ok(_) => {
             work.chunks_compacted.fetch_add(1, Ordering::Relaxed);
             Ok(true)
         }
         Err(e) => {
             // Never committed: nobody reads it, it can go now.
-            if merged.is_some() {
+            if put {
                 let store = shared.data().slices().map(|s| s.store().clone());
                 let name = object_name(id, generation, object);
                 if let Some(store) = store {

@@ -20,7 +20,8 @@
 mod link;
 
 use crate::cluster_host::ClusterHost;
-use crate::core::Shared;
+use crate::shared::Shared;
+use crate::step::Event;
 use crate::txn_plan::{self, NoPlan};
 use crate::txn_wire;
 use kochab_cluster::txn::initiator::{self, Initiator};
@@ -387,10 +388,11 @@ impl TxnHost {
             // path's reply cache does, with no borrow.
             return match req.op {
                 Op::Rename { .. } => Some((Reply::Empty, 0)),
-                Op::Link { id, .. } => match shared.core().engine.attr_for_retry(id) {
-                    Ok(Some(attr)) => Some((Reply::Entry(attr), 0)),
-                    _ => None,
-                },
+                Op::Link { id, .. } => shared
+                    .core()
+                    .engine
+                    .inode(id)
+                    .map(|i| (Reply::Entry(i.attr(id)), 0)),
                 _ => None,
             };
         }
@@ -592,7 +594,7 @@ impl TxnHost {
                 } => {
                     let kept = self.outcomes.lock().remove(&(client, seq)).flatten();
                     if outcome == Outcome::Committed && seq != 0 {
-                        shared.core().replies.insert(client, seq, kept);
+                        shared.step(Event::TxnAnswered { client, seq, kept });
                     }
                     let waiters = self.waiting.lock().remove(&(client, seq));
                     for w in waiters.into_iter().flatten() {
@@ -691,26 +693,29 @@ impl TxnHost {
             0 => None,
             _ => self.outcomes.lock().get(&(client, seq)).copied().flatten(),
         };
-        let mut core = shared.core();
-        for m in muts {
-            if let Err(e) = core.engine.apply(m) {
-                // Checked while locked, the tables present (see `hosted`): a bug.
-                panic!("a committed transaction's mutation failed: {e}");
+        let encode = |buf| txn_wire::encode_entry(buf, client, seq, outcome, muts, record);
+        match shared
+            .step(Event::TxnRecord {
+                muts,
+                encode: &encode,
+            })
+            .record
+        {
+            Some(Ok(lsn)) => lsn,
+            // Checked while locked, the tables present (see `hosted`): a bug. Memory may
+            // be ahead of the journal now: the server stops (fail-stop), and nothing waits
+            // for this record (it never becomes durable).
+            Some(Err(why)) => {
+                shared.journal().fail_stop(why);
+                u64::MAX
+            }
+            None => {
+                shared
+                    .journal()
+                    .fail_stop("a transaction record was not journaled".into());
+                u64::MAX
             }
         }
-        let journal = shared.journal();
-        let lsn = journal.append_deferred(|buf| {
-            let taken = std::mem::take(buf);
-            *buf = txn_wire::encode_entry(taken, client, seq, outcome, muts, record);
-        });
-        if !muts.is_empty() {
-            let durable = journal.durable_lsn();
-            let now = shared.clock().now();
-            core.journaled(0, muts, lsn, durable, now);
-        }
-        drop(core);
-        journal.flush_now();
-        lsn
     }
 }
 

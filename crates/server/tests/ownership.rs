@@ -5,7 +5,7 @@
 use kochab_journal::JournalId;
 use kochab_proto::{Credentials, LockKind, LockSpec, Op, Reply, Request, mode};
 use kochab_server::checkpoint::read_manifest_by_id;
-use kochab_server::core::Shared;
+use kochab_server::shared::Shared;
 use kochab_server::{RunningServer, ServerConfig, start, start_member};
 use kochab_store::{LocalStore, ObjectStore};
 use std::path::Path;
@@ -610,7 +610,7 @@ async fn a_table_leaves_a_server_in_its_replay_window_only_after_the_window() {
         blocking(move || s.drop_table(lo2)).unwrap();
         assert!(
             started.elapsed()
-                >= kochab_server::core::REPLAY_WINDOW - std::time::Duration::from_millis(50),
+                >= kochab_server::shared::REPLAY_WINDOW - std::time::Duration::from_millis(50),
             "a served core's drop waits the window out"
         );
     }

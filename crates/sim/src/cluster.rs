@@ -35,9 +35,10 @@ use kochab_journal::JournalId;
 use kochab_meta::{Engine, EngineConfig};
 use kochab_proto::cluster::TableId;
 use kochab_proto::{Credentials, InodeId, Op, Reply, ReplyMode, Request};
-use kochab_server::core::{Core, Member, Parked, Refusal, Shared};
+use kochab_server::core::{Core, Member, Parked, Refusal};
 use kochab_server::replaytags::SessionTags;
 use kochab_server::server::{SimulatedServer, core_for_simulation};
+use kochab_server::shared::Shared;
 use kochab_store::{MemStore, ObjectStore};
 
 use crate::cluster_lease::{ClusterLeases, LeaseCounts};

@@ -29,8 +29,8 @@ use kochab_cluster::sim::Rng;
 use kochab_journal::JournalId;
 use kochab_proto::{Credentials, InodeId, Invalidation, Op, Reply, ReplyMode, Request, SetAttrs};
 use kochab_server::clock::Clock;
-use kochab_server::core::Shared;
 use kochab_server::leases::{CALLBACK_SLOW, LEASE};
+use kochab_server::shared::Shared;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use crate::exec::exec_at;

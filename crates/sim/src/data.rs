@@ -22,8 +22,8 @@ use kochab_proto::{
     AtimeRule, Credentials, Errno, InodeId, OPEN_RECLAIM, Op, Reply, ReplyMode, Request,
     WRITE_AT_END,
 };
-use kochab_server::core::Shared;
 use kochab_server::replaytags::SessionTags;
+use kochab_server::shared::Shared;
 
 use crate::exec::{run_data, run_meta};
 use crate::step::Ctx;

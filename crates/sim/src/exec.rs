@@ -6,8 +6,9 @@
 use std::sync::Arc;
 
 use kochab_proto::{Reply, ReplyMode, Request};
-use kochab_server::core::{Refusal, Shared};
+use kochab_server::core::Refusal;
 use kochab_server::filesvc::data_op;
+use kochab_server::shared::Shared;
 
 use crate::step::Ctx;
 

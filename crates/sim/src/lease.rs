@@ -24,8 +24,8 @@ use kochab_proto::{
     Request,
 };
 use kochab_server::clock::Clock;
-use kochab_server::core::Shared;
 use kochab_server::leases::{CALLBACK_SLOW, LEASE};
+use kochab_server::shared::Shared;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use crate::exec::{run_data, run_meta};

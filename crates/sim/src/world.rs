@@ -10,9 +10,9 @@ use kochab_journal::{JournalId, JournalOptions};
 use kochab_meta::{EngineConfig, IdPolicy, initial_table_ranges};
 use kochab_proto::{Credentials, InodeId, Op, Reply, ReplyMode, Request, mode};
 use kochab_server::clock::SimulatedClock;
-use kochab_server::core::Shared;
 use kochab_server::replaytags::SessionTags;
 use kochab_server::server::{SimulatedServer, core_for_simulation};
+use kochab_server::shared::Shared;
 use kochab_store::{MemLoss, MemStore, ObjectStore};
 
 use crate::data::DataClients;

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use kochab_cluster::host::ranges::Ranges;
 use kochab_journal::JournalId;
 use kochab_proto::InodeId;
-use kochab_server::core::Shared;
+use kochab_server::shared::Shared;
 
 use super::{Server, World};
 use crate::data::{DataClients, Next};
