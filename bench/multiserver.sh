@@ -3,15 +3,25 @@
 # in its own top-level directory, on a cluster of 2 metadata server processes whose tables
 # are spread so that neighbouring clients' directories are on different servers; every
 # Nth file is also renamed into the next client's directory (a multi-server operation,
-# run by BORROW/RETURN). F = measured fraction of multi-server operations; slowdown is
-# against F = 0, medians of ROUNDS fresh clusters per point.
+# run by BORROW/RETURN, or with --mode txn as a two-phase commit between the two servers,
+# see docs/TRANSACTIONS.md). F = measured fraction of multi-server operations; slowdown is
+# against F = 0 of the same mode, medians of ROUNDS fresh clusters per point.
 #
-# Usage: bench/multiserver.sh [--json] [ROUNDS]
+# Usage: bench/multiserver.sh [--json] [--mode borrow|txn|auto] [ROUNDS]
 # Env: CLIENTS (16), ITEMS (60000), EVERY ("0 1667 400 100 50"), KOCHAB_BIN, PORT (7700).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JSON=0
-if [ "${1:-}" = "--json" ]; then JSON=1; shift; fi
+MODE=borrow
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --json) JSON=1; shift ;;
+    --mode) MODE=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
+case "$MODE" in borrow|txn|auto) ;; *) echo "--mode borrow|txn|auto" >&2; exit 2 ;; esac
+UP_ARGS="${UP_ARGS:-} --multi-server $MODE"
 ROUNDS=${1:-3}
 BIN=${KOCHAB_BIN:-target/release/kochab}
 PORT=${PORT:-7700}
@@ -42,7 +52,7 @@ for r in $(seq "$ROUNDS"); do
     rm -rf "$d"
   done
 done
-python3 - "$tmp/results" "$JSON" <<'PY'
+python3 - "$tmp/results" "$JSON" "$MODE" <<'PY'
 import json, sys, statistics as st
 rows = {}
 for line in open(sys.argv[1]):
@@ -64,8 +74,9 @@ for every in sorted(rows, key=lambda e: (e != 0, -e if e else 0)):
          "errors": sum(x['errors'] for x in v), "runs": [x['ops_per_sec'] for x in v]}
     points.append(p)
 if sys.argv[2] == "1":
-    print(json.dumps({"points": points}))
+    print(json.dumps({"mode": sys.argv[3], "points": points}))
 else:
+    print(f"mode {sys.argv[3]}")
     print(f"{'F (measured)':>13} {'ops/s':>9} {'slowdown':>9} {'multi p50 us':>13} {'single p50 us':>14} errors")
     for p in points:
         sd = f"{100 * p['slowdown']:.2f}%" if p['slowdown'] is not None else "-"

@@ -290,6 +290,10 @@ struct UpArgs {
     /// --split-inodes`; tests set it low).
     #[arg(long, hide = true, requires = "servers")]
     split_inodes: Option<u64>,
+    /// With --servers: how multi-server operations run (`borrow`, `txn` or `auto`; see
+    /// `kochab mds --multi-server`).
+    #[arg(long, requires = "servers")]
+    multi_server: Option<String>,
 }
 
 #[derive(Args)]
@@ -556,6 +560,10 @@ async fn up(args: UpArgs) -> Result<(), String> {
         }
         if let Some(n) = args.threads {
             mds_extra.extend(["--threads".to_string(), n.to_string()]);
+        }
+        if let Some(m) = &args.multi_server {
+            m.parse::<kochab_server::txn_host::MultiServer>()?;
+            mds_extra.extend(["--multi-server".to_string(), m.clone()]);
         }
         return cluster_up::up_cluster(cluster_up::ClusterArgs {
             data: args.data,

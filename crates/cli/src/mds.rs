@@ -61,6 +61,12 @@ pub struct MdsArgs {
     /// Bytes per journal segment (tests set it low).
     #[arg(long, hide = true)]
     segment_bytes: Option<u64>,
+    /// How operations that need tables of several servers run: `borrow` moves the tables
+    /// here for the operation (BORROW/RETURN); `txn` runs a two-phase commit between the
+    /// servers where the operation is covered (a rename of a non-directory onto a new
+    /// name, a hard link), else borrows; `auto` is `txn` for now (no affinity rule yet).
+    #[arg(long, default_value = "borrow")]
+    multi_server: kochab_server::txn_host::MultiServer,
 }
 
 pub async fn run(args: MdsArgs) -> Result<(), String> {
@@ -80,6 +86,13 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
     let store = crate::store::open_async(&args.store).await?;
     let key = crate::coord::key_file(&args.key_file)?;
     let tls = args.tls.load()?;
+    if tls.is_some() && args.multi_server != kochab_server::txn_host::MultiServer::Borrow {
+        return Err(
+            "--multi-server txn|auto does not take TLS yet (members' transaction links are \
+             plain TCP): use --multi-server borrow"
+                .into(),
+        );
+    }
     let (data_dir, dir, import_keys_from) = match store {
         Some(store) => open_on_store(&args, store, key).await?,
         None => {
@@ -112,6 +125,7 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
         },
         clock: monotonic_clock(),
         import_keys_from,
+        multi_server: args.multi_server,
     })
     .await
     .map_err(|e| format!("server {}: {e}", args.id))?;

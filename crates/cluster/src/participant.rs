@@ -566,6 +566,8 @@ impl Participant {
             }
             // The host answers it: the keys are its server's, not the protocol's.
             ControlBody::Keys { .. } => Vec::new(),
+            // Member to member, carried out by the transaction host (issue 33).
+            ControlBody::Txn { .. } => Vec::new(),
         }
     }
 

@@ -55,7 +55,7 @@ impl ServerLink for Servers {
                 splits: vec![],
             }),
             ControlBody::Grant { id } => Some(ControlReply::GrantAck { id }),
-            ControlBody::Split { .. } => None,
+            ControlBody::Split { .. } | ControlBody::Txn { .. } => None,
             ControlBody::Keys { .. }
                 if self
                     .deaf_to_keys

@@ -387,6 +387,15 @@ impl Engine {
         self.entry(dir, name).ok().flatten().map(|e| e.child)
     }
 
+    /// The inode `name` in `dir` names and the kind its entry records, if the hosted
+    /// tables show one (the inode itself may live on another server).
+    pub fn child_kind(&self, dir: InodeId, name: &[u8]) -> Option<(InodeId, FileKind)> {
+        self.entry(dir, name)
+            .ok()
+            .flatten()
+            .map(|e| (e.child, e.kind))
+    }
+
     pub(crate) fn entry(&self, dir: InodeId, name: &[u8]) -> OpResult<Option<&Dentry>> {
         let hash = self.name_hash(name);
         Ok(self

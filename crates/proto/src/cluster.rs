@@ -293,6 +293,16 @@ pub enum ControlBody {
     /// The client keys changed up to `version`: read them from the coordinator, refuse
     /// revoked keys and close their connections, reply `KeysApplied`.
     Keys { version: u64 },
+    /// Not the coordinator's: one member's multi-server transaction message (issue 33) to
+    /// another, `msg` an encoded `kochab_cluster::txn::Msg` from the server holding
+    /// journal `from` now. Sent over the same authenticated channel (admin key only); the
+    /// receiving host decodes and checks it, and `to` is not looked at (the protocol
+    /// names journals, not incarnations). Never answered.
+    Txn {
+        from: ServerId,
+        #[serde(with = "serde_bytes")]
+        msg: Vec<u8>,
+    },
 }
 
 /// A control message addressed to one incarnation; any other incarnation ignores it.

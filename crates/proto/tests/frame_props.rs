@@ -421,6 +421,10 @@ fn control() -> impl Strategy<Value = Control> {
                 seq,
             },
         }),
+        (any::<u32>(), vec(any::<u8>(), 0..64)).prop_map(|(from, msg)| ControlBody::Txn {
+            from: ServerId(from),
+            msg,
+        }),
     ];
     (incarnation(), body).prop_map(|(to, body)| Control { to, body })
 }

@@ -158,8 +158,16 @@ impl Checkpointer {
         // The records after the reply cache's snapshot stay too: their entries are in no
         // image.
         let keep_from = self.replay_from().min(replies_lsn) + 1;
+        // txn (issue 33): open transaction records stay (recovery reads them).
+        let keep_from = match shared.cluster_host().and_then(|h| h.txn_host()) {
+            Some(t) => keep_from.min(t.keep_from()),
+            None => keep_from,
+        };
         report.trimmed_segments = shared.journal().trim(keep_from)?;
-        report.journals_deleted = self.collect_journals(shared.store().as_ref())?;
+        // txn (issue 33): a server's newest journal may hold commit decisions that its
+        // next incarnation reads when it starts: kept until one has started.
+        let keep_newest = shared.cluster_host().and_then(|h| h.txn_host()).is_some();
+        report.journals_deleted = self.collect_journals(shared.store().as_ref(), keep_newest)?;
         Ok(report)
     }
 
@@ -181,14 +189,23 @@ impl Checkpointer {
 
     /// Deletes the journals no table in the store names and that can never be written again:
     /// sealed ones, and earlier incarnations of this server (sealed here first).
-    fn collect_journals(&self, store: &dyn ObjectStore) -> io::Result<usize> {
+    fn collect_journals(&self, store: &dyn ObjectStore, keep_newest: bool) -> io::Result<usize> {
         let needed: std::collections::BTreeSet<JournalId> = all_manifests(store)?
             .iter()
             .flat_map(|m| m.journals.iter().map(|p| p.id()))
             .collect();
+        let journals = kochab_journal::segment::list_journals(store)?;
+        let mut newest: std::collections::BTreeMap<u64, u64> = Default::default();
+        for j in &journals {
+            let e = newest.entry(j.server).or_insert(j.epoch);
+            *e = (*e).max(j.epoch);
+        }
         let mut deleted = 0;
-        for j in kochab_journal::segment::list_journals(store)? {
+        for j in journals {
             if j == self.me || needed.contains(&j) {
+                continue;
+            }
+            if keep_newest && newest.get(&j.server) == Some(&j.epoch) {
                 continue;
             }
             let mine_older = j.server == self.me.server && j.epoch < self.me.epoch;

@@ -168,6 +168,8 @@ pub struct HostConfig {
     /// The data directory whose key file (`keys.json` of a single server) the cluster
     /// takes, if it has no keys yet (the first member to register proposes it).
     pub import_keys_from: Option<PathBuf>,
+    /// txn (issue 33) hook: how multi-server operations run (`--multi-server`).
+    pub multi_server: crate::txn_host::MultiServer,
 }
 
 /// One operation's use of a granted borrow: dropping it ends the use, and the last user
@@ -226,6 +228,8 @@ pub struct ClusterHost {
     keys_imported: AtomicBool,
     /// Operations admitted per table since the last load report.
     admitted: Mutex<LoadCounter>,
+    /// txn (issue 33) hook: the transaction host (none with `--multi-server borrow`).
+    txn: Option<Arc<crate::txn_host::TxnHost>>,
 }
 
 /// True if `r` answers the control `c` (the driver matches replies to what it sent).
@@ -310,6 +314,7 @@ impl ClusterHost {
             keys_client: client(KEY_PROPOSE_BUDGET),
             lease_ms,
             keys_imported: AtomicBool::new(false),
+            txn: crate::txn_host::TxnHost::for_mode(cfg.multi_server, cfg.server),
         });
         tokio::spawn(run(host.clone(), rx));
         let mut fenced = host.fenced.subscribe();
@@ -424,6 +429,10 @@ impl ClusterHost {
         if self.shared.set(Arc::downgrade(shared)).is_err() {
             return;
         }
+        // txn (issue 33) hook: start the transaction host.
+        if let Some(t) = &self.txn {
+            t.attach(self, shared);
+        }
         let mut durable = shared.journal().subscribe();
         let host = Arc::downgrade(self);
         tokio::spawn(async move {
@@ -466,6 +475,14 @@ impl ClusterHost {
         if tables.is_empty() {
             return Ok(tables);
         }
+        // txn (issue 33) hook: a key a transaction holds here: ask again.
+        if self
+            .txn
+            .as_ref()
+            .is_some_and(|t| t.blocks(&core.engine, op))
+        {
+            return refuse(self.not_ready());
+        }
         let admit = self.p.lock().admit(&tables, self.now());
         match admit {
             Admit::Ok => {
@@ -484,7 +501,7 @@ impl ClusterHost {
 
     /// "Not now, ask again": the client refreshes its map and retries (a table is loading,
     /// the lease is being renewed, a borrow did not come through in time).
-    fn not_ready(&self) -> Reply {
+    pub(crate) fn not_ready(&self) -> Reply {
         Reply::WrongServer {
             map_version: self.map.lock().map.version.0,
             owner: None,
@@ -536,6 +553,23 @@ impl ClusterHost {
             },
             other => Ok(other),
         }
+    }
+
+    /// txn (issue 33) hook: the server of `id`'s table by the cached map.
+    pub(crate) fn owner_of(&self, id: kochab_proto::InodeId) -> Option<ServerId> {
+        let table = self.ranges.read().table_of(id)?;
+        self.map.lock().map.owner(table)
+    }
+
+    /// txn (issue 33) hook: the transaction host, if multi-server operations may run as
+    /// transactions.
+    pub fn txn_host(&self) -> Option<Arc<crate::txn_host::TxnHost>> {
+        self.txn.clone()
+    }
+
+    /// txn (issue 33) hook: a server's address by the cached map.
+    pub(crate) fn server_addr(&self, server: ServerId) -> Option<String> {
+        self.map.lock().map.servers.get(&server).cloned()
     }
 
     /// An admitted operation ran; its reply leaves once `lsn` is durable (`durable` is now).
@@ -632,6 +666,13 @@ impl ClusterHost {
     }
 
     async fn control(&self, c: Control) -> Option<ControlReply> {
+        // txn (issue 33) hook: another member's transaction message.
+        if let ControlBody::Txn { from, msg } = &c.body {
+            if let Some(t) = &self.txn {
+                t.deliver(*from, msg);
+            }
+            return None;
+        }
         if let ControlBody::Keys { version } = c.body {
             return self.keys_control(c.to, version).await;
         }
@@ -1048,6 +1089,12 @@ pub async fn parked_op(
     loop {
         let ids = match why {
             Parked::Borrow(tables) => {
+                // txn (issue 33) hook: a transaction instead, where one covers it.
+                if let Some(t) = shared.cluster_host().and_then(|h| h.txn_host())
+                    && let Some(done) = t.run(&shared, client, &req).await
+                {
+                    return done;
+                }
                 return borrowed_op(shared, client, rid, req, tables, flushed).await;
             }
             Parked::Flush(ids) => ids,

@@ -11,6 +11,9 @@
 //!   that name each table's owner and journals, and start-up.
 //! - [`cluster_host`]: a member's participant in the coordinator's protocols (admission,
 //!   lease, ADD/DROP over the network).
+//! - [`txn_host`]: multi-server operations as two-phase commit (issue 33, `--multi-server
+//!   txn`): [`txn_plan`] makes and checks their plans, [`txn_wire`] encodes their records
+//!   and messages.
 //! - [`membership`]: tables joining and leaving a running server (drop, add, takeover).
 //! - [`replycache`]: answers to retried non-idempotent requests; [`replaytags`]: what
 //!   proves a replay genuine.
@@ -53,6 +56,9 @@ pub mod slicework;
 pub mod step;
 pub mod stop_reason;
 pub mod tablepass;
+pub mod txn_host;
+pub mod txn_plan;
+pub mod txn_wire;
 pub mod unsettled;
 pub use kochab_tls as tls;
 

@@ -54,6 +54,14 @@ impl Shared {
         // chmod at the new owner acknowledged while the holder cached the old mode).
         let window = self.replay_window();
         wait(&|| window.left().is_zero());
+        // txn (issue 33): nor while a transaction's part here holds its keys (a clean
+        // checkpoint does not carry what is in doubt).
+        if let Some(t) = self.cluster_host().and_then(|h| h.txn_host()) {
+            let hi = self.hosted_tables().into_iter().find(|&(l, _)| l == lo);
+            if let Some((_, hi)) = hi {
+                wait(&|| !t.holds_range(lo, hi));
+            }
+        }
         let mut ckpt = self.checkpointer();
         if ckpt.manifest(lo).is_none() {
             return Err(io::Error::new(
@@ -207,6 +215,10 @@ impl Shared {
                 }
             }
             ranges.push((lo, covered_end(&pieces, lo)));
+        }
+        // txn (issue 33): what the journal left in doubt on these tables comes along.
+        if let Some(t) = self.cluster_host().and_then(|h| h.txn_host()) {
+            t.adopt_from(self, journal, &ranges);
         }
         self.load_tables(&ranges, false)
     }

@@ -52,6 +52,10 @@ pub struct Metrics {
     /// Operations that waited for a borrow of other servers' tables (multi-server).
     pub borrowed_ops: Counter,
     pub borrow_wait_seconds: Histogram,
+    /// Multi-server operations started as transactions (issue 33, `--multi-server txn`)...
+    pub txn_ops: Counter,
+    /// ... and those of them that borrowed after all (a precondition failed somewhere).
+    pub txn_fallbacks: Counter,
     pub flush_wait_seconds: Histogram,
     /// Callbacks whose holder did not answer by their deadline.
     pub callbacks_missed: Counter,
@@ -135,6 +139,18 @@ impl Metrics {
             "borrowed_operations",
             "Operations that needed tables other servers held (run by BORROW/RETURN)",
             borrowed_ops.clone(),
+        );
+        let txn_ops = Counter::default();
+        registry.register(
+            "transaction_operations",
+            "Multi-server operations started as transactions between servers",
+            txn_ops.clone(),
+        );
+        let txn_fallbacks = Counter::default();
+        registry.register(
+            "transaction_fallbacks",
+            "Transactions refused by a participant's check, then run by BORROW/RETURN",
+            txn_fallbacks.clone(),
         );
         let borrow_wait_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 16));
         registry.register(
@@ -221,6 +237,8 @@ impl Metrics {
             data_reclaims_pending,
             borrowed_ops,
             borrow_wait_seconds,
+            txn_ops,
+            txn_fallbacks,
             flush_wait_seconds,
             callbacks_missed,
             callback_defaults,

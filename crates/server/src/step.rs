@@ -63,6 +63,20 @@ pub enum Event<'a> {
     ReclaimsDone { done: &'a [kochab_meta::Reclaim] },
     /// Internal work to do in bounded batches (see `Cleanup`).
     QueueCleanup(Cleanup),
+    /// A transaction's record (issue 33, `txn_host`): `muts` (a participant's committed
+    /// part, checked under its locks) applied to the tables, then journaled with them as
+    /// one record that `encode` writes (the entry and its trailer).
+    TxnRecord {
+        muts: &'a [Mutation],
+        encode: &'a dyn Fn(Vec<u8>) -> Vec<u8>,
+    },
+    /// A transaction's outcome for `client`'s request `seq` (`kept`: the inode its reply
+    /// names), kept in the reply cache.
+    TxnAnswered {
+        client: u64,
+        seq: u64,
+        kept: Outcome,
+    },
     /// A table leaving or arriving, or checkpointed (its waits and store I/O are the
     /// shell's).
     Table(TableChange<'a>),
@@ -98,6 +112,9 @@ pub struct Effects {
     pub board: Option<std::sync::Arc<crate::leases::Board>>,
     /// For `CallFlushes`: the callbacks to wait for.
     pub wait: Vec<u64>,
+    /// For `TxnRecord`: the record's LSN, or why its changes could not be applied (a bug:
+    /// the shell stops the journal).
+    pub record: Option<Result<u64, String>>,
 }
 
 /// What the core reads of its surroundings during a step: the member's admission, and the
@@ -158,6 +175,10 @@ impl Core {
                 self.cleanup.push_back(work);
                 self.out.wake_cleanup = true;
             }
+            Event::TxnRecord { muts, encode } => {
+                fx.record = Some(self.txn_record(muts, encode, now));
+            }
+            Event::TxnAnswered { client, seq, kept } => self.replies.insert(client, seq, kept),
             Event::Table(change) => fx.table = Some(self.table_change(change, now)),
             Event::Data { client, change } => {
                 fx.data = Some(self.data_change(client, change, now));
@@ -213,11 +234,37 @@ impl Core {
             outcome,
             muts,
         };
-        self.out.bytes = crate::core::encode_entry(std::mem::take(&mut self.out.bytes), &entry);
+        self.append_with(|buf| crate::core::encode_entry(buf, &entry))
+    }
+
+    /// Journals one record whose payload `encode` appends to the buffer it is given;
+    /// returns its LSN (see [`Core::append`]).
+    pub fn append_with(&mut self, encode: impl FnOnce(Vec<u8>) -> Vec<u8>) -> u64 {
+        self.out.bytes = encode(std::mem::take(&mut self.out.bytes));
         self.out.ends.push(self.out.bytes.len());
         let lsn = self.next_lsn;
         self.next_lsn += 1;
         lsn
+    }
+
+    /// See [`Event::TxnRecord`].
+    fn txn_record(
+        &mut self,
+        muts: &[Mutation],
+        encode: &dyn Fn(Vec<u8>) -> Vec<u8>,
+        now: Now,
+    ) -> Result<u64, String> {
+        for m in muts {
+            self.engine
+                .apply(m)
+                .map_err(|e| format!("a committed transaction's mutation failed: {e}"))?;
+        }
+        let lsn = self.append_with(encode);
+        if !muts.is_empty() {
+            self.journaled(0, muts, lsn, now.durable, now.instant);
+        }
+        self.out.flush = true;
+        Ok(lsn)
     }
 
     /// Journals `muts` (if any) of `client` as one record, notes them (leases, what

@@ -66,6 +66,22 @@ impl LockTable {
         true
     }
 
+    /// Adds `keys` to what `txn` holds, without asking: a participant taking over another
+    /// server's part of an attempt it is in doubt about itself. `false` (and nothing
+    /// taken) if `txn` holds nothing or another attempt holds one of them.
+    pub fn extend(&mut self, txn: TxnId, keys: &[Key]) -> bool {
+        if !self.held.contains_key(&txn) || keys.iter().any(|k| self.holders.contains_key(k)) {
+            return false;
+        }
+        for k in keys {
+            self.holders.insert(k.clone(), txn);
+        }
+        if let Some((_, held)) = self.held.get_mut(&txn) {
+            held.extend(keys.iter().cloned());
+        }
+        true
+    }
+
     /// Frees what `txn` holds; returns its keys and what became of the waiters that could
     /// move.
     pub fn release(&mut self, txn: TxnId) -> (Vec<Key>, Vec<(TxnId, Acquire)>) {

@@ -139,6 +139,46 @@ impl Participant {
         Ok((p, replay))
     }
 
+    /// Takes over an attempt another incarnation prepared and left in doubt, found in its
+    /// journal by the server that recovered the tables of its keys (a failover, or a
+    /// restart that got its tables back): in-doubt state travels with the tables, as locks
+    /// do. Its locks are held from now on and its origin is asked at the next tick; its
+    /// mutations are applied with this side's own part of the attempt, if it has one in
+    /// doubt too (merged), or alone. The host journals the `Prepared` record again first,
+    /// and acknowledges the commit for the server whose part it was (see the host).
+    /// False, and nothing changes, if the part is malformed, the attempt is over by its
+    /// origin's watermark or aborted here, this side's part is past its vote or not yet at
+    /// it (then the attempt cannot have committed), or a key is held by another attempt.
+    pub fn adopt(&mut self, txn: TxnId, age: Age, part: Part) -> bool {
+        if !part_ok(&part) || self.below_watermark(txn) {
+            return false;
+        }
+        if let Some(t) = self.txns.get_mut(&txn) {
+            if !matches!(t.state, State::Prepared { .. })
+                || t.part.locks.len() + part.locks.len() > crate::txn::KEYS_MAX * 2
+                || !self.locks.extend(txn, &part.locks)
+            {
+                return false;
+            }
+            t.part.locks.extend(part.locks);
+            t.part.mutations.extend(part.mutations);
+            return true;
+        }
+        match self.finished.get(&txn) {
+            // Committed here: the adopted part still needs the commit, which the origin
+            // keeps telling until every part acknowledged it.
+            Some(Fate::Committed) | None => {}
+            Some(Fate::Aborted | Fate::VotedNo(_)) => return false,
+        }
+        if !self.locks.restore(txn, age, &part.locks) {
+            return false;
+        }
+        self.finished.remove(&txn);
+        let state = State::Prepared { asked_ms: None };
+        self.txns.insert(txn, Txn { age, part, state });
+        true
+    }
+
     /// The server this participant speaks for.
     pub fn server(&self) -> ServerId {
         self.server
@@ -665,6 +705,51 @@ mod tests {
             p.step(prepare(1, "a", 1), 0).is_empty(),
             "below the watermark: a late duplicate"
         );
+    }
+
+    #[test]
+    fn an_adopted_attempt_is_in_doubt_here_until_its_origin_answers() {
+        let mut p = Participant::new(ServerId(1), TxnConfig::default());
+        let empty = Part {
+            locks: vec![],
+            mutations: vec![],
+        };
+        assert!(!p.adopt(t(1), age(1), empty), "malformed");
+        assert!(p.adopt(t(2), age(2), part("a")));
+        assert!(!p.adopt(t(2), age(2), part("a")), "known already");
+        assert!(!p.adopt(t(3), age(3), part("a")), "a key is held");
+        assert!(
+            p.adopt(t(2), age(2), part("b")),
+            "merged with its other part"
+        );
+        assert!(p.locks().is_locked(&part("b").locks[0]));
+        assert_eq!(p.load(), (1, 1));
+        assert!(p.locks().is_locked(&part("a").locks[0]));
+        assert_eq!(
+            sent(&p.step(Event::Tick, 0)),
+            vec![Msg::Inquiry { txn: t(2) }],
+            "asks its origin"
+        );
+        let e = p.step(decision(2, true, 1), 0);
+        let Effect::Apply { mutations, .. } = &e[0] else {
+            panic!("{e:?}")
+        };
+        assert_eq!(mutations.len(), 2, "both parts");
+        // Committed here already: an adopted part of it is in doubt until told again.
+        p.step(
+            Event::Durable(Record::Applied {
+                txn: t(2),
+                commit: true,
+            }),
+            0,
+        );
+        assert!(p.adopt(t(2), age(2), part("c")));
+        assert!(p.locks().is_locked(&part("c").locks[0]));
+        // Over by the watermark: not taken.
+        let mut q = Participant::new(ServerId(1), TxnConfig::default());
+        q.step(prepare(5, "b", 4), 0);
+        assert!(!q.adopt(t(2), age(2), part("a")));
+        assert!(!q.locks().is_locked(&part("a").locks[0]));
     }
 
     #[test]

@@ -1,0 +1,834 @@
+//! The host of a member's multi-server transactions (issue 33): it owns this server's
+//! `txn::Initiator` and `txn::Participant` (pure state machines, `kochab_cluster::txn`),
+//! feeds them requests, messages, durable records and ticks, and carries out their
+//! effects: messages to other members, records into this server's journal, checks and
+//! commits through the engine, replies to the waiting client request. No protocol
+//! decision is made here.
+//!
+//! - Messages travel as `ControlBody::Txn` over the member protocol with the cluster key
+//!   ([`link`]), to the address the delegation map gives for a server id (whoever holds
+//!   that journal now; after a restart, the new incarnation).
+//! - Records are journal entries with a trailer (`txn_wire`); a participant's commit is
+//!   one record holding its engine mutations and its `Applied` record.
+//! - An operation outside transactions that names a locked key is answered "ask again"
+//!   (the WRONG_SERVER without owner that a client already retries after refreshing its
+//!   map): [`TxnHost::blocks`]. It does not wait on the server.
+//! - On start, the previous incarnation's journal is read for transaction records; both
+//!   sides are recovered from them and what is still open is journaled again here (so it
+//!   outlives that journal); journal trimming keeps every open record ([`keep_from`]).
+
+mod link;
+
+use crate::cluster_host::ClusterHost;
+use crate::shared::Shared;
+use crate::step::Event;
+use crate::txn_plan::{self, NoPlan};
+use crate::txn_wire;
+use kochab_cluster::txn::initiator::{self, Initiator};
+use kochab_cluster::txn::participant::{self, Participant};
+use kochab_cluster::txn::{Decision, Effect, Msg, Outcome, Part, Record, TxnConfig, TxnId};
+use kochab_journal::JournalId;
+use kochab_meta::Mutation;
+use kochab_proto::cluster::ServerId;
+use kochab_proto::{Op, Reply, Request, fs_err};
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// How multi-server operations run (`--multi-server`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum MultiServer {
+    /// Borrow every table (BORROW/RETURN), as before issue 33.
+    #[default]
+    Borrow,
+    /// A transaction where a plan covers the operation, else borrow.
+    Txn,
+    /// For now the same as `Txn`: the affinity rule (migrate a table one server keeps
+    /// borrowing) does not exist yet.
+    Auto,
+}
+
+impl std::str::FromStr for MultiServer {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "borrow" => Ok(MultiServer::Borrow),
+            "txn" => Ok(MultiServer::Txn),
+            "auto" => Ok(MultiServer::Auto),
+            other => Err(format!("--multi-server {other}: txn, borrow or auto")),
+        }
+    }
+}
+
+/// Ticks of both state machines (resends, inquiries, timeouts): well under their timers
+/// (`TxnConfig::resend_ms` 200, `wait_max_ms` 500).
+const TICK: Duration = Duration::from_millis(50);
+
+/// Most time a client request waits for its transaction's answer before it is told to
+/// ask again (its retry, same seq, gets the answer once decided).
+const REPLY_WAIT: Duration = Duration::from_secs(10);
+
+/// Attempts remembered as applied here (for late duplicate decisions): far more than
+/// are in flight at once (a participant holds at most 4,096).
+const APPLIED_KEPT: usize = 16_384;
+
+/// A test switch that aborts the process at one step (crash tests): `STEP` or
+/// `STEP:FILE`, STEP `after-prepared` or `after-decided`; with FILE, only the process
+/// that creates FILE first aborts (once in a cluster whose servers all have the switch).
+const CRASH_ENV: &str = "KOCHAB_TXN_CRASH";
+
+/// Where [`CRASH_ENV`] aborts the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CrashAt {
+    /// A participant's prepare record is durable (before its vote leaves).
+    Prepared,
+    /// The initiator's commit record is durable (before anyone is told).
+    Decided,
+}
+
+fn crash_at() -> Option<(CrashAt, Option<std::path::PathBuf>)> {
+    let v = std::env::var(CRASH_ENV).ok()?;
+    let (step, file) = match v.split_once(':') {
+        Some((s, f)) => (s.to_string(), Some(std::path::PathBuf::from(f))),
+        None => (v, None),
+    };
+    let at = match step.as_str() {
+        "after-prepared" => CrashAt::Prepared,
+        "after-decided" => CrashAt::Decided,
+        _ => return None,
+    };
+    Some((at, file))
+}
+
+/// Aborts the process if the crash switch names `at` (and this process is first).
+fn maybe_crash(switch: &Option<(CrashAt, Option<std::path::PathBuf>)>, at: CrashAt) {
+    let Some((want, file)) = switch else {
+        return;
+    };
+    if *want != at {
+        return;
+    }
+    if let Some(f) = file
+        && std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(f)
+            .is_err()
+    {
+        return;
+    }
+    tracing::error!("{CRASH_ENV}: aborting after the {at:?} record is durable");
+    std::process::abort();
+}
+
+struct Sides {
+    init: Initiator,
+    part: Participant,
+}
+
+/// Requests waiting for one (client, seq)'s answer (a retry joins the first).
+type Waiters = Vec<oneshot::Sender<Outcome>>;
+
+/// The transaction host of one member incarnation.
+pub struct TxnHost {
+    mode: MultiServer,
+    me: ServerId,
+    cfg: TxnConfig,
+    sides: OnceLock<Mutex<Sides>>,
+    shared: OnceLock<Weak<Shared>>,
+    host: OnceLock<Weak<ClusterHost>>,
+    /// Client requests waiting for their answer: (client, seq).
+    waiting: Mutex<HashMap<(u64, u64), Waiters>>,
+    /// What the reply cache keeps for a request once committed (the inode a link names),
+    /// by (client, seq), until its decision is journaled and answered.
+    outcomes: Mutex<HashMap<(u64, u64), Option<kochab_proto::InodeId>>>,
+    /// A commit's engine mutations, between its `Apply` and its `Applied` record.
+    applies: Mutex<HashMap<TxnId, Vec<Mutation>>>,
+    /// Parts prepared here without an outcome yet (a decision to commit is taken in only
+    /// once their tables are hosted here).
+    prepared: Mutex<HashMap<TxnId, Part>>,
+    /// Journal LSNs of the records recovery still needs: prepares without an outcome,
+    /// commit decisions not forgotten.
+    open: Mutex<BTreeMap<(TxnId, bool), u64>>,
+    /// Attempts applied here lately (a late duplicate decision is acknowledged by the
+    /// participant; one about an attempt never prepared here is not: its part, if any, is
+    /// with whoever recovered this server's last journal).
+    applied: Mutex<std::collections::BTreeSet<TxnId>>,
+    /// Parts taken over from other servers' journals, by attempt: acknowledged for them.
+    adopted: Mutex<HashMap<TxnId, Vec<ServerId>>>,
+    /// Messages to send: (as which server, to which, what).
+    out: OnceLock<mpsc::UnboundedSender<(ServerId, ServerId, Msg)>>,
+    /// Itself, for the tasks that wait for a record to be durable.
+    this: OnceLock<Weak<TxnHost>>,
+    base: Instant,
+    crash: Option<(CrashAt, Option<std::path::PathBuf>)>,
+}
+
+impl TxnHost {
+    /// The host for `mode` (none for `Borrow`: nothing changes).
+    pub fn for_mode(mode: MultiServer, me: ServerId) -> Option<Arc<TxnHost>> {
+        if mode == MultiServer::Borrow {
+            return None;
+        }
+        Some(Arc::new(TxnHost {
+            mode,
+            me,
+            cfg: TxnConfig::default(),
+            sides: OnceLock::new(),
+            shared: OnceLock::new(),
+            host: OnceLock::new(),
+            waiting: Mutex::new(HashMap::new()),
+            outcomes: Mutex::new(HashMap::new()),
+            applies: Mutex::new(HashMap::new()),
+            prepared: Mutex::new(HashMap::new()),
+            open: Mutex::new(BTreeMap::new()),
+            applied: Mutex::new(Default::default()),
+            adopted: Mutex::new(HashMap::new()),
+            out: OnceLock::new(),
+            this: OnceLock::new(),
+            base: Instant::now(),
+            crash: crash_at(),
+        }))
+    }
+
+    pub fn mode(&self) -> MultiServer {
+        self.mode
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.base.elapsed().as_millis() as u64
+    }
+
+    fn shared(&self) -> Option<Arc<Shared>> {
+        self.shared.get()?.upgrade()
+    }
+
+    /// Starts the host once the server runs: recovers both sides from the previous
+    /// incarnation's journal (if that fails, transactions stay off and every
+    /// multi-server operation borrows), then ticks and sends.
+    pub fn attach(self: &Arc<Self>, host: &Arc<ClusterHost>, shared: &Arc<Shared>) {
+        if self.shared.set(Arc::downgrade(shared)).is_err() {
+            return;
+        }
+        let _ = self.host.set(Arc::downgrade(host));
+        let _ = self.this.set(Arc::downgrade(self));
+        let me = host.journal_id();
+        let sides = match self.recover(shared, me) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(
+                    "transactions are off on this server (every multi-server operation borrows): {e}"
+                );
+                return;
+            }
+        };
+        let _ = self.sides.set(Mutex::new(sides));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = self.out.set(tx);
+        let key = shared.keys().admin().key;
+        tokio::spawn(send_loop(Arc::downgrade(self), rx, key, me));
+        tokio::spawn(tick_loop(Arc::downgrade(self)));
+    }
+
+    /// Rebuilds the initiator from the decisions in this server's previous journal (the
+    /// origin answers for its old attempts) and journals again the commits not yet
+    /// forgotten. The participant starts empty: what the last incarnation left in doubt
+    /// travels with its tables and is taken over by whoever recovers them
+    /// ([`TxnHost::adopt_from`]), this server too if they come back here.
+    fn recover(&self, shared: &Shared, me: JournalId) -> Result<Sides, String> {
+        let records = match previous_journal(shared, me)? {
+            Some(prev) => journal_records(shared, prev)?,
+            None => Vec::new(),
+        };
+        let init =
+            Initiator::recover(self.me, me.epoch, self.cfg, &records).map_err(|e| e.to_string())?;
+        let mut open: BTreeMap<TxnId, Record> = BTreeMap::new();
+        for r in &records {
+            match r {
+                Record::Decided {
+                    txn,
+                    decision: Decision::Commit,
+                    ..
+                } => {
+                    open.insert(*txn, r.clone());
+                }
+                Record::Forgotten { txn } => {
+                    open.remove(txn);
+                }
+                _ => {}
+            }
+        }
+        let n = open.len();
+        for (txn, r) in open {
+            let lsn = self.journal_record(shared, &r, &[]);
+            self.open.lock().insert((txn, true), lsn);
+        }
+        if !records.is_empty() {
+            tracing::info!(
+                "transactions: {} records of the last incarnation read, {n} commits still told",
+                records.len()
+            );
+        }
+        Ok(Sides {
+            init,
+            part: Participant::new(self.me, self.cfg),
+        })
+    }
+
+    /// Takes over what the fenced journal `journal` left in doubt on the tables `ranges`
+    /// this server is about to recover from it: each attempt prepared there without an
+    /// outcome, whose keys lie in those tables, is journaled here again (durable before
+    /// the tables are served) and held in doubt here until its origin answers. Runs on a
+    /// blocking thread (table loads do).
+    pub fn adopt_from(&self, shared: &Shared, journal: JournalId, ranges: &[(u64, u64)]) {
+        let Some(sides) = self.sides.get() else {
+            return;
+        };
+        let records = match journal_records(shared, journal) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!("transactions in doubt in {journal} not taken over: {e}");
+                return;
+            }
+        };
+        // One attempt may have two prepared parts there (its own, and one it took over).
+        let mut doubt: BTreeMap<TxnId, Vec<Record>> = BTreeMap::new();
+        for r in records {
+            match &r {
+                Record::Prepared { txn, .. } => doubt.entry(*txn).or_default().push(r),
+                Record::Applied { txn, .. } => {
+                    doubt.remove(txn);
+                }
+                _ => {}
+            }
+        }
+        let ours = |k: &kochab_cluster::txn::Key| {
+            let id = txn_plan::table_key(k);
+            ranges.iter().any(|&(lo, hi)| lo <= id && id < hi)
+        };
+        let mut last = 0;
+        let from = ServerId(journal.server as u32);
+        for r in doubt.into_values().flatten() {
+            let Record::Prepared { txn, age, part } = &r else {
+                continue;
+            };
+            if !part.locks.iter().any(ours) {
+                continue;
+            }
+            let taken = sides.lock().part.adopt(*txn, *age, part.clone());
+            if !taken {
+                tracing::info!("transaction {txn:?} of {journal}: over or known here");
+                continue;
+            }
+            tracing::info!("transaction {txn:?} of {journal}: in doubt, taken over here");
+            self.prepared
+                .lock()
+                .entry(*txn)
+                .and_modify(|p| {
+                    p.locks.extend(part.locks.iter().cloned());
+                    p.mutations.extend(part.mutations.iter().cloned());
+                })
+                .or_insert_with(|| part.clone());
+            self.adopted.lock().entry(*txn).or_default().push(from);
+            last = self.journal_record(shared, &r, &[]);
+            self.open.lock().insert((*txn, false), last);
+        }
+        if last > 0 && !shared.journal().wait_durable(last) {
+            tracing::error!("the journal failed while taking over transactions in doubt");
+        }
+    }
+
+    /// The oldest LSN of this journal that recovery still needs (`u64::MAX`: none).
+    pub fn keep_from(&self) -> u64 {
+        self.open.lock().values().copied().min().unwrap_or(u64::MAX)
+    }
+
+    /// True if a part prepared here (in doubt or being applied) has a key in the table
+    /// `[lo, hi)`: the table may not leave yet.
+    pub fn holds_range(&self, lo: u64, hi: u64) -> bool {
+        self.prepared.lock().values().any(|p| {
+            p.locks.iter().any(|k| {
+                let id = txn_plan::table_key(k);
+                lo <= id && id < hi
+            })
+        })
+    }
+
+    /// True if `op` names a key a transaction holds here: the caller answers "ask again".
+    /// Called under the core lock (lock order: core, then the sides).
+    pub fn blocks(&self, engine: &kochab_meta::Engine, op: &kochab_proto::Op) -> bool {
+        let Some(sides) = self.sides.get() else {
+            return false;
+        };
+        let sides = sides.lock();
+        let locks = sides.part.locks();
+        if locks.load() == (0, 0) {
+            return false;
+        }
+        txn_plan::op_keys(engine, op)
+            .iter()
+            .any(|k| locks.is_locked(k))
+    }
+
+    /// Runs a multi-server request as a transaction. `None`: it has no plan, or its
+    /// preconditions failed somewhere; the caller borrows instead (which answers the
+    /// errno a single server would).
+    pub async fn run(
+        self: &Arc<Self>,
+        shared: &Shared,
+        client: u64,
+        req: &Request,
+    ) -> Option<(Reply, u64)> {
+        let host = self.host.get()?.upgrade()?;
+        self.sides.get()?;
+        if req.seq != 0 && shared.reply_cached(client, req.seq).is_some() {
+            // Answered already (by a transaction or a borrow): answered as the batch
+            // path's reply cache does, with no borrow.
+            return match req.op {
+                Op::Rename { .. } => Some((Reply::Empty, 0)),
+                Op::Link { id, .. } => shared
+                    .core()
+                    .engine
+                    .inode(id)
+                    .map(|i| (Reply::Entry(i.attr(id)), 0)),
+                _ => None,
+            };
+        }
+        let now = shared.clock().wall_ns();
+        let plan = {
+            let core = shared.core();
+            txn_plan::plan_op(&core.engine, &req.cred, &req.op, now, |id| {
+                host.owner_of(id)
+            })
+        };
+        let plan = match plan {
+            Ok(p) => p,
+            Err(NoPlan::NotCovered(why)) => {
+                tracing::debug!("{} borrows: {why}", req.op.name());
+                return None;
+            }
+            Err(NoPlan::NoOwner(id)) => {
+                tracing::debug!("{} borrows: no owner known for {id:#x}", req.op.name());
+                return None;
+            }
+        };
+        let (tx, rx) = oneshot::channel();
+        self.waiting
+            .lock()
+            .entry((client, req.seq))
+            .or_default()
+            .push(tx);
+        shared.metrics().txn_ops.inc();
+        let linked = match req.op {
+            Op::Link { id, .. } => Some(id),
+            _ => None,
+        };
+        self.outcomes.lock().insert((client, req.seq), linked);
+        let ev = initiator::Event::Request {
+            client,
+            seq: req.seq,
+            plan,
+        };
+        self.step_init(ev);
+        let outcome = match tokio::time::timeout(REPLY_WAIT, rx).await {
+            Ok(Ok(o)) => o,
+            _ => Outcome::Busy,
+        };
+        match outcome {
+            Outcome::Committed => match linked {
+                None => Some((Reply::Empty, 0)),
+                Some(id) => Some((linked_reply(shared, id, now).await, 0)),
+            },
+            Outcome::Refused | Outcome::Invalid => {
+                shared.metrics().txn_fallbacks.inc();
+                None
+            }
+            Outcome::Busy => Some((host.not_ready(), 0)),
+            Outcome::TooOld => Some((
+                Reply::Error(fs_err!(EIO, "the answer of this request is no longer kept")),
+                0,
+            )),
+        }
+    }
+
+    /// A message from the server holding `from`'s journal.
+    pub fn deliver(&self, from: ServerId, bytes: &[u8]) {
+        match txn_wire::decode_msg(bytes) {
+            Ok(msg) => self.on_msg(from, msg),
+            Err(e) => tracing::warn!("a bad transaction message from server {}: {e}", from.0),
+        }
+    }
+
+    fn on_msg(&self, from: ServerId, msg: Msg) {
+        if msg.to_initiator() {
+            self.step_init(initiator::Event::Message { from, msg });
+            return;
+        }
+        // A commit is taken in only where it can be applied: every table of the part is
+        // here (after a restart they come back by ADD; the initiator resends meanwhile).
+        if let Msg::Decision {
+            txn, commit: true, ..
+        } = &msg
+        {
+            let known = self.prepared.lock().contains_key(txn);
+            if !known && !self.applied.lock().contains(txn) {
+                return;
+            }
+            if !self.hosted(txn) {
+                return;
+            }
+        }
+        self.step_part(participant::Event::Message { from, msg });
+    }
+
+    fn hosted(&self, txn: &TxnId) -> bool {
+        let Some(part) = self.prepared.lock().get(txn).cloned() else {
+            return true;
+        };
+        let Some(shared) = self.shared() else {
+            return false;
+        };
+        let core = shared.core();
+        part.locks
+            .iter()
+            .all(|k| core.engine.table_index(txn_plan::table_key(k)).is_some())
+    }
+
+    fn step_init(&self, ev: initiator::Event) {
+        let Some(sides) = self.sides.get() else {
+            return;
+        };
+        let now = self.now_ms();
+        let effects = sides.lock().init.step(ev, now);
+        self.carry(effects);
+    }
+
+    fn step_part(&self, ev: participant::Event) {
+        let Some(sides) = self.sides.get() else {
+            return;
+        };
+        let now = self.now_ms();
+        let effects = sides.lock().part.step(ev, now);
+        self.carry(effects);
+    }
+
+    fn tick(&self) {
+        let Some(sides) = self.sides.get() else {
+            return;
+        };
+        let now = self.now_ms();
+        let effects = {
+            let mut s = sides.lock();
+            let mut e = s.init.step(initiator::Event::Tick, now);
+            e.extend(s.part.step(participant::Event::Tick, now));
+            e
+        };
+        self.carry(effects);
+    }
+
+    /// Carries out effects in order; a check's answer is fed back at once (its effects
+    /// join the queue). Never holds the sides' lock while taking the core's.
+    fn carry(&self, effects: Vec<Effect>) {
+        let Some(shared) = self.shared() else {
+            return;
+        };
+        let mut queue: VecDeque<Effect> = effects.into();
+        while let Some(e) = queue.pop_front() {
+            match e {
+                Effect::Send { to, msg } => {
+                    let Some(out) = self.out.get() else {
+                        continue;
+                    };
+                    // A part taken over is acknowledged for the server whose it was.
+                    if let Msg::Ack { txn } = &msg
+                        && let Some(for_them) = self.adopted.lock().get(txn)
+                    {
+                        for s in for_them {
+                            let _ = out.send((*s, to, msg.clone()));
+                        }
+                    }
+                    let _ = out.send((self.me, to, msg));
+                }
+                Effect::Append(record) => self.append(&shared, record),
+                Effect::Check { txn, part } => {
+                    let ok = {
+                        let core = shared.core();
+                        txn_plan::check_part(&core.engine, &part)
+                    };
+                    if let Err(why) = &ok {
+                        tracing::debug!("transaction {txn:?} refused here: {why}");
+                    }
+                    let ev = participant::Event::Checked {
+                        txn,
+                        ok: ok.is_ok(),
+                    };
+                    let Some(sides) = self.sides.get() else {
+                        return;
+                    };
+                    let now = self.now_ms();
+                    queue.extend(sides.lock().part.step(ev, now));
+                }
+                Effect::Apply { txn, mutations } => {
+                    let muts = {
+                        let core = shared.core();
+                        txn_plan::apply_part(&core.engine, &mutations)
+                    };
+                    match muts {
+                        Ok(m) => {
+                            self.applies.lock().insert(txn, m);
+                        }
+                        // Its keys were locked since the check: this is a bug, or the
+                        // table left while the transaction held it. The commit is not
+                        // acknowledged (its locks stay; the initiator keeps asking).
+                        Err(e) => tracing::error!("transaction {txn:?} cannot be applied: {e}"),
+                    }
+                }
+                // Operations on these keys were told to ask again; nothing waits here.
+                Effect::Released { .. } => {}
+                Effect::Reply {
+                    client,
+                    seq,
+                    outcome,
+                } => {
+                    let kept = self.outcomes.lock().remove(&(client, seq)).flatten();
+                    if outcome == Outcome::Committed && seq != 0 {
+                        shared.step(Event::TxnAnswered { client, seq, kept });
+                    }
+                    let waiters = self.waiting.lock().remove(&(client, seq));
+                    for w in waiters.into_iter().flatten() {
+                        let _ = w.send(outcome);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Journals a record (a commit's `Applied` with its engine mutations, applied to the
+    /// tables under the same hold of the core lock) and tells its side once durable.
+    fn append(&self, shared: &Arc<Shared>, record: Record) {
+        let muts = match &record {
+            Record::Applied { txn, commit: true } => match self.applies.lock().remove(txn) {
+                Some(m) => m,
+                None => {
+                    tracing::error!("transaction {txn:?}: a commit without its changes");
+                    return;
+                }
+            },
+            _ => Vec::new(),
+        };
+        let lsn = self.journal_record(shared, &record, &muts);
+        match &record {
+            Record::Prepared { txn, part, .. } => {
+                self.prepared.lock().insert(*txn, part.clone());
+                self.open.lock().insert((*txn, false), lsn);
+            }
+            Record::Applied { txn, .. } => {
+                self.prepared.lock().remove(txn);
+                self.open.lock().remove(&(*txn, false));
+                let mut applied = self.applied.lock();
+                applied.insert(*txn);
+                while applied.len() > APPLIED_KEPT {
+                    applied.pop_first();
+                }
+            }
+            Record::Decided {
+                txn,
+                decision: Decision::Commit,
+                ..
+            } => {
+                self.open.lock().insert((*txn, true), lsn);
+            }
+            Record::Forgotten { txn } => {
+                self.open.lock().remove(&(*txn, true));
+            }
+            Record::Decided { .. } => {}
+        }
+        let Some(this) = self.this.get().cloned() else {
+            return;
+        };
+        let mut durable = shared.journal().subscribe();
+        tokio::spawn(async move {
+            if durable.wait_for(|d| *d >= lsn).await.is_err() {
+                return;
+            }
+            if let Some(t) = this.upgrade() {
+                t.durable(record);
+            }
+        });
+    }
+
+    fn durable(&self, record: Record) {
+        match &record {
+            Record::Prepared { .. } => maybe_crash(&self.crash, CrashAt::Prepared),
+            Record::Decided {
+                decision: Decision::Commit,
+                ..
+            } => maybe_crash(&self.crash, CrashAt::Decided),
+            _ => {}
+        }
+        if record.by_initiator() {
+            self.step_init(initiator::Event::Durable(record));
+        } else {
+            self.step_part(participant::Event::Durable(record));
+        }
+    }
+
+    /// One journal record for `record` (and a commit's mutations, applied here first);
+    /// returns its LSN.
+    fn journal_record(&self, shared: &Shared, record: &Record, muts: &[Mutation]) -> u64 {
+        // A commit decision carries its client and seq in the entry, so the reply cache
+        // rebuilt from the journal answers a retry; other records name no request.
+        let (client, seq) = match record {
+            Record::Decided {
+                client,
+                seq,
+                decision: Decision::Commit,
+                ..
+            } => (*client, *seq),
+            _ => (0, 0),
+        };
+        let outcome = match seq {
+            0 => None,
+            _ => self.outcomes.lock().get(&(client, seq)).copied().flatten(),
+        };
+        let encode = |buf| txn_wire::encode_entry(buf, client, seq, outcome, muts, record);
+        match shared
+            .step(Event::TxnRecord {
+                muts,
+                encode: &encode,
+            })
+            .record
+        {
+            Some(Ok(lsn)) => lsn,
+            // Checked while locked, the tables present (see `hosted`): a bug. Memory may
+            // be ahead of the journal now: the server stops (fail-stop), and nothing waits
+            // for this record (it never becomes durable).
+            Some(Err(why)) => {
+                shared.journal().fail_stop(why);
+                u64::MAX
+            }
+            None => {
+                shared
+                    .journal()
+                    .fail_stop("a transaction record was not journaled".into());
+                u64::MAX
+            }
+        }
+    }
+}
+
+/// Longest a committed link's reply waits for this server's own part to be applied
+/// (normally one local message and one journal write), for its attributes.
+const LINK_ATTR_WAIT: Duration = Duration::from_secs(1);
+
+/// The reply to a committed link: its inode's attributes (held here, see `txn_plan`) once
+/// its part is applied here (its ctime is the plan's `time`), else as they will be; ESTALE
+/// if the inode is gone already (as a retry of a removed link target is answered).
+async fn linked_reply(
+    shared: &Shared,
+    id: kochab_proto::InodeId,
+    time: kochab_proto::TimeNs,
+) -> Reply {
+    let deadline = Instant::now() + LINK_ATTR_WAIT;
+    loop {
+        let inode = shared.core().engine.inode(id).cloned();
+        match inode {
+            Some(i) if i.ctime == time => return Reply::Entry(i.attr(id)),
+            Some(mut i) if Instant::now() >= deadline => {
+                i.nlink += 1;
+                i.ctime = time;
+                return Reply::Entry(i.attr(id));
+            }
+            None => {
+                return Reply::Error(fs_err!(ESTALE, "linked, then removed before the reply"));
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+        }
+    }
+}
+
+/// This server's previous incarnation's journal, if the store still has it.
+fn previous_journal(shared: &Shared, me: JournalId) -> Result<Option<JournalId>, String> {
+    let journals = kochab_journal::segment::list_journals(shared.store().as_ref())
+        .map_err(|e| format!("cannot list journals: {e}"))?;
+    Ok(journals
+        .into_iter()
+        .filter(|j| j.server == me.server && j.epoch < me.epoch)
+        .max_by_key(|j| j.epoch))
+}
+
+/// The transaction records of journal `prev`, in order. Every open one is there:
+/// trimming keeps them (`keep_from`).
+fn journal_records(shared: &Shared, prev: JournalId) -> Result<Vec<Record>, String> {
+    let store = shared.store();
+    let ins = kochab_journal::inspect(store.as_ref(), prev)
+        .map_err(|e| format!("cannot read {prev}: {e}"))?;
+    let first = ins
+        .segments
+        .iter()
+        .filter_map(|s| s.lsns.map(|(f, _)| f))
+        .min();
+    let Some(first) = first else {
+        return Ok(Vec::new());
+    };
+    let mut records = Vec::new();
+    kochab_journal::recover_range(
+        store.as_ref(),
+        prev,
+        first - 1,
+        Some(ins.chain_end),
+        |_, payload| {
+            if let Some(r) = txn_wire::decode_entry(payload)? {
+                records.push(r);
+            }
+            Ok(())
+        },
+    )
+    .map_err(|e| format!("cannot read {prev}: {e}"))?;
+    Ok(records)
+}
+
+async fn tick_loop(host: Weak<TxnHost>) {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match host.upgrade() {
+            Some(h) => h.tick(),
+            None => return,
+        }
+    }
+}
+
+/// Sends each message to the member that holds its journal now (by the cached map), or
+/// to this server's own sides. A message that cannot go is dropped: the protocol resends.
+async fn send_loop(
+    host: Weak<TxnHost>,
+    mut rx: mpsc::UnboundedReceiver<(ServerId, ServerId, Msg)>,
+    key: kochab_proto::auth::ClusterKey,
+    me: JournalId,
+) {
+    let mut links = link::Links::new(key, me);
+    while let Some((from, to, msg)) = rx.recv().await {
+        let Some(h) = host.upgrade() else {
+            return;
+        };
+        if to == h.me {
+            h.on_msg(from, msg);
+            continue;
+        }
+        let Some(addr) = h
+            .host
+            .get()
+            .and_then(|c| c.upgrade())
+            .and_then(|c| c.server_addr(to))
+        else {
+            tracing::debug!("no address known for server {}", to.0);
+            continue;
+        };
+        drop(h);
+        links.send(&addr, from, txn_wire::encode_msg(&msg));
+    }
+}
