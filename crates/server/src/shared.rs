@@ -155,9 +155,11 @@ impl Shared {
     /// Runs one event through the core ([`Core::step`]) and carries out its records and
     /// callbacks before the lock is let go; returns the rest of its effects.
     pub fn step(&self, event: Event<'_>) -> Effects {
+        // Read before the lock is taken (the durable point only grows: an earlier reading
+        // is conservative), so the hold is no longer than the step.
+        let now = self.now();
         let mut guard = self.core();
         let core = guard.stepping();
-        let now = self.now();
         let mut fx = core.step(event, now, self);
         let flush = self.carry_out(&mut fx.out);
         core.reuse_outbox(&mut fx.out);

@@ -339,6 +339,8 @@ impl Core {
         env: &dyn Env,
         fx: &mut Effects,
     ) {
+        // One allocation per batch, not one per doubling.
+        fx.answers.reserve(reqs.len());
         let member = env.member();
         let leasing = self.is_leasing(client);
         let granted = now.instant;
