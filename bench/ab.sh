@@ -7,7 +7,7 @@ A=$1; B=$2; ROUNDS=${3:-3}; shift 3 || true
 ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(--clients 64 --items 300000)
 PORT=${PORT:-7431}
 tmp=$(mktemp -d)
-trap 'pkill -f "kochab up --data $tmp" || true; rm -rf "$tmp"' EXIT
+trap 'pkill -f " up --data $tmp" || true; rm -rf "$tmp"' EXIT
 run() {  # run BIN LABEL
   local bin=$1 label=$2 d="$tmp/$2"
   rm -rf "$d" "$tmp/out"
