@@ -709,6 +709,7 @@ async fn read_loop(
     let mut reqs = Vec::new();
     let mut dones = Vec::new();
     let mut admin = Vec::new();
+    let mut replies = Vec::new();
     let data_slots = Arc::new(Semaphore::new(DATA_OPS_IN_FLIGHT));
     // A bad frame met by the read itself; it ends the connection where a bad frame met in
     // the buffer would (after the batch before it ran).
@@ -856,8 +857,10 @@ async fn read_loop(
                 client,
                 reqs: &reqs,
                 flushes: true,
+                answers: std::mem::take(&mut replies),
             });
-            let (parked, mut replies) = (fx.parked, fx.answers);
+            let parked = fx.parked;
+            replies = fx.answers;
             // Requests that need other servers' tables, or other sessions' flushes, wait
             // for them in their own task; the rest of the connection goes on.
             if !parked.is_empty() {

@@ -706,6 +706,7 @@ impl Shared {
             client,
             reqs,
             flushes,
+            answers: Vec::new(),
         });
         if replies.is_empty() {
             *replies = std::mem::take(&mut fx.answers);

@@ -33,10 +33,13 @@ pub enum Event<'a> {
     /// A batch of one client's metadata requests (rid, request), run in order. `flushes`:
     /// wait for other sessions' flushes of what they touch (false for a request that
     /// waited once already).
+    /// `answers`: where the replies go (emptied first; a connection passes the one it
+    /// keeps, so a batch allocates nothing for them).
     Requests {
         client: u64,
         reqs: &'a [(u64, Request)],
         flushes: bool,
+        answers: Vec<Answer>,
     },
     /// Session `from` answered the callbacks `ids`.
     CallbacksAnswered { from: u64, ids: &'a [u64] },
@@ -137,7 +140,12 @@ impl Core {
                 client,
                 reqs,
                 flushes,
-            } => self.requests(client, reqs, flushes, now, env, &mut fx),
+                answers,
+            } => {
+                fx.answers = answers;
+                fx.answers.clear();
+                self.requests(client, reqs, flushes, now, env, &mut fx)
+            }
             Event::CallbacksAnswered { from, ids } => {
                 let (slow, ignored) = self.callbacks_answered(from, ids, now.instant);
                 fx.slow_answer = slow;
@@ -670,6 +678,7 @@ mod tests {
                 client: 7,
                 reqs: &reqs,
                 flushes: true,
+                answers: Vec::new(),
             },
             at(t0, 9),
             &NoEnv,
@@ -706,6 +715,7 @@ mod tests {
                 client: 8,
                 reqs: &[(3, lookup)],
                 flushes: true,
+                answers: Vec::new(),
             },
             at(t0, 9),
             &NoEnv,
@@ -735,6 +745,7 @@ mod tests {
                 client: 1,
                 reqs: &[(1, lookup)],
                 flushes: true,
+                answers: Vec::new(),
             },
             at(t0, 0),
             &NoEnv,
@@ -746,6 +757,7 @@ mod tests {
                 client: 2,
                 reqs: &[(2, mkdir(root, "x"))],
                 flushes: true,
+                answers: Vec::new(),
             },
             at(t0, 0),
             &NoEnv,
