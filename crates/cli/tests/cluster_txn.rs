@@ -7,48 +7,12 @@
 
 mod common;
 
-use common::{ServerProc, kochab_bin, runtime};
+use common::{ServerProc, kochab_at as kochab, runtime, status, tables_per_server};
 use kochab_client::Client;
 use kochab_proto::{Credentials, Errno, InodeId};
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
-
-/// Runs `kochab ARGS --cluster ADDR --key-file KEY`; returns (success, stdout+stderr).
-fn kochab(server: &ServerProc, args: &[&str]) -> (bool, String) {
-    let out = Command::new(kochab_bin())
-        .args(args)
-        .args(["--cluster", &server.addr.to_string()])
-        .arg("--key-file")
-        .arg(server.data.join("cluster.key"))
-        .output()
-        .expect("run kochab");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
-fn status(server: &ServerProc) -> Option<serde_json::Value> {
-    let (ok, text) = kochab(server, &["status", "--json"]);
-    let v: serde_json::Value = serde_json::from_str(&text).ok().filter(|_| ok)?;
-    v.get("servers").is_some().then_some(v)
-}
-
-/// Server id -> number of tables, of the servers that answered.
-fn tables_per_server(v: &serde_json::Value) -> Vec<(u64, usize)> {
-    v["servers"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|s| Some((s["id"].as_u64()?, s["tables"].as_array()?.len())))
-                .collect()
-        })
-        .unwrap_or_default()
-}
 
 /// Waits until two servers answer, each with at least `min` tables, and nothing moves.
 fn wait_two(server: &ServerProc, min: usize) -> serde_json::Value {

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{ServerProc, kochab_bin, offline_fsck_clean, runtime};
+use common::{ServerProc, kochab_at as kochab, kochab_bin, offline_fsck_clean, runtime};
 use kochab_client::conn::Conn;
 use kochab_client::replay::EarlyAck;
 use kochab_client::{Client, ClientConfig};
@@ -378,21 +378,6 @@ fn forged_replays_take_no_ids_and_every_allocator_works_after_a_restart() {
     assert!(failures.is_empty(), "{failures:#?}");
     drop(server);
     offline_fsck(&data);
-}
-
-/// Runs `kochab ARGS --cluster ADDR --key-file KEY` (the admin key): success, output.
-fn kochab(server: &ServerProc, args: &[&str]) -> (bool, String) {
-    let out = Command::new(kochab_bin())
-        .args(args)
-        .args(["--cluster", &server.addr.to_string()])
-        .arg("--key-file")
-        .arg(server.data.join("cluster.key"))
-        .env_remove("KOCHAB_KEY")
-        .output()
-        .expect("run kochab");
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.success(), text)
 }
 
 /// The cluster's status once the 19 tables of a new cluster are spread evenly over

@@ -818,6 +818,34 @@ pub fn resume_and_probe_fenced(
     refused
 }
 
+/// Runs `kochab ARGS --cluster ADDR --key-file KEY` (the admin key) against the cluster
+/// `server` started; returns (success, stdout and stderr).
+pub fn kochab_at(server: &ServerProc, args: &[&str]) -> (bool, String) {
+    let out = Command::new(kochab_bin())
+        .args(args)
+        .args(["--cluster", &server.addr.to_string()])
+        .arg("--key-file")
+        .arg(server.data.join("cluster.key"))
+        .env_remove("KOCHAB_KEY")
+        .output()
+        .expect("run kochab");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// Server id -> number of tables, of the servers a `kochab status --json` lists.
+pub fn tables_per_server(v: &serde_json::Value) -> Vec<(u64, usize)> {
+    v["servers"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| Some((s["id"].as_u64()?, s["tables"].as_array()?.len())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// `kochab status --json` of the cluster `server` started, or None while it does not
 /// answer as one (no server list yet).
 pub fn status(server: &ServerProc) -> Option<serde_json::Value> {
