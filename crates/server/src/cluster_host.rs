@@ -431,7 +431,8 @@ impl ClusterHost {
         }
         // txn (issue 33) hook: start the transaction host.
         if let Some(t) = &self.txn {
-            t.attach(self, shared);
+            let map: Arc<dyn crate::txn_host::MemberMap> = self.clone();
+            t.attach(map, shared);
         }
         let mut durable = shared.journal().subscribe();
         let host = Arc::downgrade(self);
@@ -501,7 +502,7 @@ impl ClusterHost {
 
     /// "Not now, ask again": the client refreshes its map and retries (a table is loading,
     /// the lease is being renewed, a borrow did not come through in time).
-    pub(crate) fn not_ready(&self) -> Reply {
+    fn not_ready(&self) -> Reply {
         Reply::WrongServer {
             map_version: self.map.lock().map.version.0,
             owner: None,
@@ -556,7 +557,7 @@ impl ClusterHost {
     }
 
     /// txn (issue 33) hook: the server of `id`'s table by the cached map.
-    pub(crate) fn owner_of(&self, id: kochab_proto::InodeId) -> Option<ServerId> {
+    fn owner_of(&self, id: kochab_proto::InodeId) -> Option<ServerId> {
         let table = self.ranges.read().table_of(id)?;
         self.map.lock().map.owner(table)
     }
@@ -568,7 +569,7 @@ impl ClusterHost {
     }
 
     /// txn (issue 33) hook: a server's address by the cached map.
-    pub(crate) fn server_addr(&self, server: ServerId) -> Option<String> {
+    fn server_addr(&self, server: ServerId) -> Option<String> {
         self.map.lock().map.servers.get(&server).cloned()
     }
 
@@ -1074,6 +1075,25 @@ impl ClusterHost {
                 self.push(acts);
             }
         }
+    }
+}
+
+/// txn (issue 33) hook: what the transaction host reads of this member.
+impl crate::txn_host::MemberMap for ClusterHost {
+    fn owner_of(&self, id: kochab_proto::InodeId) -> Option<ServerId> {
+        ClusterHost::owner_of(self, id)
+    }
+
+    fn server_addr(&self, server: ServerId) -> Option<String> {
+        ClusterHost::server_addr(self, server)
+    }
+
+    fn not_ready(&self) -> Reply {
+        ClusterHost::not_ready(self)
+    }
+
+    fn journal_id(&self) -> JournalId {
+        ClusterHost::journal_id(self)
     }
 }
 

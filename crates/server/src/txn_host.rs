@@ -19,7 +19,6 @@
 
 mod link;
 
-use crate::cluster_host::ClusterHost;
 use crate::shared::Shared;
 use crate::step::Event;
 use crate::txn_plan::{self, NoPlan};
@@ -36,6 +35,20 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
+
+/// What the transaction host asks of the member it runs in (`cluster_host::ClusterHost` is
+/// the one there is). A trait, so that the member and its transaction host do not import
+/// each other.
+pub trait MemberMap: Send + Sync {
+    /// The server of `id`'s table by the cached map.
+    fn owner_of(&self, id: kochab_proto::InodeId) -> Option<ServerId>;
+    /// A server's address by the cached map.
+    fn server_addr(&self, server: ServerId) -> Option<String>;
+    /// "Not now, ask again": the client refreshes its map and retries.
+    fn not_ready(&self) -> Reply;
+    /// This incarnation's journal.
+    fn journal_id(&self) -> JournalId;
+}
 
 /// How multi-server operations run (`--multi-server`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -138,7 +151,7 @@ pub struct TxnHost {
     cfg: TxnConfig,
     sides: OnceLock<Mutex<Sides>>,
     shared: OnceLock<Weak<Shared>>,
-    host: OnceLock<Weak<ClusterHost>>,
+    host: OnceLock<Weak<dyn MemberMap>>,
     /// Client requests waiting for their answer: (client, seq).
     waiting: Mutex<HashMap<(u64, u64), Waiters>>,
     /// What the reply cache keeps for a request once committed (the inode a link names),
@@ -208,11 +221,11 @@ impl TxnHost {
     /// Starts the host once the server runs: recovers both sides from the previous
     /// incarnation's journal (if that fails, transactions stay off and every
     /// multi-server operation borrows), then ticks and sends.
-    pub fn attach(self: &Arc<Self>, host: &Arc<ClusterHost>, shared: &Arc<Shared>) {
+    pub fn attach(self: &Arc<Self>, host: Arc<dyn MemberMap>, shared: &Arc<Shared>) {
         if self.shared.set(Arc::downgrade(shared)).is_err() {
             return;
         }
-        let _ = self.host.set(Arc::downgrade(host));
+        let _ = self.host.set(Arc::downgrade(&host));
         let _ = self.this.set(Arc::downgrade(self));
         let me = host.journal_id();
         let sides = match self.recover(shared, me) {
