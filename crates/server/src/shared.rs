@@ -138,7 +138,7 @@ impl Shared {
     /// reads; [`Shared::step`] changes.
     pub fn core(&self) -> CoreGuard<'_> {
         CoreGuard {
-            core: Some(self.core.lock()),
+            core: self.core.lock(),
             shared: self,
         }
     }
@@ -501,22 +501,21 @@ impl Shared {
 /// go (a change made by hand in a unit test), it is carried out first, so journal order
 /// stays execution order.
 pub struct CoreGuard<'a> {
-    core: Option<parking_lot::MutexGuard<'a, Core>>,
+    core: parking_lot::MutexGuard<'a, Core>,
     shared: &'a Shared,
 }
 
 impl std::ops::Deref for CoreGuard<'_> {
     type Target = Core;
     fn deref(&self) -> &Core {
-        // Taken only in `drop`.
-        self.core.as_ref().expect("core guard in use after drop")
+        &self.core
     }
 }
 
 impl CoreGuard<'_> {
     /// The core to step: the one way to change it ([`Shared::step`]).
     fn stepping(&mut self) -> &mut Core {
-        self.core.as_mut().expect("core guard in use after drop")
+        &mut self.core
     }
 
     /// The core to change by hand, in a unit test that stages a state.
@@ -528,21 +527,16 @@ impl CoreGuard<'_> {
 
 impl Drop for CoreGuard<'_> {
     fn drop(&mut self) {
-        let Some(mut core) = self.core.take() else {
+        // Only a change made by hand leaves anything here (`Shared::step` empties it): the
+        // flush starts before the lock goes, which is only a little longer to hold it.
+        if self.core.out.is_empty() {
             return;
-        };
-        let flush = if core.out.is_empty() {
-            false
-        } else {
-            let mut out = core.take_outbox();
-            let flush = self.shared.carry_out(&mut out);
-            core.reuse_outbox(&mut out);
-            flush
-        };
-        drop(core);
-        if flush {
+        }
+        let mut out = self.core.take_outbox();
+        if self.shared.carry_out(&mut out) {
             self.shared.journal.flush_now();
         }
+        self.core.reuse_outbox(&mut out);
     }
 }
 
