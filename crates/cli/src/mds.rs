@@ -86,13 +86,6 @@ pub async fn run(args: MdsArgs) -> Result<(), String> {
     let store = crate::store::open_async(&args.store).await?;
     let key = crate::coord::key_file(&args.key_file)?;
     let tls = args.tls.load()?;
-    if tls.is_some() && args.multi_server != kochab_server::txn_host::MultiServer::Borrow {
-        return Err(
-            "--multi-server txn|auto does not take TLS yet (members' transaction links are \
-             plain TCP): use --multi-server borrow"
-                .into(),
-        );
-    }
     let (data_dir, dir, import_keys_from) = match store {
         Some(store) => open_on_store(&args, store, key).await?,
         None => {

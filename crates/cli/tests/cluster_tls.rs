@@ -153,6 +153,19 @@ fn kochab(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// The value of a metric served (plain HTTP) at `addr`.
+fn metric(addr: SocketAddr, name: &str) -> Option<f64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
 #[test]
 fn a_cluster_of_coordinators_and_servers_talks_tls_throughout() {
     let started = Instant::now();
@@ -211,8 +224,11 @@ fn a_cluster_of_coordinators_and_servers_talks_tls_throughout() {
         .collect::<Vec<_>>()
         .join(",");
     let mut servers = std::collections::BTreeMap::new();
+    let mut metrics = Vec::new();
     for id in [2u32, 3] {
         let addr = free_addr();
+        let metrics_addr = free_addr();
+        metrics.push(metrics_addr);
         servers.insert(ServerId(id), addr);
         let mut args = vec![
             s("mds"),
@@ -226,6 +242,11 @@ fn a_cluster_of_coordinators_and_servers_talks_tls_throughout() {
             data.display().to_string(),
             s("--key-file"),
             kf.clone(),
+            // Renames between the servers run as transactions over member links (TLS).
+            s("--multi-server"),
+            s("txn"),
+            s("--metrics"),
+            metrics_addr.to_string(),
         ];
         args.extend(tls_args());
         procs.0.push(spawn_ready(
@@ -303,8 +324,14 @@ fn a_cluster_of_coordinators_and_servers_talks_tls_throughout() {
     }
     let mut two = by_owner.values();
     let ((dir_a, file_a), (dir_b, _)) = (*two.next().unwrap(), *two.next().unwrap());
+    let counted = |name: &str| -> f64 { metrics.iter().filter_map(|a| metric(*a, name)).sum() };
+    let borrowed = counted("kochab_borrowed_operations_total");
     rt.block_on(client.rename(&cred, dir_a, b"f", dir_b, b"moved", 0))
         .expect("rename across servers");
+    // It ran as a transaction between the members (their links run TLS), not by
+    // borrowing a table.
+    assert_eq!(counted("kochab_transaction_operations_total"), 1.0);
+    assert_eq!(counted("kochab_borrowed_operations_total"), borrowed);
     assert_eq!(
         rt.block_on(client.lookup(&cred, dir_b, b"moved"))
             .unwrap()

@@ -158,8 +158,8 @@ pub struct HostConfig {
     pub addr: String,
     pub coord: Vec<SocketAddr>,
     pub key: [u8; 32],
-    /// TLS to the coordinator replicas (their certificates must name the addresses in
-    /// `coord`); plain TCP if `None`.
+    /// TLS to the coordinator replicas and to the other members (their certificates must
+    /// name the addresses in `coord` and those they registered); plain TCP if `None`.
     pub coord_tls: Option<crate::tls::TlsClient>,
     /// The id ranges of the cluster's tables (`lo`, `hi`): how ids map to tables.
     pub ranges: Vec<(u64, u64)>,
@@ -314,7 +314,11 @@ impl ClusterHost {
             keys_client: client(KEY_PROPOSE_BUDGET),
             lease_ms,
             keys_imported: AtomicBool::new(false),
-            txn: crate::txn_host::TxnHost::for_mode(cfg.multi_server, cfg.server),
+            txn: crate::txn_host::TxnHost::for_mode(
+                cfg.multi_server,
+                cfg.server,
+                cfg.coord_tls.clone(),
+            ),
         });
         tokio::spawn(run(host.clone(), rx));
         let mut fenced = host.fenced.subscribe();

@@ -177,11 +177,17 @@ pub struct TxnHost {
     this: OnceLock<Weak<TxnHost>>,
     base: Instant,
     crash: Option<(CrashAt, Option<std::path::PathBuf>)>,
+    /// TLS to the other members, when the cluster runs it.
+    tls: Option<crate::tls::TlsClient>,
 }
 
 impl TxnHost {
     /// The host for `mode` (none for `Borrow`: nothing changes).
-    pub fn for_mode(mode: MultiServer, me: ServerId) -> Option<Arc<TxnHost>> {
+    pub fn for_mode(
+        mode: MultiServer,
+        me: ServerId,
+        tls: Option<crate::tls::TlsClient>,
+    ) -> Option<Arc<TxnHost>> {
         if mode == MultiServer::Borrow {
             return None;
         }
@@ -203,6 +209,7 @@ impl TxnHost {
             this: OnceLock::new(),
             base: Instant::now(),
             crash: crash_at(),
+            tls,
         }))
     }
 
@@ -241,7 +248,8 @@ impl TxnHost {
         let (tx, rx) = mpsc::unbounded_channel();
         let _ = self.out.set(tx);
         let key = shared.keys().admin().key;
-        tokio::spawn(send_loop(Arc::downgrade(self), rx, key, me));
+        let links = link::Links::new(key, me, self.tls.clone());
+        tokio::spawn(send_loop(Arc::downgrade(self), rx, links));
         tokio::spawn(tick_loop(Arc::downgrade(self)));
     }
 
@@ -820,10 +828,8 @@ async fn tick_loop(host: Weak<TxnHost>) {
 async fn send_loop(
     host: Weak<TxnHost>,
     mut rx: mpsc::UnboundedReceiver<(ServerId, ServerId, Msg)>,
-    key: kochab_proto::auth::ClusterKey,
-    me: JournalId,
+    mut links: link::Links,
 ) {
-    let mut links = link::Links::new(key, me);
     while let Some((from, to, msg)) = rx.recv().await {
         let Some(h) = host.upgrade() else {
             return;

@@ -2,7 +2,8 @@
 //! with the cluster key as the admin client of the member protocol (as the coordinator's
 //! controls are), carrying `ControlBody::Txn` requests one way. Replies are read and
 //! dropped. A link that fails is opened again for the next message; what it lost the
-//! protocol resends. Plain TCP only (a cluster with TLS between members borrows).
+//! protocol resends. Through TLS when the cluster runs it (the peer's certificate must
+//! name the address it registered, as for the coordinator's links to servers).
 
 use kochab_journal::JournalId;
 use kochab_proto::auth::{ADMIN_KEY_ID, ClusterKey, Transcript, prove_client, verify_server};
@@ -12,7 +13,7 @@ use kochab_proto::frame::{FrameKind, decode_payload, encode_frame};
 use kochab_proto::{Auth, Challenge, Credentials, Op, PROTOCOL_VERSION, Request, Welcome};
 use std::collections::HashMap;
 use std::time::Duration;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::codec::FramedRead;
@@ -24,19 +25,25 @@ const QUEUE_MAX: usize = 4096;
 /// Connecting and the handshake together take at most this long.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// A link's byte stream: plain TCP or TLS over it.
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
 pub struct Links {
     key: ClusterKey,
     me: JournalId,
     client_id: u64,
+    tls: Option<crate::tls::TlsClient>,
     links: HashMap<String, mpsc::Sender<Vec<u8>>>,
 }
 
 impl Links {
-    pub fn new(key: ClusterKey, me: JournalId) -> Links {
+    pub fn new(key: ClusterKey, me: JournalId, tls: Option<crate::tls::TlsClient>) -> Links {
         Links {
             key,
             me,
             client_id: kochab_proto::auth::random_u64(),
+            tls,
             links: HashMap::new(),
         }
     }
@@ -72,13 +79,26 @@ impl Links {
         let (tx, rx) = mpsc::channel(QUEUE_MAX);
         let _ = tx.try_send(frame);
         self.links.insert(addr.to_string(), tx);
-        tokio::spawn(run_link(addr.to_string(), self.key, self.client_id, rx));
+        let tls = self.tls.clone();
+        tokio::spawn(run_link(
+            addr.to_string(),
+            self.key,
+            self.client_id,
+            tls,
+            rx,
+        ));
     }
 }
 
-async fn run_link(addr: String, key: ClusterKey, client_id: u64, mut rx: mpsc::Receiver<Vec<u8>>) {
-    let stream = match tokio::time::timeout(CONNECT_TIMEOUT, connect(&addr, &key, client_id)).await
-    {
+async fn run_link(
+    addr: String,
+    key: ClusterKey,
+    client_id: u64,
+    tls: Option<crate::tls::TlsClient>,
+    mut rx: mpsc::Receiver<Vec<u8>>,
+) {
+    let connecting = connect(&addr, &key, client_id, tls.as_ref());
+    let stream = match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             tracing::debug!("transaction link to {addr}: {e}");
@@ -89,7 +109,7 @@ async fn run_link(addr: String, key: ClusterKey, client_id: u64, mut rx: mpsc::R
             return;
         }
     };
-    let (rd, mut wr) = stream.into_split();
+    let (rd, mut wr) = tokio::io::split(stream);
     // Replies (empty) are read so the peer never blocks on a full socket.
     let reader = tokio::spawn(async move {
         let mut frames = FramedRead::new(rd, FrameCodec::authenticated(1 << 20));
@@ -103,10 +123,27 @@ async fn run_link(addr: String, key: ClusterKey, client_id: u64, mut rx: mpsc::R
     reader.abort();
 }
 
-async fn connect(addr: &str, key: &ClusterKey, client_id: u64) -> Result<TcpStream, String> {
-    let mut stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-    let _ = stream.set_nodelay(true);
-    let (rd, mut wr) = stream.split();
+/// Dials `addr` (through TLS if given) and runs the key handshake as the admin client.
+async fn connect(
+    addr: &str,
+    key: &ClusterKey,
+    client_id: u64,
+    tls: Option<&crate::tls::TlsClient>,
+) -> Result<Box<dyn Stream>, String> {
+    let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let _ = tcp.set_nodelay(true);
+    let mut stream: Box<dyn Stream> = match tls {
+        Some(tls) => {
+            let peer = tcp.peer_addr().map_err(|e| e.to_string())?;
+            Box::new(
+                tls.connect(addr, peer, tcp)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            )
+        }
+        None => Box::new(tcp),
+    };
+    let (rd, mut wr) = tokio::io::split(&mut stream);
     let mut frames = FramedRead::new(rd, FrameCodec::preauth());
     let next = |f: Option<Result<kochab_proto::codec::Frame, _>>, want: FrameKind| match f {
         Some(Ok(f)) if f.kind == want => Ok(f),
@@ -147,5 +184,6 @@ async fn connect(addr: &str, key: &ClusterKey, client_id: u64) -> Result<TcpStre
         return Err("the server's proof is wrong".into());
     }
     drop(frames);
+    drop(wr);
     Ok(stream)
 }
