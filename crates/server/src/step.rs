@@ -66,12 +66,13 @@ pub enum Event<'a> {
     ReclaimsDone { done: &'a [kochab_meta::Reclaim] },
     /// Internal work to do in bounded batches (see `Cleanup`).
     QueueCleanup(Cleanup),
-    /// A transaction's record (issue 33, `txn_host`): `muts` (a participant's committed
-    /// part, checked under its locks) applied to the tables, then journaled with them as
-    /// one record that `encode` writes (the entry and its trailer).
+    /// A transaction's record (issue 33, `txn_host`): `changes` (a participant's committed
+    /// part, checked under its locks; empty for other records) turned into the engine's
+    /// mutations and applied to the tables, then journaled with them as one record that
+    /// `encode` writes (the entry and its trailer).
     TxnRecord {
-        muts: &'a [Mutation],
-        encode: &'a dyn Fn(Vec<u8>) -> Vec<u8>,
+        changes: &'a [kochab_cluster::txn::Mutation],
+        encode: &'a EncodeTxnRecord<'a>,
     },
     /// A transaction's outcome for `client`'s request `seq` (`kept`: the inode its reply
     /// names), kept in the reply cache.
@@ -115,9 +116,24 @@ pub struct Effects {
     pub board: Option<std::sync::Arc<crate::leases::Board>>,
     /// For `CallFlushes`: the callbacks to wait for.
     pub wait: Vec<u64>,
-    /// For `TxnRecord`: the record's LSN, or why its changes could not be applied (a bug:
-    /// the shell stops the journal).
-    pub record: Option<Result<u64, String>>,
+    /// For `TxnRecord`: what became of the record.
+    pub record: Option<TxnRecorded>,
+}
+
+/// Writes a transaction's journal payload (the entry with its engine mutations, and the
+/// trailer) into the buffer it is given.
+pub type EncodeTxnRecord<'a> = dyn Fn(Vec<u8>, &[Mutation]) -> Vec<u8> + 'a;
+
+/// What became of a transaction's record (`Event::TxnRecord`).
+#[derive(Debug)]
+pub enum TxnRecorded {
+    /// Applied and journaled at this LSN.
+    Journaled(u64),
+    /// Its changes do not fit the tables (a checked key changed or left while locked: a
+    /// bug, or a table that left): nothing was applied or journaled.
+    NotApplicable(String),
+    /// Applying a mutation failed part-way: memory may be ahead of the journal.
+    Failed(String),
 }
 
 /// What the core reads of its surroundings during a step: the member's admission, and the
@@ -183,8 +199,8 @@ impl Core {
                 self.cleanup.push_back(work);
                 self.out.wake_cleanup = true;
             }
-            Event::TxnRecord { muts, encode } => {
-                fx.record = Some(self.txn_record(muts, encode, now));
+            Event::TxnRecord { changes, encode } => {
+                fx.record = Some(self.txn_record(changes, encode, now));
             }
             Event::TxnAnswered { client, seq, kept } => self.replies.insert(client, seq, kept),
             Event::Table(change) => fx.table = Some(self.table_change(change, now)),
@@ -258,21 +274,27 @@ impl Core {
     /// See [`Event::TxnRecord`].
     fn txn_record(
         &mut self,
-        muts: &[Mutation],
-        encode: &dyn Fn(Vec<u8>) -> Vec<u8>,
+        changes: &[kochab_cluster::txn::Mutation],
+        encode: &EncodeTxnRecord<'_>,
         now: Now,
-    ) -> Result<u64, String> {
-        for m in muts {
-            self.engine
-                .apply(m)
-                .map_err(|e| format!("a committed transaction's mutation failed: {e}"))?;
+    ) -> TxnRecorded {
+        let muts = match crate::txn_plan::apply_part(&self.engine, changes) {
+            Ok(m) => m,
+            Err(why) => return TxnRecorded::NotApplicable(why),
+        };
+        for m in &muts {
+            if let Err(e) = self.engine.apply(m) {
+                return TxnRecorded::Failed(format!(
+                    "a committed transaction's mutation failed: {e}"
+                ));
+            }
         }
-        let lsn = self.append_with(encode);
+        let lsn = self.append_with(|buf| encode(buf, &muts));
         if !muts.is_empty() {
-            self.journaled(0, muts, lsn, now.durable, now.instant);
+            self.journaled(0, &muts, lsn, now.durable, now.instant);
         }
         self.out.flush = true;
-        Ok(lsn)
+        TxnRecorded::Journaled(lsn)
     }
 
     /// Journals `muts` (if any) of `client` as one record, notes them (leases, what

@@ -20,12 +20,14 @@
 mod link;
 
 use crate::shared::Shared;
-use crate::step::Event;
+use crate::step::{Event, TxnRecorded};
 use crate::txn_plan::{self, NoPlan};
 use crate::txn_wire;
 use kochab_cluster::txn::initiator::{self, Initiator};
 use kochab_cluster::txn::participant::{self, Participant};
-use kochab_cluster::txn::{Decision, Effect, Msg, Outcome, Part, Record, TxnConfig, TxnId};
+use kochab_cluster::txn::{
+    Decision, Effect, Msg, Mutation as TxnMutation, Outcome, Part, Record, TxnConfig, TxnId,
+};
 use kochab_journal::JournalId;
 use kochab_meta::Mutation;
 use kochab_proto::cluster::ServerId;
@@ -157,8 +159,8 @@ pub struct TxnHost {
     /// What the reply cache keeps for a request once committed (the inode a link names),
     /// by (client, seq), until its decision is journaled and answered.
     outcomes: Mutex<HashMap<(u64, u64), Option<kochab_proto::InodeId>>>,
-    /// A commit's engine mutations, between its `Apply` and its `Applied` record.
-    applies: Mutex<HashMap<TxnId, Vec<Mutation>>>,
+    /// A commit's checked changes, between its `Apply` and its `Applied` record.
+    applies: Mutex<HashMap<TxnId, Vec<TxnMutation>>>,
     /// Parts prepared here without an outcome yet (a decision to commit is taken in only
     /// once their tables are hosted here).
     prepared: Mutex<HashMap<TxnId, Part>>,
@@ -283,7 +285,8 @@ impl TxnHost {
         }
         let n = open.len();
         for (txn, r) in open {
-            let lsn = self.journal_record(shared, &r, &[]);
+            // `u64::MAX` when the journal stopped: never durable, never trimmed past.
+            let lsn = self.journal_record(shared, &r, &[]).unwrap_or(u64::MAX);
             self.open.lock().insert((txn, true), lsn);
         }
         if !records.is_empty() {
@@ -353,7 +356,7 @@ impl TxnHost {
                 })
                 .or_insert_with(|| part.clone());
             self.adopted.lock().entry(*txn).or_default().push(from);
-            last = self.journal_record(shared, &r, &[]);
+            last = self.journal_record(shared, &r, &[]).unwrap_or(u64::MAX);
             self.open.lock().insert((*txn, false), last);
         }
         if last > 0 && !shared.journal().wait_durable(last) {
@@ -591,20 +594,10 @@ impl TxnHost {
                     let now = self.now_ms();
                     queue.extend(sides.lock().part.step(ev, now));
                 }
+                // Turned into the engine's mutations with its `Applied` record, under one
+                // hold of the core lock (see `Event::TxnRecord`).
                 Effect::Apply { txn, mutations } => {
-                    let muts = {
-                        let core = shared.core();
-                        txn_plan::apply_part(&core.engine, &mutations)
-                    };
-                    match muts {
-                        Ok(m) => {
-                            self.applies.lock().insert(txn, m);
-                        }
-                        // Its keys were locked since the check: this is a bug, or the
-                        // table left while the transaction held it. The commit is not
-                        // acknowledged (its locks stay; the initiator keeps asking).
-                        Err(e) => tracing::error!("transaction {txn:?} cannot be applied: {e}"),
-                    }
+                    self.applies.lock().insert(txn, mutations);
                 }
                 // Operations on these keys were told to ask again; nothing waits here.
                 Effect::Released { .. } => {}
@@ -629,7 +622,7 @@ impl TxnHost {
     /// Journals a record (a commit's `Applied` with its engine mutations, applied to the
     /// tables under the same hold of the core lock) and tells its side once durable.
     fn append(&self, shared: &Arc<Shared>, record: Record) {
-        let muts = match &record {
+        let changes = match &record {
             Record::Applied { txn, commit: true } => match self.applies.lock().remove(txn) {
                 Some(m) => m,
                 None => {
@@ -639,7 +632,9 @@ impl TxnHost {
             },
             _ => Vec::new(),
         };
-        let lsn = self.journal_record(shared, &record, &muts);
+        let Some(lsn) = self.journal_record(shared, &record, &changes) else {
+            return;
+        };
         match &record {
             Record::Prepared { txn, part, .. } => {
                 self.prepared.lock().insert(*txn, part.clone());
@@ -696,9 +691,14 @@ impl TxnHost {
         }
     }
 
-    /// One journal record for `record` (and a commit's mutations, applied here first);
-    /// returns its LSN.
-    fn journal_record(&self, shared: &Shared, record: &Record, muts: &[Mutation]) -> u64 {
+    /// One journal record for `record` (and a commit's changes, applied here first);
+    /// returns its LSN, `None` if nothing was journaled.
+    fn journal_record(
+        &self,
+        shared: &Shared,
+        record: &Record,
+        changes: &[TxnMutation],
+    ) -> Option<u64> {
         // A commit decision carries its client and seq in the entry, so the reply cache
         // rebuilt from the journal answers a retry; other records name no request.
         let (client, seq) = match record {
@@ -714,27 +714,35 @@ impl TxnHost {
             0 => None,
             _ => self.outcomes.lock().get(&(client, seq)).copied().flatten(),
         };
-        let encode = |buf| txn_wire::encode_entry(buf, client, seq, outcome, muts, record);
-        match shared
+        let encode = |buf, muts: &[Mutation]| {
+            txn_wire::encode_entry(buf, client, seq, outcome, muts, record)
+        };
+        let recorded = shared
             .step(Event::TxnRecord {
-                muts,
+                changes,
                 encode: &encode,
             })
-            .record
-        {
-            Some(Ok(lsn)) => lsn,
-            // Checked while locked, the tables present (see `hosted`): a bug. Memory may
-            // be ahead of the journal now: the server stops (fail-stop), and nothing waits
-            // for this record (it never becomes durable).
-            Some(Err(why)) => {
+            .record;
+        match recorded {
+            Some(TxnRecorded::Journaled(lsn)) => Some(lsn),
+            // Its keys were locked since the check: a bug, or the table left while the
+            // transaction held it. The commit is not acknowledged (its locks stay; the
+            // initiator keeps asking).
+            Some(TxnRecorded::NotApplicable(why)) => {
+                tracing::error!("a committed transaction cannot be applied here: {why}");
+                None
+            }
+            // Memory may be ahead of the journal now: the server stops (fail-stop), and
+            // nothing waits for this record (it never becomes durable).
+            Some(TxnRecorded::Failed(why)) => {
                 shared.journal().fail_stop(why);
-                u64::MAX
+                None
             }
             None => {
                 shared
                     .journal()
                     .fail_stop("a transaction record was not journaled".into());
-                u64::MAX
+                None
             }
         }
     }

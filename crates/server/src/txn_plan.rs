@@ -363,7 +363,9 @@ fn check_change(engine: &Engine, key: &Key, change: &Change) -> Result<(), Strin
 }
 
 /// The engine's redo mutations for a committed part (checked when it was prepared, its
-/// keys locked since). An error is a broken invariant: a checked key changed or left.
+/// keys locked since), computed under the same hold of the core lock that applies them
+/// (a directory's other names change meanwhile). An error is a broken invariant: a
+/// checked key changed or left.
 pub fn apply_part(engine: &Engine, mutations: &[TxnMutation]) -> Result<Vec<Mutation>, String> {
     let mut out = Vec::with_capacity(mutations.len());
     for m in mutations {
@@ -392,9 +394,11 @@ pub fn apply_part(engine: &Engine, mutations: &[TxnMutation]) -> Result<Vec<Muta
                     kind,
                 }
             }
+            // Forward only: operations on other names of the directory run meanwhile
+            // (see `op_keys`) and may have stamped it later than the plan's time.
             (Key::Inode(id), Change::Dir { time, .. }) => touched(*id, &|i| {
-                i.mtime = time;
-                i.ctime = time;
+                i.mtime = i.mtime.max(time);
+                i.ctime = i.ctime.max(time);
             })?,
             (Key::Inode(id), Change::Touch { time }) => touched(*id, &|i| i.ctime = time)?,
             (Key::Inode(id), Change::Link { time, .. }) => touched(*id, &|i| {
@@ -412,13 +416,27 @@ pub fn apply_part(engine: &Engine, mutations: &[TxnMutation]) -> Result<Vec<Muta
 /// those entries names here (an rmdir of a directory a transaction adds an entry to, an
 /// unlink of another name of an inode it links). An operation on a locked key waits
 /// (see `txn_host::blocks`).
+///
+/// The directory an operation adds a name to or drops one from is not among them: what
+/// such an operation changes in it (its times, its link count) commutes with a
+/// transaction's [`Change::Dir`], which re-reads the directory when it is applied and
+/// only moves its times forward. What that change checked at prepare time (the
+/// directory's mode and owner, that it lives) is guarded still: a setattr, an rmdir or a
+/// rename of the directory names it (by id, or as the inode of its entry).
 pub fn op_keys(engine: &Engine, op: &Op) -> Vec<Key> {
-    let mut keys: Vec<Key> = op
-        .inode_ids()
-        .into_iter()
-        .flatten()
-        .map(Key::Inode)
-        .collect();
+    let named: [Option<InodeId>; 2] = match op {
+        Op::Lookup { .. }
+        | Op::Mknod { .. }
+        | Op::Mkdir { .. }
+        | Op::Symlink { .. }
+        | Op::Unlink { .. }
+        | Op::Rmdir { .. }
+        | Op::Create { .. }
+        | Op::Rename { .. } => [None, None],
+        Op::Link { id, .. } => [Some(*id), None],
+        _ => op.inode_ids(),
+    };
+    let mut keys: Vec<Key> = named.into_iter().flatten().map(Key::Inode).collect();
     let mut entry = |parent: InodeId, name: &[u8]| {
         keys.push(Key::Entry {
             parent,
@@ -652,5 +670,51 @@ mod tests {
             name: b"b".to_vec(),
         };
         assert!(op_keys(&e, &rmdir).contains(&Key::Inode(b)));
+    }
+
+    #[test]
+    fn names_added_meanwhile_do_not_wait_and_the_times_only_move_forward() {
+        let (mut e, a, b, owner) = two_servers();
+        file(&mut e, a, b"f");
+        let root = Credentials::root();
+        // A create or an unlink of another name in a directory a transaction holds does
+        // not name the directory; a setattr of it, or its rmdir, does.
+        let create = Op::Create {
+            parent: b,
+            name: b"other".to_vec(),
+            mode: 0o644,
+            flags: 0,
+            handle: 0,
+        };
+        assert!(!op_keys(&e, &create).contains(&Key::Inode(b)));
+        let unlink = Op::Unlink {
+            parent: a,
+            name: b"x".to_vec(),
+        };
+        assert!(!op_keys(&e, &unlink).contains(&Key::Inode(a)));
+        // (A getattr names it by id, as a setattr does.)
+        assert!(op_keys(&e, &Op::GetAttr { id: b }).contains(&Key::Inode(b)));
+        // The plan's time is 7; a create stamped the target directory later (and raised
+        // its link count) before the commit is applied: both stay.
+        let plan = plan_op(&e, &root, &rename(a, b"f", b, b"g"), 7, &owner).expect("plan");
+        let later = Op::Mkdir {
+            parent: b,
+            name: b"later".to_vec(),
+            mode: 0o755,
+        };
+        let mut muts = Vec::new();
+        let made = e.execute(&root, &later, 100, &mut muts);
+        assert!(matches!(made, kochab_proto::Reply::Entry(_)), "{made:?}");
+        let (mtime, nlink) = e.inode(b).map(|i| (i.mtime, i.nlink)).expect("b");
+        assert!(mtime > 7);
+        let muts: Vec<Mutation> = plan
+            .iter()
+            .flat_map(|(_, p)| apply_part(&e, &p.mutations).expect("apply"))
+            .collect();
+        for m in &muts {
+            e.apply(m).expect("mutation");
+        }
+        assert_eq!(e.inode(b).map(|i| (i.mtime, i.nlink)), Some((mtime, nlink)));
+        assert!(e.check_invariants().is_empty());
     }
 }
