@@ -307,3 +307,70 @@ fn a_killed_initiator_after_its_commit_record_leaves_the_rename_whole() {
 fn a_server_killed_after_its_prepare_record_leaves_the_rename_whole_or_absent() {
     crash_at("after-prepared");
 }
+
+/// The `id` and `pid` of the server at `addr`, and of the other one, by `kochab status`.
+fn servers_by_addr(v: &serde_json::Value, addr: &str) -> ((u64, i32), (u64, i32)) {
+    let servers = v["servers"].as_array().expect("servers");
+    let pick = |want: bool| {
+        servers
+            .iter()
+            .find(|s| (s["addr"].as_str() == Some(addr)) == want)
+            .and_then(|s| Some((s["id"].as_u64()?, s["pid"].as_i64()? as i32)))
+            .expect("a server")
+    };
+    (pick(true), pick(false))
+}
+
+/// The initiator hangs for good (SIGSTOP) once its commit record is durable: nobody
+/// answers for it. The other server recovers its tables (sealing its journal), takes over
+/// its part in doubt, and decides both parts from that sealed journal: the rename is
+/// whole, no lock is left. Then the hung process is killed and restarted, and fsck is
+/// clean.
+#[test]
+fn a_hung_initiator_after_its_commit_record_is_answered_for_by_its_sealed_journal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let marker = dir.path().join("paused");
+    let switch = format!("pause-after-decided:{}", marker.display());
+    let (server, a, b) = start(&dir.path().join("data"), &[("KOCHAB_TXN_CRASH", &switch)]);
+    // The rename goes to its source directory's server (the initiator); the server whose
+    // address `kochab status` is given must stay up, so the source is on the other one.
+    let v = status(&server).expect("status");
+    let ((entry, _), (_, initiator_pid)) = servers_by_addr(&v, &server.addr.to_string());
+    let (x, y) = match owner_of(&v, a) == Some(entry) {
+        true => (b, a),
+        false => (a, b),
+    };
+    let rt = runtime();
+    let cred = Credentials::root();
+    let c = rt.block_on(server.client(50));
+    rt.block_on(c.create(&cred, x, b"f", 0o644))
+        .expect("create");
+    // Its answer may come from the new owner of x once the hung initiator times out, or
+    // never within the test: it is not waited for.
+    let renaming = {
+        let (c, cred) = (c.clone(), cred.clone());
+        rt.spawn(async move { c.rename(&cred, x, b"f", y, b"g", 0).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !marker.exists() {
+        assert!(Instant::now() < deadline, "the pause switch did not fire");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        settle_whole_or_absent(&server, &c, &rt, x, y),
+        "a durable commit must be applied"
+    );
+    if renaming.is_finished() {
+        let answer = rt.block_on(renaming).expect("rename task");
+        assert!(answer.is_ok(), "committed, yet answered {answer:?}");
+    }
+    // No lock left on either side.
+    rt.block_on(c.rename(&cred, y, b"g", x, b"back", 0))
+        .expect("a rename of the same names after the hang");
+    // The hung process is killed (`kochab up` starts it again); both servers serve, fsck
+    // is clean.
+    // SAFETY: kill(2) of a process of this test's cluster.
+    unsafe { libc::kill(initiator_pid, libc::SIGKILL) };
+    wait_two(&server, 0);
+    fsck_clean(&server, &c, &rt);
+}

@@ -89,12 +89,14 @@ const REPLY_WAIT: Duration = Duration::from_secs(10);
 /// are in flight at once (a participant holds at most 4,096).
 const APPLIED_KEPT: usize = 16_384;
 
-/// A test switch that aborts the process at one step (crash tests): `STEP` or
-/// `STEP:FILE`, STEP `after-prepared` or `after-decided`; with FILE, only the process
-/// that creates FILE first aborts (once in a cluster whose servers all have the switch).
+/// A test switch that stops the process at one step (crash tests): `STEP` or
+/// `STEP:FILE`, STEP `after-prepared` or `after-decided` (the process aborts), or
+/// `pause-after-decided` (it stops itself with SIGSTOP: alive, holding its sockets,
+/// answering nothing, as a server that hangs for good); with FILE, only the process that
+/// creates FILE first stops (once in a cluster whose servers all have the switch).
 const CRASH_ENV: &str = "KOCHAB_TXN_CRASH";
 
-/// Where [`CRASH_ENV`] aborts the process.
+/// Where [`CRASH_ENV`] stops the process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum CrashAt {
     /// A participant's prepare record is durable (before its vote leaves).
@@ -103,23 +105,28 @@ enum CrashAt {
     Decided,
 }
 
-fn crash_at() -> Option<(CrashAt, Option<std::path::PathBuf>)> {
+/// The switch: where, whether it pauses rather than aborts, and its marker file.
+type CrashSwitch = (CrashAt, bool, Option<std::path::PathBuf>);
+
+fn crash_at() -> Option<CrashSwitch> {
     let v = std::env::var(CRASH_ENV).ok()?;
     let (step, file) = match v.split_once(':') {
         Some((s, f)) => (s.to_string(), Some(std::path::PathBuf::from(f))),
         None => (v, None),
     };
-    let at = match step.as_str() {
-        "after-prepared" => CrashAt::Prepared,
-        "after-decided" => CrashAt::Decided,
+    let (at, pause) = match step.as_str() {
+        "after-prepared" => (CrashAt::Prepared, false),
+        "after-decided" => (CrashAt::Decided, false),
+        "pause-after-decided" => (CrashAt::Decided, true),
         _ => return None,
     };
-    Some((at, file))
+    Some((at, pause, file))
 }
 
-/// Aborts the process if the crash switch names `at` (and this process is first).
-fn maybe_crash(switch: &Option<(CrashAt, Option<std::path::PathBuf>)>, at: CrashAt) {
-    let Some((want, file)) = switch else {
+/// Aborts or pauses the process if the crash switch names `at` (and this process is
+/// first).
+fn maybe_crash(switch: &Option<CrashSwitch>, at: CrashAt) {
+    let Some((want, pause, file)) = switch else {
         return;
     };
     if *want != at {
@@ -132,6 +139,12 @@ fn maybe_crash(switch: &Option<(CrashAt, Option<std::path::PathBuf>)>, at: Crash
             .open(f)
             .is_err()
     {
+        return;
+    }
+    if *pause {
+        tracing::error!("{CRASH_ENV}: pausing (SIGSTOP) after the {at:?} record is durable");
+        // SAFETY: raise(3) with a valid signal number; the process stops until SIGCONT.
+        unsafe { libc::raise(libc::SIGSTOP) };
         return;
     }
     tracing::error!("{CRASH_ENV}: aborting after the {at:?} record is durable");
@@ -173,12 +186,15 @@ pub struct TxnHost {
     applied: Mutex<std::collections::BTreeSet<TxnId>>,
     /// Parts taken over from other servers' journals, by attempt: acknowledged for them.
     adopted: Mutex<HashMap<TxnId, Vec<ServerId>>>,
+    /// Attempts in doubt here whose origin's journals are being read (see
+    /// [`TxnHost::ask_sealed_origin`]).
+    resolving: Mutex<std::collections::HashSet<TxnId>>,
     /// Messages to send: (as which server, to which, what).
     out: OnceLock<mpsc::UnboundedSender<(ServerId, ServerId, Msg)>>,
     /// Itself, for the tasks that wait for a record to be durable.
     this: OnceLock<Weak<TxnHost>>,
     base: Instant,
-    crash: Option<(CrashAt, Option<std::path::PathBuf>)>,
+    crash: Option<CrashSwitch>,
     /// TLS to the other members, when the cluster runs it.
     tls: Option<crate::tls::TlsClient>,
 }
@@ -207,6 +223,7 @@ impl TxnHost {
             open: Mutex::new(BTreeMap::new()),
             applied: Mutex::new(Default::default()),
             adopted: Mutex::new(HashMap::new()),
+            resolving: Mutex::new(Default::default()),
             out: OnceLock::new(),
             this: OnceLock::new(),
             base: Instant::now(),
@@ -529,6 +546,36 @@ impl TxnHost {
         self.carry(effects);
     }
 
+    /// A part in doubt asks its origin. If the origin died for good, nobody answers: so
+    /// its journals are read too, from the attempt's incarnation on, and once all of them
+    /// are sealed they decide it (a commit decision in one of them, or presumed abort).
+    /// The store is shared, so this is "asking whoever holds the origin's journal now",
+    /// with no server in between. On a blocking thread; one read per attempt at a time.
+    fn ask_sealed_origin(&self, txn: TxnId) {
+        let (Some(this), Some(shared)) = (self.this.get().and_then(Weak::upgrade), self.shared())
+        else {
+            return;
+        };
+        if !self.resolving.lock().insert(txn) {
+            return;
+        }
+        tokio::task::spawn_blocking(move || {
+            let verdict = sealed_verdict(&shared, txn);
+            this.resolving.lock().remove(&txn);
+            match verdict {
+                Ok(Some(commit)) => {
+                    tracing::info!(
+                        "transaction {txn:?}: its origin's journals are sealed and say {}",
+                        if commit { "commit" } else { "abort" }
+                    );
+                    this.step_part(participant::Event::OriginSealed { txn, commit });
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!("transaction {txn:?}: its origin's journals: {e}"),
+            }
+        });
+    }
+
     fn step_part(&self, ev: participant::Event) {
         let Some(sides) = self.sides.get() else {
             return;
@@ -565,6 +612,9 @@ impl TxnHost {
                     let Some(out) = self.out.get() else {
                         continue;
                     };
+                    if let Msg::Inquiry { txn } = &msg {
+                        self.ask_sealed_origin(*txn);
+                    }
                     // A part taken over is acknowledged for the server whose it was.
                     if let Msg::Ack { txn } = &msg
                         && let Some(for_them) = self.adopted.lock().get(txn)
@@ -817,6 +867,40 @@ fn journal_records(shared: &Shared, prev: JournalId) -> Result<Vec<Record>, Stri
     )
     .map_err(|e| format!("cannot read {prev}: {e}"))?;
     Ok(records)
+}
+
+/// Whether attempt `txn` committed, by its origin's journals from the attempt's
+/// incarnation on, if every one of them is sealed: a commit decision in one of them, else
+/// none ever will be (a sealed journal takes no more records; a later incarnation never
+/// decides an earlier one's attempt, it only tells again the commits it found). `None`
+/// while one still runs (its server answers) or if none is left (nobody is in doubt
+/// then: a journal goes only once every commit in it is acknowledged).
+fn sealed_verdict(shared: &Shared, txn: TxnId) -> Result<Option<bool>, String> {
+    let store = shared.store();
+    let journals: Vec<JournalId> = kochab_journal::segment::list_journals(store.as_ref())
+        .map_err(|e| format!("cannot list journals: {e}"))?
+        .into_iter()
+        .filter(|j| j.server == u64::from(txn.origin.0) && j.epoch >= txn.epoch)
+        .collect();
+    if journals.is_empty() {
+        return Ok(None);
+    }
+    for j in &journals {
+        let sealed = kochab_journal::segment::is_sealed(store.as_ref(), *j)
+            .map_err(|e| format!("cannot read the seal of {j}: {e}"))?;
+        if !sealed {
+            return Ok(None);
+        }
+    }
+    for j in journals {
+        let committed = journal_records(shared, j)?.iter().any(|r| {
+            matches!(r, Record::Decided { txn: t, decision: Decision::Commit, .. } if *t == txn)
+        });
+        if committed {
+            return Ok(Some(true));
+        }
+    }
+    Ok(Some(false))
 }
 
 async fn tick_loop(host: Weak<TxnHost>) {

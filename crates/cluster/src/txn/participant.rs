@@ -26,6 +26,12 @@ pub enum Event {
     Durable(Record),
     /// Time passed (the host calls it every few tens of ms).
     Tick,
+    /// The origin's journals, from the attempt's incarnation on, are all sealed, and say
+    /// whether it committed (`commit`: a commit decision is in one of them). Final, as a
+    /// decision message is: a sealed journal takes no more records, and a later
+    /// incarnation of the origin never decides an earlier one's attempt. How a part in
+    /// doubt ends when its origin died for good (nobody answers its inquiries).
+    OriginSealed { txn: TxnId, commit: bool },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -213,6 +219,7 @@ impl Participant {
             Event::Checked { txn, ok } => self.on_checked(txn, ok, &mut out),
             Event::Durable(r) => self.on_durable(&r, now_ms, &mut out),
             Event::Tick => self.on_tick(now_ms, &mut out),
+            Event::OriginSealed { txn, commit } => self.on_decision(txn, commit, &mut out),
         }
         out
     }
@@ -704,6 +711,40 @@ mod tests {
         assert!(
             p.step(prepare(1, "a", 1), 0).is_empty(),
             "below the watermark: a late duplicate"
+        );
+    }
+
+    #[test]
+    fn a_sealed_origin_decides_what_is_in_doubt() {
+        let mut p = Participant::new(ServerId(1), TxnConfig::default());
+        prepared(&mut p, 1, "a");
+        prepared(&mut p, 2, "b");
+        // No commit decision in the sealed journals: aborted, its locks gone.
+        p.step(
+            Event::OriginSealed {
+                txn: t(1),
+                commit: false,
+            },
+            0,
+        );
+        assert!(!p.locks().is_locked(&part("a").locks[0]));
+        // A commit decision there: applied as if the decision had arrived.
+        let e = p.step(
+            Event::OriginSealed {
+                txn: t(2),
+                commit: true,
+            },
+            0,
+        );
+        assert!(
+            matches!(
+                e[..],
+                [
+                    Effect::Apply { .. },
+                    Effect::Append(Record::Applied { commit: true, .. })
+                ]
+            ),
+            "{e:?}"
         );
     }
 
