@@ -64,7 +64,9 @@ pub struct MdsArgs {
     /// How operations that need tables of several servers run: `borrow` moves the tables
     /// here for the operation (BORROW/RETURN); `txn` runs a two-phase commit between the
     /// servers where the operation is covered (a rename of a non-directory onto a new
-    /// name, a hard link), else borrows; `auto` is `txn` for now (no affinity rule yet).
+    /// name, a hard link), else borrows; `auto` is `txn` and also reports which other
+    /// servers' tables its multi-server operations needed, so that the coordinator moves
+    /// a table one server keeps needing there for good (affinity).
     #[arg(long, default_value = "borrow")]
     multi_server: kochab_server::txn_host::MultiServer,
 }

@@ -44,10 +44,15 @@ fn owner_of(v: &serde_json::Value, id: InodeId) -> Option<u64> {
 /// Starts a two-server cluster with `--multi-server txn` (and `env` for its processes),
 /// makes top-level directories until two lie on different servers, and returns them.
 fn start(data: &Path, env: &[(&str, &str)]) -> (ServerProc, InodeId, InodeId) {
+    start_mode(data, "txn", env)
+}
+
+/// [`start`] with `--multi-server mode`.
+fn start_mode(data: &Path, mode: &str, env: &[(&str, &str)]) -> (ServerProc, InodeId, InodeId) {
     let server = ServerProc::start_env(
         data,
         "0",
-        &["--servers", "2", "--lease", "2", "--multi-server", "txn"],
+        &["--servers", "2", "--lease", "2", "--multi-server", mode],
         env,
     );
     wait_two(&server, 9);
@@ -372,5 +377,61 @@ fn a_hung_initiator_after_its_commit_record_is_answered_for_by_its_sealed_journa
     // SAFETY: kill(2) of a process of this test's cluster.
     unsafe { libc::kill(initiator_pid, libc::SIGKILL) };
     wait_two(&server, 0);
+    fsck_clean(&server, &c, &rt);
+}
+
+/// `--multi-server auto`: one server keeps renaming files into a directory whose table
+/// the other holds, and nobody else uses it; the table moves to the renaming server for
+/// good (the coordinator's affinity rule, from the servers' remote-use reports), and the
+/// renames go on being whole.
+#[test]
+fn a_table_one_server_keeps_needing_moves_there_under_auto() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (server, x, y) = start_mode(&dir.path().join("data"), "auto", &[]);
+    let rt = runtime();
+    let cred = Credentials::root();
+    let c = rt.block_on(server.client(50));
+    let owners = || {
+        let v = status(&server).expect("status");
+        (owner_of(&v, x), owner_of(&v, y))
+    };
+    let (ox, oy) = owners();
+    assert_ne!(ox, oy, "x and y start on different servers");
+    // About 40 renames a second: above the rule's 10 a second, for at most 40 s.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut moved = 0;
+    let mut i = 0;
+    while Instant::now() < deadline {
+        for _ in 0..10 {
+            let (f, g) = (format!("f{i}"), format!("g{i}"));
+            rt.block_on(async {
+                c.create(&cred, x, f.as_bytes(), 0o644)
+                    .await
+                    .expect("create");
+                c.rename(&cred, x, f.as_bytes(), y, g.as_bytes(), 0)
+                    .await
+                    .unwrap_or_else(|e| panic!("rename {f} -> {g}: {e}"));
+            });
+            i += 1;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+        if i % 40 == 0 {
+            let (nx, ny) = owners();
+            if nx == ny {
+                assert_eq!(nx, ox, "y's table went to x's server, x stayed");
+                moved = i;
+                break;
+            }
+        }
+    }
+    assert!(
+        moved > 0,
+        "y's table did not move to x's server after {i} renames\n{}",
+        server.log_text()
+    );
+    let all = rt.block_on(names(&c, y));
+    assert_eq!(all.len(), moved, "every rename whole");
+    assert!(rt.block_on(names(&c, x)).is_empty());
+    wait_two(&server, 1);
     fsck_clean(&server, &c, &rt);
 }

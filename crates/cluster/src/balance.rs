@@ -27,6 +27,12 @@
 //! them. A table whose owner refused (one directory's files, an overflow region) is asked
 //! again only once it has doubled.
 //!
+//! Affinity (`--multi-server auto`, [`AFFINITY_MIN_OPS`]): servers report how often
+//! their multi-server operations (transactions or borrows) needed each table another
+//! server holds; a table that one server needs at least twice as often as its owner's
+//! clients use it moves to that server for good. It comes before the count rule, which
+//! counts that use as the table's heat so that it does not send the table back.
+//!
 //! A draining server ([`CoordState::draining`]) is neither counted nor a target: its
 //! tables move off first, one at a time, each to the server in service with the fewest
 //! tables. Once it is back in service (`Drain { drain: false }`) it is counted again, so
@@ -78,6 +84,9 @@ pub fn next_move_with(state: &CoordState, load_gap_ops: u64) -> Option<CoordComm
     if live.len() < 2 {
         return None;
     }
+    if let Some(m) = affinity_move(state) {
+        return Some(m);
+    }
     let (&from, &most) = counts.iter().rev().max_by_key(|(_, c)| **c)?;
     let (&to, &fewest) = counts.iter().min_by_key(|(_, c)| **c)?;
     if most < fewest + 2 {
@@ -94,11 +103,12 @@ pub fn next_move_with(state: &CoordState, load_gap_ops: u64) -> Option<CoordComm
         .collect();
     // Once load is reported, the coolest table goes (after a load move, this hands the
     // hot server a cool table back instead of undoing the move).
-    let loaded = mine.iter().any(|(_, t)| ops(state, *t) > 0);
+    // Remote use counts as heat: a table that just moved by affinity is hot where it went
+    // (before its new owner reports it), so the count rule does not send it back.
+    let heat = |t: TableId| ops(state, t) + remote_total(state, t);
+    let loaded = mine.iter().any(|(_, t)| heat(*t) > 0);
     let table = if loaded {
-        mine.iter()
-            .min_by_key(|(_, t)| ops(state, *t))
-            .map(|(_, t)| *t)?
+        mine.iter().min_by_key(|(_, t)| heat(*t)).map(|(_, t)| *t)?
     } else {
         mine.iter()
             .find(|(i, _)| slot(*i) == to)
@@ -112,6 +122,41 @@ pub fn next_move_with(state: &CoordState, load_gap_ops: u64) -> Option<CoordComm
 /// Operations a table's owner last reported for it (one report interval).
 fn ops(state: &CoordState, t: TableId) -> u64 {
     state.load.get(&t).map_or(0, |l| l.ops)
+}
+
+/// Multi-server operations of all servers that last reported needing `t`.
+fn remote_total(state: &CoordState, t: TableId) -> u64 {
+    state.remote_use.get(&t).map_or(0, |by| by.values().sum())
+}
+
+/// The affinity rule needs at least this many multi-server operations of one server on a
+/// table per report interval (with 5 s reports, 10 per second), so that a few stray
+/// renames never move a table.
+pub const AFFINITY_MIN_OPS: u64 = 50;
+
+/// Affinity (`--multi-server auto`): a table one other server keeps needing moves there
+/// for good. The server whose multi-server operations needed the table most in its last
+/// report gets it if they were at least [`AFFINITY_MIN_OPS`] and at least twice the
+/// operations its owner served on it: a table its own clients use more stays (moving it
+/// would only turn their operations into multi-server ones). The factor of two is the
+/// hysteresis: once moved, the table's operations there count as its load, and the old
+/// owner would have to need it twice as much to take it back. Tables with the most such
+/// use first; ties by table id.
+fn affinity_move(state: &CoordState) -> Option<CoordCommand> {
+    state
+        .remote_use
+        .iter()
+        .filter_map(|(t, by)| {
+            let owner = state.map.owner(*t)?;
+            let (&to, &n) = by
+                .iter()
+                .filter(|(s, _)| **s != owner)
+                .max_by_key(|(_, n)| **n)?;
+            let wanted = n >= AFFINITY_MIN_OPS && n >= 2 * ops(state, *t);
+            (wanted && state.in_service(to)).then_some((n, *t, to))
+        })
+        .max_by_key(|(n, t, _)| (*n, std::cmp::Reverse(*t)))
+        .map(|(_, table, to)| CoordCommand::Move { table, to })
 }
 
 /// A hot server's gap to the coolest one that a load move needs: at least twice its
@@ -325,6 +370,59 @@ mod tests {
             now_ms: 10,
         });
         assert_eq!(r, CoordReply::Ok);
+    }
+
+    /// Reports `ops` multi-server operations of `server` that needed `table`.
+    fn report_remote(s: &mut CoordState, server: u32, table: TableId, ops: u64) {
+        let inc = s.live(ServerId(server)).expect("live");
+        let r = s.apply(&CoordCommand::Request {
+            req: ServerRequest::ReportRemoteUse {
+                server: ServerId(server),
+                epoch: inc.epoch,
+                uses: vec![kochab_proto::cluster::RemoteUse { table, ops }],
+            },
+            now_ms: 10,
+        });
+        assert_eq!(r, CoordReply::Ok);
+    }
+
+    #[test]
+    fn a_table_one_other_server_keeps_needing_moves_there_and_stays() {
+        let mut s = two_servers_two_tables_each();
+        let t = TableId(10);
+        let owner = s.map.owner(t).expect("placed");
+        let other = if owner == ServerId(1) { 2 } else { 1 };
+        for u in s.map.tables.keys().copied().collect::<Vec<_>>() {
+            report(&mut s, u, 100);
+        }
+        // A few multi-server operations, or fewer than twice the owner's own: no move.
+        report_remote(&mut s, other, t, AFFINITY_MIN_OPS - 1);
+        assert_eq!(next_move(&s), None);
+        report(&mut s, t, 400);
+        report_remote(&mut s, other, t, 799);
+        assert_eq!(next_move(&s), None, "its own clients use it about as much");
+        // Needed twice as much elsewhere: it moves there.
+        report_remote(&mut s, other, t, 800);
+        let to = ServerId(other);
+        assert_eq!(next_move(&s), Some(CoordCommand::Move { table: t, to }));
+        s.apply(&CoordCommand::Move { table: t, to });
+        settle(&mut s);
+        assert_eq!(s.map.owner(t), Some(to));
+        // The counts are 3/1 now: the count rule hands back another table, not this one
+        // (its remote use counts as heat until its new owner reports it).
+        let m = next_move(&s).expect("3/1 is uneven");
+        assert!(
+            matches!(m, CoordCommand::Move { table, .. } if table != t),
+            "{m:?}"
+        );
+        s.apply(&m);
+        settle(&mut s);
+        // Its new owner reports it busy and needs nothing elsewhere: it stays.
+        report(&mut s, t, 800);
+        report_remote(&mut s, other, TableId(0), 0);
+        assert!(!s.remote_use.contains_key(&t), "a report replaces the last");
+        assert_eq!(next_move(&s), None);
+        assert_eq!(s.map.owner(t), Some(to));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use kochab_proto::InodeId;
 use kochab_proto::cluster::{
     BorrowId, BorrowPhase, Control, ControlBody, ControlReply, CoordReply, Epoch, Incarnation,
-    MapVersion, ServerId, ServerRequest, TableId, TableLoad,
+    MapVersion, RemoteUse, ServerId, ServerRequest, TableId, TableLoad,
 };
 
 /// A deliberate protocol bug, for showing that the simulation catches it.
@@ -832,6 +832,24 @@ impl Participant {
                 server: me.server,
                 epoch: me.epoch,
                 loads,
+            },
+        }]
+    }
+
+    /// Reports this server's remote use of other servers' tables (`--multi-server auto`;
+    /// sent once, not retried: the next report replaces it).
+    pub fn report_remote_use(&mut self, uses: Vec<RemoteUse>) -> Vec<Action> {
+        let Some(me) = self.incarnation() else {
+            return Vec::new();
+        };
+        let req_id = self.next_req;
+        self.next_req += 1;
+        vec![Action::ToCoord {
+            req_id,
+            req: ServerRequest::ReportRemoteUse {
+                server: me.server,
+                epoch: me.epoch,
+                uses,
             },
         }]
     }

@@ -144,6 +144,10 @@ pub struct CoordState {
     /// member has applied them.
     #[serde(default)]
     pub keys: ClientKeys,
+    /// Last reported remote use of each table: per server, its multi-server operations
+    /// that needed the table while another server held it (`--multi-server auto`).
+    #[serde(default)]
+    pub remote_use: BTreeMap<TableId, BTreeMap<ServerId, u64>>,
 }
 
 /// A map serialized as a list of pairs.
@@ -374,6 +378,30 @@ impl CoordState {
                 for l in loads {
                     if self.map.owner(l.table) == Some(*server) {
                         self.load.insert(l.table, *l);
+                    }
+                }
+                CoordReply::Ok
+            }
+            ServerRequest::ReportRemoteUse {
+                server,
+                epoch,
+                uses,
+            } => {
+                if self.live(*server).map(|i| i.epoch) != Some(*epoch) {
+                    return CoordReply::Stale("remote use report of a dead incarnation".into());
+                }
+                // Each report replaces the server's last one.
+                self.remote_use.retain(|_, by| {
+                    by.remove(server);
+                    !by.is_empty()
+                });
+                for u in uses {
+                    let held_elsewhere = self.map.owner(u.table).is_some_and(|o| o != *server);
+                    if held_elsewhere && u.ops > 0 {
+                        self.remote_use
+                            .entry(u.table)
+                            .or_default()
+                            .insert(*server, u.ops);
                     }
                 }
                 CoordReply::Ok

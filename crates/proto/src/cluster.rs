@@ -141,6 +141,22 @@ pub enum ServerRequest {
         epoch: Epoch,
         loads: Vec<TableLoad>,
     },
+    /// Operations of this server that needed tables another server holds, since the last
+    /// report (`--multi-server auto`: the balancer's affinity rule). Sent every report
+    /// interval, empty too: each report replaces the server's last one.
+    ReportRemoteUse {
+        server: ServerId,
+        epoch: Epoch,
+        uses: Vec<RemoteUse>,
+    },
+}
+
+/// Multi-server operations of one server that needed `table` (held by another server)
+/// since its last report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteUse {
+    pub table: TableId,
+    pub ops: u64,
 }
 
 /// A command of the coordinator's replicated state machine. Time enters only as `now_ms`,

@@ -994,8 +994,20 @@ impl ClusterHost {
         let Some(shared) = self.shared.get().and_then(Weak::upgrade) else {
             return;
         };
-        let ops = std::mem::take(&mut *self.admitted.lock());
+        let mut ops = std::mem::take(&mut *self.admitted.lock());
         let held = self.tables();
+        // `--multi-server auto`: what this server's multi-server operations needed of
+        // other servers' tables (the balancer's affinity rule), every interval.
+        let auto = self
+            .txn_host()
+            .is_some_and(|t| t.mode() == crate::txn_host::MultiServer::Auto);
+        if auto {
+            let uses = ops.remote_report(&held);
+            let acts = self.p.lock().report_remote_use(uses);
+            for a in acts {
+                self.exec(a);
+            }
+        }
         let loads = {
             let core = shared.core();
             let loaded = core.engine.tables().iter().map(|t| {
@@ -1113,8 +1125,18 @@ pub async fn parked_op(
     loop {
         let ids = match why {
             Parked::Borrow(tables) => {
+                let host = shared.cluster_host();
+                let txn = host.as_ref().and_then(|h| h.txn_host());
+                // `auto`: counted for the affinity rule, however it runs.
+                if let Some(h) = &host
+                    && txn
+                        .as_ref()
+                        .is_some_and(|t| t.mode() == crate::txn_host::MultiServer::Auto)
+                {
+                    h.admitted.lock().needed_elsewhere(&tables);
+                }
                 // txn (issue 33) hook: a transaction instead, where one covers it.
-                if let Some(t) = shared.cluster_host().and_then(|h| h.txn_host())
+                if let Some(t) = txn
                     && let Some(done) = t.run(&shared, client, &req).await
                 {
                     return done;

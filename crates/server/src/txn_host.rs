@@ -60,8 +60,9 @@ pub enum MultiServer {
     Borrow,
     /// A transaction where a plan covers the operation, else borrow.
     Txn,
-    /// For now the same as `Txn`: the affinity rule (migrate a table one server keeps
-    /// borrowing) does not exist yet.
+    /// As `Txn`, and every multi-server operation counts the tables it needed of other
+    /// servers; the member reports them, and the coordinator's affinity rule moves a
+    /// table one server keeps needing there for good (`kochab_cluster::balance`).
     Auto,
 }
 

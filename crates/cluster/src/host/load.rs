@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use kochab_proto::cluster::{Incarnation, TableId, TableLoad};
+use kochab_proto::cluster::{Incarnation, RemoteUse, TableId, TableLoad};
 
 /// How often a member reports its tables' load to the coordinator (operations admitted
 /// in the interval and inodes held): one coordinator log entry per server per interval,
@@ -155,12 +155,31 @@ impl LoadPlan {
 #[derive(Clone, Debug, Default)]
 pub struct LoadCounter {
     ops: BTreeMap<TableId, u64>,
+    /// Multi-server operations that needed each table of another server.
+    remote: BTreeMap<TableId, u64>,
 }
 
 impl LoadCounter {
     /// One operation routed by `table` was admitted.
     pub fn admitted(&mut self, table: TableId) {
         *self.ops.entry(table).or_default() += 1;
+    }
+
+    /// One multi-server operation needed `tables`, which other servers hold.
+    pub fn needed_elsewhere(&mut self, tables: &[TableId]) {
+        for t in tables {
+            *self.remote.entry(*t).or_default() += 1;
+        }
+    }
+
+    /// The remote use counted since the last report, of tables not held here (`held`):
+    /// one that came here meanwhile is no longer another server's.
+    pub fn remote_report(&mut self, held: &[TableId]) -> Vec<RemoteUse> {
+        std::mem::take(&mut self.remote)
+            .into_iter()
+            .filter(|(t, _)| !held.contains(t))
+            .map(|(table, ops)| RemoteUse { table, ops })
+            .collect()
     }
 
     /// The report of the tables loaded here (`(table, inodes)`) that the participant holds
@@ -267,5 +286,21 @@ mod tests {
         let got: Vec<(u64, u64, u64)> =
             loads.iter().map(|l| (l.table.0, l.ops, l.inodes)).collect();
         assert_eq!(got, vec![(1, 2, 50), (2, 0, 7)]);
+    }
+
+    #[test]
+    fn remote_use_is_reported_once_for_tables_held_elsewhere() {
+        let mut c = LoadCounter::default();
+        c.needed_elsewhere(&[TableId(4), TableId(5)]);
+        c.needed_elsewhere(&[TableId(4)]);
+        let uses = c.remote_report(&[TableId(5)]);
+        assert_eq!(
+            uses,
+            vec![RemoteUse {
+                table: TableId(4),
+                ops: 2
+            }]
+        );
+        assert!(c.remote_report(&[]).is_empty(), "counted once");
     }
 }
