@@ -23,7 +23,8 @@
 # Usage: bench/scaling.sh [ROUNDS] [SERVER_COUNTS...]   (default: 3 rounds of 1 2 4 8)
 # Env: CPU_SHARE (0.1), CLIENTS (64), ITEMS_PER_SERVER (40000), KOCHAB_BIN, PORT (7600),
 #      MODES ("unique shared"), PERF (0), SERVER_THREADS (1: worker threads per server; a server held to a tenth of a CPU
-#      does more with one worker than with two), JSON_OUT (file for the raw rows).
+#      does more with one worker than with two), JSON_OUT (file for the raw rows),
+#      MULTI_SERVER (unset: the server's default; else passed as `--multi-server`).
 # Needs root (cgroups) and a release build (cargo build --release).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +37,7 @@ PORT=${PORT:-7600}
 CPU_SHARE=${CPU_SHARE:-0.1}
 CLIENTS=${CLIENTS:-64}
 PER=${ITEMS_PER_SERVER:-40000}
-UP_ARGS="--threads ${SERVER_THREADS:-1}"
+UP_ARGS="--threads ${SERVER_THREADS:-1}${MULTI_SERVER:+ --multi-server $MULTI_SERVER}"
 CG=/sys/fs/cgroup/cpu/kochab-scaling
 tmp=$(mktemp -d /var/tmp/kochab-scaling.XXXXXX)
 . bench/cluster_lib.sh

@@ -1,7 +1,7 @@
 //! Multi-server operations as transactions between servers (issue 33), on a real cluster
 //! of server processes started with `--multi-server txn`: renames between directories of
 //! two servers commit with no table moving, concurrently with other operations on those
-//! directories; one the transaction does not cover borrows as before; and a SIGKILL of the
+//! directories, and so do hard links and unlinks whose inode is on the other server; one the transaction does not cover borrows as before; and a SIGKILL of the
 //! initiator after its commit record, or of a server after its prepare record, leaves
 //! every rename whole or absent, no lock behind, and `kochab fsck` clean.
 
@@ -207,6 +207,29 @@ fn renames_across_two_servers_commit_as_transactions_and_move_no_table() {
     }
     assert_eq!(in_x, want_x);
     assert_eq!(in_y, want_y);
+
+    // Unlinks of names in y whose inodes live on x's server: transactions too. One of a
+    // linked file (the inode stays, one name fewer), two of files renamed there (their
+    // last names: the inodes go).
+    rt.block_on(async {
+        let linked = c.lookup(&cred, x, b"h0").await.expect("lookup").id;
+        c.unlink(&cred, y, b"l0").await.expect("unlink l0");
+        assert_eq!(c.getattr(&cred, linked).await.expect("getattr").nlink, 1);
+        for g in ["g1", "g3"] {
+            let id = c.lookup(&cred, y, g.as_bytes()).await.expect("lookup").id;
+            c.unlink(&cred, y, g.as_bytes())
+                .await
+                .unwrap_or_else(|e| panic!("unlink {g}: {e}"));
+            let gone = c.getattr(&cred, id).await.map_err(|e| e.errno);
+            assert!(
+                matches!(gone, Err(Errno::ESTALE | Errno::ENOENT)),
+                "{g}'s inode is gone: {gone:?}"
+            );
+            want_y.remove(g);
+        }
+        want_y.remove("l0");
+    });
+    assert_eq!(rt.block_on(names(&c, y)), want_y);
     assert_eq!(
         map_version(&server),
         before,

@@ -429,7 +429,7 @@ impl TxnHost {
             // Answered already (by a transaction or a borrow): answered as the batch
             // path's reply cache does, with no borrow.
             return match req.op {
-                Op::Rename { .. } => Some((Reply::Empty, 0)),
+                Op::Rename { .. } | Op::Unlink { .. } => Some((Reply::Empty, 0)),
                 Op::Link { id, .. } => shared
                     .core()
                     .engine

@@ -10,7 +10,8 @@
 //!
 //! Covered: a rename of a non-directory between directories of different servers, flags
 //! 0, onto a name that does not exist; a hard link to a non-directory of this server from
-//! a directory of another. Anything else (a directory moved, a replaced
+//! a directory of another; an unlink of a name here whose non-directory inode another
+//! server holds (a file renamed or linked here from there). Anything else (a directory moved, a replaced
 //! target, an exchange, a sticky directory whose victim lives elsewhere) has no plan, or
 //! its check fails at a participant; the caller then borrows as before, which answers
 //! the exact errno.
@@ -43,6 +44,10 @@ pub enum Change {
     /// `protected_hardlinks` rules), it is a live non-directory below `LINK_MAX`; nlink
     /// rises by one and ctime becomes `time`.
     Link { cred: Credentials, time: TimeNs },
+    /// The inode (the key), a non-directory, loses a name: nlink falls by one and ctime
+    /// becomes `time`; with its last name, unless it is open here, it goes (and its data
+    /// with it, as a local unlink does).
+    Unlink { time: TimeNs },
 }
 
 /// Why a plan was not made (the caller borrows instead).
@@ -71,9 +76,10 @@ pub fn plan_op(
             new_parent,
             new_name,
         } => link_keys(engine, cred, *id, *new_parent, new_name, now)?,
+        Op::Unlink { parent, name } => unlink_keys(engine, cred, *parent, name, now)?,
         _ => {
             return Err(NoPlan::NotCovered(
-                "only rename and link run as transactions",
+                "only rename, link and unlink run as transactions",
             ));
         }
     };
@@ -133,6 +139,60 @@ fn link_keys(
                     time: now,
                     victim: None,
                 }),
+            },
+        ),
+    ])
+}
+
+/// The mutations of an unlink, each with the id whose table holds its key: the entry and
+/// its directory here, the inode where it lives.
+fn unlink_keys(
+    engine: &Engine,
+    cred: &Credentials,
+    parent: InodeId,
+    name: &[u8],
+    now: TimeNs,
+) -> Result<Vec<(InodeId, TxnMutation)>, NoPlan> {
+    if !name_ok(name) {
+        return Err(NoPlan::NotCovered("dot or invalid name"));
+    }
+    let Some((child, kind)) = engine.child_kind(parent, name) else {
+        return Err(NoPlan::NotCovered("no entry here"));
+    };
+    if kind == FileKind::Dir {
+        return Err(NoPlan::NotCovered("a directory"));
+    }
+    let put = |c: &Change| Write::Put(encode(c));
+    Ok(vec![
+        (
+            parent,
+            TxnMutation {
+                key: Key::Entry {
+                    parent,
+                    name: name.to_vec(),
+                },
+                expect: Expect::Present,
+                write: put(&Change::DropEntry { child }),
+            },
+        ),
+        (
+            parent,
+            TxnMutation {
+                key: Key::Inode(parent),
+                expect: Expect::Present,
+                write: put(&Change::Dir {
+                    cred: cred.clone(),
+                    time: now,
+                    victim: Some(child),
+                }),
+            },
+        ),
+        (
+            child,
+            TxnMutation {
+                key: Key::Inode(child),
+                expect: Expect::Present,
+                write: put(&Change::Unlink { time: now }),
             },
         ),
     ])
@@ -347,8 +407,8 @@ fn check_change(engine: &Engine, key: &Key, change: &Change) -> Result<(), Strin
             }
             Ok(())
         }
-        (Key::Inode(id), Change::Touch { .. }) => match engine.inode(*id) {
-            Some(i) if !i.is_dir() => Ok(()),
+        (Key::Inode(id), Change::Touch { .. } | Change::Unlink { .. }) => match engine.inode(*id) {
+            Some(i) if !i.is_dir() && i.nlink > 0 => Ok(()),
             _ => Err("no such non-directory".into()),
         },
         (Key::Inode(id), Change::Link { cred, .. }) => {
@@ -405,6 +465,28 @@ pub fn apply_part(engine: &Engine, mutations: &[TxnMutation]) -> Result<Vec<Muta
                 i.nlink += 1;
                 i.ctime = time;
             })?,
+            (Key::Inode(id), Change::Unlink { time }) => {
+                let inode = engine
+                    .inode(*id)
+                    .ok_or_else(|| format!("inode {id:#x} gone while locked"))?;
+                // As a local unlink: an open file keeps its inode (and data) until its
+                // last close here.
+                if inode.nlink <= 1 && engine.open_count(*id) == 0 {
+                    out.push(Mutation::DropInode { id: *id });
+                    if inode.is_regular() && inode.may_have_data {
+                        out.push(Mutation::PutReclaim {
+                            id: *id,
+                            generation: inode.btime as u64,
+                            from: 0,
+                        });
+                    }
+                    continue;
+                }
+                touched(*id, &|i| {
+                    i.nlink = i.nlink.saturating_sub(1);
+                    i.ctime = time;
+                })?
+            }
             (key, change) => return Err(format!("change {change:?} does not fit {key:?}")),
         });
     }
@@ -670,6 +752,63 @@ mod tests {
             name: b"b".to_vec(),
         };
         assert!(op_keys(&e, &rmdir).contains(&Key::Inode(b)));
+    }
+
+    /// Plans `op`, checks every part and applies them all to `e` (one engine hosts both
+    /// servers' tables here).
+    fn commit(e: &mut Engine, op: &Op, owner: &impl Fn(InodeId) -> Option<ServerId>) {
+        let plan = plan_op(e, &Credentials::root(), op, 9, owner).expect("plan");
+        assert!(kochab_cluster::txn::plan_ok(&plan));
+        for (_, part) in &plan {
+            check_part(e, part).expect("check");
+        }
+        let muts: Vec<Mutation> = plan
+            .iter()
+            .flat_map(|(_, p)| apply_part(e, &p.mutations).expect("apply"))
+            .collect();
+        for m in &muts {
+            e.apply(m).expect("mutation");
+        }
+    }
+
+    #[test]
+    fn an_unlink_of_a_name_whose_inode_lives_elsewhere_drops_it_there() {
+        let (mut e, a, b, owner) = two_servers();
+        let f = file(&mut e, a, b"f");
+        commit(&mut e, &rename(a, b"f", b, b"g"), &owner);
+        // A second name, then the unlink of the one in b: the inode (on a's server) loses
+        // a link and stays.
+        let link = Op::Link {
+            id: f,
+            new_parent: b,
+            new_name: b"h".to_vec(),
+        };
+        commit(&mut e, &link, &owner);
+        assert_eq!(e.inode(f).map(|i| i.nlink), Some(2));
+        let unlink = |name: &[u8]| Op::Unlink {
+            parent: b,
+            name: name.to_vec(),
+        };
+        let plan = plan_op(&e, &Credentials::root(), &unlink(b"g"), 9, &owner).expect("plan");
+        assert_eq!(
+            plan.len(),
+            2,
+            "the entry's server and the inode's: {plan:?}"
+        );
+        commit(&mut e, &unlink(b"g"), &owner);
+        assert_eq!(e.child(b, b"g"), None);
+        assert_eq!(e.inode(f).map(|i| i.nlink), Some(1));
+        // The last name: the inode goes.
+        commit(&mut e, &unlink(b"h"), &owner);
+        assert_eq!(e.inode(f).map(|i| i.nlink), None);
+        assert!(
+            e.check_invariants().is_empty(),
+            "{:?}",
+            e.check_invariants()
+        );
+        // A name whose inode is here, or a directory: no transaction.
+        file(&mut e, b, b"local");
+        assert!(plan_op(&e, &Credentials::root(), &unlink(b"local"), 9, &owner).is_err());
     }
 
     #[test]
