@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Procs, free_addr, kochab_bin, spawn_ready};
+use common::{Procs, free_addr, kochab_bin, metric_at, spawn_ready};
 use kochab_client::tls::TlsClient;
 use kochab_client::{Client, ClientConfig};
 use kochab_cluster::state::CoordState;
@@ -151,19 +151,6 @@ fn kochab(args: &[&str]) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-/// The value of a metric served (plain HTTP) at `addr`.
-fn metric(addr: SocketAddr, name: &str) -> Option<f64> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .ok()?;
-    let mut body = String::new();
-    let _ = s.read_to_string(&mut body);
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 #[test]
@@ -324,7 +311,12 @@ fn a_cluster_of_coordinators_and_servers_talks_tls_throughout() {
     }
     let mut two = by_owner.values();
     let ((dir_a, file_a), (dir_b, _)) = (*two.next().unwrap(), *two.next().unwrap());
-    let counted = |name: &str| -> f64 { metrics.iter().filter_map(|a| metric(*a, name)).sum() };
+    let counted = |name: &str| -> f64 {
+        metrics
+            .iter()
+            .filter_map(|a| metric_at(&a.to_string(), name))
+            .sum()
+    };
     let borrowed = counted("kochab_borrowed_operations_total");
     rt.block_on(client.rename(&cred, dir_a, b"f", dir_b, b"moved", 0))
         .expect("rename across servers");

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{Cluster, ServerProc, errno_name};
+use common::{Cluster, ServerProc, errno_name, metric};
 use kochab_proto::{Credentials, Errno, FILE_BYTES_MAX};
 use std::fs;
 use std::os::fd::AsRawFd;
@@ -52,22 +52,6 @@ fn read_at(f: &fs::File, len: usize, offset: u64) -> Vec<u8> {
 
 fn errno_of(e: &std::io::Error) -> String {
     errno_name(e.raw_os_error().unwrap_or(0))
-}
-
-/// The value of a metric the server exports (its metrics address is in its log).
-fn metric(server: &ServerProc, name: &str) -> Option<f64> {
-    use std::io::{Read, Write};
-    let log = server.log_text();
-    // The latest start's (a restarted server appends to the same log).
-    let addr = log.rsplit_once("metrics at http://")?.1.split('/').next()?;
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .ok()?;
-    let mut body = String::new();
-    let _ = s.read_to_string(&mut body);
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// SIGTERM, then waits at most `limit` for the process to exit; true if it did.

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{Cluster, ServerProc, kochab_bin, runtime};
+use common::{Cluster, ServerProc, kochab_bin, metric, runtime};
 use kochab_client::conn::Conn;
 use kochab_client::{Client, ClientConfig};
 use kochab_proto::auth::{ClientKey, client_key_from_text};
@@ -1019,18 +1019,4 @@ fn a_lease_holder_that_never_answers_costs_others_one_deadline_once() {
         total < lease * 3 / 2,
         "five creates took {total:?} (each {took:?})"
     );
-}
-
-/// The value of a metric the server exports (its metrics address is in its log).
-fn metric(server: &ServerProc, name: &str) -> Option<f64> {
-    let log = server.log_text();
-    let addr = log.split("metrics at http://").nth(1)?.split('/').next()?;
-    let mut s = TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .ok()?;
-    let mut body = String::new();
-    let _ = s.read_to_string(&mut body);
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }

@@ -821,24 +821,25 @@ impl Participant {
 
     /// Reports per-table load (sent once, not retried: the next report replaces it).
     pub fn report_load(&mut self, loads: Vec<TableLoad>) -> Vec<Action> {
-        let Some(me) = self.incarnation() else {
-            return Vec::new();
-        };
-        let req_id = self.next_req;
-        self.next_req += 1;
-        vec![Action::ToCoord {
-            req_id,
-            req: ServerRequest::ReportLoad {
-                server: me.server,
-                epoch: me.epoch,
-                loads,
-            },
-        }]
+        self.report(|me| ServerRequest::ReportLoad {
+            server: me.server,
+            epoch: me.epoch,
+            loads,
+        })
     }
 
     /// Reports this server's remote use of other servers' tables (`--multi-server auto`;
     /// sent once, not retried: the next report replaces it).
     pub fn report_remote_use(&mut self, uses: Vec<RemoteUse>) -> Vec<Action> {
+        self.report(|me| ServerRequest::ReportRemoteUse {
+            server: me.server,
+            epoch: me.epoch,
+            uses,
+        })
+    }
+
+    /// A report of this incarnation to the coordinator (none while it has no epoch).
+    fn report(&mut self, req: impl FnOnce(Incarnation) -> ServerRequest) -> Vec<Action> {
         let Some(me) = self.incarnation() else {
             return Vec::new();
         };
@@ -846,11 +847,7 @@ impl Participant {
         self.next_req += 1;
         vec![Action::ToCoord {
             req_id,
-            req: ServerRequest::ReportRemoteUse {
-                server: me.server,
-                epoch: me.epoch,
-                uses,
-            },
+            req: req(me),
         }]
     }
 

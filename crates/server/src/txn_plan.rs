@@ -105,42 +105,21 @@ fn link_keys(
     if kind == FileKind::Dir {
         return Err(NoPlan::NotCovered("a directory"));
     }
-    let put = |c: &Change| Write::Put(encode(c));
     Ok(vec![
-        (
+        on_inode(
             id,
-            TxnMutation {
-                key: Key::Inode(id),
-                expect: Expect::Present,
-                write: put(&Change::Link {
-                    cred: cred.clone(),
-                    time: now,
-                }),
+            &Change::Link {
+                cred: cred.clone(),
+                time: now,
             },
         ),
-        (
+        on_entry(
             new_parent,
-            TxnMutation {
-                key: Key::Entry {
-                    parent: new_parent,
-                    name: new_name.to_vec(),
-                },
-                expect: Expect::Absent,
-                write: put(&Change::PutEntry { child: id, kind }),
-            },
+            new_name,
+            Expect::Absent,
+            &Change::PutEntry { child: id, kind },
         ),
-        (
-            new_parent,
-            TxnMutation {
-                key: Key::Inode(new_parent),
-                expect: Expect::Present,
-                write: put(&Change::Dir {
-                    cred: cred.clone(),
-                    time: now,
-                    victim: None,
-                }),
-            },
-        ),
+        on_inode(new_parent, &dir_change(cred, now, None)),
     ])
 }
 
@@ -162,39 +141,10 @@ fn unlink_keys(
     if kind == FileKind::Dir {
         return Err(NoPlan::NotCovered("a directory"));
     }
-    let put = |c: &Change| Write::Put(encode(c));
     Ok(vec![
-        (
-            parent,
-            TxnMutation {
-                key: Key::Entry {
-                    parent,
-                    name: name.to_vec(),
-                },
-                expect: Expect::Present,
-                write: put(&Change::DropEntry { child }),
-            },
-        ),
-        (
-            parent,
-            TxnMutation {
-                key: Key::Inode(parent),
-                expect: Expect::Present,
-                write: put(&Change::Dir {
-                    cred: cred.clone(),
-                    time: now,
-                    victim: Some(child),
-                }),
-            },
-        ),
-        (
-            child,
-            TxnMutation {
-                key: Key::Inode(child),
-                expect: Expect::Present,
-                write: put(&Change::Unlink { time: now }),
-            },
-        ),
+        on_entry(parent, name, Expect::Present, &Change::DropEntry { child }),
+        on_inode(parent, &dir_change(cred, now, Some(child))),
+        on_inode(child, &Change::Unlink { time: now }),
     ])
 }
 
@@ -240,61 +190,56 @@ fn rename_keys(
     if kind == FileKind::Dir {
         return Err(NoPlan::NotCovered("a directory moves"));
     }
-    let entry = |p: InodeId, n: &[u8]| Key::Entry {
-        parent: p,
-        name: n.to_vec(),
-    };
-    let put = |c: &Change| Write::Put(encode(c));
     Ok(vec![
-        (
-            *parent,
-            TxnMutation {
-                key: entry(*parent, name),
-                expect: Expect::Present,
-                write: put(&Change::DropEntry { child }),
-            },
-        ),
-        (
+        on_entry(*parent, name, Expect::Present, &Change::DropEntry { child }),
+        on_entry(
             *new_parent,
-            TxnMutation {
-                key: entry(*new_parent, new_name),
-                expect: Expect::Absent,
-                write: put(&Change::PutEntry { child, kind }),
-            },
+            new_name,
+            Expect::Absent,
+            &Change::PutEntry { child, kind },
         ),
-        (
-            *parent,
-            TxnMutation {
-                key: Key::Inode(*parent),
-                expect: Expect::Present,
-                write: put(&Change::Dir {
-                    cred: cred.clone(),
-                    time: now,
-                    victim: Some(child),
-                }),
-            },
-        ),
-        (
-            *new_parent,
-            TxnMutation {
-                key: Key::Inode(*new_parent),
-                expect: Expect::Present,
-                write: put(&Change::Dir {
-                    cred: cred.clone(),
-                    time: now,
-                    victim: None,
-                }),
-            },
-        ),
-        (
-            child,
-            TxnMutation {
-                key: Key::Inode(child),
-                expect: Expect::Present,
-                write: put(&Change::Touch { time: now }),
-            },
-        ),
+        on_inode(*parent, &dir_change(cred, now, Some(child))),
+        on_inode(*new_parent, &dir_change(cred, now, None)),
+        on_inode(child, &Change::Touch { time: now }),
     ])
+}
+
+/// A mutation of inode `id` (which must exist), keyed by its own table.
+fn on_inode(id: InodeId, change: &Change) -> (InodeId, TxnMutation) {
+    let m = TxnMutation {
+        key: Key::Inode(id),
+        expect: Expect::Present,
+        write: Write::Put(encode(change)),
+    };
+    (id, m)
+}
+
+/// A mutation of the entry `parent/name`, keyed by its directory's table.
+fn on_entry(
+    parent: InodeId,
+    name: &[u8],
+    expect: Expect,
+    change: &Change,
+) -> (InodeId, TxnMutation) {
+    let key = Key::Entry {
+        parent,
+        name: name.to_vec(),
+    };
+    let m = TxnMutation {
+        key,
+        expect,
+        write: Write::Put(encode(change)),
+    };
+    (parent, m)
+}
+
+/// A directory gaining or losing an entry (`victim`: the inode whose entry leaves).
+fn dir_change(cred: &Credentials, time: TimeNs, victim: Option<InodeId>) -> Change {
+    Change::Dir {
+        cred: cred.clone(),
+        time,
+        victim,
+    }
 }
 
 /// Gathers the mutations into one part per server (`owner` of each key's table).

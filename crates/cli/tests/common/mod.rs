@@ -900,3 +900,24 @@ pub fn spawn_ready(args: &[String], log: &Path, ready: &str) -> Child {
     );
     child
 }
+
+/// The value of a metric served (Prometheus text, plain HTTP) at `addr` ("host:port").
+pub fn metric_at(addr: &str, name: &str) -> Option<f64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// The value of a metric `server` exports (its metrics address is in its log; the latest
+/// start's, as a restarted server appends to the same log).
+pub fn metric(server: &ServerProc, name: &str) -> Option<f64> {
+    let log = server.log_text();
+    let addr = log.rsplit_once("metrics at http://")?.1.split('/').next()?;
+    metric_at(addr, name)
+}
