@@ -116,7 +116,16 @@ impl ServerProc {
     /// SIGKILL: no chance to flush or checkpoint.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.reap();
+    }
+
+    /// Waits for the process, signalled already (see [`reap`]: its mounts are those whose
+    /// source is one of its servers' addresses).
+    fn reap(&mut self) {
+        let addrs: Vec<String> = self.addrs.iter().map(|a| a.to_string()).collect();
+        reap(&mut self.child, &|source, _| {
+            addrs.iter().any(|a| a == source)
+        });
     }
 
     /// A power cut: every process of this `kochab up` (its servers and coordinators too)
@@ -140,6 +149,7 @@ impl ServerProc {
     pub fn stop(&mut self) -> Option<i32> {
         // SAFETY: kill(2) with a pid we spawned and still own.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.reap();
         self.child.wait().ok().and_then(|s| s.code())
     }
 
@@ -165,7 +175,87 @@ impl ServerProc {
 impl Drop for ServerProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.reap();
+        // A mount it served (`kochab up --mount`) outlives it in the kernel: gone too, so
+        // that no test leaves a dead mount behind.
+        let addrs: Vec<String> = self.addrs.iter().map(|a| a.to_string()).collect();
+        for point in fuse_mounts(&|source, _| addrs.iter().any(|a| a == source)) {
+            force_unmount(Path::new(&point));
+        }
+    }
+}
+
+/// How long a signalled process that serves a FUSE mount may take to exit before its
+/// mounts' connections are aborted (see [`reap`]).
+const REAP_GRACE: Duration = Duration::from_secs(20);
+
+/// Waits until `child` (signalled already) has exited. A FUSE server killed at the wrong
+/// moment can keep one thread in an uninterruptible wait: a reverse invalidation waiting
+/// for a page lock that a read holds, a read only the dead process could answer, so the
+/// process never exits and its /dev/fuse never closes (seen once in the suite, 2026-12-06,
+/// `fsx_and_stress_ng_find_nothing_wrong_on_the_s3_store`). After [`REAP_GRACE`] the
+/// connections of the mounts `served(source, mount point)` picks are aborted through
+/// fusectl, which ends the wait, as an operator would.
+pub fn reap(child: &mut Child, served: &dyn Fn(&str, &str) -> bool) {
+    let deadline = std::time::Instant::now() + REAP_GRACE;
+    while std::time::Instant::now() < deadline {
+        if !matches!(child.try_wait(), Ok(None)) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    abort_fuse_connections(served);
+    let _ = child.wait();
+}
+
+/// The FUSE mounts `served(source, mount point)` picks: their mount points.
+pub fn fuse_mounts(served: &dyn Fn(&str, &str) -> bool) -> Vec<String> {
+    fuse_mount_table(served)
+        .into_iter()
+        .map(|(_, point)| point)
+        .collect()
+}
+
+/// The FUSE mounts `served` picks, as (connection number, mount point), from
+/// /proc/self/mountinfo: "id parent major:minor root point options... - type source ...".
+fn fuse_mount_table(served: &dyn Fn(&str, &str) -> bool) -> Vec<(String, String)> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut found = Vec::new();
+    for line in info.lines() {
+        let Some((head, tail)) = line.split_once(" - ") else {
+            continue;
+        };
+        let head: Vec<&str> = head.split(' ').collect();
+        let tail: Vec<&str> = tail.split(' ').collect();
+        let (Some(dev), Some(point), Some(fstype), Some(source)) =
+            (head.get(2), head.get(4), tail.first(), tail.get(1))
+        else {
+            continue;
+        };
+        let fuse = *fstype == "fuse" || fstype.starts_with("fuse.");
+        if let Some((_, minor)) = dev.split_once(':')
+            && fuse
+            && served(source, point)
+        {
+            found.push((minor.to_string(), point.to_string()));
+        }
+    }
+    found
+}
+
+/// Aborts the FUSE connections of the mounts `served(source, mount point)` picks (fusectl
+/// is mounted first if it is not).
+pub fn abort_fuse_connections(served: &dyn Fn(&str, &str) -> bool) {
+    let ctl = Path::new("/sys/fs/fuse/connections");
+    if std::fs::read_dir(ctl).is_ok_and(|mut d| d.next().is_none()) {
+        let _ = Command::new("mount")
+            .args(["-t", "fusectl", "none"])
+            .arg(ctl)
+            .status();
+    }
+    for (minor, point) in fuse_mount_table(served) {
+        eprintln!("aborting the FUSE connection of {point} (its server did not exit)");
+        let _ = std::fs::write(ctl.join(minor).join("abort"), "1");
     }
 }
 
@@ -449,8 +539,14 @@ impl MountProc {
     /// SIGKILL the mount process (its session ends after the server's grace period).
     pub fn kill9(&mut self) {
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.reap();
         force_unmount(&self.mnt);
+    }
+
+    /// Waits for the mount process, signalled already (see [`reap`]).
+    fn reap(&mut self) {
+        let mnt = self.mnt.to_string_lossy().into_owned();
+        reap(&mut self.child, &|_, point| point == mnt);
     }
 }
 
@@ -465,7 +561,7 @@ impl Drop for MountProc {
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.reap();
         force_unmount(&self.mnt);
     }
 }
