@@ -47,6 +47,8 @@ pub struct ServerProc {
     pub key: ClusterKey,
     pub data: PathBuf,
     pub log: PathBuf,
+    /// Where it mounts the file system itself (`--mount`), if it does.
+    pub mount: Option<PathBuf>,
 }
 
 impl ServerProc {
@@ -103,6 +105,11 @@ impl ServerProc {
             &std::fs::read_to_string(data.join("cluster.key")).expect("key file"),
         )
         .expect("key");
+        let mount = extra
+            .iter()
+            .position(|a| *a == "--mount")
+            .and_then(|i| extra.get(i + 1))
+            .map(PathBuf::from);
         ServerProc {
             child,
             addr: addrs[0],
@@ -110,6 +117,7 @@ impl ServerProc {
             key,
             data: data.to_path_buf(),
             log,
+            mount,
         }
     }
 
@@ -119,13 +127,14 @@ impl ServerProc {
         self.reap();
     }
 
-    /// Waits for the process, signalled already (see [`reap`]: its mounts are those whose
-    /// source is one of its servers' addresses).
+    /// Waits for the process, signalled already (see [`reap`]: its mount is its own
+    /// `--mount`).
     fn reap(&mut self) {
-        let addrs: Vec<String> = self.addrs.iter().map(|a| a.to_string()).collect();
-        reap(&mut self.child, &|source, _| {
-            addrs.iter().any(|a| a == source)
-        });
+        let mnt = self
+            .mount
+            .as_ref()
+            .map(|m| m.to_string_lossy().into_owned());
+        reap(&mut self.child, &|_, point| Some(point) == mnt.as_deref());
     }
 
     /// A power cut: every process of this `kochab up` (its servers and coordinators too)
@@ -176,11 +185,10 @@ impl Drop for ServerProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         self.reap();
-        // A mount it served (`kochab up --mount`) outlives it in the kernel: gone too, so
-        // that no test leaves a dead mount behind.
-        let addrs: Vec<String> = self.addrs.iter().map(|a| a.to_string()).collect();
-        for point in fuse_mounts(&|source, _| addrs.iter().any(|a| a == source)) {
-            force_unmount(Path::new(&point));
+        // Its own mount (`kochab up --mount`) outlives it in the kernel: gone too, so that
+        // no test leaves a dead mount behind. (Mounts of other processes are theirs.)
+        if let Some(mnt) = &self.mount {
+            force_unmount(mnt);
         }
     }
 }
@@ -206,14 +214,6 @@ pub fn reap(child: &mut Child, served: &dyn Fn(&str, &str) -> bool) {
     }
     abort_fuse_connections(served);
     let _ = child.wait();
-}
-
-/// The FUSE mounts `served(source, mount point)` picks: their mount points.
-pub fn fuse_mounts(served: &dyn Fn(&str, &str) -> bool) -> Vec<String> {
-    fuse_mount_table(served)
-        .into_iter()
-        .map(|(_, point)| point)
-        .collect()
 }
 
 /// The FUSE mounts `served` picks, as (connection number, mount point), from
