@@ -572,6 +572,14 @@ impl ClusterHost {
         self.txn.clone()
     }
 
+    /// `--multi-server auto`: multi-server operations count the other servers' tables
+    /// they need, for the coordinator's affinity rule.
+    fn counts_remote_use(&self) -> bool {
+        self.txn
+            .as_ref()
+            .is_some_and(|t| t.mode() == crate::txn_host::MultiServer::Auto)
+    }
+
     /// txn (issue 33) hook: a server's address by the cached map.
     fn server_addr(&self, server: ServerId) -> Option<String> {
         self.map.lock().map.servers.get(&server).cloned()
@@ -998,10 +1006,7 @@ impl ClusterHost {
         let held = self.tables();
         // `--multi-server auto`: what this server's multi-server operations needed of
         // other servers' tables (the balancer's affinity rule), every interval.
-        let auto = self
-            .txn_host()
-            .is_some_and(|t| t.mode() == crate::txn_host::MultiServer::Auto);
-        if auto {
+        if self.counts_remote_use() {
             let uses = ops.remote_report(&held);
             let acts = self.p.lock().report_remote_use(uses);
             for a in acts {
@@ -1129,9 +1134,7 @@ pub async fn parked_op(
                 let txn = host.as_ref().and_then(|h| h.txn_host());
                 // `auto`: counted for the affinity rule, however it runs.
                 if let Some(h) = &host
-                    && txn
-                        .as_ref()
-                        .is_some_and(|t| t.mode() == crate::txn_host::MultiServer::Auto)
+                    && h.counts_remote_use()
                 {
                     h.admitted.lock().needed_elsewhere(&tables);
                 }
