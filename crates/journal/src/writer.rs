@@ -72,6 +72,11 @@ pub struct JournalOptions {
     /// simulation sets it, so that what the store holds when it takes a crash image
     /// follows from its calls alone, not from how far that thread had got.
     pub spare_inline: bool,
+    /// [`Journal::flush_now`] starts no write: it only notes what was asked, written when
+    /// someone waits ([`Journal::wait_asked`], [`Journal::wait_durable`]). A deterministic
+    /// simulation sets it, so that a kill may fall between a record asked for and its
+    /// write, and what was written does not depend on how far the writer's thread got.
+    pub held_flushes: bool,
 }
 
 /// Longest a record waits for its flush when nobody has asked for it ([`Journal::flush_now`]
@@ -90,6 +95,7 @@ impl Default for JournalOptions {
             lazy_flush: LAZY_FLUSH,
             breaks: Breaks::NONE,
             spare_inline: false,
+            held_flushes: false,
         }
     }
 }
@@ -103,6 +109,8 @@ struct State {
     shutdown: bool,
     /// Someone waits for the records in `active`: flush them at once.
     urgent: bool,
+    /// The last LSN a flush was asked for ([`Journal::flush_now`]).
+    asked_upto: u64,
     /// A thread blocks until they are durable ([`Journal::wait_durable`]): the flusher
     /// thread writes them at once, even while the committer task runs (which may be
     /// waiting for that very thread).
@@ -349,6 +357,7 @@ impl Journal {
                 next_lsn,
                 shutdown: false,
                 urgent: false,
+                asked_upto: 0,
                 flusher_asked: false,
                 pending_since: None,
                 flusher_asleep: false,
@@ -483,6 +492,10 @@ impl Journal {
             if st.active.is_empty() {
                 return;
             }
+            st.asked_upto = st.active_last;
+            if self.shared.options.held_flushes {
+                return;
+            }
             st.urgent = true;
             st.committer_running
         };
@@ -513,6 +526,15 @@ impl Journal {
     /// Appends a record carrying `payload`.
     pub fn append(&self, payload: &[u8]) -> u64 {
         self.append_with(|o| o.extend_from_slice(payload))
+    }
+
+    /// Makes every record a flush was asked for ([`Journal::flush_now`]) durable, and
+    /// waits for it (false if the journal failed). For a simulation, whose steps must not
+    /// race the writer: with nothing appended meanwhile, what is durable afterwards does
+    /// not depend on when the write ran (see [`JournalOptions::held_flushes`]).
+    pub fn wait_asked(&self) -> bool {
+        let upto = self.shared.state.lock().asked_upto;
+        self.wait_durable(upto)
     }
 
     /// Highest LSN known durable.
@@ -546,21 +568,28 @@ impl Journal {
         self.shared.failure_tx.subscribe()
     }
 
+    /// Starts the write of the records up to `lsn` now, unless it runs already (what a
+    /// waiter that cannot block, a task, asks before it waits on [`Journal::subscribe`]).
+    pub fn ask_durable(&self, lsn: u64) {
+        if self.durable_lsn() >= lsn {
+            return;
+        }
+        let mut st = self.shared.state.lock();
+        // Ask only for records still waiting in the active buffer. Those already taken by
+        // a flush become durable without asking, and a flag left set would make the
+        // flusher write the next records, which nobody waits for, at once: what is durable
+        // would depend on whether the flush began before this call.
+        let first_waiting = st.active_last + 1 - st.active_records;
+        if st.active_records > 0 && first_waiting <= lsn {
+            st.urgent = true;
+            st.flusher_asked = true;
+            self.shared.wake_flusher.notify_one();
+        }
+    }
+
     /// Blocks until `lsn` is durable. False if the journal failed first.
     pub fn wait_durable(&self, lsn: u64) -> bool {
-        if self.durable_lsn() < lsn {
-            let mut st = self.shared.state.lock();
-            // Ask only for records still waiting in the active buffer. Those already taken
-            // by a flush become durable without asking, and a flag left set would make the
-            // flusher write the next records, which nobody waits for, at once: what is
-            // durable would depend on whether the flush began before this call.
-            let first_waiting = st.active_last + 1 - st.active_records;
-            if st.active_records > 0 && first_waiting <= lsn {
-                st.urgent = true;
-                st.flusher_asked = true;
-                self.shared.wake_flusher.notify_one();
-            }
-        }
+        self.ask_durable(lsn);
         let mut g = self.shared.durable_lock.lock();
         loop {
             if self.durable_lsn() >= lsn {

@@ -157,6 +157,8 @@ pub(crate) async fn answer_when_durable(shared: &Shared, lsn: u64) -> Result<(),
 
 /// Waits until the journal is durable up to `lsn` (EIO if it failed or stopped).
 pub(crate) async fn wait_durable(shared: &Shared, lsn: u64) -> Result<(), FsError> {
+    // Who waits asks (a journal whose flushes are held for a simulation writes only then).
+    shared.journal().ask_durable(lsn);
     let mut rx = shared.journal().subscribe();
     while *rx.borrow_and_update() < lsn {
         if shared.journal().failed() {

@@ -77,6 +77,7 @@ pub(crate) fn journal_options(breaks: Breaks) -> JournalOptions {
         lazy_flush: NEVER,
         breaks,
         spare_inline: true,
+        held_flushes: true,
     }
 }
 
