@@ -41,11 +41,19 @@ pub enum Break {
     /// its cache for the whole lease: a change after that calls nobody back, and proceeds
     /// while the holder still caches what it changes.
     LeaseExpiryEarly,
+    /// A multi-server transaction's initiator decides commit on the first yes vote, not
+    /// after all of them (`kochab_cluster::txn::Break::CommitBeforeAllPrepared`): a part
+    /// that was never checked or locked is applied, or never, while the rest commits.
+    TxnCommitBeforeAllPrepared,
+    /// A transaction's participant acknowledges a commit before its applied record is
+    /// durable (`kochab_cluster::txn::Break::AckBeforeDurable`): the initiator forgets
+    /// the commit, and a crash of the participant then loses its half.
+    TxnAckBeforeDurable,
 }
 
 impl Break {
     /// Every switch, in the order of [`Break::name`]'s list.
-    pub const ALL: [Break; 9] = [
+    pub const ALL: [Break; 11] = [
         Break::Fencing,
         Break::ReplyBeforeDurable,
         Break::ReplyCache,
@@ -55,6 +63,8 @@ impl Break {
         Break::CallbackOtherSession,
         Break::ReleaseBeforeDurable,
         Break::LeaseExpiryEarly,
+        Break::TxnCommitBeforeAllPrepared,
+        Break::TxnAckBeforeDurable,
     ];
 
     /// The name `SIM_BREAK` takes.
@@ -69,12 +79,25 @@ impl Break {
             Break::CallbackOtherSession => "callback-other-session",
             Break::ReleaseBeforeDurable => "release-before-durable",
             Break::LeaseExpiryEarly => "lease-expiry-early",
+            Break::TxnCommitBeforeAllPrepared => "txn-commit-before-all-prepared",
+            Break::TxnAckBeforeDurable => "txn-ack-before-durable",
         }
     }
 
     /// The switch called `name`.
     pub fn parse(name: &str) -> Option<Break> {
         Break::ALL.into_iter().find(|b| b.name() == name)
+    }
+
+    /// True for the breaks only operations across servers can show (tables that move,
+    /// transactions): the cluster simulation catches them, the single-server one cannot.
+    pub fn needs_servers(self) -> bool {
+        matches!(
+            self,
+            Break::ReleaseBeforeDurable
+                | Break::TxnCommitBeforeAllPrepared
+                | Break::TxnAckBeforeDurable
+        )
     }
 
     fn bit(self) -> u32 {

@@ -159,14 +159,14 @@ impl Checkpointer {
         // image.
         let keep_from = self.replay_from().min(replies_lsn) + 1;
         // txn (issue 33): open transaction records stay (recovery reads them).
-        let keep_from = match shared.cluster_host().and_then(|h| h.txn_host()) {
+        let keep_from = match shared.txn_host() {
             Some(t) => keep_from.min(t.keep_from()),
             None => keep_from,
         };
         report.trimmed_segments = shared.journal().trim(keep_from)?;
         // txn (issue 33): a server's newest journal may hold commit decisions that its
         // next incarnation reads when it starts: kept until one has started.
-        let keep_newest = shared.cluster_host().and_then(|h| h.txn_host()).is_some();
+        let keep_newest = shared.txn_host().is_some();
         report.journals_deleted = self.collect_journals(shared.store().as_ref(), keep_newest)?;
         Ok(report)
     }

@@ -1376,6 +1376,12 @@ impl Shared {
         self.cluster().is_none_or(|h| h.can_ack())
     }
 
+    /// txn (issue 33) hook: the member's transaction host (a served member's, or a
+    /// simulated one's).
+    pub fn txn_host(&self) -> Option<Arc<crate::txn_host::TxnHost>> {
+        self.cluster()?.txn_host()
+    }
+
     /// The cluster host of a member (the one [`Member`] there is).
     pub fn cluster_host(&self) -> Option<Arc<ClusterHost>> {
         let member: Arc<dyn std::any::Any + Send + Sync> = self.cluster()?.clone();
@@ -1403,6 +1409,10 @@ impl Member for ClusterHost {
 
     fn can_ack(&self) -> bool {
         ClusterHost::can_ack(self)
+    }
+
+    fn txn_host(&self) -> Option<Arc<crate::txn_host::TxnHost>> {
+        ClusterHost::txn_host(self)
     }
 
     fn coord_addrs(&self) -> Vec<String> {

@@ -635,6 +635,11 @@ pub trait Member: std::any::Any + Send + Sync {
     fn can_ack(&self) -> bool;
     /// The coordinator replicas' addresses (for `kochab status`).
     fn coord_addrs(&self) -> Vec<String>;
+    /// txn (issue 33) hook: the member's transaction host, if multi-server operations may
+    /// run as transactions.
+    fn txn_host(&self) -> Option<std::sync::Arc<crate::txn_host::TxnHost>> {
+        None
+    }
 }
 
 /// Encodes one record's payload at the end of `buf`.

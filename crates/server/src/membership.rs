@@ -56,7 +56,7 @@ impl Shared {
         wait(&|| window.left().is_zero());
         // txn (issue 33): nor while a transaction's part here holds its keys (a clean
         // checkpoint does not carry what is in doubt).
-        if let Some(t) = self.cluster_host().and_then(|h| h.txn_host()) {
+        if let Some(t) = self.txn_host() {
             let hi = self.hosted_tables().into_iter().find(|&(l, _)| l == lo);
             if let Some((_, hi)) = hi {
                 wait(&|| !t.holds_range(lo, hi));
@@ -217,7 +217,7 @@ impl Shared {
             ranges.push((lo, covered_end(&pieces, lo)));
         }
         // txn (issue 33): what the journal left in doubt on these tables comes along.
-        if let Some(t) = self.cluster_host().and_then(|h| h.txn_host()) {
+        if let Some(t) = self.txn_host() {
             t.adopt_from(self, journal, &ranges);
         }
         self.load_tables(&ranges, false)

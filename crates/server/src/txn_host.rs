@@ -26,7 +26,7 @@ use crate::txn_wire;
 use kochab_cluster::txn::initiator::{self, Initiator};
 use kochab_cluster::txn::participant::{self, Participant};
 use kochab_cluster::txn::{
-    Decision, Effect, Msg, Mutation as TxnMutation, Outcome, Part, Record, TxnConfig, TxnId,
+    Age, Decision, Effect, Msg, Mutation as TxnMutation, Outcome, Part, Record, TxnConfig, TxnId,
 };
 use kochab_journal::JournalId;
 use kochab_meta::Mutation;
@@ -50,6 +50,39 @@ pub trait MemberMap: Send + Sync {
     fn not_ready(&self) -> Reply;
     /// This incarnation's journal.
     fn journal_id(&self) -> JournalId;
+}
+
+/// Where a transaction host's messages go and where its slow reads run: a served
+/// member's links and blocking threads ([`TxnHost::attach`]), or a simulation's network
+/// and steps ([`TxnHost::attach_with`]).
+pub trait TxnIo: Send + Sync {
+    /// Sends `msg` as server `from` to server `to` (itself too), or drops it: the protocol
+    /// resends what is lost.
+    fn send(&self, from: ServerId, to: ServerId, msg: Msg);
+    /// Runs `job` (store reads) off the caller's thread, some time later.
+    fn later(&self, job: Box<dyn FnOnce() + Send>);
+    /// True if the caller tells the host every durable point itself
+    /// ([`TxnHost::on_durable`]; a simulation, whose runs must not depend on when the
+    /// journal's thread wrote); false: the host also reads the journal's, so that a record
+    /// durable before it was queued is not missed.
+    fn tells_durable(&self) -> bool {
+        false
+    }
+}
+
+/// A served member's: the send loop's queue, and tokio's blocking threads.
+struct Served {
+    out: mpsc::UnboundedSender<(ServerId, ServerId, Msg)>,
+}
+
+impl TxnIo for Served {
+    fn send(&self, from: ServerId, to: ServerId, msg: Msg) {
+        let _ = self.out.send((from, to, msg));
+    }
+
+    fn later(&self, job: Box<dyn FnOnce() + Send>) {
+        tokio::task::spawn_blocking(job);
+    }
 }
 
 /// How multi-server operations run (`--multi-server`).
@@ -160,11 +193,36 @@ struct Sides {
 /// Requests waiting for one (client, seq)'s answer (a retry joins the first).
 type Waiters = Vec<oneshot::Sender<Outcome>>;
 
+/// What [`TxnHost::start`] did with a request.
+pub enum Start {
+    /// Answered at once (from the reply cache); `None`: no transaction covers it, or none
+    /// can run here: the caller borrows.
+    Done(Option<(Reply, u64)>),
+    /// A transaction runs for it: [`TxnHost::finish`] its outcome.
+    Waiting(Waiting),
+}
+
+/// A request whose transaction runs.
+pub struct Waiting {
+    /// Its outcome, once the initiator answers (closed if this host goes).
+    pub outcome: oneshot::Receiver<Outcome>,
+    /// A link's inode (its reply carries the attributes).
+    linked: Option<kochab_proto::InodeId>,
+    /// The plan's time.
+    time: kochab_proto::TimeNs,
+}
+
+/// What the reply to a decided transaction still needs.
+enum Finish {
+    Reply(Option<(Reply, u64)>),
+    /// The attributes of a committed link's inode.
+    Linked(kochab_proto::InodeId, kochab_proto::TimeNs),
+}
+
 /// The transaction host of one member incarnation.
 pub struct TxnHost {
     mode: MultiServer,
     me: ServerId,
-    cfg: TxnConfig,
     sides: OnceLock<Mutex<Sides>>,
     shared: OnceLock<Weak<Shared>>,
     host: OnceLock<Weak<dyn MemberMap>>,
@@ -185,16 +243,25 @@ pub struct TxnHost {
     /// participant; one about an attempt never prepared here is not: its part, if any, is
     /// with whoever recovered this server's last journal).
     applied: Mutex<std::collections::BTreeSet<TxnId>>,
+    /// Attempts whose own part (this server's, not one taken over) is prepared here and
+    /// not yet applied: only those, and those in `applied`, are acknowledged as this
+    /// server. A part taken over is acknowledged as its owner only; acknowledged as this
+    /// server too, it told the origin this server's own part was done while that part
+    /// was in doubt elsewhere (the cluster simulation: a link half applied).
+    own: Mutex<std::collections::BTreeSet<TxnId>>,
     /// Parts taken over from other servers' journals, by attempt: acknowledged for them.
     adopted: Mutex<HashMap<TxnId, Vec<ServerId>>>,
     /// Attempts in doubt here whose origin's journals are being read (see
     /// [`TxnHost::ask_sealed_origin`]).
     resolving: Mutex<std::collections::HashSet<TxnId>>,
-    /// Messages to send: (as which server, to which, what).
-    out: OnceLock<mpsc::UnboundedSender<(ServerId, ServerId, Msg)>>,
-    /// Itself, for the tasks that wait for a record to be durable.
+    /// Where messages go and slow reads run.
+    io: OnceLock<Arc<dyn TxnIo>>,
+    /// Records appended, by LSN, told to their side once durable ([`TxnHost::on_durable`]).
+    undurable: Mutex<BTreeMap<u64, Vec<Record>>>,
+    /// Itself, for the slow reads.
     this: OnceLock<Weak<TxnHost>>,
-    base: Instant,
+    /// The protocol's clock: the server's (a simulation's in one), from attach.
+    clock: OnceLock<(crate::clock::Clock, Instant)>,
     crash: Option<CrashSwitch>,
     /// TLS to the other members, when the cluster runs it.
     tls: Option<crate::tls::TlsClient>,
@@ -213,7 +280,6 @@ impl TxnHost {
         Some(Arc::new(TxnHost {
             mode,
             me,
-            cfg: TxnConfig::default(),
             sides: OnceLock::new(),
             shared: OnceLock::new(),
             host: OnceLock::new(),
@@ -223,11 +289,13 @@ impl TxnHost {
             prepared: Mutex::new(HashMap::new()),
             open: Mutex::new(BTreeMap::new()),
             applied: Mutex::new(Default::default()),
+            own: Mutex::new(Default::default()),
             adopted: Mutex::new(HashMap::new()),
             resolving: Mutex::new(Default::default()),
-            out: OnceLock::new(),
+            io: OnceLock::new(),
+            undurable: Mutex::new(BTreeMap::new()),
             this: OnceLock::new(),
-            base: Instant::now(),
+            clock: OnceLock::new(),
             crash: crash_at(),
             tls,
         }))
@@ -238,22 +306,64 @@ impl TxnHost {
     }
 
     fn now_ms(&self) -> u64 {
-        self.base.elapsed().as_millis() as u64
+        match self.clock.get() {
+            Some((clock, base)) => clock.now().saturating_duration_since(*base).as_millis() as u64,
+            None => 0,
+        }
     }
 
     fn shared(&self) -> Option<Arc<Shared>> {
         self.shared.get()?.upgrade()
     }
 
-    /// Starts the host once the server runs: recovers both sides from the previous
-    /// incarnation's journal (if that fails, transactions stay off and every
-    /// multi-server operation borrows), then ticks and sends.
+    /// Starts the host of a served member: [`TxnHost::attach_with`] its links, then
+    /// ticks, sends and tells durable records in tasks of its own.
     pub fn attach(self: &Arc<Self>, host: Arc<dyn MemberMap>, shared: &Arc<Shared>) {
-        if self.shared.set(Arc::downgrade(shared)).is_err() {
+        let me = host.journal_id();
+        let (tx, rx) = mpsc::unbounded_channel();
+        if !self.attach_with(host, shared, Arc::new(Served { out: tx })) {
             return;
+        }
+        let key = shared.keys().admin().key;
+        let links = link::Links::new(key, me, self.tls.clone());
+        tokio::spawn(send_loop(Arc::downgrade(self), rx, links));
+        tokio::spawn(tick_loop(Arc::downgrade(self)));
+        let mut durable = shared.journal().subscribe();
+        let this = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let lsn = *durable.borrow_and_update();
+                match this.upgrade() {
+                    Some(h) => h.on_durable(lsn),
+                    None => return,
+                }
+                if durable.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Starts the host once the server runs, with `io` carrying its messages: recovers
+    /// both sides from the previous incarnation's journal. False if that failed:
+    /// transactions stay off and every multi-server operation borrows. The caller ticks
+    /// ([`TxnHost::tick`]) and tells it what is durable ([`TxnHost::on_durable`]).
+    /// `host` is held weakly: the caller keeps it.
+    pub fn attach_with(
+        self: &Arc<Self>,
+        host: Arc<dyn MemberMap>,
+        shared: &Arc<Shared>,
+        io: Arc<dyn TxnIo>,
+    ) -> bool {
+        if self.shared.set(Arc::downgrade(shared)).is_err() {
+            return false;
         }
         let _ = self.host.set(Arc::downgrade(&host));
         let _ = self.this.set(Arc::downgrade(self));
+        let _ = self.io.set(io);
+        let _ = self
+            .clock
+            .set((shared.clock().clone(), shared.clock().now()));
         let me = host.journal_id();
         let sides = match self.recover(shared, me) {
             Ok(s) => s,
@@ -261,16 +371,10 @@ impl TxnHost {
                 tracing::error!(
                     "transactions are off on this server (every multi-server operation borrows): {e}"
                 );
-                return;
+                return false;
             }
         };
-        let _ = self.sides.set(Mutex::new(sides));
-        let (tx, rx) = mpsc::unbounded_channel();
-        let _ = self.out.set(tx);
-        let key = shared.keys().admin().key;
-        let links = link::Links::new(key, me, self.tls.clone());
-        tokio::spawn(send_loop(Arc::downgrade(self), rx, links));
-        tokio::spawn(tick_loop(Arc::downgrade(self)));
+        self.sides.set(Mutex::new(sides)).is_ok()
     }
 
     /// Rebuilds the initiator from the decisions in this server's previous journal (the
@@ -279,21 +383,35 @@ impl TxnHost {
     /// travels with its tables and is taken over by whoever recovers them
     /// ([`TxnHost::adopt_from`]), this server too if they come back here.
     fn recover(&self, shared: &Shared, me: JournalId) -> Result<Sides, String> {
-        let records = match previous_journal(shared, me)? {
+        let entries = match previous_journal(shared, me)? {
             Some(prev) => journal_records(shared, prev)?,
             None => Vec::new(),
         };
+        let records: Vec<Record> = entries.iter().map(|(r, _)| r.clone()).collect();
+        let cfg = protocol_config(shared);
         let init =
-            Initiator::recover(self.me, me.epoch, self.cfg, &records).map_err(|e| e.to_string())?;
-        let mut open: BTreeMap<TxnId, Record> = BTreeMap::new();
-        for r in &records {
+            Initiator::recover(self.me, me.epoch, cfg, &records).map_err(|e| e.to_string())?;
+        // Each commit not yet forgotten, with what the reply cache keeps for it.
+        let mut open: BTreeMap<TxnId, (Record, Option<kochab_proto::InodeId>)> = BTreeMap::new();
+        let mut own = std::collections::BTreeSet::new();
+        for (r, kept) in &entries {
             match r {
+                Record::Prepared { txn, .. } => {
+                    own.insert(*txn);
+                }
+                // This server's own part applied there, maybe not acknowledged: the
+                // origin's resent decision comes here (the server id) and is acknowledged
+                // (the cluster simulation: a part applied, its ack lost, its server
+                // killed; its origin asked forever).
+                Record::Applied { txn, commit: true } if own.contains(txn) => {
+                    self.applied.lock().insert(*txn);
+                }
                 Record::Decided {
                     txn,
                     decision: Decision::Commit,
                     ..
                 } => {
-                    open.insert(*txn, r.clone());
+                    open.insert(*txn, (r.clone(), *kept));
                 }
                 Record::Forgotten { txn } => {
                     open.remove(txn);
@@ -302,9 +420,14 @@ impl TxnHost {
             }
         }
         let n = open.len();
-        for (txn, r) in open {
+        for (txn, (r, kept)) in open {
+            // Journaled again with the inode its reply names (the cluster simulation: a
+            // link's initiator killed twice; the second incarnation's record, without
+            // it, answered the retry Empty from the reply cache).
             // `u64::MAX` when the journal stopped: never durable, never trimmed past.
-            let lsn = self.journal_record(shared, &r, &[]).unwrap_or(u64::MAX);
+            let lsn = self
+                .journal_record(shared, &r, &[], kept)
+                .unwrap_or(u64::MAX);
             self.open.lock().insert((txn, true), lsn);
         }
         if !records.is_empty() {
@@ -315,7 +438,7 @@ impl TxnHost {
         }
         Ok(Sides {
             init,
-            part: Participant::new(self.me, self.cfg),
+            part: Participant::new(self.me, cfg),
         })
     }
 
@@ -335,13 +458,30 @@ impl TxnHost {
                 return;
             }
         };
-        // One attempt may have two prepared parts there (its own, and one it took over).
-        let mut doubt: BTreeMap<TxnId, Vec<Record>> = BTreeMap::new();
-        for r in records {
-            match &r {
-                Record::Prepared { txn, .. } => doubt.entry(*txn).or_default().push(r),
+        // This side's own parts of those attempts finish what their records started
+        // first (a prepare voted, a commit applied), so that a part taken over joins a
+        // settled one (`Participant::adopt` refuses one being prepared or applied).
+        let journal_ok = shared.journal().wait_durable(shared.journal().last_lsn());
+        if journal_ok {
+            self.on_durable(shared.journal().durable_lsn());
+        }
+        // One attempt may have several prepared parts there: its own, and those it took
+        // over (each with the server it speaks for).
+        let from = ServerId(journal.server as u32);
+        let mut doubt: BTreeMap<TxnId, Vec<(Age, Part, ServerId)>> = BTreeMap::new();
+        for (r, _) in records {
+            match r {
+                Record::Prepared { txn, age, part } => {
+                    doubt.entry(txn).or_default().push((age, part, from));
+                }
+                Record::Adopted {
+                    txn,
+                    age,
+                    part,
+                    owner,
+                } => doubt.entry(txn).or_default().push((age, part, owner)),
                 Record::Applied { txn, .. } => {
-                    doubt.remove(txn);
+                    doubt.remove(&txn);
                 }
                 _ => {}
             }
@@ -351,35 +491,73 @@ impl TxnHost {
             ranges.iter().any(|&(lo, hi)| lo <= id && id < hi)
         };
         let mut last = 0;
-        let from = ServerId(journal.server as u32);
-        for r in doubt.into_values().flatten() {
-            let Record::Prepared { txn, age, part } = &r else {
-                continue;
-            };
-            if !part.locks.iter().any(ours) {
-                continue;
+        for (txn, parts) in doubt {
+            for (age, part, owner) in parts {
+                if !part.locks.iter().any(ours) {
+                    continue;
+                }
+                let taken = sides.lock().part.adopt(txn, age, part.clone());
+                if !taken {
+                    tracing::info!("transaction {txn:?} of {journal}: over or known here");
+                    continue;
+                }
+                tracing::info!(
+                    "transaction {txn:?} of {journal}: in doubt, server {}'s part taken over here",
+                    owner.0
+                );
+                self.prepared
+                    .lock()
+                    .entry(txn)
+                    .and_modify(|p| {
+                        p.locks.extend(part.locks.iter().cloned());
+                        p.mutations.extend(part.mutations.iter().cloned());
+                    })
+                    .or_insert_with(|| part.clone());
+                // Acknowledged as the server whose part it is (not as the journal's, which
+                // may only have taken it over itself: the cluster simulation, a part taken
+                // over twice, its owner never acknowledged, its origin asking forever).
+                self.adopted.lock().entry(txn).or_default().push(owner);
+                // The origin learns at once who answers for that part now: it tells this
+                // server the commit too (a decision that comes before this side's first
+                // inquiry would otherwise leave the origin unaware of it).
+                if let Some(io) = self.io.get() {
+                    io.send(self.me, txn.origin, Msg::Inquiry { txn });
+                }
+                let r = Record::Adopted {
+                    txn,
+                    age,
+                    part,
+                    owner,
+                };
+                last = self
+                    .journal_record(shared, &r, &[], None)
+                    .unwrap_or(u64::MAX);
+                self.open.lock().insert((txn, false), last);
             }
-            let taken = sides.lock().part.adopt(*txn, *age, part.clone());
-            if !taken {
-                tracing::info!("transaction {txn:?} of {journal}: over or known here");
-                continue;
-            }
-            tracing::info!("transaction {txn:?} of {journal}: in doubt, taken over here");
-            self.prepared
-                .lock()
-                .entry(*txn)
-                .and_modify(|p| {
-                    p.locks.extend(part.locks.iter().cloned());
-                    p.mutations.extend(part.mutations.iter().cloned());
-                })
-                .or_insert_with(|| part.clone());
-            self.adopted.lock().entry(*txn).or_default().push(from);
-            last = self.journal_record(shared, &r, &[]).unwrap_or(u64::MAX);
-            self.open.lock().insert((*txn, false), last);
         }
         if last > 0 && !shared.journal().wait_durable(last) {
             tracing::error!("the journal failed while taking over transactions in doubt");
         }
+    }
+
+    /// What transactions still hold here, if anything: attempts this server runs, parts
+    /// with their locks, requests waiting, records not yet durable. `None` once all is
+    /// over (a simulation checks it when nothing is in flight: no lock left behind).
+    pub fn busy(&self) -> Option<String> {
+        let sides = self.sides.get()?.lock();
+        let (active, locks) = (sides.init.active(), sides.part.locks().load());
+        let idle = sides.part.idle();
+        drop(sides);
+        let waiting = self.waiting.lock().len();
+        let undurable = self.undurable.lock().len();
+        let prepared = self.prepared.lock().len();
+        if active == 0 && idle && waiting == 0 && undurable == 0 && prepared == 0 {
+            return None;
+        }
+        Some(format!(
+            "{active} attempts running, {prepared} parts prepared, locks (held, waiting) \
+             {locks:?}, {waiting} requests waiting, {undurable} records not durable"
+        ))
     }
 
     /// The oldest LSN of this journal that recovery still needs (`u64::MAX`: none).
@@ -423,12 +601,39 @@ impl TxnHost {
         client: u64,
         req: &Request,
     ) -> Option<(Reply, u64)> {
-        let host = self.host.get()?.upgrade()?;
-        self.sides.get()?;
+        let waiting = match self.start(shared, client, req) {
+            Start::Done(done) => return done,
+            Start::Waiting(w) => w,
+        };
+        let outcome = match tokio::time::timeout(REPLY_WAIT, waiting.outcome).await {
+            Ok(Ok(o)) => o,
+            _ => Outcome::Busy,
+        };
+        let deadline = Instant::now() + LINK_ATTR_WAIT;
+        match self.finish(shared, outcome, waiting.linked, waiting.time)? {
+            Finish::Reply(done) => done,
+            Finish::Linked(id, time) => loop {
+                let late = Instant::now() >= deadline;
+                match linked_reply(shared, id, time, late) {
+                    Some(reply) => return Some((reply, 0)),
+                    None => tokio::time::sleep(Duration::from_millis(1)).await,
+                }
+            },
+        }
+    }
+
+    /// Starts a multi-server request's transaction (see [`TxnHost::run`]).
+    pub fn start(self: &Arc<Self>, shared: &Shared, client: u64, req: &Request) -> Start {
+        let Some(host) = self.host.get().and_then(Weak::upgrade) else {
+            return Start::Done(None);
+        };
+        if self.sides.get().is_none() {
+            return Start::Done(None);
+        }
         if req.seq != 0 && shared.reply_cached(client, req.seq).is_some() {
             // Answered already (by a transaction or a borrow): answered as the batch
             // path's reply cache does, with no borrow.
-            return match req.op {
+            return Start::Done(match req.op {
                 Op::Rename { .. } | Op::Unlink { .. } => Some((Reply::Empty, 0)),
                 Op::Link { id, .. } => shared
                     .core()
@@ -436,7 +641,7 @@ impl TxnHost {
                     .inode(id)
                     .map(|i| (Reply::Entry(i.attr(id)), 0)),
                 _ => None,
-            };
+            });
         }
         let now = shared.clock().wall_ns();
         let plan = {
@@ -449,11 +654,11 @@ impl TxnHost {
             Ok(p) => p,
             Err(NoPlan::NotCovered(why)) => {
                 tracing::debug!("{} borrows: {why}", req.op.name());
-                return None;
+                return Start::Done(None);
             }
             Err(NoPlan::NoOwner(id)) => {
                 tracing::debug!("{} borrows: no owner known for {id:#x}", req.op.name());
-                return None;
+                return Start::Done(None);
             }
         };
         let (tx, rx) = oneshot::channel();
@@ -474,24 +679,51 @@ impl TxnHost {
             plan,
         };
         self.step_init(ev);
-        let outcome = match tokio::time::timeout(REPLY_WAIT, rx).await {
-            Ok(Ok(o)) => o,
-            _ => Outcome::Busy,
-        };
-        match outcome {
+        Start::Waiting(Waiting {
+            outcome: rx,
+            linked,
+            time: now,
+        })
+    }
+
+    /// The reply to a request whose transaction ended with `outcome` (`Busy` if it was
+    /// not told in time); `None`: the caller borrows instead.
+    fn finish(
+        &self,
+        shared: &Shared,
+        outcome: Outcome,
+        linked: Option<kochab_proto::InodeId>,
+        time: kochab_proto::TimeNs,
+    ) -> Option<Finish> {
+        let host = self.host.get().and_then(Weak::upgrade)?;
+        Some(match outcome {
             Outcome::Committed => match linked {
-                None => Some((Reply::Empty, 0)),
-                Some(id) => Some((linked_reply(shared, id, now).await, 0)),
+                None => Finish::Reply(Some((Reply::Empty, 0))),
+                Some(id) => Finish::Linked(id, time),
             },
             Outcome::Refused | Outcome::Invalid => {
                 shared.metrics().txn_fallbacks.inc();
-                None
+                Finish::Reply(None)
             }
-            Outcome::Busy => Some((host.not_ready(), 0)),
-            Outcome::TooOld => Some((
+            Outcome::Busy => Finish::Reply(Some((host.not_ready(), 0))),
+            Outcome::TooOld => Finish::Reply(Some((
                 Reply::Error(fs_err!(EIO, "the answer of this request is no longer kept")),
                 0,
-            )),
+            ))),
+        })
+    }
+
+    /// [`TxnHost::finish`] for a caller that does not wait (a simulation): a committed
+    /// link's attributes as they are or will be.
+    pub fn finish_now(
+        &self,
+        shared: &Shared,
+        outcome: Outcome,
+        waiting: &Waiting,
+    ) -> Option<(Reply, u64)> {
+        match self.finish(shared, outcome, waiting.linked, waiting.time)? {
+            Finish::Reply(done) => done,
+            Finish::Linked(id, time) => linked_reply(shared, id, time, true).map(|r| (r, 0)),
         }
     }
 
@@ -508,14 +740,27 @@ impl TxnHost {
             self.step_init(initiator::Event::Message { from, msg });
             return;
         }
+        // A late prepare of a part this server applied (sent before a restart): answered
+        // already. Taken in, it would be refused (its keys are no longer as it expects),
+        // and the refusal would keep this side from acknowledging the commit (the cluster
+        // simulation: the origin telling the commit forever).
+        if let Msg::Prepare { txn, .. } = &msg
+            && self.applied.lock().contains(txn)
+        {
+            return;
+        }
         // A commit is taken in only where it can be applied: every table of the part is
         // here (after a restart they come back by ADD; the initiator resends meanwhile).
         if let Msg::Decision {
             txn, commit: true, ..
         } = &msg
         {
-            let known = self.prepared.lock().contains_key(txn);
-            if !known && !self.applied.lock().contains(txn) {
+            // Known: a part of it is prepared here, this server's own part was applied
+            // here, or a part taken over here (acknowledged for its owner).
+            let known = self.prepared.lock().contains_key(txn)
+                || self.applied.lock().contains(txn)
+                || self.adopted.lock().contains_key(txn);
+            if !known {
                 return;
             }
             if !self.hosted(txn) {
@@ -553,14 +798,17 @@ impl TxnHost {
     /// The store is shared, so this is "asking whoever holds the origin's journal now",
     /// with no server in between. On a blocking thread; one read per attempt at a time.
     fn ask_sealed_origin(&self, txn: TxnId) {
-        let (Some(this), Some(shared)) = (self.this.get().and_then(Weak::upgrade), self.shared())
-        else {
+        let (Some(this), Some(shared), Some(io)) = (
+            self.this.get().and_then(Weak::upgrade),
+            self.shared(),
+            self.io.get(),
+        ) else {
             return;
         };
         if !self.resolving.lock().insert(txn) {
             return;
         }
-        tokio::task::spawn_blocking(move || {
+        io.later(Box::new(move || {
             let verdict = sealed_verdict(&shared, txn);
             this.resolving.lock().remove(&txn);
             match verdict {
@@ -574,7 +822,7 @@ impl TxnHost {
                 Ok(None) => {}
                 Err(e) => tracing::warn!("transaction {txn:?}: its origin's journals: {e}"),
             }
-        });
+        }));
     }
 
     fn step_part(&self, ev: participant::Event) {
@@ -586,10 +834,15 @@ impl TxnHost {
         self.carry(effects);
     }
 
-    fn tick(&self) {
+    /// Resends, inquiries and timeouts (every [`TICK`] in a served member); also tells
+    /// what became durable meanwhile.
+    pub fn tick(&self) {
         let Some(sides) = self.sides.get() else {
             return;
         };
+        if let Some(shared) = self.shared().filter(|_| !self.tells_durable()) {
+            self.on_durable(shared.journal().durable_lsn());
+        }
         let now = self.now_ms();
         let effects = {
             let mut s = sides.lock();
@@ -610,21 +863,27 @@ impl TxnHost {
         while let Some(e) = queue.pop_front() {
             match e {
                 Effect::Send { to, msg } => {
-                    let Some(out) = self.out.get() else {
+                    let Some(out) = self.io.get() else {
                         continue;
                     };
                     if let Msg::Inquiry { txn } = &msg {
                         self.ask_sealed_origin(*txn);
                     }
-                    // A part taken over is acknowledged for the server whose it was.
+                    // A part taken over is acknowledged for the server whose it was; as
+                    // this server only if its own part was here too (see `own`).
                     if let Msg::Ack { txn } = &msg
-                        && let Some(for_them) = self.adopted.lock().get(txn)
+                        && let Some(for_them) = self.adopted.lock().get(txn).cloned()
                     {
-                        for s in for_them {
-                            let _ = out.send((*s, to, msg.clone()));
+                        for s in &for_them {
+                            out.send(*s, to, msg.clone());
+                        }
+                        let ours =
+                            self.own.lock().contains(txn) || self.applied.lock().contains(txn);
+                        if !ours || for_them.contains(&self.me) {
+                            continue;
                         }
                     }
-                    let _ = out.send((self.me, to, msg));
+                    out.send(self.me, to, msg);
                 }
                 Effect::Append(record) => self.append(&shared, record),
                 Effect::Check { txn, part } => {
@@ -683,17 +942,30 @@ impl TxnHost {
             },
             _ => Vec::new(),
         };
-        let Some(lsn) = self.journal_record(shared, &record, &changes) else {
+        let kept = match &record {
+            Record::Decided { client, seq, .. } => self
+                .outcomes
+                .lock()
+                .get(&(*client, *seq))
+                .copied()
+                .flatten(),
+            _ => None,
+        };
+        let Some(lsn) = self.journal_record(shared, &record, &changes, kept) else {
             return;
         };
         match &record {
             Record::Prepared { txn, part, .. } => {
                 self.prepared.lock().insert(*txn, part.clone());
                 self.open.lock().insert((*txn, false), lsn);
+                self.own.lock().insert(*txn);
             }
             Record::Applied { txn, .. } => {
                 self.prepared.lock().remove(txn);
                 self.open.lock().remove(&(*txn, false));
+                if !self.own.lock().remove(txn) {
+                    return self.queue_durable(shared, lsn, record);
+                }
                 let mut applied = self.applied.lock();
                 applied.insert(*txn);
                 while applied.len() > APPLIED_KEPT {
@@ -710,20 +982,39 @@ impl TxnHost {
             Record::Forgotten { txn } => {
                 self.open.lock().remove(&(*txn, true));
             }
-            Record::Decided { .. } => {}
+            // Journaled by `adopt_from` itself, not by a side's effect.
+            Record::Decided { .. } | Record::Adopted { .. } => {}
         }
-        let Some(this) = self.this.get().cloned() else {
-            return;
-        };
-        let mut durable = shared.journal().subscribe();
-        tokio::spawn(async move {
-            if durable.wait_for(|d| *d >= lsn).await.is_err() {
-                return;
+        self.queue_durable(shared, lsn, record);
+    }
+
+    /// Tells `record`'s side once `lsn` is durable.
+    fn queue_durable(&self, shared: &Shared, lsn: u64, record: Record) {
+        self.undurable.lock().entry(lsn).or_default().push(record);
+        // It may be durable already (a flush that ended before it was queued).
+        if !self.tells_durable() {
+            self.on_durable(shared.journal().durable_lsn());
+        }
+    }
+
+    fn tells_durable(&self) -> bool {
+        self.io.get().is_some_and(|io| io.tells_durable())
+    }
+
+    /// Tells each side the records of its that are durable up to `durable`, in order.
+    pub fn on_durable(&self, durable: u64) {
+        loop {
+            let next = {
+                let mut undurable = self.undurable.lock();
+                match undurable.first_entry() {
+                    Some(e) if *e.key() <= durable => e.remove(),
+                    _ => return,
+                }
+            };
+            for record in next {
+                self.durable(record);
             }
-            if let Some(t) = this.upgrade() {
-                t.durable(record);
-            }
-        });
+        }
     }
 
     fn durable(&self, record: Record) {
@@ -742,13 +1033,15 @@ impl TxnHost {
         }
     }
 
-    /// One journal record for `record` (and a commit's changes, applied here first);
-    /// returns its LSN, `None` if nothing was journaled.
+    /// One journal record for `record` (and a commit's changes, applied here first; a
+    /// commit decision's entry keeps `kept` for the reply cache); returns its LSN, `None`
+    /// if nothing was journaled.
     fn journal_record(
         &self,
         shared: &Shared,
         record: &Record,
         changes: &[TxnMutation],
+        kept: Option<kochab_proto::InodeId>,
     ) -> Option<u64> {
         // A commit decision carries its client and seq in the entry, so the reply cache
         // rebuilt from the journal answers a retry; other records name no request.
@@ -761,10 +1054,7 @@ impl TxnHost {
             } => (*client, *seq),
             _ => (0, 0),
         };
-        let outcome = match seq {
-            0 => None,
-            _ => self.outcomes.lock().get(&(client, seq)).copied().flatten(),
-        };
+        let outcome = if seq == 0 { None } else { kept };
         let encode = |buf, muts: &[Mutation]| {
             txn_wire::encode_entry(buf, client, seq, outcome, muts, record)
         };
@@ -804,28 +1094,44 @@ impl TxnHost {
 const LINK_ATTR_WAIT: Duration = Duration::from_secs(1);
 
 /// The reply to a committed link: its inode's attributes (held here, see `txn_plan`) once
-/// its part is applied here (its ctime is the plan's `time`), else as they will be; ESTALE
-/// if the inode is gone already (as a retry of a removed link target is answered).
-async fn linked_reply(
+/// its part is applied here (its ctime is the plan's `time`), else as they will be if
+/// `late`; ESTALE if the inode is gone already (as a retry of a removed link target is
+/// answered). `None`: not applied here yet, ask again.
+fn linked_reply(
     shared: &Shared,
     id: kochab_proto::InodeId,
     time: kochab_proto::TimeNs,
-) -> Reply {
-    let deadline = Instant::now() + LINK_ATTR_WAIT;
-    loop {
-        let inode = shared.core().engine.inode(id).cloned();
-        match inode {
-            Some(i) if i.ctime == time => return Reply::Entry(i.attr(id)),
-            Some(mut i) if Instant::now() >= deadline => {
-                i.nlink += 1;
-                i.ctime = time;
-                return Reply::Entry(i.attr(id));
-            }
-            None => {
-                return Reply::Error(fs_err!(ESTALE, "linked, then removed before the reply"));
-            }
-            Some(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+    late: bool,
+) -> Option<Reply> {
+    let inode = shared.core().engine.inode(id).cloned();
+    match inode {
+        Some(i) if i.ctime == time => Some(Reply::Entry(i.attr(id))),
+        Some(mut i) if late => {
+            i.nlink += 1;
+            i.ctime = time;
+            Some(Reply::Entry(i.attr(id)))
         }
+        None => Some(Reply::Error(fs_err!(
+            ESTALE,
+            "linked, then removed before the reply"
+        ))),
+        Some(_) => None,
+    }
+}
+
+/// The protocol's timers, with the deliberate bugs a simulation switched on.
+fn protocol_config(shared: &Shared) -> TxnConfig {
+    use kochab_breaks::Break as B;
+    let broken = if shared.has_break(B::TxnCommitBeforeAllPrepared) {
+        Some(kochab_cluster::txn::Break::CommitBeforeAllPrepared)
+    } else if shared.has_break(B::TxnAckBeforeDurable) {
+        Some(kochab_cluster::txn::Break::AckBeforeDurable)
+    } else {
+        None
+    };
+    TxnConfig {
+        broken,
+        ..TxnConfig::default()
     }
 }
 
@@ -841,7 +1147,11 @@ fn previous_journal(shared: &Shared, me: JournalId) -> Result<Option<JournalId>,
 
 /// The transaction records of journal `prev`, in order. Every open one is there:
 /// trimming keeps them (`keep_from`).
-fn journal_records(shared: &Shared, prev: JournalId) -> Result<Vec<Record>, String> {
+/// Each with what its entry keeps for the reply cache (a committed link's inode).
+fn journal_records(
+    shared: &Shared,
+    prev: JournalId,
+) -> Result<Vec<(Record, Option<kochab_proto::InodeId>)>, String> {
     let store = shared.store();
     let ins = kochab_journal::inspect(store.as_ref(), prev)
         .map_err(|e| format!("cannot read {prev}: {e}"))?;
@@ -894,7 +1204,7 @@ fn sealed_verdict(shared: &Shared, txn: TxnId) -> Result<Option<bool>, String> {
         }
     }
     for j in journals {
-        let committed = journal_records(shared, j)?.iter().any(|r| {
+        let committed = journal_records(shared, j)?.iter().any(|(r, _)| {
             matches!(r, Record::Decided { txn: t, decision: Decision::Commit, .. } if *t == txn)
         });
         if committed {

@@ -46,10 +46,13 @@ pub fn encode_entry(
         .unwrap_or_else(|e| panic!("transaction record does not serialize: {e}"))
 }
 
-/// The transaction record a journal payload carries, if any. Damage (a trailer that is
-/// not one, or does not decode whole) is an error, never skipped.
-pub fn decode_entry(payload: &[u8]) -> Result<Option<Record>, String> {
-    let (_, rest) = postcard::take_from_bytes::<JournalEntry>(payload)
+/// The transaction record a journal payload carries, if any, with what its entry keeps
+/// for the reply cache (a committed link's inode). Damage (a trailer that is not one, or
+/// does not decode whole) is an error, never skipped.
+pub fn decode_entry(
+    payload: &[u8],
+) -> Result<Option<(Record, Option<kochab_proto::InodeId>)>, String> {
+    let (entry, rest) = postcard::take_from_bytes::<JournalEntry>(payload)
         .map_err(|e| format!("undecodable journal entry: {e}"))?;
     if rest.is_empty() {
         return Ok(None);
@@ -61,7 +64,7 @@ pub fn decode_entry(payload: &[u8]) -> Result<Option<Record>, String> {
         ));
     };
     kochab_proto::frame::decode_payload::<Record>(body)
-        .map(Some)
+        .map(|r| Some((r, entry.outcome)))
         .map_err(|e| format!("undecodable transaction record: {e}"))
 }
 
@@ -102,8 +105,9 @@ mod tests {
             decision: Decision::Commit,
             participants: vec![ServerId(2), ServerId(3)],
         };
-        let bytes = encode_entry(Vec::new(), 5, 9, None, &[], &r);
-        assert_eq!(decode_entry(&bytes), Ok(Some(r)));
+        let bytes = encode_entry(Vec::new(), 5, 9, Some(77), &[], &r);
+        // What the reply cache keeps (a link's inode) comes back with it.
+        assert_eq!(decode_entry(&bytes), Ok(Some((r, Some(77)))));
         // Readers that know nothing of the trailer still read the entry.
         let e: JournalEntry = postcard::from_bytes(&bytes).expect("entry");
         assert_eq!((e.client, e.seq, e.muts.len()), (5, 9, 0));

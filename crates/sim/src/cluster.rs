@@ -24,6 +24,7 @@
 //! server changed unless called back or its lease ran out (`cluster_lease`).
 
 mod data;
+mod txn;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, RwLock};
@@ -33,12 +34,13 @@ use kochab_cluster::host::ranges::Ranges;
 use kochab_cluster::sim::Rng;
 use kochab_journal::JournalId;
 use kochab_meta::{Engine, EngineConfig};
-use kochab_proto::cluster::TableId;
+use kochab_proto::cluster::{ServerId, TableId};
 use kochab_proto::{Credentials, InodeId, Op, Reply, ReplyMode, Request};
 use kochab_server::core::{Core, Member, Parked, Refusal};
 use kochab_server::replaytags::SessionTags;
 use kochab_server::server::{SimulatedServer, core_for_simulation};
 use kochab_server::shared::Shared;
+use kochab_server::txn_host::{MultiServer, TxnHost};
 use kochab_store::{MemStore, ObjectStore};
 
 use crate::cluster_lease::{ClusterLeases, LeaseCounts};
@@ -75,6 +77,10 @@ pub struct ClusterConfig {
     pub data_clients: usize,
     pub breaks: Breaks,
     pub trace: bool,
+    /// How an operation that needs tables of several servers runs: borrowed there, or
+    /// as a transaction between them (`txn`; `auto` runs as `txn` here: the world, not a
+    /// coordinator, moves tables).
+    pub multi_server: MultiServer,
 }
 
 impl ClusterConfig {
@@ -88,6 +94,7 @@ impl ClusterConfig {
             data_clients: 2,
             breaks: Breaks::NONE,
             trace: false,
+            multi_server: MultiServer::Borrow,
         }
     }
 }
@@ -133,6 +140,15 @@ pub struct ClusterStats {
     pub window_waits: u64,
     /// What the lease holder and its writer did.
     pub leases: LeaseCounts,
+    /// Multi-server operations run as transactions, and those that committed.
+    pub txns: u64,
+    pub txn_commits: u64,
+    /// Servers killed while a transaction was in flight.
+    pub txn_kills: u64,
+    /// Transaction messages delivered, lost, and delivered twice.
+    pub txn_msgs: u64,
+    pub txn_msgs_lost: u64,
+    pub txn_msgs_repeated: u64,
 }
 
 /// A member's admission in the simulation: by the tables the operation's ids fall in, as
@@ -140,6 +156,10 @@ pub struct ClusterStats {
 /// keeps every server's lease).
 struct SimMember {
     ranges: Arc<RwLock<Ranges>>,
+    /// The member's transaction host (`txn`), and the map it reads (held here: the host
+    /// holds it weakly, as a served host holds its member).
+    txn: Option<Arc<TxnHost>>,
+    _map: Option<Arc<txn::SimMap>>,
 }
 
 fn wrong_server() -> Reply {
@@ -157,6 +177,15 @@ impl Member for SimMember {
             Refusal::Reply(Box::new(Reply::Error(kochab_meta::not_in_any_table(id))))
         })?;
         let here = |t: &TableId| core.engine.table_index(t.0).is_some();
+        // A key a transaction holds here: ask again (as the host does).
+        if !tables.is_empty()
+            && self
+                .txn
+                .as_ref()
+                .is_some_and(|t| t.blocks(&core.engine, op))
+        {
+            return Err(Refusal::Reply(Box::new(wrong_server())));
+        }
         match tables.first() {
             None => Ok(tables),
             Some(first) if !here(first) => Err(Refusal::Reply(Box::new(wrong_server()))),
@@ -198,6 +227,10 @@ impl Member for SimMember {
     fn coord_addrs(&self) -> Vec<String> {
         Vec::new()
     }
+
+    fn txn_host(&self) -> Option<Arc<TxnHost>> {
+        self.txn.clone()
+    }
 }
 
 /// One server id: its live incarnation.
@@ -225,6 +258,11 @@ struct World {
     servers: Vec<Server>,
     /// The map: which server holds each table (by its first id).
     owner: BTreeMap<u64, usize>,
+    /// The same by server id, as the members' transaction hosts read it.
+    owner_ids: Arc<RwLock<BTreeMap<u64, u64>>>,
+    multi_server: MultiServer,
+    /// The network between the members' transaction hosts.
+    net: Arc<txn::Net>,
     /// Borrowed tables and the server each is to go back to.
     lent: BTreeMap<u64, usize>,
     clients: Vec<Client>,
@@ -255,6 +293,7 @@ pub fn run_cluster(cfg: ClusterConfig) -> Result<ClusterStats, String> {
     w.setup().map_err(|e| format!("seed {seed} set-up: {e}"))?;
     for step in 0..w.cfg.steps {
         w.step()
+            .and_then(|()| w.settle_txns_or_kill(true))
             .and_then(|()| w.settle())
             .and_then(|()| w.check())
             .map_err(|e| format!("seed {seed} step {step}: {e}"))?;
@@ -291,6 +330,7 @@ impl World {
             ranges,
             key,
         } = Seeded::draw(&mut rng)?;
+        let multi_server = cfg.multi_server;
         Ok(World {
             cfg,
             rng,
@@ -300,6 +340,9 @@ impl World {
             ranges: Arc::new(RwLock::new(Ranges::new(ranges))),
             servers: Vec::new(),
             owner: BTreeMap::new(),
+            owner_ids: Arc::default(),
+            multi_server,
+            net: Arc::default(),
             lent: BTreeMap::new(),
             clients: Vec::new(),
             shared_dir: 0,
@@ -341,6 +384,8 @@ impl World {
             Vec::new(),
         )
         .map_err(|e| format!("start of {me}: {e}"))?;
+        let txn = TxnHost::for_mode(self.multi_server, ServerId(id as u32), None);
+        let map = txn.as_ref().map(|_| self.txn_map(me));
         let sim = SimulatedServer {
             store,
             key: self.key,
@@ -350,10 +395,29 @@ impl World {
             breaks: self.cfg.breaks,
             member: Some(Arc::new(SimMember {
                 ranges: self.ranges.clone(),
+                txn: txn.clone(),
+                _map: map.clone(),
             })),
             clock: self.clock.clock(),
         };
-        core_for_simulation(sim, recovered).map_err(|e| format!("start of {me}: {e}"))
+        let live =
+            core_for_simulation(sim, recovered).map_err(|e| format!("start of {me}: {e}"))?;
+        if let (Some(t), Some(map)) = (&txn, map) {
+            self.attach_txn(t, &live, map);
+            // What it journaled again (commits still to tell) is written before it goes on.
+            live.journal().wait_asked();
+        }
+        Ok(live)
+    }
+
+    /// The map gives table `lo` to server `at`.
+    fn set_owner(&mut self, lo: u64, at: usize) {
+        self.owner.insert(lo, at);
+        let id = self.servers[at].id;
+        self.owner_ids
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(lo, id);
     }
 
     /// Server 0 makes the cluster with every table, the clients' directories, then the
@@ -370,7 +434,7 @@ impl World {
             });
         }
         for &(lo, _) in &all {
-            self.owner.insert(lo, 0);
+            self.set_owner(lo, 0);
         }
         let root = self.servers[0].live.root();
         let mkdir = |w: &mut World, name: String| -> Result<InodeId, String> {
@@ -432,6 +496,19 @@ impl World {
     /// tables it needs from other servers there first (as a member's host does); a reply
     /// that is not early waits for its record.
     fn route(&mut self, session: u64, req: Request) -> Result<Routed, String> {
+        self.route_or_lost(session, req, false)?
+            .ok_or_else(|| "a request's answer was lost with no kill".to_string())
+    }
+
+    /// [`World::route`]; under `txn`, an operation that needs another server's table runs
+    /// as a transaction where it could, and `may_kill` lets a server be killed while it
+    /// runs (`None`: its initiator went before it answered).
+    fn route_or_lost(
+        &mut self,
+        session: u64,
+        req: Request,
+        may_kill: bool,
+    ) -> Result<Option<Routed>, String> {
         let first = req
             .op
             .inode_ids()
@@ -446,6 +523,23 @@ impl World {
             let parked = s.execute_batch(session, &[(1, req.clone())], &mut replies);
             match parked.into_iter().next() {
                 Some((_, Parked::Borrow(tables))) => {
+                    match self.run_txn(at, session, &req, may_kill)? {
+                        txn::Ran::Lost => return Ok(None),
+                        txn::Ran::Answered(answer) => {
+                            let (reply, lsn) = *answer;
+                            if let Reply::WrongServer { .. } = reply {
+                                // Told to ask again (its keys were held): it does.
+                                continue;
+                            }
+                            return Ok(Some(Routed {
+                                reply,
+                                lsn,
+                                early: false,
+                                at,
+                            }));
+                        }
+                        txn::Ran::NotCovered => {}
+                    }
                     self.borrow(at, &tables)?;
                     continue;
                 }
@@ -457,6 +551,14 @@ impl World {
             let a = replies
                 .pop()
                 .ok_or_else(|| "a request got no reply".to_string())?;
+            if let Reply::WrongServer { .. } = a.reply
+                && self.multi_server != MultiServer::Borrow
+                && s.txn_host().is_some_and(|t| t.busy().is_some())
+            {
+                // A transaction holds its keys: it asks again once that is over.
+                self.settle_txns()?;
+                continue;
+            }
             if let Reply::WrongServer { .. } = a.reply {
                 return Err(format!(
                     "server {} answered WRONG_SERVER to {:?}, whose first table the map gives it",
@@ -470,12 +572,12 @@ impl World {
                     self.servers[at].id
                 ));
             }
-            return Ok(Routed {
+            return Ok(Some(Routed {
                 reply: a.reply,
                 lsn: a.lsn,
                 early,
                 at,
-            });
+            }));
         }
         Err(format!(
             "{:?} still needed other tables after {ROUTE_TRIES} borrows",
@@ -518,6 +620,8 @@ impl World {
 
     /// The real DROP at `from` and ADD at `to`.
     fn move_table(&mut self, lo: u64, from: usize, to: usize) -> Result<(), String> {
+        // A table moves once the parts its transactions hold there are over.
+        self.settle_txns()?;
         let hi = self
             .ranges()
             .as_slice()
@@ -535,7 +639,7 @@ impl World {
             .live
             .add_table_to(lo, Some(hi))
             .map_err(|e| format!("add of {lo:016x} at server {}: {e}", self.servers[to].id))?;
-        self.owner.insert(lo, to);
+        self.set_owner(lo, to);
         Ok(())
     }
 
@@ -613,7 +717,10 @@ impl World {
             return Ok(());
         }
         let session = self.clients[c].session;
-        let r = self.route(session, req.clone())?;
+        let Some(r) = self.route_or_lost(session, req.clone(), true)? else {
+            self.clients[c].lost = Some((req, planned));
+            return Ok(());
+        };
         self.stats.ops += 1;
         if self.rng.chance(40) {
             self.stats.dropped_replies += 1;
@@ -688,6 +795,7 @@ impl World {
                 self.servers[i].id
             ));
         }
+        self.flushes_done();
         self.stats.flushes += 1;
         self.trace(|| {
             format!(
@@ -769,7 +877,7 @@ impl World {
                     .write()
                     .unwrap_or_else(|p| p.into_inner())
                     .split([(lo, at)]);
-                self.owner.insert(at, at_server);
+                self.set_owner(at, at_server);
                 if let Some(&lender) = self.lent.get(&lo) {
                     self.lent.insert(at, lender);
                 }
@@ -803,6 +911,8 @@ impl World {
             // Nothing it appended from now on is written: the process is gone.
             old.journal().fail_stop("killed (simulated)".into());
         }
+        // Its slow reads never finish.
+        self.net.forget_jobs_of(dead);
         let epoch = self.servers[i].epoch + 1;
         let next = self.start(self.servers[i].id, epoch, &[])?;
         self.servers[i] = Server {
@@ -837,7 +947,7 @@ impl World {
             s.replay_window().open();
         }
         for (lo, _) in &tables {
-            self.owner.insert(*lo, to);
+            self.set_owner(*lo, to);
         }
         if paused {
             self.data_write_at_old(&old, &tables)?;

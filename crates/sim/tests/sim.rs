@@ -62,10 +62,9 @@ fn every_break_is_caught() {
     if std::env::var("SIM_BREAK").is_ok() || env_u64("SIM_SEED").is_some() {
         return;
     }
-    // Tables moving between servers: the cluster simulation's (`tests/cluster.rs`).
-    let single = Break::ALL
-        .into_iter()
-        .filter(|&b| b != Break::ReleaseBeforeDurable);
+    // Tables moving between servers and transactions: the cluster simulation's
+    // (`tests/cluster.rs`).
+    let single = Break::ALL.into_iter().filter(|&b| !b.needs_servers());
     for b in single {
         let caught = (0..100).find_map(|seed| {
             let mut cfg = SimConfig::new(seed);

@@ -71,6 +71,12 @@ struct Active {
     age: Age,
     attempt: u32,
     phase: Phase,
+    /// Servers that asked about this attempt: one that is no participant holds a part it
+    /// took over from a failed one, and acknowledges for it. A commit is resent to them
+    /// too: the owner's new incarnation knows nothing of that part (the cluster
+    /// simulation: a lost acknowledgement of a part taken over, its origin telling the
+    /// owner forever).
+    askers: BTreeSet<ServerId>,
 }
 
 /// The initiator side of one server's journal, for one incarnation.
@@ -152,6 +158,7 @@ impl Initiator {
                                     acked: BTreeSet::new(),
                                     sent_ms: None,
                                 },
+                                askers: BTreeSet::new(),
                             },
                         );
                     }
@@ -159,7 +166,7 @@ impl Initiator {
                 Record::Forgotten { txn } => {
                     init.active.remove(txn);
                 }
-                Record::Prepared { .. } | Record::Applied { .. } => {}
+                Record::Prepared { .. } | Record::Adopted { .. } | Record::Applied { .. } => {}
             }
         }
         Ok(init)
@@ -232,6 +239,7 @@ impl Initiator {
                 age,
                 attempt: 1,
                 phase: Phase::Backoff { until_ms: now_ms },
+                askers: BTreeSet::new(),
             };
             self.start(txn, a, now_ms, out);
             return;
@@ -273,6 +281,7 @@ impl Initiator {
             started_ms: now_ms,
             sent_ms: now_ms,
         };
+        a.askers.clear();
         self.by_request.insert((a.client, a.seq), txn);
         self.active.insert(txn, a);
         self.send_prepares(txn, out);
@@ -424,7 +433,9 @@ impl Initiator {
             return;
         };
         let watermark = self.watermark();
-        for to in a.participants.iter().filter(|s| !acked.contains(s)) {
+        let unacked = a.participants.iter().filter(|s| !acked.contains(s));
+        let askers = a.askers.iter().filter(|s| !a.participants.contains(s));
+        for to in unacked.chain(askers) {
             out.push(Effect::Send {
                 to: *to,
                 msg: Msg::Decision {
@@ -458,6 +469,9 @@ impl Initiator {
     fn on_inquiry(&mut self, from: ServerId, txn: TxnId, out: &mut Vec<Effect>) {
         if txn.origin != self.server {
             return;
+        }
+        if let Some(a) = self.active.get_mut(&txn) {
+            a.askers.insert(from);
         }
         let commit = match self.active.get(&txn).map(|a| &a.phase) {
             Some(Phase::Committed { .. }) => true,

@@ -210,6 +210,17 @@ pub enum Record {
     Applied { txn: TxnId, commit: bool },
     /// Initiator: every participant acknowledged the commit; nobody will ask again.
     Forgotten { txn: TxnId },
+    /// Participant: another server's prepared part, taken over from a failed journal with
+    /// the tables it locks (the host's `adopt_from`), in doubt here as a `Prepared` is;
+    /// `owner` is the server it speaks for (its acknowledgement goes out as that server's),
+    /// so that a part taken over twice still answers for the right one. Last, so that
+    /// records written before it existed still decode.
+    Adopted {
+        txn: TxnId,
+        age: Age,
+        part: Part,
+        owner: ServerId,
+    },
 }
 
 impl Record {
@@ -217,6 +228,7 @@ impl Record {
     pub fn txn(&self) -> TxnId {
         match self {
             Record::Prepared { txn, .. }
+            | Record::Adopted { txn, .. }
             | Record::Decided { txn, .. }
             | Record::Applied { txn, .. }
             | Record::Forgotten { txn } => *txn,

@@ -107,7 +107,7 @@ impl Participant {
         let mut replay = Vec::new();
         for r in records {
             match r {
-                Record::Prepared { txn, age, part } => {
+                Record::Prepared { txn, age, part } | Record::Adopted { txn, age, part, .. } => {
                     if !part_ok(part) {
                         return Err(TxnError::Foreign(Box::new(r.clone())));
                     }
@@ -160,15 +160,25 @@ impl Participant {
             return false;
         }
         if let Some(t) = self.txns.get_mut(&txn) {
-            if !matches!(t.state, State::Prepared { .. })
-                || t.part.locks.len() + part.locks.len() > crate::txn::KEYS_MAX * 2
-                || !self.locks.extend(txn, &part.locks)
-            {
-                return false;
+            if let State::Waiting { .. } = t.state {
+                // This side's own part waits for its locks, so it has not voted: it gives
+                // way (its origin's resent prepare is answered no, see `on_prepare`, and
+                // the attempt aborts), and the part in doubt is held here instead. Found
+                // by the cluster simulation: refused, the adopted half of a commit was
+                // lost.
+                self.locks.cancel(txn);
+                self.txns.remove(&txn);
+            } else {
+                if !matches!(t.state, State::Prepared { .. })
+                    || t.part.locks.len() + part.locks.len() > crate::txn::KEYS_MAX * 2
+                    || !self.locks.extend(txn, &part.locks)
+                {
+                    return false;
+                }
+                t.part.locks.extend(part.locks);
+                t.part.mutations.extend(part.mutations);
+                return true;
             }
-            t.part.locks.extend(part.locks);
-            t.part.mutations.extend(part.mutations);
-            return true;
         }
         match self.finished.get(&txn) {
             // Committed here: the adopted part still needs the commit, which the origin
@@ -258,8 +268,16 @@ impl Participant {
             return;
         }
         if let Some(t) = self.txns.get(&txn) {
-            if matches!(t.state, State::Prepared { .. }) {
-                vote(out, txn, None); // Our vote was lost.
+            let ours = part.locks.iter().all(|k| self.locks.holds_key(txn, k));
+            match t.state {
+                State::Prepared { .. } if ours => vote(out, txn, None), // Our vote was lost.
+                // Known here only by a part taken over from another server's journal
+                // (`adopt`): this side's own part was never locked, checked or journaled,
+                // so it cannot vote yes; the attempt dies and its origin retries with a
+                // new one (the part in doubt learns the abort by asking). The cluster
+                // simulation: a yes vote here once committed the adopted half alone.
+                State::Prepared { .. } => vote(out, txn, Some(NoVote::Died)),
+                _ => {}
             }
             return;
         }
@@ -822,5 +840,34 @@ mod tests {
             txn: t(9),
             no: Some(NoVote::Died)
         }));
+    }
+
+    /// Found by the cluster simulation: a part taken over from a failed server's journal
+    /// makes the attempt known here; this side's own prepare, arriving after it, must not
+    /// be taken for a duplicate (a yes vote for a part never locked, checked or
+    /// journaled, which then committed the adopted half alone). A duplicate of a part
+    /// that is prepared here is still answered yes.
+    #[test]
+    fn an_own_prepare_after_an_adopted_part_is_no_duplicate() {
+        let mut p = Participant::new(ServerId(1), TxnConfig::default());
+        assert!(p.adopt(t(2), age(2), part("theirs")));
+        let e = p.step(prepare(2, "ours", 1), 0);
+        assert_eq!(
+            sent(&e),
+            vec![Msg::Vote {
+                txn: t(2),
+                no: Some(NoVote::Died)
+            }],
+            "{e:?}"
+        );
+        assert!(
+            !e.iter().any(|x| matches!(x, Effect::Check { .. })),
+            "{e:?}"
+        );
+        // The adopted part stays in doubt (its origin's answer decides it).
+        assert!(p.locks().is_locked(&part("theirs").locks[0]));
+        // The adopted part's own duplicate is answered yes.
+        let e = p.step(prepare(2, "theirs", 1), 0);
+        assert_eq!(sent(&e), vec![yes(2)], "{e:?}");
     }
 }

@@ -565,7 +565,7 @@ impl World {
                     _ => {}
                 }
                 let why = match &r {
-                    Record::Prepared { .. } => "append prepared",
+                    Record::Prepared { .. } | Record::Adopted { .. } => "append prepared",
                     Record::Decided { .. } => "append decided",
                     Record::Applied { .. } => "append applied",
                     Record::Forgotten { .. } => "append forgotten",
@@ -704,7 +704,7 @@ impl World {
             .extend(records.iter().cloned());
         for r in records {
             let why = match &r {
-                Record::Prepared { .. } => "prepared durable",
+                Record::Prepared { .. } | Record::Adopted { .. } => "prepared durable",
                 Record::Decided { .. } => "decided durable",
                 Record::Applied { .. } => "applied durable",
                 Record::Forgotten { .. } => "forgotten durable",
