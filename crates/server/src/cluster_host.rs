@@ -1379,7 +1379,7 @@ impl Shared {
     /// txn (issue 33) hook: the member's transaction host (a served member's, or a
     /// simulated one's).
     pub fn txn_host(&self) -> Option<Arc<crate::txn_host::TxnHost>> {
-        self.cluster()?.txn_host()
+        self.cluster()?.txn_host()?.downcast().ok()
     }
 
     /// The cluster host of a member (the one [`Member`] there is).
@@ -1411,8 +1411,9 @@ impl Member for ClusterHost {
         ClusterHost::can_ack(self)
     }
 
-    fn txn_host(&self) -> Option<Arc<crate::txn_host::TxnHost>> {
-        ClusterHost::txn_host(self)
+    fn txn_host(&self) -> Option<Arc<dyn std::any::Any + Send + Sync>> {
+        let host: Arc<dyn std::any::Any + Send + Sync> = ClusterHost::txn_host(self)?;
+        Some(host)
     }
 
     fn coord_addrs(&self) -> Vec<String> {

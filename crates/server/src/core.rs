@@ -635,9 +635,10 @@ pub trait Member: std::any::Any + Send + Sync {
     fn can_ack(&self) -> bool;
     /// The coordinator replicas' addresses (for `kochab status`).
     fn coord_addrs(&self) -> Vec<String>;
-    /// txn (issue 33) hook: the member's transaction host, if multi-server operations may
-    /// run as transactions.
-    fn txn_host(&self) -> Option<std::sync::Arc<crate::txn_host::TxnHost>> {
+    /// txn (issue 33) hook: the member's transaction host (a `txn_host::TxnHost`), if
+    /// multi-server operations may run as transactions. Type-erased so that the core does
+    /// not name the host, which uses the core (`Shared::txn_host` gives it its type).
+    fn txn_host(&self) -> Option<std::sync::Arc<dyn std::any::Any + Send + Sync>> {
         None
     }
 }

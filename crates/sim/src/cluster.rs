@@ -228,8 +228,9 @@ impl Member for SimMember {
         Vec::new()
     }
 
-    fn txn_host(&self) -> Option<Arc<TxnHost>> {
-        self.txn.clone()
+    fn txn_host(&self) -> Option<Arc<dyn std::any::Any + Send + Sync>> {
+        let host: Arc<dyn std::any::Any + Send + Sync> = self.txn.clone()?;
+        Some(host)
     }
 }
 
