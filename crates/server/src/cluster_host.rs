@@ -438,20 +438,7 @@ impl ClusterHost {
             let map: Arc<dyn crate::txn_host::MemberMap> = self.clone();
             t.attach(map, shared);
         }
-        let mut durable = shared.journal().subscribe();
-        let host = Arc::downgrade(self);
-        tokio::spawn(async move {
-            loop {
-                let lsn = *durable.borrow_and_update();
-                match host.upgrade() {
-                    Some(h) => h.flush_ends(lsn),
-                    None => return,
-                }
-                if durable.changed().await.is_err() {
-                    return;
-                }
-            }
-        });
+        shared.on_each_durable(Arc::downgrade(self), ClusterHost::flush_ends);
     }
 
     fn now(&self) -> u64 {
@@ -1380,6 +1367,28 @@ impl Shared {
     /// simulated one's).
     pub fn txn_host(&self) -> Option<Arc<crate::txn_host::TxnHost>> {
         self.cluster()?.txn_host()?.downcast().ok()
+    }
+
+    /// Calls `f` on `target` with the journal's durable LSN now and at every change, in a
+    /// task that ends when `target` or the journal goes.
+    pub fn on_each_durable<T: Send + Sync + 'static>(
+        &self,
+        target: std::sync::Weak<T>,
+        f: fn(&T, u64),
+    ) {
+        let mut durable = self.journal().subscribe();
+        tokio::spawn(async move {
+            loop {
+                let lsn = *durable.borrow_and_update();
+                match target.upgrade() {
+                    Some(t) => f(&t, lsn),
+                    None => return,
+                }
+                if durable.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
     }
 
     /// The cluster host of a member (the one [`Member`] there is).

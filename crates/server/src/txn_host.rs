@@ -328,20 +328,7 @@ impl TxnHost {
         let links = link::Links::new(key, me, self.tls.clone());
         tokio::spawn(send_loop(Arc::downgrade(self), rx, links));
         tokio::spawn(tick_loop(Arc::downgrade(self)));
-        let mut durable = shared.journal().subscribe();
-        let this = Arc::downgrade(self);
-        tokio::spawn(async move {
-            loop {
-                let lsn = *durable.borrow_and_update();
-                match this.upgrade() {
-                    Some(h) => h.on_durable(lsn),
-                    None => return,
-                }
-                if durable.changed().await.is_err() {
-                    return;
-                }
-            }
-        });
+        shared.on_each_durable(Arc::downgrade(self), TxnHost::on_durable);
     }
 
     /// Starts the host once the server runs, with `io` carrying its messages: recovers
